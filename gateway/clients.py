@@ -1,0 +1,119 @@
+"""Async gRPC clients of the tokenizer service and the model worker, plus the facts fetched from them once.
+
+No request logic here: thin wrappers with deadlines that turn gRPC errors into ApiError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.errors import ApiError, from_rpc_error
+from protos import model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+
+log = logging.getLogger("gemma_serve.gateway")
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+@dataclasses.dataclass
+class ModelFacts:
+    """What the gateway needs to know about the served model (fetched when both backends are ready)."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    token_bytes: list[bytes]
+    special_ids: set[int]
+    bos_id: int
+    stop_ids: list[int]
+
+
+class Backends:
+    """Channels and stubs for both backends; `facts` is None until they are ready."""
+
+    def __init__(self, tokenizer_addr: str, worker_addr: str, served_model_name: str | None = None):
+        """Args: *_addr: host:port of each backend; served_model_name: overrides the model id in the API."""
+        self.tokenizer_addr, self.worker_addr = tokenizer_addr, worker_addr
+        self._tok_channel = grpc.aio.insecure_channel(tokenizer_addr, options=GRPC_OPTIONS)
+        self._worker_channel = grpc.aio.insecure_channel(worker_addr, options=GRPC_OPTIONS)
+        self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tok_channel)
+        self.worker = model_worker_pb2_grpc.ModelWorkerStub(self._worker_channel)
+        self._health = {
+            "tokenizer service": health_pb2_grpc.HealthStub(self._tok_channel),
+            "model worker": health_pb2_grpc.HealthStub(self._worker_channel),
+        }
+        self.served_model_name = served_model_name
+        self.facts: ModelFacts | None = None
+
+    async def health(self, timeout: float = 2.0) -> dict[str, str]:
+        """Each backend's status name ("SERVING", "NOT_SERVING" or "UNREACHABLE")."""
+
+        async def one(stub):
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError:
+                return "UNREACHABLE"
+
+        names = list(self._health)
+        statuses = await asyncio.gather(*(one(self._health[n]) for n in names))
+        return dict(zip(names, statuses))
+
+    async def wait_ready(self, poll: float = 0.5) -> None:
+        """Poll health until both backends serve, then fetch the model facts (runs as a background task)."""
+        while self.facts is None:
+            statuses = await self.health()
+            if all(s == "SERVING" for s in statuses.values()):
+                try:
+                    self.facts = await self._fetch_facts()
+                    log.info("backends ready: %s, max_model_len %d", self.facts.name, self.facts.max_model_len)
+                    return
+                except (grpc.aio.AioRpcError, ApiError) as err:
+                    log.warning("fetching model facts failed: %s", err)
+            await asyncio.sleep(poll)
+
+    async def _fetch_facts(self) -> ModelFacts:
+        info = await self.worker.Info(model_worker_pb2.WorkerInfoRequest(), timeout=10)
+        tinfo = await self.tokenizer.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=10)
+        vocab = await self.tokenizer.GetVocab(tokenizer_pb2.GetVocabRequest(), timeout=60)
+        if len(vocab.token_bytes) > info.vocab_size:
+            raise ApiError(500, f"tokenizer vocabulary ({len(vocab.token_bytes)}) exceeds the model's ({info.vocab_size})")
+        return ModelFacts(
+            name=self.served_model_name or info.model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            token_bytes=list(vocab.token_bytes) + [b""] * (info.vocab_size - len(vocab.token_bytes)),
+            special_ids=set(vocab.special_token_ids),
+            bos_id=tinfo.bos_token_id,
+            stop_ids=list(info.default_stop_token_ids),
+        )
+
+    def ready_facts(self) -> ModelFacts:
+        """The model facts.
+
+        Raises:
+          ApiError: 503 while the backends are not ready.
+        """
+        if self.facts is None:
+            raise ApiError(503, "the model is still loading; retry shortly", code="model_loading")
+        return self.facts
+
+    async def call(self, backend: str, coro):
+        """Await a unary RPC, translating gRPC errors.
+
+        Raises:
+          ApiError: the translated error.
+        """
+        try:
+            return await coro
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, backend) from None
+
+    async def close(self) -> None:
+        """Close both channels."""
+        await self._tok_channel.close()
+        await self._worker_channel.close()

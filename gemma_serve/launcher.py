@@ -1,0 +1,159 @@
+"""`gemma-serve up`: prepare the model once, start the three services, wait until healthy, stop them cleanly.
+
+The services run as child processes in their own process group (so Ctrl-C reaches only this launcher, which
+then stops them in order: gateway, worker, tokenizer) and die with the launcher (PR_SET_PDEATHSIG on Linux).
+Their logs go to this terminal, each line prefixed with the service name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gemma_serve.models import prepare
+
+log = logging.getLogger("gemma_serve.up")
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launcher dies (Linux only; elsewhere a no-op)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The command line of each service, in start order."""
+    base = [sys.executable, "-m", "gemma_serve.cli"]
+    common = ["--model", args.model, "--cache-dir", args.cache_dir, "--host", args.host, "--log-level", args.log_level]
+    engine = ["--max-model-len", str(args.max_model_len), "--num-slots", str(args.num_slots), "--dtype", args.dtype,
+              "--prefill-chunks", *map(str, args.prefill_chunks)]
+    gateway = ["--http-port", str(args.http_port), "--gateway-grpc-port", str(args.gateway_grpc_port),
+               "--tokenizer-addr", f"{args.host}:{args.tokenizer_port}", "--worker-addr", f"{args.host}:{args.worker_port}"]
+    if args.served_model_name:
+        gateway += ["--served-model-name", args.served_model_name]
+    return {
+        "tokenizer": base + ["tokenizer", *common, "--tokenizer-port", str(args.tokenizer_port)],
+        "worker": base + ["worker", *common, "--worker-port", str(args.worker_port), *engine],
+        "gateway": base + ["gateway", *common, *gateway],
+    }
+
+
+def _grpc_serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Launcher:
+    """Owns the three child processes."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.stopping = False
+
+    def start(self) -> None:
+        """Start every service."""
+        for name, cmd in service_commands(self.args).items():
+            self.procs[name] = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+            log.info("started %s (pid %d)", name, self.procs[name].pid)
+
+    def dead(self) -> list[str]:
+        """Services whose process has exited."""
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def health(self) -> dict[str, bool]:
+        """Whether each service answers healthy."""
+        a = self.args
+        return {
+            "tokenizer": _grpc_serving(f"{a.host}:{a.tokenizer_port}"),
+            "worker": _grpc_serving(f"{a.host}:{a.worker_port}"),
+            "gateway": _http_ok(f"http://{a.host}:{a.http_port}/health"),
+        }
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the services (gateway first), then SIGKILL any still running after `timeout` seconds."""
+        for name in ("gateway", "worker", "tokenizer"):
+            proc = self.procs.get(name)
+            if proc and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", name, timeout)
+                proc.kill()
+                proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `gemma-serve up`. Returns 0 after a clean stop, 1 if a service failed."""
+    t0 = time.perf_counter()
+    log.info("preparing model %r (first start only: assemble, convert, build tokenizer)", args.model)
+    prepared = prepare(args.model, pathlib.Path(args.cache_dir))
+    log.info("model files ready in %s (%.1f s)", prepared.dir, time.perf_counter() - t0)
+    launcher = Launcher(args)
+
+    def on_signal(signum, frame):
+        launcher.stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    launcher.start()
+    code = _supervise(launcher, args, t0)
+    log.info("stopping services")
+    launcher.stop()
+    log.info("stopped")
+    return code
+
+
+def _supervise(launcher: Launcher, args: argparse.Namespace, t0: float) -> int:
+    ready, last = False, {}
+    deadline = time.monotonic() + args.ready_timeout
+    while not launcher.stopping:
+        dead = launcher.dead()
+        if dead:
+            log.error("%s exited unexpectedly (code %s)", ", ".join(dead), launcher.procs[dead[0]].returncode)
+            return 1
+        if not ready:
+            status = launcher.health()
+            if status != last:
+                log.info("health: %s", ", ".join(f"{k} {'ok' if v else 'starting'}" for k, v in status.items()))
+                last = status
+            if all(status.values()):
+                ready = True
+                url = f"http://{args.host}:{args.http_port}"
+                log.info("ready in %.1f s: OpenAI API at %s/v1 (gRPC Generate at %s:%d). Ctrl-C stops.",
+                         time.perf_counter() - t0, url, args.host, args.gateway_grpc_port)
+                print(f"gemma-serve is ready: {url}/v1", flush=True)
+            elif time.monotonic() > deadline:
+                log.error("services not healthy after %.0f s", args.ready_timeout)
+                return 1
+        time.sleep(0.5)
+    return 0

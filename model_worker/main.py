@@ -1,0 +1,127 @@
+"""Model worker process: flags -> prepared model -> gRPC server (NOT_SERVING) -> load + compile -> SERVING."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import pathlib
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos import model_worker_pb2, model_worker_pb2_grpc
+
+log = logging.getLogger("gemma_serve.worker")
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+def load_engine(prepared, args: argparse.Namespace):
+    """Load the prepared weights onto the device and compile the program grid.
+
+    Returns:
+      (engine, WorkerInfoResponse).
+    Raises:
+      ValueError: bad sizes (see Engine) or weights that do not match the config.
+    """
+    import jax
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from model_worker.config import config_from_dict
+    from model_worker.engine import Engine, EngineConfig, enable_compilation_cache
+    from model_worker.params import to_device
+
+    backend = jax.default_backend()
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
+    enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))
+    cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
+    t0 = time.perf_counter()
+    log.info("loading %s weights (%s) onto %s", cfg.name, dtype, backend)
+    params = to_device(cfg, load_file(str(prepared.dir / "model.safetensors")), jnp.dtype(dtype))
+    log.info("weights loaded in %.1f s", time.perf_counter() - t0)
+    ecfg = EngineConfig(
+        num_slots=args.num_slots,
+        max_model_len=args.max_model_len,
+        prefill_chunks=tuple(sorted(args.prefill_chunks)),
+        dtype=dtype,
+    )
+    engine = Engine(cfg, params, ecfg)
+    grid = engine.grid()
+    log.info("compiling %d programs (KV buckets %s, prefill chunks %s)", len(grid), engine.kv_buckets, ecfg.prefill_chunks)
+    seconds = engine.compile_all(lambda n, total, key: log.info("compiled %d/%d %s", n, total, key))
+    log.info("compiled %d programs in %.1f s", engine.num_programs, seconds)
+    per_token, per_seq = engine.kv_bytes()
+    info = model_worker_pb2.WorkerInfoResponse(
+        model_name=prepared.name,
+        architecture=cfg.architecture,
+        vocab_size=cfg.vocab_size,
+        max_model_len=ecfg.max_model_len,
+        num_slots=ecfg.num_slots,
+        dtype=dtype,
+        weight_bytes=engine.weight_bytes(),
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_sequence=per_seq,
+        default_stop_token_ids=list(cfg.stop_token_ids),
+        num_compiled_programs=engine.num_programs,
+        backend=backend,
+    )
+    return engine, info
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the worker until SIGTERM/SIGINT. Returns the process exit code."""
+    from gemma_serve.models import prepare
+    from model_worker.loop import EngineLoop
+    from model_worker.service import SERVICE_NAME, WorkerServicer
+
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer = WorkerServicer(model_worker_pb2.WorkerInfoResponse())
+    model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{args.host}:{args.worker_port}"
+    server.add_insecure_port(address)
+    await server.start()
+    log.info("model worker listening on %s (NOT_SERVING until compiled)", address)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    loader = asyncio.ensure_future(
+        asyncio.to_thread(lambda: load_engine(prepare(args.model, pathlib.Path(args.cache_dir)), args))
+    )
+    await asyncio.wait([loader, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("stopping before the engine was ready")
+        await server.stop(1)
+        return 0
+    try:
+        engine, info = loader.result()
+    except Exception:  # noqa: BLE001 - report and exit non-zero
+        log.exception("failed to load the model")
+        await server.stop(0)
+        return 1
+    loop = EngineLoop(engine)
+    loop.start()
+    servicer.set_ready(loop, info)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("model worker SERVING %s on %s", info.model_name, address)
+    await stop.wait()
+    log.info("shutting down")
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(2)
+    loop.stop()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `gemma-serve worker`."""
+    return asyncio.run(serve(args))

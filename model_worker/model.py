@@ -1,0 +1,243 @@
+"""The Gemma text decoder as one pure function: `forward(params, tokens, positions, cache, slots, cfg, ...)`.
+
+A call processes a chunk of C tokens for each of B cache rows (prefill: B=1, C=chunk; decode: B=slots, C=1) and
+returns the logits and the updated cache. Padding is marked by position -1: padded tokens write nothing to the
+cache and their outputs are ignored. Valid tokens come first in every row, with consecutive positions.
+
+Math (Gemma 3: transformers `models/gemma3/modeling_gemma3.py`; Gemma 4: ../shared/docs/gemma4-architecture.md):
+  x = embed[tokens] * sqrt(H)
+  per layer: x = x + post_attn_norm(attn(input_norm(x)));  x = x + post_ffw_norm(mlp(pre_ffw_norm(x)))
+  attn: q = rope(q_norm(x Wq)), k = rope(k_norm(x Wk)), v = x Wv; softmax(q kᵀ · scale + mask) v Wo
+  mlp: (gelu_tanh(x Wgate) * x Wup) Wdown
+  logits = final_norm(x) @ embedᵀ  (optionally soft-capped)
+RoPE uses the half-split ("rotate_half", NeoX) pairing: dim j pairs with j + D/2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from model_worker.config import LayerSpec, ModelConfig
+from model_worker.kv_cache import KVCache
+from model_worker.params import LayerParams, Params
+
+# Finite "minus infinity": a fully masked row (a padded query) then gives a uniform softmax instead of NaN.
+MASK_VALUE = -1e30
+
+
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, `x / sqrt(mean(x²) + eps) * w`, computed in float32, returned in x.dtype.
+
+    `w` is the effective multiplier (see params.py); None means no weight (Gemma 4 v_norm).
+    """
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if w is not None:
+        y = y * w.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, spec: LayerSpec) -> jax.Array:
+    """Rotary position embedding, half-split pairing.
+
+    Args:
+      x: [B, C, heads, D].
+      positions: [B, C] int32 logical positions.
+      spec: the layer; `rope_fraction` < 1 rotates only the first `fraction*D/2` pairs (Gemma 4 "proportional"
+        RoPE: inv_freq[i] = theta^(-2i/D) for those pairs, 0 for the rest, so they pass through).
+    Returns:
+      [B, C, heads, D] in x.dtype.
+    """
+    D = x.shape[-1]
+    half = D // 2
+    rotated = int(spec.rope_fraction * D) // 2
+    i = jnp.arange(half, dtype=jnp.float32)
+    inv_freq = jnp.where(i < rotated, spec.rope_theta ** (-2.0 * i / D), 0.0) / spec.rope_scale
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, C, D/2]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def ring_positions(start: jax.Array, window: int) -> jax.Array:
+    """Logical position held at each ring index once positions [0, start) have been written.
+
+    Index i holds the latest position p < start with p % window == i, or a negative number if none.
+
+    Args:
+      start: [B] int32, the number of positions already written (the chunk's first position).
+    Returns:
+      [B, window] int32.
+    """
+    last = start[:, None] - 1
+    i = jnp.arange(window, dtype=jnp.int32)[None, :]
+    return last - jnp.mod(last - i, window)
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, window: int | None, scale: float
+) -> jax.Array:
+    """Grouped-query attention of C queries over T keys with a causal (optionally sliding) mask.
+
+    Args:
+      q: [B, C, N, D]; k, v: [B, T, K, D] with N a multiple of K.
+      q_pos: [B, C] query positions (-1 = padding); k_pos: [B, T] key positions (negative = empty).
+      window: sliding window W (key visible iff q - W < k <= q) or None for plain causal.
+      scale: multiplier of q·k.
+    Returns:
+      [B, C, N*D] in q.dtype.
+    """
+    B, C, N, D = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, C, K, N // K, D)
+    scores = jnp.einsum("bckgd,btkd->bkgct", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if window is not None:
+        visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
+    scores = jnp.where(visible[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgct,btkd->bckgd", probs, v)
+    return out.reshape(B, C, N * D)
+
+
+def _rows(x: jax.Array, slots: jax.Array | None) -> jax.Array:
+    """The cache rows of this batch: all rows in order (slots None) or a gather of `slots`."""
+    return x if slots is None else jnp.take(x, slots, axis=0)
+
+
+def _write_full(cache: jax.Array, new: jax.Array, positions: jax.Array, slots: jax.Array | None) -> jax.Array:
+    """Scatter new K or V ([B, C, K, D]) into a full-length cache at (slot, position); padding is dropped."""
+    B = new.shape[0]
+    rows = jnp.arange(B) if slots is None else slots
+    where = jnp.where(positions >= 0, positions, cache.shape[1])  # out of range -> dropped
+    return cache.at[rows[:, None], where].set(new, mode="drop")
+
+
+def _update_ring(ring: jax.Array, new: jax.Array, start: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """New ring contents after appending the chunk's valid tokens.
+
+    Args:
+      ring: [B, W, K, D] current contents (positions < start).
+      new: [B, C, K, D] the chunk's K or V (valid tokens first).
+      start: [B] position of the chunk's first token; n_valid: [B] number of valid tokens.
+    Returns:
+      [B, W, K, D]: index i takes the chunk token at the latest position p with p % W == i, if that token is in
+      the chunk, else keeps its old value. A gather, so any chunk length C (even > W) is fine.
+    """
+    W = ring.shape[1]
+    held = ring_positions(start + n_valid, W)  # [B, W] positions held after the append
+    from_chunk = held >= start[:, None]
+    idx = jnp.clip(held - start[:, None], 0, new.shape[1] - 1)
+    gathered = jnp.take_along_axis(new, idx[:, :, None, None], axis=1)
+    return jnp.where(from_chunk[:, :, None, None], gathered, ring)
+
+
+def _attention_block(
+    lp: LayerParams,
+    spec: LayerSpec,
+    i: int,
+    x: jax.Array,
+    positions: jax.Array,
+    start: jax.Array,
+    n_valid: jax.Array,
+    cache: KVCache,
+    shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]],
+    slots: jax.Array | None,
+    kv_len: int,
+    cfg: ModelConfig,
+) -> jax.Array:
+    """Self-attention of one layer; updates `cache` and `shared` in place (they are local to the trace)."""
+    B, C, _ = x.shape
+    D, K = spec.head_dim, spec.num_kv_heads
+    eps = cfg.rms_norm_eps
+    q = (x @ lp.q).reshape(B, C, cfg.num_heads, D)
+    q = rope(rms_norm(q, lp.q_norm, eps), positions, spec)
+    window = cfg.sliding_window if spec.attention == "sliding" else None
+    if spec.kv_source == i:
+        k = rope(rms_norm((x @ lp.k).reshape(B, C, K, D), lp.k_norm, eps), positions, spec)
+        v = (x @ lp.v).reshape(B, C, K, D)
+        if cfg.v_norm:
+            v = rms_norm(v, None, eps)
+        if spec.attention == "full":
+            cache.k[i] = _write_full(cache.k[i], k, positions, slots)
+            cache.v[i] = _write_full(cache.v[i], v, positions, slots)
+            keys = _rows(cache.k[i][:, :kv_len], slots)
+            vals = _rows(cache.v[i][:, :kv_len], slots)
+            k_pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
+        else:
+            ring_k, ring_v = _rows(cache.k[i], slots), _rows(cache.v[i], slots)
+            keys = jnp.concatenate([ring_k, k], axis=1)
+            vals = jnp.concatenate([ring_v, v], axis=1)
+            k_pos = jnp.concatenate([ring_positions(start, cfg.sliding_window), positions], axis=1)
+            new_k = _update_ring(ring_k, k, start, n_valid)
+            new_v = _update_ring(ring_v, v, start, n_valid)
+            rows = jnp.arange(B) if slots is None else slots
+            cache.k[i] = new_k if slots is None else cache.k[i].at[rows].set(new_k)
+            cache.v[i] = new_v if slots is None else cache.v[i].at[rows].set(new_v)
+        shared[i] = (keys, vals, k_pos)
+    else:
+        keys, vals, k_pos = shared[spec.kv_source]
+    out = attend(q, keys, vals, positions, k_pos, window, cfg.attn_scale)
+    return out @ lp.o
+
+
+def _mlp(lp: LayerParams, x: jax.Array) -> jax.Array:
+    """Gated MLP: (gelu_tanh(x Wgate) * x Wup) Wdown."""
+    return (jax.nn.gelu(x @ lp.gate, approximate=True) * (x @ lp.up)) @ lp.down
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    slots: jax.Array | None,
+    cfg: ModelConfig,
+    kv_len: int,
+    logit_rows: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Run the decoder over a chunk of tokens for a batch of cache rows.
+
+    Args:
+      params: weights.
+      tokens: [B, C] int32 token ids (padding ids are ignored).
+      positions: [B, C] int32 logical positions; valid tokens first with consecutive positions, padding = -1.
+        A full-attention layer must have kv_len > every valid position.
+      cache: the KV cache (S rows); donated by callers.
+      slots: [B] int32 cache rows of the batch rows (distinct), or None for "rows 0..B-1 are slots 0..B-1".
+      cfg: static model config.
+      kv_len: static; full-attention layers read cache positions [0, kv_len).
+      logit_rows: [B] int32 index of the chunk position whose logits to return per row, or None for all.
+    Returns:
+      logits: [B, V] float32 (or [B, C, V] when logit_rows is None); the updated cache.
+    """
+    dtype = params.embed.dtype
+    eps = cfg.rms_norm_eps
+    n_valid = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
+    start = jnp.where(n_valid > 0, positions[:, 0], 0)
+    x = jnp.take(params.embed, tokens, axis=0) * jnp.asarray(cfg.embed_scale, dtype)
+    cache = KVCache(k=list(cache.k), v=list(cache.v))
+    shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+    for i, (lp, spec) in enumerate(zip(params.layers, cfg.layers)):
+        a = _attention_block(
+            lp, spec, i, rms_norm(x, lp.input_norm, eps), positions, start, n_valid, cache, shared, slots, kv_len, cfg
+        )
+        x = x + rms_norm(a, lp.post_attn_norm, eps)
+        x = x + rms_norm(_mlp(lp, rms_norm(x, lp.pre_ffw_norm, eps)), lp.post_ffw_norm, eps)
+    if logit_rows is not None:
+        x = jnp.take_along_axis(x, logit_rows[:, None, None], axis=1)[:, 0]
+    x = rms_norm(x, params.final_norm, eps)
+    logits = jnp.einsum("...h,vh->...v", x, params.embed, preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_len"), donate_argnames=("cache",))
+def forward_jit(params, tokens, positions, cache, slots, cfg, kv_len, logit_rows=None):
+    """`forward` under `jax.jit` with the cache donated (for tests and tools; the engine compiles its own grid)."""
+    return forward(params, tokens, positions, cache, slots, cfg, kv_len, logit_rows)

@@ -1,0 +1,139 @@
+"""Weights as pytrees, and the one table that declares every weight's shape.
+
+`param_shapes(cfg)` is the single declaration of the model's tensors (name -> shape). The loader checks a
+checkpoint against it, tests initialise random weights from it, and `Params.from_flat` builds the pytree the
+forward pass reads. Linear weights are stored as `[in, out]` so a projection is `x @ w` (Hugging Face stores
+`[out, in]`; loaders transpose once at load time). Norm weights are the effective multipliers: RMSNorm computes
+`x_normed * w` for every architecture (Gemma 3 checkpoints store `w - 1`; loaders add the 1 back; GGUF files
+already store `w + 1`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model_worker.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerParams:
+    """One decoder layer's weights (H = hidden, D = head dim, N = heads, K = KV heads, F = MLP width).
+
+    Attributes:
+      input_norm: [H] pre-attention RMSNorm.
+      q: [H, N*D] query projection.
+      k: [H, K*D] key projection; None on a KV-shared layer.
+      v: [H, K*D] value projection; None on a KV-shared layer.
+      o: [N*D, H] output projection.
+      q_norm: [D] per-head RMSNorm of q.
+      k_norm: [D] per-head RMSNorm of k; None on a KV-shared layer.
+      post_attn_norm: [H] RMSNorm of the attention output (before the residual add).
+      pre_ffw_norm: [H] RMSNorm before the MLP.
+      gate: [H, F] MLP gate projection.
+      up: [H, F] MLP up projection.
+      down: [F, H] MLP down projection.
+      post_ffw_norm: [H] RMSNorm of the MLP output (before the residual add).
+    """
+
+    input_norm: jax.Array
+    q: jax.Array
+    k: jax.Array | None
+    v: jax.Array | None
+    o: jax.Array
+    q_norm: jax.Array
+    k_norm: jax.Array | None
+    post_attn_norm: jax.Array
+    pre_ffw_norm: jax.Array
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    post_ffw_norm: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Params:
+    """All weights of a decoder.
+
+    Attributes:
+      embed: [V, H] token embedding, also the tied LM head (logits = h @ embed.T).
+      final_norm: [H] RMSNorm after the last layer.
+      layers: one `LayerParams` per layer.
+    """
+
+    embed: jax.Array
+    final_norm: jax.Array
+    layers: list[LayerParams]
+
+    @staticmethod
+    def from_flat(cfg: ModelConfig, flat: dict[str, jax.Array]) -> Params:
+        """Build the pytree from a flat `{name: array}` dict keyed as in `param_shapes` (missing optional = None)."""
+        layers = []
+        for i in range(cfg.num_layers):
+            fields = {f.name: flat.get(f"layers.{i}.{f.name}") for f in dataclasses.fields(LayerParams)}
+            layers.append(LayerParams(**fields))
+        return Params(embed=flat["embed"], final_norm=flat["final_norm"], layers=layers)
+
+    def nbytes(self) -> int:
+        """Bytes held by the weight arrays."""
+        return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(self)))
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model as `{name: shape}`, in the `[in, out]` orientation used by the forward pass."""
+    H, N = cfg.hidden_size, cfg.num_heads
+    shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, H), "final_norm": (H,)}
+    for i, spec in enumerate(cfg.layers):
+        D, K, F = spec.head_dim, spec.num_kv_heads, spec.mlp_dim
+        p = f"layers.{i}."
+        shapes |= {p + "input_norm": (H,), p + "q": (H, N * D), p + "o": (N * D, H), p + "q_norm": (D,)}
+        if spec.kv_source == i:
+            shapes |= {p + "k": (H, K * D), p + "v": (H, K * D), p + "k_norm": (D,)}
+        shapes |= {p + "post_attn_norm": (H,), p + "pre_ffw_norm": (H,), p + "post_ffw_norm": (H,)}
+        shapes |= {p + "gate": (H, F), p + "up": (H, F), p + "down": (F, H)}
+    return shapes
+
+
+def check_flat(cfg: ModelConfig, flat: dict[str, np.ndarray]) -> None:
+    """Check a flat weight dict against `param_shapes`.
+
+    Raises:
+      ValueError: one message naming every missing, misshapen or unexpected tensor and the expected shape.
+    """
+    expected = param_shapes(cfg)
+    problems = []
+    for name, shape in expected.items():
+        if name not in flat:
+            problems.append(f"missing {name} (expected shape {list(shape)})")
+        elif tuple(flat[name].shape) != shape:
+            problems.append(f"{name} has shape {list(flat[name].shape)}, expected {list(shape)}")
+    problems += [f"unexpected tensor {name}" for name in flat if name not in expected]
+    if problems:
+        raise ValueError(f"{cfg.name}: {len(problems)} weight problem(s):\n  " + "\n  ".join(problems))
+
+
+def random_flat(cfg: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict[str, np.ndarray]:
+    """Random float32 weights for tests: matrices ~ N(0, scale²), norm weights ~ 1 + N(0, 0.1²)."""
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, shape in param_shapes(cfg).items():
+        if len(shape) == 1:
+            flat[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            flat[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    return flat
+
+
+def to_device(cfg: ModelConfig, flat: dict[str, np.ndarray], dtype: jnp.dtype) -> Params:
+    """Check `flat` against the declared shapes, cast to `dtype` and place it on the default device.
+
+    Raises:
+      ValueError: see `check_flat`.
+    """
+    check_flat(cfg, flat)
+    return Params.from_flat(cfg, {k: jnp.asarray(v, dtype=dtype) for k, v in flat.items()})

@@ -1,0 +1,246 @@
+"""The worker's gRPC servicer: proto <-> Sequence, one asyncio queue per live request. No model logic here.
+
+Events flow engine thread -> `Sequence.sink` -> `loop.call_soon_threadsafe` -> the request's asyncio.Queue ->
+the Prefill reply (first token) or the Decode stream (the rest). A request whose Decode stream does not attach
+within `attach_timeout` seconds after Prefill, or whose stream is cancelled, is aborted, so no slot leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import random
+
+import grpc
+
+from model_worker.loop import EngineLoop
+from model_worker.sampling import MAX_TOP_K
+from model_worker.scheduler import Finish, SamplingSpec, Sequence, TokenEvent
+from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "gemma_serve.v1.ModelWorker"
+
+
+class RequestError(Exception):
+    """A request the worker refuses: carries the gRPC status code and a message for the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclasses.dataclass
+class _Live:
+    """Servicer-side state of one live request."""
+
+    queue: asyncio.Queue
+    prompt_tokens: int
+    generated: int = 0
+    attached: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
+def sampling_from_pb(sp: common_pb2.SamplingParams) -> SamplingSpec:
+    """Validate and convert SamplingParams.
+
+    Raises:
+      RequestError: INVALID_ARGUMENT for out-of-range values; UNIMPLEMENTED for features not served yet.
+    """
+    if not math.isfinite(sp.temperature) or sp.temperature < 0:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"temperature must be >= 0, got {sp.temperature}")
+    if not 0 <= sp.top_k <= MAX_TOP_K:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_k must be in [0, {MAX_TOP_K}], got {sp.top_k}")
+    if not 0 <= sp.top_p <= 1:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_p must be in (0, 1], got {sp.top_p}")
+    if not 0 <= sp.min_p < 1:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"min_p must be in [0, 1), got {sp.min_p}")
+    unsupported = [
+        name
+        for name, on in [
+            ("presence_penalty", sp.presence_penalty != 0),
+            ("frequency_penalty", sp.frequency_penalty != 0),
+            ("repetition_penalty", sp.repetition_penalty not in (0, 1)),
+            ("logit_bias", bool(sp.logit_bias)),
+            ("top_logprobs", sp.top_logprobs > 0),
+        ]
+        if on
+    ]
+    if unsupported:
+        raise RequestError(grpc.StatusCode.UNIMPLEMENTED, f"not supported yet: {', '.join(unsupported)}")
+    seed = sp.seed if sp.HasField("seed") else random.getrandbits(64)
+    top_p = sp.top_p if sp.top_p > 0 else 1.0
+    return SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=top_p, min_p=sp.min_p, seed=seed)
+
+
+def token_pb(token: int, logprob: float) -> common_pb2.GeneratedToken:
+    """One generated token as a proto."""
+    return common_pb2.GeneratedToken(token_id=token, logprob=logprob)
+
+
+class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
+    """ModelWorker RPCs over an EngineLoop (None until the engine is ready)."""
+
+    def __init__(self, info: model_worker_pb2.WorkerInfoResponse, attach_timeout: float = 30.0):
+        """Args: info: the Info reply (updated when ready); attach_timeout: seconds a prefilled request may wait
+        for its Decode stream before it is aborted."""
+        self.info = info
+        self.loop: EngineLoop | None = None
+        self.attach_timeout = attach_timeout
+        self._live: dict[str, _Live] = {}
+
+    def set_ready(self, loop: EngineLoop, info: model_worker_pb2.WorkerInfoResponse) -> None:
+        """Start accepting requests (called once the engine is compiled)."""
+        self.info, self.loop = info, loop
+
+    # ----- RPCs -----------------------------------------------------------------------------------------------
+    async def Info(self, request, context):
+        return self.info
+
+    async def Prefill(self, request: model_worker_pb2.PrefillRequest, context):
+        try:
+            seq = self._sequence_from_pb(request)
+        except RequestError as err:
+            await context.abort(err.code, err.message)
+        live = _Live(queue=asyncio.Queue(), prompt_tokens=len(seq.prompt))
+        aio_loop = asyncio.get_running_loop()
+        seq.sink = lambda ev: aio_loop.call_soon_threadsafe(live.queue.put_nowait, ev)
+        self._live[seq.request_id] = live
+        self.loop.submit(seq)
+        try:
+            ev: TokenEvent = await live.queue.get()
+        except asyncio.CancelledError:
+            self._drop(seq.request_id, abort=True)
+            raise
+        if ev.error:
+            self._drop(seq.request_id, abort=False)
+            await context.abort(grpc.StatusCode.INTERNAL, ev.error)
+        live.generated = len(ev.token_ids)
+        if ev.finish != Finish.NONE:
+            self._drop(seq.request_id, abort=False)
+        else:
+            live.timer = aio_loop.call_later(self.attach_timeout, self._attach_expired, seq.request_id)
+        return model_worker_pb2.PrefillResponse(
+            request_id=seq.request_id,
+            first_token=token_pb(ev.token_ids[0], ev.logprobs[0]) if ev.token_ids else None,
+            finish_reason=int(ev.finish),
+            usage=common_pb2.Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.generated),
+        )
+
+    async def Decode(self, request_iterator, context):
+        first = await _next_message(request_iterator)
+        rid = first.request_id if first else ""
+        live = self._live.get(rid)
+        if live is None or live.attached:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request {rid!r} awaiting Decode")
+        live.attached = True
+        if live.timer:
+            live.timer.cancel()
+        if first.WhichOneof("constraint"):
+            self._drop(rid, abort=True)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "token masks and forced tokens are not supported yet")
+        reader = asyncio.ensure_future(self._read_client(request_iterator, rid, live))
+        finished = False
+        try:
+            while not finished:
+                events = [await live.queue.get()]
+                while not live.queue.empty():
+                    events.append(live.queue.get_nowait())
+                reply, finished, error = self._decode_reply(live, events)
+                if error:
+                    await context.abort(grpc.StatusCode.INTERNAL, error)
+                yield reply
+        finally:
+            reader.cancel()
+            self._drop(rid, abort=not finished)
+
+    async def Abort(self, request, context):
+        found = request.request_id in self._live
+        self._drop(request.request_id, abort=True)
+        return model_worker_pb2.AbortResponse(found=found)
+
+    # ----- helpers --------------------------------------------------------------------------------------------
+    def _sequence_from_pb(self, request: model_worker_pb2.PrefillRequest) -> Sequence:
+        if self.loop is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model worker is still loading")
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        info = self.info
+        if not rid:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if rid in self._live:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already live")
+        if not prompt:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < info.vocab_size]
+        if bad:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"token id {bad[0]} is out of range [0, {info.vocab_size})"
+            )
+        max_tokens = request.stopping.max_tokens
+        if max_tokens < 1:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be >= 1, got {max_tokens}")
+        if len(prompt) + max_tokens > info.max_model_len:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {len(prompt) + max_tokens} exceeds "
+                f"max_model_len {info.max_model_len}",
+            )
+        if request.HasField("initial_mask"):
+            raise RequestError(grpc.StatusCode.UNIMPLEMENTED, "token masks are not supported yet")
+        stop = set(request.stopping.stop_token_ids)
+        if not request.stopping.ignore_eos:
+            stop |= set(info.default_stop_token_ids)
+        return Sequence(
+            request_id=rid,
+            prompt=prompt,
+            sampling=sampling_from_pb(request.sampling),
+            max_tokens=max_tokens,
+            stop_ids=frozenset(stop),
+            sink=lambda ev: None,
+        )
+
+    def _decode_reply(self, live: _Live, events: list[TokenEvent]):
+        tokens, finish, error = [], Finish.NONE, None
+        for ev in events:
+            tokens += [token_pb(t, lp) for t, lp in zip(ev.token_ids, ev.logprobs)]
+            finish = ev.finish if ev.finish != Finish.NONE else finish
+            error = ev.error or error
+        live.generated += len(tokens)
+        reply = model_worker_pb2.DecodeResponse(tokens=tokens, finish_reason=int(finish))
+        if finish != Finish.NONE:
+            reply.usage.CopyFrom(
+                common_pb2.Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.generated)
+            )
+        return reply, finish != Finish.NONE, error
+
+    async def _read_client(self, request_iterator, rid: str, live: _Live) -> None:
+        """Consume later client messages; constraints are not served yet, so one aborts the request."""
+        async for msg in request_iterator:
+            if msg.WhichOneof("constraint"):
+                self.loop.abort(rid)
+                live.queue.put_nowait(
+                    TokenEvent([], [], Finish.ABORT, error="token masks and forced tokens are not supported yet")
+                )
+                return
+
+    def _attach_expired(self, rid: str) -> None:
+        live = self._live.get(rid)
+        if live is not None and not live.attached:
+            log.warning("request %s: no Decode stream within %.0f s; aborting", rid, self.attach_timeout)
+            self._drop(rid, abort=True)
+
+    def _drop(self, rid: str, abort: bool) -> None:
+        live = self._live.pop(rid, None)
+        if live is not None and live.timer:
+            live.timer.cancel()
+        if live is not None and abort and self.loop is not None:
+            self.loop.abort(rid)
+
+
+async def _next_message(request_iterator):
+    """The first client message of a stream, or None if the client closed it at once."""
+    async for msg in request_iterator:
+        return msg
+    return None

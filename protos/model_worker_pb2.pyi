@@ -1,0 +1,106 @@
+from protos import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfoResponse(_message.Message):
+    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "num_slots", "dtype", "weight_bytes", "kv_bytes_per_token", "kv_bytes_per_sequence", "default_stop_token_ids", "num_compiled_programs", "backend")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPILED_PROGRAMS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_slots: int
+    dtype: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_sequence: int
+    default_stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_compiled_programs: int
+    backend: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_bytes_per_sequence: _Optional[int] = ..., default_stop_token_ids: _Optional[_Iterable[int]] = ..., num_compiled_programs: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_MASK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    stopping: _common_pb2.StoppingParams
+    initial_mask: _common_pb2.TokenMask
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingParams, _Mapping]] = ..., initial_mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "first_token", "finish_reason", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token: _common_pb2.GeneratedToken
+    finish_reason: _common_pb2.FinishReason
+    usage: _common_pb2.Usage
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "step", "mask", "forced")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    step: int
+    mask: _common_pb2.TokenMask
+    forced: ForcedTokens
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., forced: _Optional[_Union[ForcedTokens, _Mapping]] = ...) -> None: ...
+
+class ForcedTokens(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("tokens", "finish_reason", "usage")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.GeneratedToken]
+    finish_reason: _common_pb2.FinishReason
+    usage: _common_pb2.Usage
+    def __init__(self, tokens: _Optional[_Iterable[_Union[_common_pb2.GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
