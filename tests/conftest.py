@@ -1,0 +1,76 @@
+"""Shared fixtures: the embedded model prepared once per session in a repo-local cache, and references.
+
+The cache lives in `<repo>/.cache/test` (or $GEMMA_SERVE_TEST_CACHE): prepared weights, the tokenizer and JAX's
+persistent compilation cache survive between runs on the same clone; a fresh clone (CI) builds them once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CACHE = pathlib.Path(os.environ.get("GEMMA_SERVE_TEST_CACHE", REPO / ".cache" / "test"))
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> pathlib.Path:
+    """The test cache directory (created)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    from model_worker.engine import enable_compilation_cache
+
+    enable_compilation_cache(str(CACHE / "jax"))
+    return CACHE
+
+
+@pytest.fixture(scope="session")
+def gguf_path(cache_dir) -> pathlib.Path:
+    """The embedded Gemma 3 270M GGUF, assembled once."""
+    from gemma_serve.models import embedded_gguf
+
+    return embedded_gguf(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def prepared(cache_dir, gguf_path):
+    """The embedded model prepared (float32 safetensors, config, tokenizer)."""
+    from gemma_serve.models import prepare
+
+    return prepare("embedded", cache_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma3(prepared):
+    """(ModelConfig, Params) of the embedded model, float32 on the default device."""
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from model_worker.config import config_from_dict
+    from model_worker.params import to_device
+
+    cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
+    params = to_device(cfg, load_file(str(prepared.dir / "model.safetensors")), jnp.float32)
+    return cfg, params
+
+
+@pytest.fixture(scope="session")
+def text_tokenizer(prepared):
+    """The rebuilt tokenizer of the embedded model (tokenizer_svc.TextTokenizer)."""
+    from tokenizer_svc.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_prepared(prepared.dir)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gguf_path):
+    """transformers' Gemma3ForCausalLM loaded from the same GGUF (torch, CPU, float32, eager attention; ~40 s)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
+    )
+    model.eval()
+    return model

@@ -1,0 +1,79 @@
+"""Start the real stack (`gemma-serve up`: three processes) once per test session on free ports."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+MAX_MODEL_LEN = 1024  # keep equal to test_openai_api.MAX_MODEL_LEN
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1."""
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Stack:
+    """A running `gemma-serve up` and its addresses."""
+
+    def __init__(self, proc: subprocess.Popen, ports: dict[str, int], log_path: pathlib.Path, startup_s: float):
+        self.proc, self.ports, self.log_path, self.startup_s = proc, ports, log_path, startup_s
+        self.base_url = f"http://127.0.0.1:{ports['http']}"
+        self.grpc_addr = f"127.0.0.1:{ports['grpc']}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="session")
+def stack(cache_dir, prepared, tmp_path_factory):
+    """The three services on free ports with max_model_len 1024 and 4 slots; stopped (SIGTERM) at the end."""
+    http, grpc_port, tok, worker = free_ports(4)
+    log_path = tmp_path_factory.mktemp("stack") / "stack.log"
+    cmd = [
+        sys.executable, "-m", "gemma_serve.cli", "up", "--cache-dir", str(cache_dir),
+        "--http-port", str(http), "--gateway-grpc-port", str(grpc_port), "--tokenizer-port", str(tok),
+        "--worker-port", str(worker), "--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4",
+    ]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    s = Stack(proc, {"http": http, "grpc": grpc_port, "tokenizer": tok, "worker": worker}, log_path, 0.0)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"gemma-serve up exited with {proc.returncode}:\n{s.log()[-5000:]}")
+        try:
+            with urllib.request.urlopen(s.base_url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail(f"stack not healthy in time:\n{s.log()[-5000:]}")
+    s.startup_s = time.perf_counter() - t0
+    yield s
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("gemma-serve up did not stop within 60 s of SIGTERM")
