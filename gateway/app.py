@@ -26,6 +26,7 @@ from gateway.completions import (
     gen_params,
     run_choices,
     usage_dict,
+    validate_fields,
 )
 from gateway.errors import ApiError
 from gateway.generate import resolve_max_tokens
@@ -129,6 +130,7 @@ def create_app(backends: Backends) -> FastAPI:
 
 # ----- /v1/completions -----------------------------------------------------------------------------------------
 async def _completions(backends: Backends, req: CompletionRequest):
+    validate_fields(req, req.max_tokens)
     model = check_model(backends, req.model)
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
@@ -200,13 +202,12 @@ async def _completion_chunks(ids: ResponseIds, stream, req: CompletionRequest, e
 
 # ----- /v1/chat/completions ------------------------------------------------------------------------------------
 async def _chat(backends: Backends, req: ChatCompletionRequest):
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    validate_fields(req, max_tokens, param)
     model = check_model(backends, req.model)
     if req.logprobs or req.top_logprobs:
         raise ApiError(400, "logprobs are not supported yet", param="logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"{param} must be at least 1, got {max_tokens}", param=param)
     prompt = await chat_prompt(backends, req)
     resolve_max_tokens(len(prompt), max_tokens, backends.ready_facts().max_model_len, param)
     jobs = [(j, prompt, gen_params(req, max_tokens, j)) for j in range(req.n)]

@@ -38,16 +38,36 @@ class Backends:
     def __init__(self, tokenizer_addr: str, worker_addr: str, served_model_name: str | None = None):
         """Args: *_addr: host:port of each backend; served_model_name: overrides the model id in the API."""
         self.tokenizer_addr, self.worker_addr = tokenizer_addr, worker_addr
-        self._tok_channel = grpc.aio.insecure_channel(tokenizer_addr, options=GRPC_OPTIONS)
-        self._worker_channel = grpc.aio.insecure_channel(worker_addr, options=GRPC_OPTIONS)
-        self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tok_channel)
-        self.worker = model_worker_pb2_grpc.ModelWorkerStub(self._worker_channel)
-        self._health = {
-            "tokenizer service": health_pb2_grpc.HealthStub(self._tok_channel),
-            "model worker": health_pb2_grpc.HealthStub(self._worker_channel),
-        }
         self.served_model_name = served_model_name
         self.facts: ModelFacts | None = None
+        self._channels: tuple[grpc.aio.Channel, grpc.aio.Channel] | None = None
+
+    def _connect(self) -> tuple[grpc.aio.Channel, grpc.aio.Channel]:
+        """Create the channels on first use, inside the running event loop (grpc.aio binds them to it)."""
+        if self._channels is None:
+            self._channels = (
+                grpc.aio.insecure_channel(self.tokenizer_addr, options=GRPC_OPTIONS),
+                grpc.aio.insecure_channel(self.worker_addr, options=GRPC_OPTIONS),
+            )
+            self._tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._channels[0])
+            self._worker = model_worker_pb2_grpc.ModelWorkerStub(self._channels[1])
+            self._health = {
+                "tokenizer service": health_pb2_grpc.HealthStub(self._channels[0]),
+                "model worker": health_pb2_grpc.HealthStub(self._channels[1]),
+            }
+        return self._channels
+
+    @property
+    def tokenizer(self) -> tokenizer_pb2_grpc.TokenizerStub:
+        """Tokenizer service stub."""
+        self._connect()
+        return self._tokenizer
+
+    @property
+    def worker(self) -> model_worker_pb2_grpc.ModelWorkerStub:
+        """Model worker stub."""
+        self._connect()
+        return self._worker
 
     async def health(self, timeout: float = 2.0) -> dict[str, str]:
         """Each backend's status name ("SERVING", "NOT_SERVING" or "UNREACHABLE")."""
@@ -59,6 +79,7 @@ class Backends:
             except grpc.aio.AioRpcError:
                 return "UNREACHABLE"
 
+        self._connect()
         names = list(self._health)
         statuses = await asyncio.gather(*(one(self._health[n]) for n in names))
         return dict(zip(names, statuses))
@@ -115,5 +136,6 @@ class Backends:
 
     async def close(self) -> None:
         """Close both channels."""
-        await self._tok_channel.close()
-        await self._worker_channel.close()
+        if self._channels is not None:
+            for channel in self._channels:
+                await channel.close()

@@ -45,8 +45,8 @@ def sampling_from_request(req: SamplingFields) -> common_pb2.SamplingParams:
     return sp
 
 
-def gen_params(req: SamplingFields, max_tokens: int | None, choice: int) -> GenParams:
-    """GenParams for choice number `choice` (a seeded request gives choice i the seed + i).
+def validate_fields(req: SamplingFields, max_tokens: int | None, param: str = "max_tokens") -> None:
+    """Checks that need no backend (done first, so bad input is a 400 even while a backend is down).
 
     Raises:
       ApiError: 400 for bad stop strings or max_tokens.
@@ -57,7 +57,17 @@ def gen_params(req: SamplingFields, max_tokens: int | None, choice: int) -> GenP
     if any(not s for s in stops):
         raise ApiError(400, "stop sequences must not be empty", param="stop")
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        raise ApiError(400, f"{param} must be at least 1, got {max_tokens}", param=param)
+
+
+def gen_params(req: SamplingFields, max_tokens: int | None, choice: int) -> GenParams:
+    """GenParams for choice number `choice` (a seeded request gives choice i the seed + i).
+
+    Raises:
+      ApiError: 400 for bad stop strings, max_tokens or logit_bias.
+    """
+    validate_fields(req, max_tokens)
+    stops = req.stop_list()
     sp = sampling_from_request(req)
     if sp.HasField("seed"):
         sp.seed = (sp.seed + choice) & 0xFFFFFFFFFFFFFFFF

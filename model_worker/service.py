@@ -130,8 +130,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         )
 
     async def Decode(self, request_iterator, context):
-        first = await _next_message(request_iterator)
-        rid = first.request_id if first else ""
+        first = await context.read()
+        rid = first.request_id if first is not grpc.aio.EOF else ""
         live = self._live.get(rid)
         if live is None or live.attached:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request {rid!r} awaiting Decode")
@@ -141,7 +141,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         if first.WhichOneof("constraint"):
             self._drop(rid, abort=True)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "token masks and forced tokens are not supported yet")
-        reader = asyncio.ensure_future(self._read_client(request_iterator, rid, live))
+        reader = asyncio.ensure_future(self._read_client(context, rid, live))
         finished = False
         try:
             while not finished:
@@ -215,9 +215,9 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             )
         return reply, finish != Finish.NONE, error
 
-    async def _read_client(self, request_iterator, rid: str, live: _Live) -> None:
+    async def _read_client(self, context, rid: str, live: _Live) -> None:
         """Consume later client messages; constraints are not served yet, so one aborts the request."""
-        async for msg in request_iterator:
+        while (msg := await context.read()) is not grpc.aio.EOF:
             if msg.WhichOneof("constraint"):
                 self.loop.abort(rid)
                 live.queue.put_nowait(
@@ -238,9 +238,3 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         if live is not None and abort and self.loop is not None:
             self.loop.abort(rid)
 
-
-async def _next_message(request_iterator):
-    """The first client message of a stream, or None if the client closed it at once."""
-    async for msg in request_iterator:
-        return msg
-    return None

@@ -23,9 +23,9 @@ def load_tokenizer(model: str, cache_dir: pathlib.Path):
     from tokenizer_svc.tokenizer import TextTokenizer
 
     prepared = prepare(model, cache_dir)
-    if prepared.kind != "gguf":
-        raise NotImplementedError("checkpoint directories are served from issue 3 on")
-    return TextTokenizer.from_prepared(prepared.dir), "gemma3"
+    if prepared.kind == "gguf":
+        return TextTokenizer.from_prepared(prepared.dir), "gemma3"
+    return TextTokenizer.from_tokenizer_json(prepared.dir), "gemma3"
 
 
 async def serve(args: argparse.Namespace) -> int:

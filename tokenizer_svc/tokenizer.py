@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 
 import tokenizers
+
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 @dataclasses.dataclass
@@ -70,6 +73,45 @@ class TextTokenizer:
             source="gguf",
         )
 
+    @classmethod
+    def from_tokenizer_json(cls, directory: pathlib.Path) -> TextTokenizer:
+        """Load a checkpoint directory's tokenizer.json (SentencePiece-style "▁" vocabulary with byte fallback, as
+        every Gemma checkpoint has), taking BOS/EOS/PAD from tokenizer_config.json when present and extra stop ids
+        from generation_config.json.
+
+        Raises:
+          FileNotFoundError: no tokenizer.json.
+          ValueError: the BOS or EOS token is not in the vocabulary.
+        """
+        tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        plain = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        plain.encode_special_tokens = True
+        special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        size = tok.get_vocab_size(with_added_tokens=True)
+        config = _read_json(directory / "tokenizer_config.json")
+        ids = {}
+        for role, default in (("bos", "<bos>"), ("eos", "<eos>"), ("pad", "<pad>")):
+            name = config.get(f"{role}_token", default)
+            name = name.get("content", default) if isinstance(name, dict) else name
+            ids[role] = tok.token_to_id(name)
+            if ids[role] is None and role != "pad":
+                raise ValueError(f"{directory}: the {role} token {name!r} is not in tokenizer.json")
+        end_of_turn = tok.token_to_id("<end_of_turn>")
+        stop = [ids["eos"]] + ([end_of_turn] if end_of_turn is not None else [])
+        gen = _read_json(directory / "generation_config.json").get("eos_token_id", [])
+        stop += [i for i in (gen if isinstance(gen, list) else [gen]) if i not in stop]
+        return cls(
+            tok=tok,
+            plain=plain,
+            bos_id=ids["bos"],
+            eos_id=ids["eos"],
+            pad_id=ids["pad"] if ids["pad"] is not None else 0,
+            stop_ids=stop,
+            special_ids=special,
+            token_bytes=[_piece_bytes(tok.id_to_token(i), i in special) for i in range(size)],
+            source="tokenizer.json",
+        )
+
     def token_id(self, text: str) -> int:
         """Id of a token spelled `text`.
 
@@ -102,3 +144,19 @@ class TextTokenizer:
             self.token_bytes[i] for i in ids if not (skip_special_tokens and i in self.special_ids)
         )
         return data.decode("utf-8", errors="replace")
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _piece_bytes(piece: str | None, special: bool) -> bytes:
+    """The bytes a vocabulary piece contributes to text: <0xNN> -> that byte, "▁" -> space, control -> spelling."""
+    if piece is None:
+        return b""
+    if special:
+        return piece.encode("utf-8")
+    match = _BYTE_PIECE.match(piece)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")

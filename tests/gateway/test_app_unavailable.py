@@ -1,0 +1,24 @@
+"""The gateway answers 503 (OpenAI-shaped) while its backends are down or still loading, and keeps running."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.clients import Backends
+from tests.e2e.conftest import free_ports
+
+
+def test_backends_down_give_503_not_500():
+    tok, worker = free_ports(2)  # nothing listens there
+    with TestClient(create_app(Backends(f"127.0.0.1:{tok}", f"127.0.0.1:{worker}"))) as client:
+        health = client.get("/health")
+        assert health.status_code == 503
+        assert health.json()["backends"] == {"tokenizer service": "UNREACHABLE", "model worker": "UNREACHABLE"}
+        for path, body in [("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/models", None)]:
+            r = client.post(path, json=body) if body else client.get(path)
+            assert r.status_code == 503, (path, r.text)
+            assert r.json()["error"]["type"] == "service_unavailable"
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}).status_code == 400

@@ -1,0 +1,209 @@
+"""The worker's gRPC contract on a real server (in-process, free port) over a hand-computable FakeEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from model_worker.loop import EngineLoop, wait_idle
+from model_worker.service import WorkerServicer
+from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
+from tests.fakes import FakeEngine, FakeEngineConfig
+
+MAX_LEN = 64
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _shared_loop() -> asyncio.AbstractEventLoop:
+    """One event loop thread for every server in this module (grpc.aio binds its poller to one loop)."""
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_LOOP.run_forever, daemon=True).start()
+    return _LOOP
+
+
+class Server:
+    """A grpc.aio server with a WorkerServicer on the shared event loop, and a sync client stub."""
+
+    def __init__(self, engine: FakeEngine | None, attach_timeout: float = 30.0):
+        self.loop = _shared_loop()
+        self.info = model_worker_pb2.WorkerInfoResponse(
+            model_name="fake", vocab_size=engine.vocab if engine else 1000, max_model_len=MAX_LEN,
+            num_slots=2, default_stop_token_ids=[999],
+        )
+        self.servicer = WorkerServicer(model_worker_pb2.WorkerInfoResponse(), attach_timeout=attach_timeout)
+        self.engine_loop = EngineLoop(engine) if engine else None
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = model_worker_pb2_grpc.ModelWorkerStub(self.channel)
+
+    async def _start(self):
+        self.server = grpc.aio.server()
+        model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        if self.engine_loop:
+            self.engine_loop.start()
+            self.servicer.set_ready(self.engine_loop, self.info)
+
+    def close(self):
+        self.channel.close()
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
+        if self.engine_loop:
+            self.engine_loop.stop()
+
+
+@pytest.fixture
+def engine():
+    return FakeEngine(FakeEngineConfig(num_slots=2, max_model_len=MAX_LEN, chunk=4))
+
+
+@pytest.fixture
+def server(engine):
+    s = Server(engine)
+    yield s
+    s.close()
+
+
+def prefill(stub, rid, prompt, max_tokens=5, stop=(), **sampling):
+    return stub.Prefill(model_worker_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(**sampling),
+        stopping=common_pb2.StoppingParams(max_tokens=max_tokens, stop_token_ids=list(stop))))
+
+
+def decode_all(stub, rid):
+    tokens, last = [], None
+    for msg in stub.Decode(iter([model_worker_pb2.DecodeRequest(request_id=rid)])):
+        tokens += [t.token_id for t in msg.tokens]
+        last = msg
+    return tokens, last
+
+
+def test_prefill_then_decode_stream(server):
+    first = prefill(server.stub, "a", [10, 11, 12, 13, 14, 15], max_tokens=5)
+    assert first.first_token.token_id == 16 and first.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    assert first.usage.prompt_tokens == 6 and first.usage.completion_tokens == 1
+    tokens, last = decode_all(server.stub, "a")
+    assert tokens == [17, 18, 19, 20]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (6, 5)
+
+
+def test_stop_ids_end_the_sequence_and_are_counted(server):
+    prefill(server.stub, "s", [1, 2], max_tokens=20, stop=[6])
+    tokens, last = decode_all(server.stub, "s")
+    assert tokens == [4, 5, 6] and last.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert last.usage.completion_tokens == 4
+    # The model's default stop ids (999 here) apply too.
+    first = prefill(server.stub, "d", [997], max_tokens=20)
+    assert first.first_token.token_id == 998
+    tokens, last = decode_all(server.stub, "d")
+    assert tokens == [999] and last.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_first_token_can_finish(server):
+    r = prefill(server.stub, "one", [5], max_tokens=1)
+    assert r.finish_reason == common_pb2.FINISH_REASON_LENGTH and r.first_token.token_id == 6
+    with pytest.raises(grpc.RpcError) as err:
+        decode_all(server.stub, "one")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    "kwargs, code, fragment",
+    [
+        (dict(prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+        (dict(prompt=[1, 1000]), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
+        (dict(prompt=[1] * 60, max_tokens=10), grpc.StatusCode.INVALID_ARGUMENT, "60 tokens) + max_tokens (10) = 70"),
+        (dict(prompt=[1], max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        (dict(prompt=[1], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (dict(prompt=[1], top_k=5000), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+        (dict(prompt=[1], presence_penalty=0.5), grpc.StatusCode.UNIMPLEMENTED, "presence_penalty"),
+    ],
+)
+def test_prefill_validation(server, kwargs, code, fragment):
+    with pytest.raises(grpc.RpcError) as err:
+        prefill(server.stub, "bad", **kwargs)
+    assert err.value.code() == code and fragment in err.value.details()
+
+
+def test_duplicate_live_id_and_masks_rejected(server, engine):
+    engine.gate.clear()  # hold the engine so "x" stays live
+    future = server.stub.Prefill.future(model_worker_pb2.PrefillRequest(
+        request_id="x", prompt_token_ids=[1], stopping=common_pb2.StoppingParams(max_tokens=3)))
+    time.sleep(0.2)
+    with pytest.raises(grpc.RpcError) as err:
+        prefill(server.stub, "x", [1])
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    engine.gate.set()
+    future.result(5)
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Prefill(model_worker_pb2.PrefillRequest(
+            request_id="m", prompt_token_ids=[1], stopping=common_pb2.StoppingParams(max_tokens=3),
+            initial_mask=common_pb2.TokenMask(allowed=b"\x01")))
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    decode_all(server.stub, "x")
+
+
+def test_abort_ends_the_stream_and_frees_the_slot(server, engine):
+    engine.step_delay = 0.02
+    prefill(server.stub, "long", [1], max_tokens=50)
+    stream = server.stub.Decode(iter([model_worker_pb2.DecodeRequest(request_id="long")]))
+    next(stream)
+    assert server.stub.Abort(model_worker_pb2.AbortRequest(request_id="long")).found
+    last = None
+    for last in stream:
+        pass
+    assert last is None or last.finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert wait_idle(server.engine_loop)
+    assert not server.stub.Abort(model_worker_pb2.AbortRequest(request_id="long")).found
+
+
+def test_concurrent_sequences_share_decode_steps(server, engine):
+    """Two sequences decoded together take about as many steps as the longer one, not the sum."""
+    engine.gate.clear()  # both requests arrive before the engine runs a step
+    futures = [server.stub.Prefill.future(model_worker_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=[start], stopping=common_pb2.StoppingParams(max_tokens=10)))
+        for rid, start in (("p", 100), ("q", 200))]
+    time.sleep(0.2)
+    engine.gate.set()
+    assert [f.result(5).first_token.token_id for f in futures] == [101, 201]
+    results = {}
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, decode_all(server.stub, r)[0]))
+               for r in ("p", "q")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {"p": list(range(102, 111)), "q": list(range(202, 211))}
+    assert engine.calls["decode"] <= 11, engine.calls  # 9 steps each after the first token, run together
+
+
+def test_unattached_request_is_aborted_after_timeout(engine):
+    s = Server(engine, attach_timeout=0.3)
+    try:
+        prefill(s.stub, "orphan", [1], max_tokens=40)
+        time.sleep(0.6)
+        assert wait_idle(s.engine_loop, timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            decode_all(s.stub, "orphan")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        s.close()
+
+
+def test_not_ready_is_unavailable():
+    s = Server(None)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            prefill(s.stub, "early", [1])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        s.close()

@@ -1,0 +1,35 @@
+"""TextTokenizer from a checkpoint's tokenizer.json equals the one prepared from the GGUF."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tokenizer_svc.tokenizer import TextTokenizer
+
+pytestmark = pytest.mark.slow
+
+
+def test_checkpoint_tokenizer_json_matches_gguf_rebuild(prepared, text_tokenizer, tmp_path):
+    shutil.copy(prepared.dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
+                                                                "pad_token": "<pad>"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
+    ckpt = TextTokenizer.from_tokenizer_json(tmp_path)
+    assert ckpt.source == "tokenizer.json"
+    assert (ckpt.bos_id, ckpt.eos_id, ckpt.pad_id) == (2, 1, 0)
+    assert ckpt.stop_ids == [1, 106]
+    assert ckpt.special_ids == text_tokenizer.special_ids
+    assert ckpt.token_bytes == text_tokenizer.token_bytes
+    for text in ["Hello <start_of_turn> wörld 🌍  \t x", "def f():\n    return 1"]:
+        assert ckpt.encode(text, add_bos=True) == text_tokenizer.encode(text, add_bos=True)
+        assert ckpt.encode(text, parse_special=False) == text_tokenizer.encode(text, parse_special=False)
+
+
+def test_missing_bos_is_a_clear_error(prepared, tmp_path):
+    shutil.copy(prepared.dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|no_such_bos|>"}))
+    with pytest.raises(ValueError, match="no_such_bos"):
+        TextTokenizer.from_tokenizer_json(tmp_path)
