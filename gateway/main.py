@@ -45,6 +45,7 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("gateway listening on http://%s:%d (gRPC Generate on %s:%d)", args.host, args.http_port, args.host,
              args.gateway_grpc_port)
     await asyncio.wait([http, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down")
     server.should_exit = True
     await http
     ready.cancel()

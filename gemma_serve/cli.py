@@ -117,6 +117,8 @@ def _configure_logging(level: str, name: str) -> None:
         stream=sys.stderr,
         force=True,
     )
+    # JAX probes for a TPU on every start and logs a scary-looking warning when there is none.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:

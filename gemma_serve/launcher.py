@@ -115,7 +115,7 @@ class Launcher:
 def run(args: argparse.Namespace) -> int:
     """Entry point of `gemma-serve up`. Returns 0 after a clean stop, 1 if a service failed."""
     t0 = time.perf_counter()
-    log.info("preparing model %r (first start only: assemble, convert, build tokenizer)", args.model)
+    log.info("checking the prepared files of model %r (built on the first start only)", args.model)
     prepared = prepare(args.model, pathlib.Path(args.cache_dir))
     log.info("model files ready in %s (%.1f s)", prepared.dir, time.perf_counter() - t0)
     launcher = Launcher(args)

@@ -57,6 +57,7 @@ async def serve(args: argparse.Namespace) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("tokenizer service SERVING (%d tokens, template %s)", tok.vocab_size, template)
     await stop.wait()
+    log.info("shutting down")
     await server.stop(2)
     return 0
 
