@@ -12,6 +12,10 @@ import pathlib
 
 import pytest
 
+# References load from local files only; never reach for the Hugging Face Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CACHE = pathlib.Path(os.environ.get("GEMMA_SERVE_TEST_CACHE", REPO / ".cache" / "test"))
 

@@ -14,6 +14,13 @@ import urllib.request
 import pytest
 
 MAX_MODEL_LEN = 1024  # keep equal to test_openai_api.MAX_MODEL_LEN
+STARTUP: dict[str, float] = {}
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Report how long `gemma-serve up` took to become healthy (compile time on this machine is real)."""
+    if STARTUP:
+        terminalreporter.write_line(f"gemma-serve up became healthy in {STARTUP['seconds']:.1f} s")
 
 
 def free_ports(n: int) -> list[int]:
@@ -69,7 +76,7 @@ def stack(cache_dir, prepared, tmp_path_factory):
     else:
         proc.kill()
         pytest.fail(f"stack not healthy in time:\n{s.log()[-5000:]}")
-    s.startup_s = time.perf_counter() - t0
+    s.startup_s = STARTUP["seconds"] = time.perf_counter() - t0
     yield s
     proc.send_signal(signal.SIGTERM)
     try:
