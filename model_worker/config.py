@@ -37,6 +37,7 @@ class LayerSpec:
       kv_source: index of the layer whose K/V this layer attends to; equal to the layer's own index unless the
         layer is KV-shared (Gemma 4). Only layers with `kv_source == index` own a cache.
       mlp_dim: width of the gated MLP.
+      k_eq_v: V is the raw K projection (no v_proj; Gemma 4 `attention_k_eq_v` full layers).
     """
 
     attention: AttentionType
@@ -47,6 +48,7 @@ class LayerSpec:
     rope_scale: float
     kv_source: int
     mlp_dim: int
+    k_eq_v: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,8 @@ class ModelConfig:
       final_logit_softcap: if set, logits = cap * tanh(logits / cap).
       v_norm: apply a weightless RMSNorm to V (Gemma 4).
       layer_scalar: multiply the residual stream by a learned per-layer scalar at the end of each layer (Gemma 4).
+      ple_dim: width P of the per-layer embeddings (Gemma 4 PLE; 0 = none).
+      ple_vocab: rows of the per-layer embedding table.
       bos_token_id: beginning-of-sequence id.
       stop_token_ids: ids that end a sequence by default (EOS, end-of-turn).
       max_position_embeddings: the longest context the model was trained for.
@@ -85,6 +89,8 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     v_norm: bool = False
     layer_scalar: bool = False
+    ple_dim: int = 0
+    ple_vocab: int = 0
     bos_token_id: int = 2
     stop_token_ids: tuple[int, ...] = (1,)
     max_position_embeddings: int = 32768
@@ -93,6 +99,12 @@ class ModelConfig:
     def num_layers(self) -> int:
         """Number of decoder layers."""
         return len(self.layers)
+
+    @property
+    def first_shared_layer(self) -> int:
+        """Index of the first KV-shared layer (num_layers when none): later layers write no cache."""
+        shared = [i for i, spec in enumerate(self.layers) if spec.kv_source != i]
+        return min(shared, default=self.num_layers)
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -226,3 +238,163 @@ def config_from_dict(data: dict) -> ModelConfig:
     data["layers"] = tuple(LayerSpec(**layer) for layer in data["layers"])
     data["stop_token_ids"] = tuple(data["stop_token_ids"])
     return ModelConfig(**data)
+
+
+# ----- Gemma 4 ---------------------------------------------------------------------------------------------------
+def gemma4_layers(
+    layer_types: list[str],
+    head_dim: int,
+    global_head_dim: int,
+    num_kv_heads: int,
+    global_kv_heads: int,
+    mlp_dim: int,
+    num_kv_shared: int,
+    double_wide_mlp: bool,
+    k_eq_v: bool,
+    local_theta: float = 10_000.0,
+    global_theta: float = 1_000_000.0,
+    global_rope_fraction: float = 0.25,
+) -> tuple[LayerSpec, ...]:
+    """Gemma 4 layer list (gemma4-architecture.md §4–6; transformers `Gemma4TextConfig.kv_sharing_modes`).
+
+    Layers >= L - num_kv_shared are KV-shared: each reads the last non-shared layer of its own attention type
+    and, with `double_wide_mlp`, has a 2x wide MLP. Full layers use `global_head_dim`, proportional RoPE over
+    `global_rope_fraction` of the dims, and with `k_eq_v` take V from the raw K projection with `global_kv_heads`.
+
+    Raises:
+      ValueError: an attention type used by shared layers has no non-shared layer to read from.
+    """
+    n = len(layer_types)
+    first_shared = n - num_kv_shared
+    prefix = layer_types[:first_shared]
+    layers = []
+    for i, kind in enumerate(layer_types):
+        full = kind == "full_attention"
+        source = i
+        if i >= first_shared:
+            if kind not in prefix:
+                raise ValueError(f"no non-shared {kind} layer for KV-shared layer {i} to read from")
+            source = first_shared - 1 - prefix[::-1].index(kind)
+        layers.append(
+            LayerSpec(
+                attention="full" if full else "sliding",
+                head_dim=global_head_dim if full else head_dim,
+                num_kv_heads=global_kv_heads if full and k_eq_v else num_kv_heads,
+                rope_theta=global_theta if full else local_theta,
+                rope_fraction=global_rope_fraction if full else 1.0,
+                rope_scale=1.0,
+                kv_source=source,
+                mlp_dim=mlp_dim * (2 if double_wide_mlp and i >= first_shared > 0 else 1),
+                k_eq_v=k_eq_v and full,
+            )
+        )
+    return tuple(layers)
+
+
+def _gemma4(name: str, hidden: int, num_layers: int, pattern: list[str], kv: int, kv_shared: int, double: bool):
+    return ModelConfig(
+        name=name,
+        architecture="gemma4",
+        vocab_size=262_144,
+        hidden_size=hidden,
+        num_heads=8,
+        layers=gemma4_layers(
+            (pattern * num_layers)[:num_layers], head_dim=256, global_head_dim=512, num_kv_heads=kv,
+            global_kv_heads=kv, mlp_dim=4 * hidden, num_kv_shared=kv_shared, double_wide_mlp=double, k_eq_v=False,
+        ),
+        sliding_window=512,
+        rms_norm_eps=1e-6,
+        attn_scale=1.0,
+        embed_scale=math.sqrt(hidden),
+        final_logit_softcap=30.0,
+        v_norm=True,
+        layer_scalar=True,
+        ple_dim=256,
+        ple_vocab=262_144,
+        bos_token_id=2,
+        stop_token_ids=(1, 106),
+        max_position_embeddings=131_072,
+    )
+
+
+# transformers `convert_gemma4_weights.py` _VARIANTS (and gemma4-architecture.md §1): E2B full attention at
+# i % 5 == 4, 20 KV-shared layers with double-wide MLPs; E4B full at i % 6 == 5, 18 shared layers, 2 KV heads.
+_S, _F = "sliding_attention", "full_attention"
+GEMMA4_E2B = _gemma4("gemma-4-e2b", hidden=1536, num_layers=35, pattern=[_S] * 4 + [_F], kv=1, kv_shared=20, double=True)
+GEMMA4_E4B = _gemma4("gemma-4-e4b", hidden=2560, num_layers=42, pattern=[_S] * 5 + [_F], kv=2, kv_shared=18, double=False)
+PRESETS = {c.name: c for c in (GEMMA3_270M, GEMMA4_E2B, GEMMA4_E4B)}
+
+
+def _per_layer_override(text: dict, index: int, key: str):
+    overrides = text.get("per_layer_config") or {}
+    entry = overrides.get(str(index), overrides.get(index, {})) if isinstance(overrides, dict) else {}
+    return entry.get(key) if isinstance(entry, dict) else None
+
+
+def config_from_hf(config: dict, name: str) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json (Gemma 4 multimodal with `text_config`, or text-only).
+
+    Reads both the released format (`global_head_dim`, `num_global_key_value_heads`) and transformers >= 5.2's
+    `per_layer_config` overrides.
+
+    Raises:
+      NotImplementedError: MoE (26B-A4B) or bidirectional attention over all tokens.
+      ValueError: not a Gemma 4 config, or inconsistent layer types.
+    """
+    text = config.get("text_config") or config
+    model_type = text.get("model_type", config.get("model_type", ""))
+    if not model_type.startswith("gemma4"):
+        raise ValueError(f"{name}: unsupported model_type {model_type!r} (expected gemma4 or gemma4_text)")
+    if text.get("enable_moe_block"):
+        raise NotImplementedError(f"{name}: Gemma 4 MoE (26B-A4B) is not supported yet")
+    if text.get("use_bidirectional_attention") == "all":
+        raise NotImplementedError(f"{name}: bidirectional attention over all tokens is not supported")
+    n = int(text["num_hidden_layers"])
+    types = list(text.get("layer_types") or [_F if (i + 1) % 6 == 0 else _S for i in range(n)])
+    types[-1] = _F  # transformers forces the last layer to full attention
+    full_idx = types.index(_F)
+    k_eq_v = bool(text.get("attention_k_eq_v", False))
+    global_head = _per_layer_override(text, full_idx, "head_dim") or text.get("global_head_dim") or 512
+    global_kv = _per_layer_override(text, full_idx, "num_key_value_heads") or (
+        text.get("num_global_key_value_heads") if k_eq_v else None
+    ) or text.get("num_key_value_heads", 1)
+    rope = text.get("rope_parameters") or {}
+    full_rope, local_rope = rope.get(_F, {}), rope.get(_S, {})
+    if full_rope.get("rope_type", "proportional") not in ("proportional", "default"):
+        raise NotImplementedError(f"{name}: rope_type {full_rope.get('rope_type')!r} is not supported")
+    hidden = int(text["hidden_size"])
+    eos = config.get("eos_token_id", text.get("eos_token_id", 1))
+    return ModelConfig(
+        name=name,
+        architecture="gemma4",
+        vocab_size=int(text.get("vocab_size", 262_144)),
+        hidden_size=hidden,
+        num_heads=int(text["num_attention_heads"]),
+        layers=gemma4_layers(
+            types,
+            head_dim=int(text.get("head_dim", 256)),
+            global_head_dim=int(global_head),
+            num_kv_heads=int(text.get("num_key_value_heads", 1)),
+            global_kv_heads=int(global_kv),
+            mlp_dim=int(text["intermediate_size"]),
+            num_kv_shared=int(text.get("num_kv_shared_layers", 0)),
+            double_wide_mlp=bool(text.get("use_double_wide_mlp", False)),
+            k_eq_v=k_eq_v,
+            local_theta=float(local_rope.get("rope_theta", 10_000.0)),
+            global_theta=float(full_rope.get("rope_theta", 1_000_000.0)),
+            global_rope_fraction=float(full_rope.get("partial_rotary_factor", 1.0)
+                                       if full_rope.get("rope_type") == "proportional" else 1.0),
+        ),
+        sliding_window=int(text.get("sliding_window", 512)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        attn_scale=1.0,
+        embed_scale=math.sqrt(hidden),
+        final_logit_softcap=float(text["final_logit_softcapping"]) if text.get("final_logit_softcapping") else None,
+        v_norm=True,
+        layer_scalar=True,
+        ple_dim=int(text.get("hidden_size_per_layer_input") or 0),
+        ple_vocab=int(text.get("vocab_size_per_layer_input") or 0) if text.get("hidden_size_per_layer_input") else 0,
+        bos_token_id=int(config.get("bos_token_id", text.get("bos_token_id", 2))),
+        stop_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
+        max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
+    )

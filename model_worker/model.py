@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from model_worker.config import LayerSpec, ModelConfig
 from model_worker.kv_cache import KVCache
 from model_worker.params import LayerParams, Params
+from model_worker.quant import linear
 
 # Finite "minus infinity": a fully masked row (a padded query) then gives a uniform softmax instead of NaN.
 MASK_VALUE = -1e30
@@ -154,12 +155,13 @@ def _attention_block(
     B, C, _ = x.shape
     D, K = spec.head_dim, spec.num_kv_heads
     eps = cfg.rms_norm_eps
-    q = (x @ lp.q).reshape(B, C, cfg.num_heads, D)
+    q = linear(x, lp.q).reshape(B, C, cfg.num_heads, D)
     q = rope(rms_norm(q, lp.q_norm, eps), positions, spec)
     window = cfg.sliding_window if spec.attention == "sliding" else None
     if spec.kv_source == i:
-        k = rope(rms_norm((x @ lp.k).reshape(B, C, K, D), lp.k_norm, eps), positions, spec)
-        v = (x @ lp.v).reshape(B, C, K, D)
+        k_raw = linear(x, lp.k).reshape(B, C, K, D)
+        k = rope(rms_norm(k_raw, lp.k_norm, eps), positions, spec)
+        v = k_raw if spec.k_eq_v else linear(x, lp.v).reshape(B, C, K, D)
         if cfg.v_norm:
             v = rms_norm(v, None, eps)
         if spec.attention == "full":
@@ -182,12 +184,35 @@ def _attention_block(
     else:
         keys, vals, k_pos = shared[spec.kv_source]
     out = attend(q, keys, vals, positions, k_pos, window, cfg.attn_scale)
-    return out @ lp.o
+    return linear(out, lp.o)
 
 
 def _mlp(lp: LayerParams, x: jax.Array) -> jax.Array:
     """Gated MLP: (gelu_tanh(x Wgate) * x Wup) Wdown."""
-    return (jax.nn.gelu(x @ lp.gate, approximate=True) * (x @ lp.up)) @ lp.down
+    return linear(jax.nn.gelu(linear(x, lp.gate), approximate=True) * linear(x, lp.up), lp.down)
+
+
+def per_layer_inputs(params: Params, tokens: jax.Array, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gemma 4 per-layer embeddings (PLE), gemma4-architecture.md §3.
+
+    Args:
+      tokens: [B, C] ids; x: [B, C, H] the scaled token embeddings.
+    Returns:
+      [B, C, L, P]: (RMSNorm_P(x W_plmp · H^-0.5) + ple_embed[tokens] · sqrt(P)) · 2^-0.5, layer-major.
+    """
+    B, C, H = x.shape
+    L, P = cfg.num_layers, cfg.ple_dim
+    ids = jnp.where(tokens < cfg.ple_vocab, tokens, 0)
+    token_part = jnp.take(params.ple_embed, ids, axis=0) * jnp.asarray(P**0.5, x.dtype)
+    context = linear(x, params.ple_proj) * jnp.asarray(H**-0.5, x.dtype)
+    context = rms_norm(context.reshape(B, C, L, P), params.ple_norm, cfg.rms_norm_eps)
+    return (context + token_part.reshape(B, C, L, P)) * jnp.asarray(2**-0.5, x.dtype)
+
+
+def _ple_block(lp: LayerParams, x: jax.Array, pli: jax.Array, eps: float) -> jax.Array:
+    """The per-layer-input residual branch: post_norm(proj(gelu_tanh(gate(x)) * pli))."""
+    h = jax.nn.gelu(linear(x, lp.ple_gate), approximate=True) * pli
+    return rms_norm(linear(h, lp.ple_proj), lp.ple_post_norm, eps)
 
 
 def forward(
@@ -220,16 +245,28 @@ def forward(
     n_valid = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
     start = jnp.where(n_valid > 0, positions[:, 0], 0)
     x = jnp.take(params.embed, tokens, axis=0) * jnp.asarray(cfg.embed_scale, dtype)
+    pli = per_layer_inputs(params, tokens, x, cfg) if cfg.ple_dim else None
     cache = KVCache(k=list(cache.k), v=list(cache.v))
     shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+    # KV-shared layers write no cache, so only the rows whose logits are wanted need to pass through them
+    # (transformers Gemma4TextModel._maybe_slice_kv_shared_inputs): prefill computes them for one token.
+    cut = cfg.first_shared_layer if logit_rows is not None else cfg.num_layers
     for i, (lp, spec) in enumerate(zip(params.layers, cfg.layers)):
+        if i == cut:
+            pick = lambda a: jnp.take_along_axis(a, logit_rows.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)
+            x, positions = pick(x), pick(positions)
+            pli = pick(pli) if pli is not None else None
         a = _attention_block(
             lp, spec, i, rms_norm(x, lp.input_norm, eps), positions, start, n_valid, cache, shared, slots, kv_len, cfg
         )
         x = x + rms_norm(a, lp.post_attn_norm, eps)
         x = x + rms_norm(_mlp(lp, rms_norm(x, lp.pre_ffw_norm, eps)), lp.post_ffw_norm, eps)
+        if pli is not None:
+            x = x + _ple_block(lp, x, pli[:, :, i], eps)
+        if cfg.layer_scalar:
+            x = x * lp.layer_scalar.astype(x.dtype)
     if logit_rows is not None:
-        x = jnp.take_along_axis(x, logit_rows[:, None, None], axis=1)[:, 0]
+        x = x[:, 0] if cut < cfg.num_layers else jnp.take_along_axis(x, logit_rows[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params.final_norm, eps)
     logits = jnp.einsum("...h,vh->...v", x, params.embed, preferred_element_type=jnp.float32)
     if cfg.final_logit_softcap:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_worker.config import ModelConfig
+from model_worker.quant import Int4Weight
 
 
 @jax.tree_util.register_dataclass
@@ -38,6 +39,12 @@ class LayerParams:
       up: [H, F] MLP up projection.
       down: [F, H] MLP down projection.
       post_ffw_norm: [H] RMSNorm of the MLP output (before the residual add).
+      ple_gate: [H, P] per-layer-input gate (Gemma 4 PLE), else None.
+      ple_proj: [P, H] per-layer projection, else None.
+      ple_post_norm: [H] RMSNorm after the per-layer projection, else None.
+      layer_scalar: [1] multiplier of the residual stream at the end of the layer (Gemma 4), else None.
+
+    Any Linear weight may instead be an `Int4Weight` ([out, in] packed; see quant.py).
     """
 
     input_norm: jax.Array
@@ -53,6 +60,10 @@ class LayerParams:
     up: jax.Array
     down: jax.Array
     post_ffw_norm: jax.Array
+    ple_gate: jax.Array | None = None
+    ple_proj: jax.Array | None = None
+    ple_post_norm: jax.Array | None = None
+    layer_scalar: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -64,11 +75,17 @@ class Params:
       embed: [V, H] token embedding, also the tied LM head (logits = h @ embed.T).
       final_norm: [H] RMSNorm after the last layer.
       layers: one `LayerParams` per layer.
+      ple_embed: [V_ple, L*P] per-layer token embeddings (Gemma 4 PLE), layer-major columns, else None.
+      ple_proj: [H, L*P] per_layer_model_projection, else None.
+      ple_norm: [P] per_layer_projection_norm, else None.
     """
 
     embed: jax.Array
     final_norm: jax.Array
     layers: list[LayerParams]
+    ple_embed: jax.Array | None = None
+    ple_proj: jax.Array | None = None
+    ple_norm: jax.Array | None = None
 
     @staticmethod
     def from_flat(cfg: ModelConfig, flat: dict[str, jax.Array]) -> Params:
@@ -77,10 +94,17 @@ class Params:
         for i in range(cfg.num_layers):
             fields = {f.name: flat.get(f"layers.{i}.{f.name}") for f in dataclasses.fields(LayerParams)}
             layers.append(LayerParams(**fields))
-        return Params(embed=flat["embed"], final_norm=flat["final_norm"], layers=layers)
+        return Params(
+            embed=flat["embed"],
+            final_norm=flat["final_norm"],
+            layers=layers,
+            ple_embed=flat.get("ple_embed"),
+            ple_proj=flat.get("ple_proj"),
+            ple_norm=flat.get("ple_norm"),
+        )
 
     def nbytes(self) -> int:
-        """Bytes held by the weight arrays."""
+        """Bytes held by the weight arrays (packed int4 counts as packed)."""
         return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(self)))
 
 
@@ -93,10 +117,27 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         shapes |= {p + "input_norm": (H,), p + "q": (H, N * D), p + "o": (N * D, H), p + "q_norm": (D,)}
         if spec.kv_source == i:
-            shapes |= {p + "k": (H, K * D), p + "v": (H, K * D), p + "k_norm": (D,)}
+            shapes |= {p + "k": (H, K * D), p + "k_norm": (D,)}
+            if not spec.k_eq_v:
+                shapes[p + "v"] = (H, K * D)
         shapes |= {p + "post_attn_norm": (H,), p + "pre_ffw_norm": (H,), p + "post_ffw_norm": (H,)}
         shapes |= {p + "gate": (H, F), p + "up": (H, F), p + "down": (F, H)}
+        if cfg.ple_dim:
+            P = cfg.ple_dim
+            shapes |= {p + "ple_gate": (H, P), p + "ple_proj": (P, H), p + "ple_post_norm": (H,)}
+        if cfg.layer_scalar:
+            shapes[p + "layer_scalar"] = (1,)
+    if cfg.ple_dim:
+        LP = cfg.num_layers * cfg.ple_dim
+        shapes |= {"ple_embed": (cfg.ple_vocab, LP), "ple_proj": (H, LP), "ple_norm": (cfg.ple_dim,)}
     return shapes
+
+
+def logical_shape(x) -> tuple[int, ...]:
+    """Shape of a weight in the forward's [in, out] orientation (an Int4Weight is stored [out, in])."""
+    if isinstance(x, Int4Weight):
+        return (x.in_features, x.out_features)
+    return tuple(x.shape)
 
 
 def check_flat(cfg: ModelConfig, flat: dict[str, np.ndarray]) -> None:
@@ -110,8 +151,8 @@ def check_flat(cfg: ModelConfig, flat: dict[str, np.ndarray]) -> None:
     for name, shape in expected.items():
         if name not in flat:
             problems.append(f"missing {name} (expected shape {list(shape)})")
-        elif tuple(flat[name].shape) != shape:
-            problems.append(f"{name} has shape {list(flat[name].shape)}, expected {list(shape)}")
+        elif logical_shape(flat[name]) != shape:
+            problems.append(f"{name} has shape {list(logical_shape(flat[name]))}, expected {list(shape)}")
     problems += [f"unexpected tensor {name}" for name in flat if name not in expected]
     if problems:
         raise ValueError(f"{cfg.name}: {len(problems)} weight problem(s):\n  " + "\n  ".join(problems))
@@ -122,7 +163,9 @@ def random_flat(cfg: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict[st
     rng = np.random.default_rng(seed)
     flat = {}
     for name, shape in param_shapes(cfg).items():
-        if len(shape) == 1:
+        if name.endswith("layer_scalar"):
+            flat[name] = rng.uniform(0.2, 1.0, shape).astype(np.float32)
+        elif len(shape) == 1:
             flat[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             flat[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
@@ -136,4 +179,5 @@ def to_device(cfg: ModelConfig, flat: dict[str, np.ndarray], dtype: jnp.dtype) -
       ValueError: see `check_flat`.
     """
     check_flat(cfg, flat)
-    return Params.from_flat(cfg, {k: jnp.asarray(v, dtype=dtype) for k, v in flat.items()})
+    placed = {k: v if isinstance(v, Int4Weight) else jnp.asarray(v, dtype=dtype) for k, v in flat.items()}
+    return Params.from_flat(cfg, placed)

@@ -1,20 +1,34 @@
 """Chat templates rendered as segments, so message content is always data.
 
-A template produces a list of `Segment`s: control tokens (`<bos>`, `<start_of_turn>`...) and text. Text
-segments are tokenized with control-token parsing off, control segments map to their ids, so text typed by a user
+A template produces a list of `Segment`s: control tokens (`<bos>`, `<|turn>`...) and text. Text segments are
+tokenized with control-token parsing off, control segments map to their ids, so text typed by a user
 (`<end_of_turn>` inside a message) can never become a control token, and every prompt has exactly one BOS (the
 one the template emits). For content free of control-token spellings, the ids equal those of rendering the
 official Jinja template to a string and tokenizing it with special tokens parsed (tests prove this).
+
+Every renderer has one signature, `render(messages, add_generation_prompt, tools, options) -> list[Segment]`:
+`tools` is the OpenAI `tools` array (list of dicts, [] for none), `options` the template kwargs
+(e.g. {"enable_thinking": True}). `TEMPLATES` maps the built-in names to renderers; a checkpoint's own
+`chat_template.jinja` is rendered by a `JinjaTemplate`, which has the same call signature.
 
 Gemma 3 (formats.md §4.1; the `chat_template` of Hugging Face `google/gemma-3-*-it` tokenizer_config.json):
 `<bos>`, then per message `<start_of_turn>{role}\\n{content|trim}<end_of_turn>\\n` with role assistant -> model;
 a leading system (or developer) message is folded into the first user turn as `{system}\\n\\n`; roles must
 alternate user/model starting with user; generation prompt `<start_of_turn>model\\n`.
+
+Gemma 4 (formats.md §4.2-4.4; Google's Gemma 4 E2B/E4B `chat_template.jinja`, July 2026 revision, whose text is
+kept in tests/tokenizer_svc/data/gemma4_chat_template.jinja): see `render_gemma4`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
+import re
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import Any
 
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -54,6 +68,16 @@ class Message:
     reasoning: str = ""
 
 
+Renderer = Callable[[list[Message], bool, list[dict], dict], list[Segment]]
+"""`render(messages, add_generation_prompt, tools, options) -> segments`, the signature of every template."""
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _control(text: str) -> Segment:
+    return Segment(text, control=True)
+
+
 def _text_of(msg: Message, index: int, trim: bool) -> str:
     """The message's text: the string content, or its text parts joined (each trimmed, as the template does)."""
     if msg.content is not None:
@@ -68,24 +92,36 @@ def _text_of(msg: Message, index: int, trim: bool) -> str:
     return "".join(texts)
 
 
-def render_gemma3(messages: list[Message], add_generation_prompt: bool) -> list[Segment]:
-    """Render a conversation with the Gemma 3 template.
-
-    Raises:
-      TemplateError: empty conversation, unknown or unsupported role (tool), system message not first, tool
-        calls, non-text content, or roles that do not alternate user/assistant starting with user.
-    """
+def _check_roles(messages: list[Message]) -> None:
     if not messages:
         raise TemplateError("messages must contain at least one message")
     for i, m in enumerate(messages):
-        if m.role not in ("system", "developer", "user", "assistant", "tool"):
+        if m.role not in ROLES:
             raise TemplateError(f"messages[{i}]: unknown role {m.role!r}")
+
+
+# ---------------------------------------------------------------------------------------------------- Gemma 3
+
+
+def render_gemma3(
+    messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None, options: dict | None = None
+) -> list[Segment]:
+    """Render a conversation with the Gemma 3 template (formats.md §4.1). `options` are accepted and ignored.
+
+    Raises:
+      TemplateError: empty conversation, unknown or unsupported role (tool), tools given, system message not
+        first, tool calls, non-text content, or roles that do not alternate user/assistant starting with user.
+    """
+    _check_roles(messages)
+    if tools:
+        raise TemplateError("tools are not supported by the gemma3 template")
+    for i, m in enumerate(messages):
         if m.role == "tool" or m.tool_calls:
             raise TemplateError(f"messages[{i}]: tool calls and tool results are not supported by the Gemma 3 template")
     prefix, body, offset = "", messages, 0
     if messages[0].role in ("system", "developer"):
         prefix, body, offset = _text_of(messages[0], 0, trim=False) + "\n\n", messages[1:], 1
-    segs = [Segment("<bos>", control=True)]
+    segs = [_control("<bos>")]
     for n, m in enumerate(body):
         i = n + offset
         if m.role in ("system", "developer"):
@@ -99,14 +135,597 @@ def render_gemma3(messages: list[Message], add_generation_prompt: bool) -> list[
         role = "model" if m.role == "assistant" else "user"
         text = _text_of(m, i, trim=True)
         segs += [
-            Segment("<start_of_turn>", control=True),
+            _control("<start_of_turn>"),
             Segment(f"{role}\n" + (prefix if n == 0 else "") + text),
-            Segment("<end_of_turn>", control=True),
+            _control("<end_of_turn>"),
             Segment("\n"),
         ]
     if add_generation_prompt:
-        segs += [Segment("<start_of_turn>", control=True), Segment("model\n")]
+        segs += [_control("<start_of_turn>"), Segment("model\n")]
     return segs
+
+
+# ---------------------------------------------------------------------------------------------------- Gemma 4
+
+_Q = '<|"|>'  # Gemma 4's string delimiter token (id 52)
+_UNDEFINED = object()  # a Jinja Undefined: renders as "", is falsy
+
+
+def parse_tool_arguments(arguments_json: str, where: str) -> dict:
+    """A tool call's `arguments` JSON text -> dict ("" means no arguments). Gemma 4's template needs a mapping
+    (its July 2026 revision refuses string arguments), so the text is parsed here.
+
+    Raises:
+      TemplateError: not JSON, or not a JSON object.
+    """
+    if not arguments_json.strip():
+        return {}
+    try:
+        value = json.loads(arguments_json)
+    except json.JSONDecodeError as err:
+        raise TemplateError(f"{where}: arguments are not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise TemplateError(f"{where}: arguments must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _jstr(value: Any) -> str:
+    """Jinja's `{{ value }}`: Python's str(), Undefined -> ""."""
+    return "" if value is _UNDEFINED else str(value)
+
+
+def _jupper(value: Any) -> str:
+    """Jinja's `value | upper`."""
+    return _jstr(value).upper()
+
+
+def _jget(value: Any, key: str) -> Any:
+    """Jinja's `value[key]` for the keys the Gemma 4 template reads (a missing key is Undefined)."""
+    return value.get(key, _UNDEFINED) if isinstance(value, dict) else _UNDEFINED
+
+
+def _dictsort(mapping: dict) -> list[tuple[Any, Any]]:
+    """Jinja's `dictsort`: by key, case-insensitively."""
+    return sorted(mapping.items(), key=lambda kv: kv[0].lower() if isinstance(kv[0], str) else kv[0])
+
+
+def _jiter(value: Any, where: str) -> list:
+    if value is _UNDEFINED or value is None:
+        return []
+    try:
+        return list(value)
+    except TypeError:
+        raise TemplateError(f"{where}: expected a list, got {type(value).__name__}") from None
+
+
+def _fmt_argument(value: Any, escape_keys: bool = True) -> list[Segment]:
+    """The template's `format_argument` macro: strings `<|"|>…<|"|>`, bools true/false, null, {k:v}, [..]."""
+    if value is None:
+        return [Segment("null")]
+    if isinstance(value, str):
+        return [_control(_Q), Segment(value), _control(_Q)]
+    if isinstance(value, bool):
+        return [Segment("true" if value else "false")]
+    if isinstance(value, dict):
+        out = [Segment("{")]
+        for n, (key, item) in enumerate(_dictsort(value)):
+            if n:
+                out.append(Segment(","))
+            out += [_control(_Q), Segment(str(key)), _control(_Q)] if escape_keys else [Segment(str(key))]
+            out.append(Segment(":"))
+            out += _fmt_argument(item, escape_keys)
+        return out + [Segment("}")]
+    if isinstance(value, (list, tuple)):
+        out = [Segment("[")]
+        for n, item in enumerate(value):
+            if n:
+                out.append(Segment(","))
+            out += _fmt_argument(item, escape_keys)
+        return out + [Segment("]")]
+    return [Segment(_jstr(value))]
+
+
+def _quoted_list(items: Iterable) -> list[Segment]:
+    out: list[Segment] = []
+    for n, item in enumerate(items):
+        if n:
+            out.append(Segment(","))
+        out += [_control(_Q), Segment(_jstr(item)), _control(_Q)]
+    return out
+
+
+def _fmt_parameters(properties: dict, filter_keys: bool = False) -> list[Segment]:
+    """The template's `format_parameters` macro: one `name:{description,enum|items,nullable,properties,
+    required,type}` entry per property, properties sorted case-insensitively, types upper-cased."""
+    standard_keys = ("description", "type", "properties", "required", "nullable")
+    out: list[Segment] = []
+    first = True
+    for key, value in _dictsort(properties):
+        if filter_keys and key in standard_keys:
+            continue
+        if not first:
+            out.append(Segment(","))
+        first = False
+        fields: list[list[Segment]] = []
+        description = _jget(value, "description")
+        if description is not _UNDEFINED and description:
+            fields.append([Segment("description:"), _control(_Q), Segment(_jstr(description)), _control(_Q)])
+        vtype = _jupper(_jget(value, "type"))
+        if vtype == "STRING":
+            enum = _jget(value, "enum")
+            if enum is not _UNDEFINED and enum:
+                fields.append([Segment("enum:")] + _fmt_argument(enum))
+        elif vtype == "ARRAY":
+            items = _jget(value, "items")
+            if isinstance(items, dict) and items:
+                inner: list[Segment] = [Segment("items:{")]
+                n = 0
+                for item_key, item_value in _dictsort(items):
+                    if item_value is None:
+                        continue
+                    if n:
+                        inner.append(Segment(","))
+                    n += 1
+                    if item_key == "properties":
+                        nested = _fmt_parameters(item_value) if isinstance(item_value, dict) else []
+                        inner += [Segment("properties:{")] + nested + [Segment("}")]
+                    elif item_key == "required":
+                        inner += [Segment("required:[")] + _quoted_list(_jiter(item_value, key)) + [Segment("]")]
+                    elif item_key == "type":
+                        upper = _jupper(item_value) if isinstance(item_value, str) else [
+                            _jupper(t) for t in _jiter(item_value, key)
+                        ]
+                        inner += [Segment("type:")] + _fmt_argument(upper)
+                    else:
+                        inner += [Segment(f"{item_key}:")] + _fmt_argument(item_value)
+                fields.append(inner + [Segment("}")])
+        nullable = _jget(value, "nullable")
+        if nullable is not _UNDEFINED and nullable:
+            fields.append([Segment("nullable:true")])
+        if vtype == "OBJECT":
+            nested_props = _jget(value, "properties")
+            if isinstance(nested_props, dict):
+                fields.append([Segment("properties:{")] + _fmt_parameters(nested_props) + [Segment("}")])
+            elif isinstance(value, dict):
+                fields.append([Segment("properties:{")] + _fmt_parameters(value, filter_keys=True) + [Segment("}")])
+            required = _jget(value, "required")
+            if required is not _UNDEFINED and required:
+                fields.append([Segment("required:[")] + _quoted_list(_jiter(required, key)) + [Segment("]")])
+        fields.append([Segment("type:"), _control(_Q), Segment(vtype), _control(_Q)])
+        out.append(Segment(f"{_jstr(key)}:{{"))
+        for n, field in enumerate(fields):
+            out += ([Segment(",")] if n else []) + field
+        out.append(Segment("}"))
+    return out
+
+
+def _fmt_declaration(tool: Any, index: int) -> list[Segment]:
+    """The template's `format_function_declaration`: `declaration:NAME{description:…,parameters:{…}}`.
+
+    Faithful to the template's quirks: the parameters object is closed only when it has a `type`, and a
+    `response` declaration only when its type is OBJECT.
+    """
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict):
+        raise TemplateError(f"tools[{index}]: expected {{\"type\": \"function\", \"function\": {{...}}}}")
+    out = [
+        Segment(f"declaration:{_jstr(_jget(function, 'name'))}{{description:"),
+        _control(_Q),
+        Segment(_jstr(_jget(function, "description"))),
+        _control(_Q),
+    ]
+    params = _jget(function, "parameters")
+    if params is not _UNDEFINED and params:
+        if not isinstance(params, dict):
+            raise TemplateError(f"tools[{index}]: parameters must be a JSON Schema object")
+        out.append(Segment(",parameters:{"))
+        props = _jget(params, "properties")
+        if props is not _UNDEFINED and props:
+            if not isinstance(props, dict):
+                raise TemplateError(f"tools[{index}]: parameters.properties must be an object")
+            out += [Segment("properties:{")] + _fmt_parameters(props) + [Segment("},")]
+        required = _jget(params, "required")
+        if required is not _UNDEFINED and required:
+            out += [Segment("required:[")] + _quoted_list(_jiter(required, f"tools[{index}]")) + [Segment("],")]
+        ptype = _jget(params, "type")
+        if ptype is not _UNDEFINED and ptype:
+            out += [Segment("type:"), _control(_Q), Segment(_jupper(ptype)), _control(_Q), Segment("}")]
+    if "response" in function:
+        response = function["response"]
+        out.append(Segment(",response:{"))
+        description = _jget(response, "description")
+        if description is not _UNDEFINED and description:
+            out += [Segment("description:"), _control(_Q), Segment(_jstr(description)), _control(_Q), Segment(",")]
+        if _jupper(_jget(response, "type")) == "OBJECT":
+            out += [Segment("type:"), _control(_Q), Segment("OBJECT"), _control(_Q), Segment("}")]
+    return out + [Segment("}")]
+
+
+def strip_thinking(text: str) -> str:
+    """The template's `strip_thinking` macro: drop every `<|channel>…<channel|>` block, then trim."""
+    result = ""
+    for part in text.split("<channel|>"):
+        result += part.split("<|channel>")[0] if "<|channel>" in part else part
+    return result.strip()
+
+
+def _gemma4_text(msg: Message, index: int, model: bool, system: bool = False) -> str:
+    """A message's content as the Gemma 4 template renders it: user/system text trimmed, model text with
+    thought channels stripped, text parts joined (system parts each followed by a space); null -> ""."""
+    if msg.content is not None:
+        return strip_thinking(msg.content) if model else msg.content.strip()
+    out = ""
+    for kind, text in msg.parts:
+        if kind != "text":
+            raise TemplateError(f"messages[{index}]: content part type {kind!r} is not supported by this text-only model")
+        out += strip_thinking(text) if model else text.strip() + (" " if system else "")
+    return out
+
+
+def _tool_result_body(msg: Message, index: int) -> str | None:
+    """A tool message's content: a string is used as is (JSON text is *not* parsed), text parts are joined."""
+    if msg.content is not None:
+        return msg.content
+    if not msg.parts:
+        return None
+    for kind, _ in msg.parts:
+        if kind != "text":
+            raise TemplateError(f"messages[{index}]: tool result part type {kind!r} is not supported")
+    return "".join(text for _, text in msg.parts)
+
+
+def render_gemma4(
+    messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None, options: dict | None = None
+) -> list[Segment]:
+    """Render a conversation with the Gemma 4 template (formats.md §4.2-4.4; Google's E2B/E4B
+    `chat_template.jinja`, July 2026 revision, mirrored branch for branch).
+
+    Layout: `<bos>`; a system turn `<|turn>system\\n[<|think|>\\n]{system text}{<|tool>declaration:…<tool|>…}
+    <turn|>\\n` when thinking is on, tools are given, or the first message is system/developer; then
+    `<|turn>{user|model|system}\\n{content}<turn|>\\n` per message. An assistant message renders its reasoning
+    (`<|channel>thought\\n{reasoning}\\n<channel|>`) when it comes after the last user message (or, with the
+    `preserve_thinking` option, when it has tool calls), then its calls `<|tool_call>call:NAME{k:v,…}<tool_call|>`,
+    then the results of the tool messages that follow it, in the same model turn
+    (`<|tool_response>response:NAME{value:<|"|>…<|"|>}<tool_response|>`, NAME found by tool_call_id), then its
+    text. A following assistant message continues the same model turn. Calls without results end with
+    `<|tool_response>`. Generation prompt: `<|turn>model\\n` (E2B/E4B revision: no empty thought channel),
+    nothing after a tool call, and after tool results only `<|channel>thought\\n` when thinking is on.
+
+    Options: `enable_thinking`, `preserve_thinking` (truthy values, as in Jinja).
+
+    Raises:
+      TemplateError: empty conversation, unknown role, a tool message that does not follow an assistant
+        message with tool calls (or matches none of its calls and has no name), non-text content, malformed
+        tool-call arguments or tool declarations.
+    """
+    _check_roles(messages)
+    tools = tools or []
+    options = options or {}
+    enable_thinking = bool(options.get("enable_thinking", False))
+    preserve_thinking = bool(options.get("preserve_thinking", False))
+    segs = [_control("<bos>")]
+    prev_type: str | None = None
+    first_system = messages[0].role in ("system", "developer")
+    offset = 1 if first_system else 0
+    body = messages[offset:]
+    if enable_thinking or tools or first_system:
+        segs += [_control("<|turn>"), Segment("system\n")]
+        if enable_thinking:
+            segs += [_control("<|think|>"), Segment("\n")]
+            prev_type = "think"
+        if first_system:
+            segs.append(Segment(_gemma4_text(messages[0], 0, model=False, system=True)))
+        for t, tool in enumerate(tools):
+            segs += [_control("<|tool>")] + _fmt_declaration(tool, t) + [_control("<tool|>")]
+            prev_type = "tool"
+        segs += [_control("<turn|>"), Segment("\n")]
+
+    last_user = max((n for n, m in enumerate(body) if m.role == "user"), default=-1)
+    consumed: set[int] = set()
+    prev_non_tool_role: str | None = None
+    for n, m in enumerate(body):
+        i = n + offset
+        if m.role == "tool":
+            if n not in consumed:
+                raise TemplateError(
+                    f"messages[{i}]: a tool message must directly follow an assistant message with tool_calls "
+                    "(or another tool message answering the same calls)"
+                )
+            continue
+        if m.tool_calls and m.role != "assistant":
+            raise TemplateError(f"messages[{i}]: only assistant messages can have tool_calls")
+        prev_type = None
+        role = "model" if m.role == "assistant" else m.role
+        if not (role == "model" and prev_non_tool_role == "assistant"):
+            segs += [_control("<|turn>"), Segment(f"{role}\n")]
+        if m.reasoning and (n > last_user or (preserve_thinking and m.tool_calls)):
+            segs += [_control("<|channel>"), Segment(f"thought\n{m.reasoning}\n"), _control("<channel|>")]
+        calls = []
+        for c, (call_id, name, arguments_json) in enumerate(m.tool_calls):
+            args = parse_tool_arguments(arguments_json, f"messages[{i}].tool_calls[{c}]")
+            calls.append((call_id, name))
+            segs += [_control("<|tool_call>"), Segment(f"call:{name}{{")]
+            for a, (key, value) in enumerate(_dictsort(args)):
+                segs += ([Segment(",")] if a else []) + [Segment(f"{key}:")] + _fmt_argument(value, escape_keys=False)
+            segs += [Segment("}"), _control("<tool_call|>")]
+            prev_type = "tool_call"
+        has_results = False
+        if calls:
+            k = n + 1
+            while k < len(body) and body[k].role == "tool":
+                result = body[k]
+                name = result.name or "unknown"
+                matched = False
+                for call_id, call_name in calls:
+                    if call_id == result.tool_call_id:
+                        name, matched = call_name, True
+                if not matched and not result.name:
+                    raise TemplateError(
+                        f"messages[{k + offset}]: tool_call_id {result.tool_call_id!r} matches none of the tool calls "
+                        f"of messages[{i}]"
+                    )
+                segs += [_control("<|tool_response>"), Segment(f"response:{name}{{value:")]
+                segs += _fmt_argument(_tool_result_body(result, k + offset), escape_keys=False)
+                segs += [Segment("}"), _control("<tool_response|>")]
+                consumed.add(k)
+                has_results, prev_type = True, "tool_response"
+                k += 1
+        text = _gemma4_text(m, i, model=role == "model")
+        segs.append(Segment(text))
+        next_role = next((x.role for x in body[n + 1 :] if x.role != "tool"), None)
+        continues_into_next = role == "model" and next_role == "assistant" and (not calls or has_results)
+        if prev_type == "tool_call" and not has_results:
+            segs.append(_control("<|tool_response>"))
+        elif continues_into_next:
+            pass
+        elif not (has_results and not text.strip() and next_role is None):
+            segs += [_control("<turn|>"), Segment("\n")]
+        prev_non_tool_role = m.role
+
+    if add_generation_prompt:
+        if prev_type not in ("tool_response", "tool_call"):
+            segs += [_control("<|turn>"), Segment("model\n")]
+        elif prev_type == "tool_response" and enable_thinking:
+            segs += [_control("<|channel>"), Segment("thought\n")]
+    return [s for s in segs if s.control or s.text]
+
+
+# ---------------------------------------------------------------------------------------- checkpoint templates
+
+_ESC = "\ue000"  # starts an escape inside message data; the data's own U+E000 is written twice
+_CODE_BASE = 0xF0000  # control token i is escaped as _ESC + chr(_CODE_BASE + i) (Supplementary PUA-A)
+_MAX_CODES = 0xFFFFE - _CODE_BASE
+
+
+def _compile_jinja(source: str):
+    """Compile a chat template the way transformers does (utils/chat_template_utils.py,
+    `_cached_compile_jinja_template`): ImmutableSandboxedEnvironment(trim_blocks, lstrip_blocks, loopcontrols),
+    its `tojson` filter (no HTML escaping, ensure_ascii off), `raise_exception` and `strftime_now` globals, and
+    the `{% generation %}` tag (rendered as its body; we do not track assistant masks).
+
+    Raises:
+      TemplateError: the template does not parse.
+    """
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as err:
+        raise TemplateError(f"the chat template does not parse: {err} (line {err.lineno})") from None
+
+
+class JinjaTemplate:
+    """A checkpoint's Jinja chat template (`chat_template.jinja`), rendered as transformers renders it
+    (`apply_chat_template` -> `render_jinja_template`: variables messages, tools, add_generation_prompt, the
+    special-token strings bos_token/eos_token/..., and the template kwargs; keys whose value is null are dropped
+    from messages) but with message content kept as data:
+
+    1. every control-token spelling (the tokenizer's special tokens) inside the request's strings — message
+       fields, tool-call arguments, tools, option values, and dict keys inside them — is replaced by a private
+       escape (U+E000 + a Supplementary-Private-Use code; a U+E000 already in the data is doubled), so the
+       template never sees a control token that came from the user;
+    2. the rendered text is split on control-token spellings: those are the template's own, and become control
+       segments;
+    3. the text between them is un-escaped (restoring the user's spellings) and is tokenized later with
+       control-token parsing off.
+
+    Limits: a template that inspects content for control tokens (Gemma 4's `strip_thinking` splitting assistant
+    content on `<channel|>`) does not see the user's spellings, so they stay text instead of being stripped; a
+    control token the template assembles from user text plus its own literal text is a control token.
+    Tool-call arguments are parsed from JSON into mappings (OpenAI sends a JSON string; Gemma 4's template needs
+    a mapping). If the rendered prompt does not start with BOS, BOS is prepended (exactly one BOS).
+    """
+
+    def __init__(self, source: str, control_tokens: Iterable[str], special_tokens: dict[str, str] | None = None):
+        """Args:
+          source: the template text.
+          control_tokens: spellings of the tokenizer's control (special) tokens.
+          special_tokens: template variables such as {"bos_token": "<bos>", "eos_token": "<eos>"}.
+
+        Raises:
+          TemplateError: the template does not parse.
+          ValueError: more control tokens than escape codes (65,534).
+        """
+        self.source = source
+        self._template = _compile_jinja(source)
+        tokens = sorted({t for t in control_tokens if t}, key=lambda t: (-len(t), t))
+        if len(tokens) > _MAX_CODES:
+            raise ValueError(f"{len(tokens)} control tokens exceed the {_MAX_CODES} escape codes")
+        self.control_tokens = tokens
+        self._code = {t: _ESC + chr(_CODE_BASE + n) for n, t in enumerate(tokens)}
+        self._token_of = {chr(_CODE_BASE + n): t for n, t in enumerate(tokens)}
+        self._pattern = re.compile("|".join(map(re.escape, tokens))) if tokens else None
+        self.special_tokens = dict(special_tokens or {})
+
+    @classmethod
+    def for_tokenizer(cls, source: str, tokenizer: TextTokenizer) -> JinjaTemplate:
+        """A template whose control tokens are `tokenizer`'s special tokens and whose bos/eos/pad/unk variables
+        are its spellings."""
+        spell = tokenizer.tok.id_to_token
+        controls = [spell(i) for i in sorted(tokenizer.special_ids)]
+        special = {"bos_token": spell(tokenizer.bos_id), "eos_token": spell(tokenizer.eos_id)}
+        pad = spell(tokenizer.pad_id)
+        if pad is not None:
+            special["pad_token"] = pad
+        unk = tokenizer.tok.token_to_id("<unk>")
+        if unk is not None:
+            special["unk_token"] = "<unk>"
+        return cls(source, [c for c in controls if c is not None], {k: v for k, v in special.items() if v})
+
+    @classmethod
+    def from_file(cls, path: pathlib.Path, tokenizer: TextTokenizer) -> JinjaTemplate:
+        """Load `path` (a checkpoint's chat_template.jinja) for `tokenizer`.
+
+        Raises:
+          TemplateError: the template does not parse (the message names the file).
+        """
+        try:
+            return cls.for_tokenizer(pathlib.Path(path).read_text(encoding="utf-8"), tokenizer)
+        except TemplateError as err:
+            raise TemplateError(f"{path}: {err}") from None
+
+    # -- escaping --------------------------------------------------------------------------------------------
+
+    def escape(self, value: Any) -> Any:
+        """Replace control-token spellings in every string of `value` (recursively, dict keys too)."""
+        if isinstance(value, str):
+            value = value.replace(_ESC, _ESC + _ESC)
+            return self._pattern.sub(lambda m: self._code[m.group()], value) if self._pattern else value
+        if isinstance(value, dict):
+            return {self.escape(k): self.escape(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.escape(v) for v in value]
+        return value
+
+    def unescape(self, text: str) -> str:
+        """Undo `escape` in a piece of rendered text (unknown or cut escapes stay as they are)."""
+        if _ESC not in text:
+            return text
+        out, i = [], 0
+        while i < len(text):
+            ch = text[i]
+            nxt = text[i + 1] if i + 1 < len(text) else ""
+            if ch == _ESC and nxt == _ESC:
+                out.append(_ESC)
+                i += 2
+            elif ch == _ESC and nxt in self._token_of:
+                out.append(self._token_of[nxt])
+                i += 2
+            else:
+                out.append(ch)
+                i += 1
+        return "".join(out)
+
+    def split(self, rendered: str) -> list[Segment]:
+        """Rendered text -> segments: control-token spellings are control segments, the rest un-escaped text."""
+        pieces = re.split(f"({self._pattern.pattern})", rendered) if self._pattern else [rendered]
+        segs = []
+        for n, piece in enumerate(pieces):
+            if n % 2:
+                segs.append(_control(piece))
+            elif piece:
+                segs.append(Segment(self.unescape(piece)))
+        return segs
+
+    # -- rendering -------------------------------------------------------------------------------------------
+
+    def render(
+        self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None,
+        options: dict | None = None,
+    ) -> list[Segment]:
+        """Render the conversation. See the class docstring.
+
+        Raises:
+          TemplateError: empty conversation, non-text content, malformed tool-call arguments, a reserved option
+            name, or the template refused (`raise_exception`) or failed to render the conversation.
+        """
+        import jinja2
+
+        if not messages:
+            raise TemplateError("messages must contain at least one message")
+        chat = [_message_dict(m, i) for i, m in enumerate(messages)]
+        options = dict(options or {})
+        for reserved in ("messages", "tools", "add_generation_prompt", "documents"):
+            if reserved in options:
+                raise TemplateError(f"template option {reserved!r} is reserved")
+        variables = {**self.special_tokens, **self.escape(options)}
+        try:
+            rendered = self._template.render(
+                messages=self.escape(chat),
+                tools=self.escape(list(tools)) if tools else None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.exceptions.TemplateError as err:
+            raise TemplateError(f"the chat template refused the conversation: {self.unescape(str(err))}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+            raise TemplateError(f"the chat template failed on this conversation: {err!r}") from None
+        segs = self.split(rendered)
+        bos = self.special_tokens.get("bos_token")
+        if bos and not (segs and segs[0] == _control(bos)):
+            segs.insert(0, _control(bos))
+        return segs
+
+    __call__ = render
+
+
+def _message_dict(m: Message, index: int) -> dict:
+    """Message -> the OpenAI-shaped dict a Jinja template reads (null fields left out, as transformers does;
+    tool-call arguments parsed into a mapping; reasoning under reasoning_content and thinking)."""
+    d: dict[str, Any] = {"role": m.role}
+    if m.content is not None:
+        d["content"] = m.content
+    elif m.parts:
+        for kind, _ in m.parts:
+            if kind != "text":
+                raise TemplateError(f"messages[{index}]: content part type {kind!r} is not supported by this text-only model")
+        d["content"] = [{"type": "text", "text": text} for _, text in m.parts]
+    if m.tool_calls:
+        d["tool_calls"] = [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": parse_tool_arguments(args, f"messages[{index}].tool_calls[{c}]")},
+            }
+            for c, (call_id, name, args) in enumerate(m.tool_calls)
+        ]
+    if m.role == "tool" or m.tool_call_id:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name:
+        d["name"] = m.name
+    if m.reasoning:
+        d["reasoning_content"] = m.reasoning
+        d["thinking"] = m.reasoning
+    return d
+
+
+# --------------------------------------------------------------------------------------------- tokenization
 
 
 def tokenize_segments(segments: list[Segment], tokenizer: TextTokenizer) -> tuple[list[int], str]:
@@ -132,4 +751,4 @@ def tokenize_segments(segments: list[Segment], tokenizer: TextTokenizer) -> tupl
     return ids, "".join(s.text for s in segments)
 
 
-TEMPLATES = {"gemma3": render_gemma3}
+TEMPLATES: dict[str, Renderer] = {"gemma3": render_gemma3, "gemma4": render_gemma4}

@@ -1,0 +1,187 @@
+"""Hugging Face Gemma 4 checkpoints (safetensors) -> our weight dict, read straight into JAX arrays (no torch).
+
+Handles the multimodal layout (`model.language_model.` prefix; vision/audio tensors skipped without being read)
+and text-only saves (`model.`), bf16 and `-qat-q4_0-unquantized` weights, and compressed-tensors
+`pack-quantized` W4A16 (int4 kept packed; see ct_loader.py), deciding dense-or-quantized per module by the tensors
+present. KV-shared layers' redundant `k_proj`/`v_proj`/`k_norm` (present in the original release, absent from QAT
+exports and `save_pretrained` output) are accepted and ignored. Tensor names: gemma4-architecture.md §8.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import pathlib
+import re
+
+import jax.numpy as jnp
+import numpy as np
+
+from model_worker.config import ModelConfig, config_from_hf
+from model_worker.params import check_flat, param_shapes
+
+log = logging.getLogger(__name__)
+
+_PREFIXES = ("model.language_model.", "model.")
+_SKIP_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+                  "model.multi_modal_projector.", "lm_head.")
+# HF module name (inside the text decoder) -> (our flat name, is_linear).
+_TOP = {
+    "embed_tokens": ("embed", False),
+    "norm": ("final_norm", False),
+    "embed_tokens_per_layer": ("ple_embed", False),
+    "per_layer_model_projection": ("ple_proj", True),
+    "per_layer_projection_norm": ("ple_norm", False),
+}
+_LAYER = {
+    "input_layernorm": ("input_norm", False),
+    "self_attn.q_proj": ("q", True),
+    "self_attn.k_proj": ("k", True),
+    "self_attn.v_proj": ("v", True),
+    "self_attn.o_proj": ("o", True),
+    "self_attn.q_norm": ("q_norm", False),
+    "self_attn.k_norm": ("k_norm", False),
+    "post_attention_layernorm": ("post_attn_norm", False),
+    "pre_feedforward_layernorm": ("pre_ffw_norm", False),
+    "post_feedforward_layernorm": ("post_ffw_norm", False),
+    "mlp.gate_proj": ("gate", True),
+    "mlp.up_proj": ("up", True),
+    "mlp.down_proj": ("down", True),
+    "per_layer_input_gate": ("ple_gate", True),
+    "per_layer_projection": ("ple_proj", True),
+    "post_per_layer_input_norm": ("ple_post_norm", False),
+    "layer_scalar": ("layer_scalar", False),
+}
+_LINEAR_SUFFIXES = (".weight", ".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point",
+                    ".weight_g_idx")
+
+
+def read_config(directory: pathlib.Path) -> dict:
+    """config.json of a checkpoint directory.
+
+    Raises:
+      FileNotFoundError: no config.json.
+    """
+    return json.loads((directory / "config.json").read_text())
+
+
+def safetensors_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The checkpoint's safetensors shards (from model.safetensors.index.json when present).
+
+    Raises:
+      FileNotFoundError: no safetensors file.
+    """
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / s for s in shards]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} has no .safetensors files")
+    return files
+
+
+def _text_name(name: str) -> str | None:
+    """The name inside the text decoder, or None for tensors we skip (vision, audio, tied lm_head)."""
+    if name.startswith(_SKIP_PREFIXES):
+        return None
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def _ours(module: str) -> tuple[str, bool] | None:
+    """(our flat name, is_linear) for a text-decoder module name; None if unknown."""
+    if module in _TOP:
+        return _TOP[module]
+    m = re.match(r"layers\.(\d+)\.(.+)$", module)
+    if m and m.group(2) in _LAYER:
+        ours, is_linear = _LAYER[m.group(2)]
+        return f"layers.{m.group(1)}.{ours}", is_linear
+    return None
+
+
+def _module(name: str) -> str:
+    for suffix in _LINEAR_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _keys(reader) -> set[str]:
+    """The tensor names of an open safetensors file (cached on the reader object)."""
+    cached = getattr(reader, "_gemma_keys", None)
+    if cached is None:
+        cached = set(reader.keys())
+        try:
+            reader._gemma_keys = cached
+        except AttributeError:  # a C-extension object without a __dict__
+            return cached
+    return cached
+
+
+def load_checkpoint(directory: pathlib.Path, dtype: jnp.dtype) -> tuple[ModelConfig, dict]:
+    """Read a Gemma 4 checkpoint directory into (config, flat weights) ready for `params.to_device`.
+
+    Dense Linear weights become [in, out] arrays in `dtype`; pack-quantized ones become Int4Weight.
+
+    Raises:
+      ValueError: one message naming every missing, misshapen or unknown tensor with the expected shape, or an
+        unsupported quantization config.
+      FileNotFoundError: no config.json or safetensors files.
+    """
+    from safetensors import safe_open
+
+    directory = pathlib.Path(directory)
+    config = read_config(directory)
+    cfg = config_from_hf(config, name=directory.name)
+    qcfg = None
+    if config.get("quantization_config"):
+        from model_worker import ct_loader
+
+        qcfg = ct_loader.parse_quantization_config(config)
+    expected = param_shapes(cfg)
+    owners = {i for i in cfg.kv_layers}
+    flat: dict = {}
+    unknown: list[str] = []
+    with contextlib.ExitStack() as stack:
+        readers = [stack.enter_context(safe_open(str(f), framework="numpy")) for f in safetensors_files(directory)]
+        modules: dict[str, tuple[object, str, bool]] = {}
+        for reader in readers:
+            for name in reader.keys():
+                text = _text_name(name)
+                if text is None:
+                    continue
+                mapped = _ours(_module(text))
+                if mapped is None:
+                    unknown.append(name)
+                    continue
+                ours, is_linear = mapped
+                layer = re.match(r"layers\.(\d+)\.(k|v|k_norm)$", ours)
+                if layer and int(layer.group(1)) not in owners:
+                    continue  # redundant K/V tensors of a KV-shared layer
+                if ours not in expected:
+                    unknown.append(name)
+                    continue
+                modules[ours] = (reader, name if not is_linear else _module(name), is_linear)
+        for ours, (reader, module, is_linear) in modules.items():
+            if is_linear and module + ".weight_packed" in _keys(reader):
+                if qcfg is None:
+                    raise ValueError(f"{module} is pack-quantized but config.json has no quantization_config")
+                flat[ours] = ct_loader.load_linear(reader, module, qcfg, dtype)
+            elif is_linear:
+                flat[ours] = dense_linear(reader, module, dtype)
+            else:
+                flat[ours] = jnp.asarray(reader.get_tensor(module), dtype=dtype)
+    if unknown:
+        raise ValueError(f"{directory.name}: unknown tensors in the text decoder: {', '.join(sorted(unknown)[:20])}")
+    check_flat(cfg, flat)
+    return cfg, flat
+
+
+def dense_linear(reader, module: str, dtype: jnp.dtype):
+    """A dense HF Linear `<module>.weight` [out, in] as a [in, out] array in `dtype`."""
+    w = reader.get_tensor(module + ".weight")
+    return jnp.asarray(np.ascontiguousarray(w.T), dtype=dtype)

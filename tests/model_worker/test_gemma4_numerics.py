@@ -1,0 +1,138 @@
+"""Gemma 4 in JAX against transformers' Gemma4ForCausalLM (eager attention) on tiny random checkpoints.
+
+The checkpoints are written by transformers (`save_pretrained`) and read by our loader, so the test covers the
+loader's name mapping as well as the math.
+
+Tolerance: we run float32; the reference is transformers in float64, and the yardstick is transformers' own
+float32 error on the same sequence (measured ~4e-5 with logits |x| <= 15; the q/k norm weights of the random
+models are kept small so unscaled attention does not saturate and amplify rounding — with them near 1 both
+float32 implementations drift ~1e-3 from float64 at some positions). Our float32 logits must be within
+NOISE_FACTOR x that noise (plus a 1e-5 floor) of the float64 answer: no less accurate than transformers'
+float32 path, up to a small factor for summation order. Any real error (RoPE fraction, norm, scale, KV source,
+PLE) moves logits by >= 1e-2. Greedy tokens are compared where the top-2 gap exceeds the bound.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_worker.hf_loader import load_checkpoint
+from model_worker.kv_cache import KVCache
+from model_worker.model import forward_jit
+from model_worker.params import to_device
+from tests.gemma4_tiny import CONFIGS, Reference, write_checkpoint
+
+NOISE_FACTOR = 3.0
+TOL = 2e-4  # same-code comparisons (padding, slicing): float32 summation-order noise only
+MAX_LEN = 64
+PROMPT = 20  # > 2 sliding windows (8)
+STEPS = 16  # 2x the window
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    model = write_checkpoint(CONFIGS[request.param], out)
+    cfg, flat = load_checkpoint(out, jnp.float32)
+    return request.param, Reference(model), cfg, to_device(cfg, flat, jnp.float32)
+
+
+def bound(noise32: float) -> float:
+    """Allowed |ours - float64 reference|."""
+    return NOISE_FACTOR * noise32 + 1e-5
+
+
+def prefill(cfg, params, ids, chunk: int, bucket: int | None = None):
+    """Chunked prefill into slot 0; returns (all-position logits, cache). Chunks are padded to `bucket`."""
+    cache = KVCache.zeros(cfg, 1, MAX_LEN, jnp.float32)
+    out = []
+    width = bucket or chunk
+    for start in range(0, len(ids), chunk):
+        piece = ids[start : start + chunk]
+        tokens = np.zeros((1, width), np.int32)
+        positions = np.full((1, width), -1, np.int32)
+        tokens[0, : len(piece)] = piece
+        positions[0, : len(piece)] = np.arange(start, start + len(piece))
+        logits, cache = forward_jit(params, tokens, positions, cache, None, cfg=cfg, kv_len=MAX_LEN)
+        out.append(np.asarray(logits[0, : len(piece)]))
+    return np.concatenate(out), cache
+
+
+def decode(cfg, params, cache, token, pos):
+    logits, cache = forward_jit(params, np.array([[token]], np.int32), np.array([[pos]], np.int32), cache, None,
+                                cfg=cfg, kv_len=MAX_LEN)
+    return np.asarray(logits)[0, 0], cache
+
+
+def test_config_and_layout(tiny):
+    name, _, cfg, _ = tiny
+    if name == "kv-shared-ple":
+        assert [s.kv_source for s in cfg.layers] == [0, 1, 2, 3, 4, 3, 3, 4]
+        assert [s.mlp_dim for s in cfg.layers] == [96] * 5 + [192] * 3
+        assert cfg.kv_layers == (0, 1, 2, 3, 4) and cfg.ple_dim == 8
+        assert [s.head_dim for s in cfg.layers][:2] == [16, 32]
+    else:
+        full = [s for s in cfg.layers if s.attention == "full"]
+        assert all(s.k_eq_v and s.num_kv_heads == 1 for s in full)
+        assert all(s.num_kv_heads == 2 and not s.k_eq_v for s in cfg.layers if s.attention == "sliding")
+
+
+def test_prompt_logits_match_transformers(tiny):
+    _, ref_model, cfg, params = tiny
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, PROMPT)
+    ref, noise = ref_model.logits(ids)
+    for chunk in (PROMPT, 8, 3):  # one shot, window-sized and odd chunks through the ring
+        ours, _ = prefill(cfg, params, ids, chunk)
+        diff = np.abs(ours - ref).max()
+        assert diff < bound(noise), f"chunk {chunk}: max |Δlogit| {diff:.2e}, transformers f32 noise {noise:.2e}"
+
+
+def test_every_cached_decode_step_matches_transformers(tiny):
+    """2x the window of cached decode steps; greedy tokens agree wherever the top-2 gap exceeds the tolerance."""
+    _, ref_model, cfg, params = tiny
+    ids = [int(t) for t in np.random.default_rng(2).integers(0, cfg.vocab_size, PROMPT)]
+    logits, cache = prefill(cfg, params, ids, 8)
+    seq = ids + [int(logits[-1].argmax())]
+    for _ in range(STEPS):
+        step, cache = decode(cfg, params, cache, seq[-1], len(seq) - 1)
+        ref, noise = ref_model.logits(seq)
+        ref = ref[-1]
+        diff = float(np.abs(step - ref).max())
+        assert diff < bound(noise), f"position {len(seq) - 1}: |Δlogit| {diff:.2e}, f32 noise {noise:.2e}"
+        top2 = np.sort(ref)[-2:]
+        if top2[1] - top2[0] > 2 * bound(noise):
+            assert int(step.argmax()) == int(ref.argmax())
+        seq.append(int(step.argmax()))
+
+
+def test_padded_bucket_equals_unpadded_at_every_step(tiny):
+    """A prompt padded to a length bucket gives the same logits as unpadded, at the prompt and every decode step."""
+    _, _, cfg, params = tiny
+    ids = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 13))  # window 8 < 13
+    exact, cache_a = prefill(cfg, params, ids, len(ids))
+    padded, cache_b = prefill(cfg, params, ids, len(ids), bucket=32)
+    # Different shapes change XLA's summation order (f32 noise); a padding leak would be O(1).
+    assert np.abs(exact - padded).max() < TOL
+    token = int(exact[-1].argmax())
+    for pos in range(len(ids), len(ids) + 12):
+        a, cache_a = decode(cfg, params, cache_a, token, pos)
+        b, cache_b = decode(cfg, params, cache_b, token, pos)
+        assert np.abs(a - b).max() < TOL, pos
+        token = int(a.argmax())
+
+
+def test_prefill_slices_shared_layers_to_the_wanted_row(tiny):
+    """Asking only for the last row's logits (what prefill does) gives the same logits and the same cache."""
+    _, _, cfg, params = tiny
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 12).astype(np.int32)
+    positions = np.arange(12, dtype=np.int32)[None]
+    full, cache_a = forward_jit(params, ids[None], positions, KVCache.zeros(cfg, 1, MAX_LEN, jnp.float32), None,
+                                cfg=cfg, kv_len=MAX_LEN)
+    last, cache_b = forward_jit(params, ids[None], positions, KVCache.zeros(cfg, 1, MAX_LEN, jnp.float32), None,
+                                cfg=cfg, kv_len=MAX_LEN, logit_rows=np.array([11], np.int32))
+    assert np.abs(np.asarray(full)[0, -1] - np.asarray(last)[0]).max() < TOL
+    for a, b in zip(cache_a.k + cache_a.v, cache_b.k + cache_b.v):
+        if a is not None:
+            assert np.array_equal(np.asarray(a), np.asarray(b))
