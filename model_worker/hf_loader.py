@@ -185,3 +185,13 @@ def dense_linear(reader, module: str, dtype: jnp.dtype):
     """A dense HF Linear `<module>.weight` [out, in] as a [in, out] array in `dtype`."""
     w = reader.get_tensor(module + ".weight")
     return jnp.asarray(np.ascontiguousarray(w.T), dtype=dtype)
+
+
+def stop_token_ids(directory: pathlib.Path, cfg: ModelConfig) -> tuple[int, ...]:
+    """Default stop ids: config.json's eos ids plus generation_config.json's (Gemma 4 IT: 1, 106, 50)."""
+    ids = list(cfg.stop_token_ids)
+    gen_path = pathlib.Path(directory) / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id", [])
+        ids += [i for i in (eos if isinstance(eos, list) else [eos]) if i not in ids]
+    return tuple(ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import pathlib
@@ -38,11 +39,18 @@ def load_engine(prepared, args: argparse.Namespace):
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))
-    cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
     t0 = time.perf_counter()
-    log.info("loading %s weights (%s) onto %s", cfg.name, dtype, backend)
-    params = to_device(cfg, load_file(str(prepared.dir / "model.safetensors")), jnp.dtype(dtype))
-    log.info("weights loaded in %.1f s", time.perf_counter() - t0)
+    log.info("loading %s weights (%s) onto %s", prepared.name, dtype, backend)
+    if prepared.kind == "checkpoint":
+        from model_worker.hf_loader import load_checkpoint, stop_token_ids
+
+        cfg, flat = load_checkpoint(prepared.dir, jnp.dtype(dtype))
+        cfg = dataclasses.replace(cfg, stop_token_ids=stop_token_ids(prepared.dir, cfg))
+    else:
+        cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
+        flat = load_file(str(prepared.dir / "model.safetensors"))
+    params = to_device(cfg, flat, jnp.dtype(dtype))
+    log.info("weights loaded in %.1f s (%.2f GiB on the device)", time.perf_counter() - t0, params.nbytes() / 2**30)
     ecfg = EngineConfig(
         num_slots=args.num_slots,
         max_model_len=args.max_model_len,
