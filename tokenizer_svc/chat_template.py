@@ -421,6 +421,9 @@ def render_gemma4(
         segs += [_control("<turn|>"), Segment("\n")]
 
     last_user = max((n for n, m in enumerate(body) if m.role == "user"), default=-1)
+    next_role: list[str | None] = [None] * len(body)  # role of the next non-tool message
+    for n in range(len(body) - 2, -1, -1):
+        next_role[n] = body[n + 1].role if body[n + 1].role != "tool" else next_role[n + 1]
     consumed: set[int] = set()
     prev_non_tool_role: str | None = None
     for n, m in enumerate(body):
@@ -446,7 +449,7 @@ def render_gemma4(
             calls.append((call_id, name))
             segs += [_control("<|tool_call>"), Segment(f"call:{name}{{")]
             for a, (key, value) in enumerate(_dictsort(args)):
-                segs += ([Segment(",")] if a else []) + [Segment(f"{key}:")] + _fmt_argument(value, escape_keys=False)
+                segs += [Segment(("," if a else "") + f"{key}:")] + _fmt_argument(value, escape_keys=False)
             segs += [Segment("}"), _control("<tool_call|>")]
             prev_type = "tool_call"
         has_results = False
@@ -472,13 +475,12 @@ def render_gemma4(
                 k += 1
         text = _gemma4_text(m, i, model=role == "model")
         segs.append(Segment(text))
-        next_role = next((x.role for x in body[n + 1 :] if x.role != "tool"), None)
-        continues_into_next = role == "model" and next_role == "assistant" and (not calls or has_results)
+        continues_into_next = role == "model" and next_role[n] == "assistant" and (not calls or has_results)
         if prev_type == "tool_call" and not has_results:
             segs.append(_control("<|tool_response>"))
         elif continues_into_next:
             pass
-        elif not (has_results and not text.strip() and next_role is None):
+        elif not (has_results and not text.strip() and next_role[n] is None):
             segs += [_control("<turn|>"), Segment("\n")]
         prev_non_tool_role = m.role
 
@@ -497,6 +499,26 @@ _CODE_BASE = 0xF0000  # control token i is escaped as _ESC + chr(_CODE_BASE + i)
 _MAX_CODES = 0xFFFFE - _CODE_BASE
 
 
+def _trie_regex(tokens: Iterable[str]) -> str:
+    """A regex matching any of `tokens`, leftmost-longest, with common prefixes factored out: a plain
+    alternation of Gemma's ~6,000 control tokens costs ~15 µs per "<" in the text, the trie ~10 ns."""
+    trie: dict = {}
+    for token in tokens:
+        node = trie
+        for ch in token:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict) -> str:
+        alts = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch != ""]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return build(trie)
+
+
 def _compile_jinja(source: str):
     """Compile a chat template the way transformers does (utils/chat_template_utils.py,
     `_cached_compile_jinja_template`): ImmutableSandboxedEnvironment(trim_blocks, lstrip_blocks, loopcontrols),
@@ -511,7 +533,7 @@ def _compile_jinja(source: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationTag(jinja2.ext.Extension):
-        tags = {"generation"}
+        tags = frozenset({"generation"})
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
@@ -579,7 +601,8 @@ class JinjaTemplate:
         self.control_tokens = tokens
         self._code = {t: _ESC + chr(_CODE_BASE + n) for n, t in enumerate(tokens)}
         self._token_of = {chr(_CODE_BASE + n): t for n, t in enumerate(tokens)}
-        self._pattern = re.compile("|".join(map(re.escape, tokens))) if tokens else None
+        self._pattern = re.compile(_trie_regex(tokens)) if tokens else None
+        self._splitter = re.compile(f"({self._pattern.pattern})") if tokens else None
         self.special_tokens = dict(special_tokens or {})
 
     @classmethod
@@ -643,7 +666,7 @@ class JinjaTemplate:
 
     def split(self, rendered: str) -> list[Segment]:
         """Rendered text -> segments: control-token spellings are control segments, the rest un-escaped text."""
-        pieces = re.split(f"({self._pattern.pattern})", rendered) if self._pattern else [rendered]
+        pieces = self._splitter.split(rendered) if self._splitter else [rendered]
         segs = []
         for n, piece in enumerate(pieces):
             if n % 2:
@@ -707,14 +730,10 @@ def _message_dict(m: Message, index: int) -> dict:
                 raise TemplateError(f"messages[{index}]: content part type {kind!r} is not supported by this text-only model")
         d["content"] = [{"type": "text", "text": text} for _, text in m.parts]
     if m.tool_calls:
-        d["tool_calls"] = [
-            {
-                "id": call_id,
-                "type": "function",
-                "function": {"name": name, "arguments": parse_tool_arguments(args, f"messages[{index}].tool_calls[{c}]")},
-            }
-            for c, (call_id, name, args) in enumerate(m.tool_calls)
-        ]
+        d["tool_calls"] = []
+        for c, (call_id, name, args) in enumerate(m.tool_calls):
+            arguments = parse_tool_arguments(args, f"messages[{index}].tool_calls[{c}]")
+            d["tool_calls"].append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     if m.role == "tool" or m.tool_call_id:
         d["tool_call_id"] = m.tool_call_id
     if m.name:

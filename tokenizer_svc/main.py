@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import pathlib
 import signal
@@ -17,15 +18,42 @@ log = logging.getLogger("gemma_serve.tokenizer")
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
+def choose_template(directory: pathlib.Path, tokenizer):
+    """The chat template of a checkpoint directory: its own `chat_template.jinja` when present ("checkpoint",
+    rendered by `JinjaTemplate` with content kept as data), else the built-in "gemma4" when config.json's
+    `model_type` (or `text_config.model_type`) is gemma4 / gemma4_text, else the built-in "gemma3".
+
+    Returns:
+      (template name, renderer).
+
+    Raises:
+      TemplateError: chat_template.jinja does not parse.
+    """
+    from tokenizer_svc.chat_template import TEMPLATES, JinjaTemplate
+
+    jinja = directory / "chat_template.jinja"
+    if jinja.exists():
+        return "checkpoint", JinjaTemplate.from_file(jinja, tokenizer)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    model_types = {config.get("model_type"), text_config.get("model_type")}
+    name = "gemma4" if model_types & {"gemma4", "gemma4_text"} else "gemma3"
+    return name, TEMPLATES[name]
+
+
 def load_tokenizer(model: str, cache_dir: pathlib.Path):
-    """Prepare the model (if needed) and load its tokenizer. Returns (TextTokenizer, template name)."""
+    """Prepare the model (if needed) and load its tokenizer and chat template (a GGUF is Gemma 3: "gemma3"; a
+    checkpoint directory: `choose_template`). Returns (TextTokenizer, template name, renderer)."""
     from gemma_serve.models import prepare
+    from tokenizer_svc.chat_template import TEMPLATES
     from tokenizer_svc.tokenizer import TextTokenizer
 
     prepared = prepare(model, cache_dir)
     if prepared.kind == "gguf":
-        return TextTokenizer.from_prepared(prepared.dir), "gemma3"
-    return TextTokenizer.from_tokenizer_json(prepared.dir), "gemma3"
+        return TextTokenizer.from_prepared(prepared.dir), "gemma3", TEMPLATES["gemma3"]
+    tokenizer = TextTokenizer.from_tokenizer_json(prepared.dir)
+    return (tokenizer, *choose_template(prepared.dir, tokenizer))
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -47,12 +75,12 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
-        tok, template = await asyncio.to_thread(load_tokenizer, args.model, pathlib.Path(args.cache_dir))
+        tok, template, render = await asyncio.to_thread(load_tokenizer, args.model, pathlib.Path(args.cache_dir))
     except Exception:  # noqa: BLE001 - report and exit non-zero
         log.exception("failed to load the tokenizer")
         await server.stop(0)
         return 1
-    servicer.set_ready(tok, template)
+    servicer.set_ready(tok, template, render)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("tokenizer service SERVING (%d tokens, template %s)", tok.vocab_size, template)

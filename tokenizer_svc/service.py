@@ -7,10 +7,44 @@ import json
 import grpc
 
 from protos import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.chat_template import TEMPLATES, Message, TemplateError, tokenize_segments
+from tokenizer_svc.chat_template import TEMPLATES, Message, Renderer, TemplateError, tokenize_segments
 from tokenizer_svc.tokenizer import TextTokenizer
 
 SERVICE_NAME = "gemma_serve.v1.Tokenizer"
+
+
+def tools_from_json(text: str) -> list[dict]:
+    """`ChatTemplateRequest.tools_json` (the OpenAI `tools` array as JSON; "" for none) -> list of tool dicts.
+
+    Raises:
+      TemplateError: not JSON, or not an array of objects.
+    """
+    if not text.strip():
+        return []
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TemplateError(f"tools_json is not valid JSON: {err}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise TemplateError("tools_json must be a JSON array of tool objects")
+    return tools
+
+
+def options_from_json(text: str) -> dict:
+    """`ChatTemplateRequest.template_kwargs_json` (a JSON object; "" for none) -> template options dict.
+
+    Raises:
+      TemplateError: not JSON, or not an object.
+    """
+    if not text.strip():
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TemplateError(f"template_kwargs_json is not valid JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise TemplateError("template_kwargs_json must be a JSON object")
+    return options
 
 
 def message_from_pb(m: tokenizer_pb2.ChatMessage) -> Message:
@@ -29,15 +63,21 @@ def message_from_pb(m: tokenizer_pb2.ChatMessage) -> Message:
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     """Tokenizer RPCs over one TextTokenizer and one chat template."""
 
-    def __init__(self, tokenizer: TextTokenizer | None = None, template: str = "gemma3"):
-        """Args: tokenizer: the loaded tokenizer (None until `set_ready`); template: a key of TEMPLATES."""
+    def __init__(self, tokenizer: TextTokenizer | None = None, template: str = "gemma3", render: Renderer | None = None):
+        """Args: tokenizer: the loaded tokenizer (None until `set_ready`); template, render: see `set_ready`."""
         self.tok: TextTokenizer | None = None
         if tokenizer is not None:
-            self.set_ready(tokenizer, template)
+            self.set_ready(tokenizer, template, render)
 
-    def set_ready(self, tokenizer: TextTokenizer, template: str) -> None:
-        """Start answering with this tokenizer and template."""
-        self.template_name, self.render = template, TEMPLATES[template]
+    def set_ready(self, tokenizer: TextTokenizer, template: str, render: Renderer | None = None) -> None:
+        """Start answering with this tokenizer and template.
+
+        Args:
+          tokenizer: the loaded tokenizer.
+          template: the template's name, reported by Info ("gemma3", "gemma4" or "checkpoint").
+          render: the renderer (e.g. a `JinjaTemplate` for "checkpoint"); default `TEMPLATES[template]`.
+        """
+        self.template_name, self.render = template, render if render is not None else TEMPLATES[template]
         self.tok = tokenizer
 
     async def _ready(self, context) -> TextTokenizer:
@@ -73,13 +113,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     async def ApplyChatTemplate(self, request, context):
         await self._ready(context)
         try:
-            if request.tools_json:
-                raise TemplateError(f"tools are not supported by the {self.template_name} template yet")
-            if request.template_kwargs_json:
-                json.loads(request.template_kwargs_json)
+            tools = tools_from_json(request.tools_json)
+            options = options_from_json(request.template_kwargs_json)
             messages = [message_from_pb(m) for m in request.messages]
-            ids, text = tokenize_segments(self.render(messages, request.add_generation_prompt), self.tok)
-        except (TemplateError, json.JSONDecodeError) as err:
+            segments = self.render(messages, request.add_generation_prompt, tools, options)
+            ids, text = tokenize_segments(segments, self.tok)
+        except TemplateError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return tokenizer_pb2.ChatTemplateResponse(token_ids=ids, text=text)
 

@@ -59,8 +59,7 @@ class TextTokenizer:
         tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
         plain = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
         plain.encode_special_tokens = True
-        end_of_turn = tok.token_to_id("<end_of_turn>")
-        stop = [meta["eos_id"]] + ([end_of_turn] if end_of_turn is not None else [])
+        stop = [meta["eos_id"]] + _end_of_turn_ids(tok)
         return cls(
             tok=tok,
             plain=plain,
@@ -77,7 +76,8 @@ class TextTokenizer:
     def from_tokenizer_json(cls, directory: pathlib.Path) -> TextTokenizer:
         """Load a checkpoint directory's tokenizer.json (SentencePiece-style "▁" vocabulary with byte fallback, as
         every Gemma checkpoint has), taking BOS/EOS/PAD from tokenizer_config.json when present and extra stop ids
-        from generation_config.json.
+        from generation_config.json `eos_token_id` (Gemma 4 IT: 1, 106, 50). Stop ids: EOS, the end-of-turn token
+        (`<end_of_turn>` or `<turn|>`), then the generation_config ids.
 
         Raises:
           FileNotFoundError: no tokenizer.json.
@@ -96,8 +96,7 @@ class TextTokenizer:
             ids[role] = tok.token_to_id(name)
             if ids[role] is None and role != "pad":
                 raise ValueError(f"{directory}: the {role} token {name!r} is not in tokenizer.json")
-        end_of_turn = tok.token_to_id("<end_of_turn>")
-        stop = [ids["eos"]] + ([end_of_turn] if end_of_turn is not None else [])
+        stop = [ids["eos"]] + _end_of_turn_ids(tok)
         gen = _read_json(directory / "generation_config.json").get("eos_token_id", [])
         stop += [i for i in (gen if isinstance(gen, list) else [gen]) if i not in stop]
         return cls(
@@ -144,6 +143,13 @@ class TextTokenizer:
             self.token_bytes[i] for i in ids if not (skip_special_tokens and i in self.special_ids)
         )
         return data.decode("utf-8", errors="replace")
+
+
+def _end_of_turn_ids(tok: tokenizers.Tokenizer) -> list[int]:
+    """Ids of the end-of-turn tokens in the vocabulary: Gemma 3's `<end_of_turn>`, Gemma 4's `<turn|>`
+    (formats.md §4.1, §4.2; both are id 106 in their own vocabularies)."""
+    found = (tok.token_to_id(name) for name in ("<end_of_turn>", "<turn|>"))
+    return [i for i in found if i is not None]
 
 
 def _read_json(path: pathlib.Path) -> dict:
