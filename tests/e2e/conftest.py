@@ -48,21 +48,19 @@ class Stack:
         return self.log_path.read_text(errors="replace")
 
 
-@pytest.fixture(scope="session")
-def stack(cache_dir, prepared, tmp_path_factory):
-    """The three services on free ports with max_model_len 1024 and 4 slots; stopped (SIGTERM) at the end."""
+def start_stack(cache_dir, log_path: pathlib.Path, extra: list[str], timeout: float = 900) -> Stack:
+    """Run `gemma-serve up` on free ports with `extra` flags; wait until /health is 200."""
     http, grpc_port, tok, worker = free_ports(4)
-    log_path = tmp_path_factory.mktemp("stack") / "stack.log"
     cmd = [
         sys.executable, "-m", "gemma_serve.cli", "up", "--cache-dir", str(cache_dir),
         "--http-port", str(http), "--gateway-grpc-port", str(grpc_port), "--tokenizer-port", str(tok),
-        "--worker-port", str(worker), "--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4",
+        "--worker-port", str(worker), *extra,
     ]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     s = Stack(proc, {"http": http, "grpc": grpc_port, "tokenizer": tok, "worker": worker}, log_path, 0.0)
-    deadline = time.monotonic() + 900
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"gemma-serve up exited with {proc.returncode}:\n{s.log()[-5000:]}")
@@ -76,11 +74,25 @@ def stack(cache_dir, prepared, tmp_path_factory):
     else:
         proc.kill()
         pytest.fail(f"stack not healthy in time:\n{s.log()[-5000:]}")
-    s.startup_s = STARTUP["seconds"] = time.perf_counter() - t0
-    yield s
-    proc.send_signal(signal.SIGTERM)
+    s.startup_s = time.perf_counter() - t0
+    return s
+
+
+def stop_stack(s: Stack) -> None:
+    """SIGTERM and wait; a stack that does not stop within 60 s fails the test session."""
+    s.proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(60)
+        s.proc.wait(60)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        s.proc.kill()
         pytest.fail("gemma-serve up did not stop within 60 s of SIGTERM")
+
+
+@pytest.fixture(scope="session")
+def stack(cache_dir, prepared, tmp_path_factory):
+    """The embedded model's three services with max_model_len 1024 and 4 slots; stopped (SIGTERM) at the end."""
+    log_path = tmp_path_factory.mktemp("stack") / "stack.log"
+    s = start_stack(cache_dir, log_path, ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4"])
+    STARTUP["seconds"] = s.startup_s
+    yield s
+    stop_stack(s)
