@@ -326,9 +326,14 @@ PRESETS = {c.name: c for c in (GEMMA3_270M, GEMMA4_E2B, GEMMA4_E4B)}
 
 
 def _per_layer_override(text: dict, index: int, key: str):
+    """A transformers >= 5.2 `per_layer_config` value for one layer (keys may be zero-padded strings: "04")."""
     overrides = text.get("per_layer_config") or {}
-    entry = overrides.get(str(index), overrides.get(index, {})) if isinstance(overrides, dict) else {}
-    return entry.get(key) if isinstance(entry, dict) else None
+    if not isinstance(overrides, dict):
+        return None
+    for k, entry in overrides.items():
+        if str(k).lstrip("0") == str(index).lstrip("0") and isinstance(entry, dict):
+            return entry.get(key)
+    return None
 
 
 def config_from_hf(config: dict, name: str) -> ModelConfig:
@@ -358,8 +363,10 @@ def config_from_hf(config: dict, name: str) -> ModelConfig:
     global_kv = _per_layer_override(text, full_idx, "num_key_value_heads") or (
         text.get("num_global_key_value_heads") if k_eq_v else None
     ) or text.get("num_key_value_heads", 1)
+    # transformers' defaults when rope_parameters is absent (Gemma4TextConfig.__post_init__).
     rope = text.get("rope_parameters") or {}
-    full_rope, local_rope = rope.get(_F, {}), rope.get(_S, {})
+    full_rope = rope.get(_F) or {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+    local_rope = rope.get(_S) or {"rope_type": "default", "rope_theta": 1e4}
     if full_rope.get("rope_type", "proportional") not in ("proportional", "default"):
         raise NotImplementedError(f"{name}: rope_type {full_rope.get('rope_type')!r} is not supported")
     hidden = int(text["hidden_size"])
