@@ -102,7 +102,12 @@ class Writer:
         self.pending[name] = (1.0 + 0.1 * self.rng.standard_normal(n, dtype=np.float32)).astype(BF16)
 
     def dense(self, name: str, shape: tuple[int, ...], scale: float = 0.02) -> None:
-        self.pending[name] = (scale * self.rng.standard_normal(shape, dtype=np.float32)).astype(BF16)
+        out = np.empty(shape, BF16)
+        rows = max(1, (1 << 24) // int(np.prod(shape[1:], dtype=np.int64)))  # ~64 MiB of float32 at a time
+        for r in range(0, shape[0], rows):
+            block = self.rng.standard_normal((min(rows, shape[0] - r),) + tuple(shape[1:]), dtype=np.float32)
+            out[r : r + rows] = (scale * block).astype(BF16)
+        self.pending[name] = out
 
     def linear(self, module: str, out_f: int, in_f: int) -> None:
         if self.fmt != "qat-w4a16-ct":
