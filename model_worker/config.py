@@ -111,8 +111,9 @@ class ModelConfig:
         """Indices of the layers that own a KV cache (those not reading another layer's KV)."""
         return tuple(i for i, spec in enumerate(self.layers) if spec.kv_source == i)
 
-    def kv_bytes(self, itemsize: int) -> tuple[int, int]:
-        """KV cache bytes as (per token of context, per sequence) for an element size in bytes.
+    def kv_bytes(self, itemsize: int, scale_bytes: int = 0) -> tuple[int, int]:
+        """KV cache bytes as (per token of context, per sequence) for an element size in bytes (plus, for int8
+        storage, `scale_bytes` per token and KV head).
 
         Full-attention layers keep every position (they grow with the context); sliding layers keep a ring of
         `sliding_window` positions (a fixed per-sequence cost).
@@ -120,7 +121,7 @@ class ModelConfig:
         per_token = per_sequence = 0
         for i in self.kv_layers:
             spec = self.layers[i]
-            row = 2 * spec.num_kv_heads * spec.head_dim * itemsize  # K and V
+            row = 2 * spec.num_kv_heads * (spec.head_dim * itemsize + scale_bytes)  # K and V
             if spec.attention == "full":
                 per_token += row
             else:

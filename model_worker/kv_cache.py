@@ -27,12 +27,21 @@ class KVCache:
     """Per-layer K and V arrays (None for layers that own no cache).
 
     Attributes:
-      k: per layer, `[S, T, K, D]` (full) or `[S, W, K, D]` (sliding) or None.
+      k: per layer, `[S, T, K, D]` (full) or `[S, W, K, D]` (sliding) or None; the compute dtype, or int8.
       v: same shapes as `k`.
+      k_scale, v_scale: with int8 storage, float32 `[S, T, K]` / `[S, W, K]`: one scale per stored token and KV
+        head (x ≈ q * scale, scale = max|x| / 127 over the head dim); otherwise None per layer.
     """
 
     k: list[jax.Array | None]
     v: list[jax.Array | None]
+    k_scale: list[jax.Array | None]
+    v_scale: list[jax.Array | None]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether K/V are stored as int8 with per-token, per-head scales."""
+        return any(s is not None for s in self.k_scale)
 
     @staticmethod
     def shapes(cfg: ModelConfig, num_slots: int, max_len: int) -> list[tuple[int, ...] | None]:
@@ -47,20 +56,15 @@ class KVCache:
         return out
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype) -> KVCache:
-        """An all-zero cache for `num_slots` sequences of up to `max_len` positions."""
+    def zeros(cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype, int8: bool = False) -> KVCache:
+        """An all-zero cache for `num_slots` sequences of up to `max_len` positions (int8 + scales if `int8`)."""
         shapes = cls.shapes(cfg, num_slots, max_len)
-        k = [None if s is None else jnp.zeros(s, dtype) for s in shapes]
-        v = [None if s is None else jnp.zeros(s, dtype) for s in shapes]
-        return cls(k=k, v=v)
-
-    @classmethod
-    def abstract(cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype) -> KVCache:
-        """`jax.ShapeDtypeStruct` stand-ins, for ahead-of-time compilation."""
-        shapes = cls.shapes(cfg, num_slots, max_len)
-        k = [None if s is None else jax.ShapeDtypeStruct(s, dtype) for s in shapes]
-        v = [None if s is None else jax.ShapeDtypeStruct(s, dtype) for s in shapes]
-        return cls(k=k, v=v)
+        store = jnp.int8 if int8 else dtype
+        k = [None if s is None else jnp.zeros(s, store) for s in shapes]
+        v = [None if s is None else jnp.zeros(s, store) for s in shapes]
+        k_scale = [None if s is None or not int8 else jnp.zeros(s[:-1], jnp.float32) for s in shapes]
+        v_scale = [None if s is None or not int8 else jnp.zeros(s[:-1], jnp.float32) for s in shapes]
+        return cls(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
     def nbytes(self) -> int:
         """Bytes held by the cache arrays."""

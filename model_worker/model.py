@@ -105,13 +105,31 @@ def attend(
     return out.reshape(B, C, N * D)
 
 
-def _rows(x: jax.Array, slots: jax.Array | None) -> jax.Array:
+def _rows(x: jax.Array | None, slots: jax.Array | None) -> jax.Array | None:
     """The cache rows of this batch: all rows in order (slots None) or a gather of `slots`."""
-    return x if slots is None else jnp.take(x, slots, axis=0)
+    return x if slots is None or x is None else jnp.take(x, slots, axis=0)
 
 
-def _write_full(cache: jax.Array, new: jax.Array, positions: jax.Array, slots: jax.Array | None) -> jax.Array:
-    """Scatter new K or V ([B, C, K, D]) into a full-length cache at (slot, position); padding is dropped."""
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., D] -> (int8 [..., D], float32 scale [...]): symmetric, one scale per vector, scale = max|x| / 127."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.maximum(amax, 1e-30) / 127.0
+    q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize_kv(q: jax.Array, scale: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+    """Inverse of quantize_kv (identity when scale is None)."""
+    if scale is None:
+        return q
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def _write_full(cache: jax.Array | None, new: jax.Array, positions: jax.Array, slots: jax.Array | None):
+    """Scatter new K or V ([B, C, K, D]) or their scales ([B, C, K]) into a full-length cache at (slot,
+    position); padding is dropped. None stays None."""
+    if cache is None:
+        return None
     B = new.shape[0]
     rows = jnp.arange(B) if slots is None else slots
     where = jnp.where(positions >= 0, positions, cache.shape[1])  # out of range -> dropped
@@ -133,8 +151,16 @@ def _update_ring(ring: jax.Array, new: jax.Array, start: jax.Array, n_valid: jax
     held = ring_positions(start + n_valid, W)  # [B, W] positions held after the append
     from_chunk = held >= start[:, None]
     idx = jnp.clip(held - start[:, None], 0, new.shape[1] - 1)
-    gathered = jnp.take_along_axis(new, idx[:, :, None, None], axis=1)
-    return jnp.where(from_chunk[:, :, None, None], gathered, ring)
+    tail = (1,) * (new.ndim - 2)
+    gathered = jnp.take_along_axis(new, idx.reshape(idx.shape + tail), axis=1)
+    return jnp.where(from_chunk.reshape(from_chunk.shape + tail), gathered, ring)
+
+
+def _set_rows(cache: jax.Array | None, rows_value: jax.Array | None, slots: jax.Array | None):
+    """Write updated rows back (the whole array when slots is None)."""
+    if cache is None:
+        return None
+    return rows_value if slots is None else cache.at[slots].set(rows_value)
 
 
 def _attention_block(
@@ -164,22 +190,30 @@ def _attention_block(
         v = k_raw if spec.k_eq_v else linear(x, lp.v).reshape(B, C, K, D)
         if cfg.v_norm:
             v = rms_norm(v, None, eps)
+        dtype = x.dtype
+        if cache.k_scale[i] is not None:  # int8 storage: the chunk attends to what the cache will hold
+            (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+        else:
+            ks = vs = None
         if spec.attention == "full":
             cache.k[i] = _write_full(cache.k[i], k, positions, slots)
             cache.v[i] = _write_full(cache.v[i], v, positions, slots)
-            keys = _rows(cache.k[i][:, :kv_len], slots)
-            vals = _rows(cache.v[i][:, :kv_len], slots)
+            cache.k_scale[i] = _write_full(cache.k_scale[i], ks, positions, slots)
+            cache.v_scale[i] = _write_full(cache.v_scale[i], vs, positions, slots)
+            cut = lambda a: None if a is None else a[:, :kv_len]
+            keys = dequantize_kv(_rows(cut(cache.k[i]), slots), _rows(cut(cache.k_scale[i]), slots), dtype)
+            vals = dequantize_kv(_rows(cut(cache.v[i]), slots), _rows(cut(cache.v_scale[i]), slots), dtype)
             k_pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
         else:
-            ring_k, ring_v = _rows(cache.k[i], slots), _rows(cache.v[i], slots)
-            keys = jnp.concatenate([ring_k, k], axis=1)
-            vals = jnp.concatenate([ring_v, v], axis=1)
+            ring = [_rows(a, slots) for a in (cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i])]
+            keys = jnp.concatenate([dequantize_kv(ring[0], ring[2], dtype), dequantize_kv(k, ks, dtype)], axis=1)
+            vals = jnp.concatenate([dequantize_kv(ring[1], ring[3], dtype), dequantize_kv(v, vs, dtype)], axis=1)
             k_pos = jnp.concatenate([ring_positions(start, cfg.sliding_window), positions], axis=1)
-            new_k = _update_ring(ring_k, k, start, n_valid)
-            new_v = _update_ring(ring_v, v, start, n_valid)
-            rows = jnp.arange(B) if slots is None else slots
-            cache.k[i] = new_k if slots is None else cache.k[i].at[rows].set(new_k)
-            cache.v[i] = new_v if slots is None else cache.v[i].at[rows].set(new_v)
+            new = [None if old is None else _update_ring(old, chunk, start, n_valid)
+                   for old, chunk in zip(ring, (k, v, ks, vs))]
+            cache.k[i], cache.v[i] = _set_rows(cache.k[i], new[0], slots), _set_rows(cache.v[i], new[1], slots)
+            cache.k_scale[i] = _set_rows(cache.k_scale[i], new[2], slots)
+            cache.v_scale[i] = _set_rows(cache.v_scale[i], new[3], slots)
         shared[i] = (keys, vals, k_pos)
     else:
         keys, vals, k_pos = shared[spec.kv_source]
@@ -246,7 +280,7 @@ def forward(
     start = jnp.where(n_valid > 0, positions[:, 0], 0)
     x = jnp.take(params.embed, tokens, axis=0) * jnp.asarray(cfg.embed_scale, dtype)
     pli = per_layer_inputs(params, tokens, x, cfg) if cfg.ple_dim else None
-    cache = KVCache(k=list(cache.k), v=list(cache.v))
+    cache = KVCache(k=list(cache.k), v=list(cache.v), k_scale=list(cache.k_scale), v_scale=list(cache.v_scale))
     shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
     # KV-shared layers write no cache, so only the rows whose logits are wanted need to pass through them
     # (transformers Gemma4TextModel._maybe_slice_kv_shared_inputs): prefill computes them for one token.
