@@ -60,6 +60,13 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         help="prefill chunk lengths in tokens; long prompts are computed in chunks of the largest (default: 64 512)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8"],
+        help="KV cache storage: auto = the compute dtype; int8 = int8 with per-token, per-head scales "
+        "(about half the bytes of bf16) (default: %(default)s)",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16"],

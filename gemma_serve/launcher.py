@@ -40,6 +40,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     base = [sys.executable, "-m", "gemma_serve.cli"]
     common = ["--model", args.model, "--cache-dir", args.cache_dir, "--host", args.host, "--log-level", args.log_level]
     engine = ["--max-model-len", str(args.max_model_len), "--num-slots", str(args.num_slots), "--dtype", args.dtype,
+              "--kv-cache-dtype", args.kv_cache_dtype,
               "--prefill-chunks", *map(str, args.prefill_chunks)]
     gateway = ["--http-port", str(args.http_port), "--gateway-grpc-port", str(args.gateway_grpc_port),
                "--tokenizer-addr", f"{args.host}:{args.tokenizer_port}", "--worker-addr", f"{args.host}:{args.worker_port}"]

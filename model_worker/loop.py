@@ -1,8 +1,8 @@
 """The one thread that owns the Engine (and so the KV cache): schedule -> run -> publish, forever.
 
-Other threads talk to it only through `submit` and `abort`, which put commands in a queue; results leave
-through each sequence's `sink` callback (called on this thread, must not block). When there is nothing to do
-the thread sleeps on the command queue.
+Other threads talk to it only through `submit`, `abort`, `add_mask` and `add_forced`, which put commands in a
+queue; results leave through each sequence's `sink` callback (called on this thread, must not block). When
+there is nothing to do the thread sleeps on the command queue.
 """
 
 from __future__ import annotations
@@ -14,23 +14,29 @@ import time
 
 import numpy as np
 
-from model_worker.engine import Engine, default_sampling
-from model_worker.sampling import SamplingArrays
+from model_worker.engine import Engine, HostOutput
+from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Finish, Scheduler, Sequence, TokenEvent
 
 log = logging.getLogger(__name__)
 
 
-def _sampling_rows(rows: list[Sequence | None]) -> SamplingArrays:
-    """Per-row sampling arrays for a batch; None rows (idle slots) get greedy defaults."""
-    s = default_sampling(len(rows))
+def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
+    """Per-row sampling arrays for a batch (one row per sequence, in order)."""
+    s = SamplingArrays.defaults(len(rows), vocab)
     for r, seq in enumerate(rows):
-        if seq is None:
-            continue
         sp = seq.sampling
         s.temperature[r], s.top_k[r], s.top_p[r], s.min_p[r] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         s.seed[r] = (sp.seed & 0xFFFFFFFF, (sp.seed >> 32) & 0xFFFFFFFF)
         s.step[r] = len(seq.output)
+        s.presence_penalty[r], s.frequency_penalty[r] = sp.presence_penalty, sp.frequency_penalty
+        s.repetition_penalty[r] = sp.repetition_penalty
+        n = min(len(sp.bias_ids), MAX_LOGIT_BIAS)
+        s.bias_ids[r, :n], s.bias_vals[r, :n] = sp.bias_ids[:n], sp.bias_vals[:n]
+        s.top_logprobs[r] = sp.top_logprobs
+        mask = seq.masks.get(len(seq.output))
+        if mask is not None:
+            s.mask[r], s.mask_on[r] = mask, True
     return s
 
 
@@ -40,11 +46,12 @@ class EngineLoop:
     def __init__(self, engine: Engine):
         """Args: engine: a compiled Engine (the loop becomes its only user)."""
         self.engine = engine
+        self.vocab = engine.cfg.vocab_size
         self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len)
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.steps = {"prefill": 0, "decode": 0}
+        self.steps = {"compute": 0, "decode": 0, "copy": 0}
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -64,23 +71,41 @@ class EngineLoop:
         """Abort a sequence at the next iteration (thread-safe); unknown ids are ignored."""
         self._inbox.put(("abort", request_id))
 
+    def add_mask(self, request_id: str, step: int, words: np.ndarray) -> None:
+        """Allowed tokens (packed uint32 words) for output token number `step` of a sequence (thread-safe)."""
+        self._inbox.put(("mask", (request_id, step, words)))
+
+    def add_forced(self, request_id: str, step: int, token_ids: list[int]) -> None:
+        """Tokens to append without sampling from output token number `step` on (thread-safe)."""
+        self._inbox.put(("forced", (request_id, step, token_ids)))
+
     # ----- loop thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._drain_inbox(block=not self.scheduler.has_work())
             if self._stopped.is_set():
                 break
-            work = self.scheduler.schedule()
             try:
-                if work.prefill is not None:
-                    self._prefill(work.prefill)
-                if work.decode:
-                    self._decode(work.decode)
-            except Exception as exc:  # noqa: BLE001 - keep serving; fail only the sequences involved
+                self._iterate()
+            except Exception as exc:  # noqa: BLE001 - keep serving; fail the running sequences
                 log.exception("engine step failed")
-                involved = ([work.prefill] if work.prefill else []) + work.decode
-                for seq in involved:
+                for seq in list(self.scheduler.running.values()):
                     self._end(seq, Finish.ABORT, error=f"engine error: {exc}")
+
+    def _iterate(self) -> None:
+        for seq in list(self.scheduler.running.values()):
+            self._apply_forced(seq)
+        work = self.scheduler.schedule()
+        for parent, fork in work.forks:
+            self.engine.copy_slot(parent.slot, fork.slot)
+            fork.num_computed, fork.reset = len(fork.prompt) - 1, False
+            self.steps["copy"] += 1
+        if work.compute is not None:
+            self._compute(work.compute)
+        if work.decode:
+            self._decode(work.decode)
+        if work.compute is None and not work.decode and self.scheduler.has_work():
+            time.sleep(0.001)  # everyone waits for a mask or a parent: don't spin
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -104,37 +129,64 @@ class EngineLoop:
             seq = self.scheduler.abort(arg)
             if seq is not None:
                 seq.sink(TokenEvent([], [], Finish.ABORT))
+        elif kind in ("mask", "forced"):
+            rid, step, value = arg
+            seq = self.scheduler.by_id.get(rid)
+            if seq is not None and step >= len(seq.output):
+                (seq.masks if kind == "mask" else seq.forced)[step] = value
 
     def _end(self, seq: Sequence, finish: Finish, error: str | None = None) -> None:
         seq.finish = finish
         self.scheduler.finish(seq)
         seq.sink(TokenEvent([], [], finish, error=error))
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _apply_forced(self, seq: Sequence) -> None:
+        applied = self.scheduler.apply_forced(seq)
+        if applied:
+            if seq.finish != Finish.NONE:
+                self.scheduler.finish(seq)
+            seq.sink(TokenEvent(applied, [0.0] * len(applied), seq.finish, forced=[True] * len(applied),
+                                top=[([], [])] * len(applied)))
+
+    def _compute(self, seq: Sequence) -> None:
         start = seq.num_computed
-        token, logprob, n = self.engine.prefill(seq.slot, seq.prompt[start:], start, _sampling_rows([seq]))
+        todo = seq.tokens[start:]
+        if not seq.ready():
+            todo = todo[:-1]  # leave the last token until its mask arrives
+        out, n = self.engine.compute(seq.slot, todo, start, seq.is_output(start, len(todo)),
+                                     sampling_rows([seq], self.vocab), seq.reset)
         seq.num_computed += n
-        self.steps["prefill"] += 1
-        if seq.prefilled:
-            self._publish(seq, token, logprob)
+        seq.reset = False
+        self.steps["compute"] += 1
+        if seq.pending == 0:
+            self._publish(seq, out, 0)
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        S = self.engine.ecfg.num_slots
-        tokens = np.zeros(S, np.int32)
-        positions = np.full(S, -1, np.int32)
-        rows: list[Sequence | None] = [None] * S
-        for seq in seqs:
-            tokens[seq.slot], positions[seq.slot], rows[seq.slot] = seq.output[-1], seq.position, seq
-        next_tokens, logprobs = self.engine.decode(tokens, positions, _sampling_rows(rows))
+        out = self.engine.decode(
+            [s.slot for s in seqs],
+            [s.tokens[-1] for s in seqs],
+            [s.num_computed for s in seqs],
+            [s.num_computed >= len(s.prompt) for s in seqs],
+            sampling_rows(seqs, self.vocab),
+            [s.reset for s in seqs],
+        )
         self.steps["decode"] += 1
-        for seq in seqs:
-            self._publish(seq, int(next_tokens[seq.slot]), float(logprobs[seq.slot]))
+        for r, seq in enumerate(seqs):
+            seq.num_computed += 1
+            seq.reset = False
+            self._publish(seq, out, r)
 
-    def _publish(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _publish(self, seq: Sequence, out: HostOutput, row: int) -> None:
+        if out.mask_empty[row]:
+            self._end(seq, Finish.ABORT, error="the token mask allows no token")
+            return
+        token = int(out.tokens[row])
+        n = seq.sampling.top_logprobs
+        top = (out.top_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist())
         finish = self.scheduler.append_token(seq, token)
         if finish != Finish.NONE:
             self.scheduler.finish(seq)
-        seq.sink(TokenEvent([token], [logprob], finish))
+        seq.sink(TokenEvent([token], [float(out.logprobs[row])], finish, forced=[False], top=[top]))
 
 
 def wait_idle(loop: EngineLoop, timeout: float = 10.0) -> bool:

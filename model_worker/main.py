@@ -56,10 +56,12 @@ def load_engine(prepared, args: argparse.Namespace):
         max_model_len=args.max_model_len,
         prefill_chunks=tuple(sorted(args.prefill_chunks)),
         dtype=dtype,
+        kv_int8=args.kv_cache_dtype == "int8",
     )
     engine = Engine(cfg, params, ecfg)
     grid = engine.grid()
-    log.info("compiling %d programs (KV buckets %s, prefill chunks %s)", len(grid), engine.kv_buckets, ecfg.prefill_chunks)
+    log.info("compiling %d programs (batch buckets %s, KV buckets %s, chunks %s)", len(grid), engine.batch_buckets,
+             engine.kv_buckets, ecfg.prefill_chunks)
     seconds = engine.compile_all(lambda n, total, key: log.info("compiled %d/%d %s", n, total, key))
     log.info("compiled %d programs in %.1f s", engine.num_programs, seconds)
     per_token, per_seq = engine.kv_bytes()

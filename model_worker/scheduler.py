@@ -1,9 +1,20 @@
 """Plain-Python scheduling: sequences, the slot pool, and what to run next. No JAX here.
 
-Each engine iteration asks `Scheduler.schedule()` for work: at most one prefill chunk (for the oldest sequence
-whose prompt is not fully computed) and one decode step over every sequence that is generating. So a long new
-prompt is computed chunk by chunk while the running streams keep receiving tokens. Progress is tracked as a
-counter (`num_computed`), not a phase enum: a sequence decodes once its whole prompt is computed.
+A sequence's tokens are `prompt + output`; `num_computed` of them have their KV in the cache. Whatever is not
+computed yet is *pending*: one pending token (the last sampled one) makes it a decode candidate; more (a prompt,
+or forced tokens appended by a constrained-decoding client) make it a compute candidate. Each engine iteration
+asks `Scheduler.schedule()` for work: at most one compute chunk (the oldest compute candidate) and one decode
+step over every decode candidate. So a long new prompt is computed chunk by chunk while running streams keep
+getting tokens, and a finished sequence's slot is free for the next iteration.
+
+Constrained sequences sample only with a token mask for that step (`masks[step]`); one whose mask has not
+arrived is left out of the iteration without holding back the others. Forced tokens (`forced[step]`) are
+appended without sampling when the sequence reaches that step, and computed together in one step.
+
+`n` > 1: a sequence with `fork_of` shares its parent's prompt KV: when the parent's prompt has just been computed
+the engine copies the parent's slot into the fork's, and the fork only recomputes its last prompt token (which
+is exact for sliding-window rings: the parent's ring is then exactly one position ahead, and the one entry it
+overwrote is outside the window of the recomputed position).
 """
 
 from __future__ import annotations
@@ -12,6 +23,8 @@ import collections
 import dataclasses
 import enum
 from typing import Callable
+
+import numpy as np
 
 
 class Finish(enum.IntEnum):
@@ -25,23 +38,46 @@ class Finish(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSpec:
-    """Host-side sampling settings of one sequence (see sampling.SamplingArrays for the semantics)."""
+    """Host-side sampling settings of one sequence (see sampling.py for the semantics).
+
+    Attributes:
+      temperature, top_k, top_p, min_p: token choice.
+      seed: 64-bit seed of the sequence's random stream.
+      presence_penalty, frequency_penalty, repetition_penalty: OpenAI / CTRL penalties.
+      bias_ids, bias_vals: logit bias entries (at most sampling.MAX_LOGIT_BIAS).
+      top_logprobs: alternatives to return per token (0..20).
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    bias_ids: tuple[int, ...] = ()
+    bias_vals: tuple[float, ...] = ()
+    top_logprobs: int = 0
 
 
 @dataclasses.dataclass
 class TokenEvent:
-    """Tokens produced for a sequence since its last event; `finish` is set on the last event."""
+    """Tokens produced for a sequence since its last event; `finish` is set on the last event.
+
+    Attributes:
+      token_ids, logprobs, forced: per token.
+      top: per token, (ids, logprobs) of the most likely alternatives (empty when not requested).
+      finish: why the sequence ended (NONE while live).
+      error: a message when it ended because of an error.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     finish: Finish = Finish.NONE
     error: str | None = None
+    forced: list[bool] = dataclasses.field(default_factory=list)
+    top: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -55,11 +91,16 @@ class Sequence:
       max_tokens: generation limit.
       stop_ids: token ids that end the sequence (the stop token is kept in the output).
       sink: called (on the engine thread) with every TokenEvent; must not block.
+      constrained: sample only with a mask for that step (masks[step]).
+      fork_of: request id whose prompt KV this sequence shares (n > 1), or None.
       slot: cache row while admitted, else None.
-      num_computed: prompt tokens whose KV is in the cache.
-      output: generated token ids.
+      num_computed: tokens (prompt + output) whose KV is in the cache.
+      output: generated token ids (sampled and forced).
+      masks: step -> packed uint32 mask words for the token at output index `step`.
+      forced: step -> token ids to append without sampling at output index `step`.
       finish: why it ended (NONE while live).
-      arrival: admission order (set by Scheduler.add); the oldest pending prompt is prefilled first.
+      arrival: admission order (set by Scheduler.add).
+      reset: the slot's penalty history must be cleared at its next step (a fresh sequence).
     """
 
     request_id: str
@@ -68,28 +109,42 @@ class Sequence:
     max_tokens: int
     stop_ids: frozenset[int]
     sink: Callable[[TokenEvent], None]
+    constrained: bool = False
+    fork_of: str | None = None
     slot: int | None = None
     num_computed: int = 0
     output: list[int] = dataclasses.field(default_factory=list)
+    masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    forced: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     finish: Finish = Finish.NONE
     arrival: int = 0
+    reset: bool = True
 
     @property
-    def prefilled(self) -> bool:
-        """Whether the whole prompt is in the cache (the sequence is generating)."""
-        return self.num_computed >= len(self.prompt)
+    def tokens(self) -> list[int]:
+        """prompt + output."""
+        return self.prompt + self.output
 
     @property
-    def position(self) -> int:
-        """Position of the last generated token (the next decode step's input)."""
-        return len(self.prompt) + len(self.output) - 1
+    def pending(self) -> int:
+        """Tokens not yet in the cache."""
+        return len(self.prompt) + len(self.output) - self.num_computed
+
+    def ready(self) -> bool:
+        """Whether the next token can be sampled now (unconstrained, or its mask has arrived)."""
+        return not self.constrained or len(self.output) in self.masks
+
+    def is_output(self, start: int, count: int) -> list[bool]:
+        """For tokens start..start+count-1 of `tokens`: whether each is generated (not prompt)."""
+        return [start + j >= len(self.prompt) for j in range(count)]
 
 
 @dataclasses.dataclass
 class Work:
-    """What one engine iteration runs: an optional prefill chunk and the sequences to decode."""
+    """One engine iteration: forks to copy, an optional compute chunk, and the sequences to decode."""
 
-    prefill: Sequence | None
+    forks: list[tuple[Sequence, Sequence]]
+    compute: Sequence | None
     decode: list[Sequence]
 
 
@@ -119,23 +174,51 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> Work:
-        """Admit waiting sequences into free slots, then pick this iteration's work."""
+        """Admit waiting sequences into free slots, apply due forced tokens, then pick this iteration's work."""
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             self.running[seq.slot] = seq
-        pending = [s for s in self.running.values() if not s.prefilled]
-        prefill = min(pending, key=lambda s: s.arrival, default=None)
-        decode = [s for s in self.running.values() if s.prefilled and s.output]
-        return Work(prefill=prefill, decode=decode)
+        forks = self.due_forks()
+        live = [s for s in self.running.values() if s.finish == Finish.NONE and not self._waits_for_parent(s)]
+        compute = min((s for s in live if s.pending >= 2), key=lambda s: s.arrival, default=None)
+        decode = sorted((s for s in live if s.pending == 1 and s.ready()), key=lambda s: s.slot)
+        return Work(forks=forks, compute=compute, decode=decode)
+
+    def _waits_for_parent(self, seq: Sequence) -> bool:
+        return seq.fork_of is not None and seq.num_computed == 0
+
+    def due_forks(self) -> list[tuple[Sequence, Sequence]]:
+        """(parent, fork) pairs to copy now: the parent's prompt is computed and it has not advanced further.
+        A fork whose parent is gone or already past that point computes its prompt itself."""
+        due = []
+        for seq in self.running.values():
+            if not self._waits_for_parent(seq):
+                continue
+            parent = self.by_id.get(seq.fork_of)
+            if parent is None or parent.slot is None or parent.num_computed > len(parent.prompt):
+                seq.fork_of = None
+            elif parent.num_computed == len(parent.prompt):
+                due.append((parent, seq))
+        return due
+
+    def apply_forced(self, seq: Sequence) -> list[int]:
+        """Append the forced tokens due at the sequence's current step (stopping early if one ends it)."""
+        applied = []
+        for token in seq.forced.pop(len(seq.output), []):
+            applied.append(token)
+            if self.append_token(seq, token) != Finish.NONE:
+                break
+        return applied
 
     def has_work(self) -> bool:
         """Whether anything is waiting or running."""
         return bool(self.waiting or self.running)
 
     def append_token(self, seq: Sequence, token: int) -> Finish:
-        """Record a generated token and decide whether the sequence ends here."""
+        """Record a generated (or forced) token and decide whether the sequence ends here."""
         seq.output.append(token)
+        seq.masks.pop(len(seq.output) - 1, None)
         if token in seq.stop_ids:
             seq.finish = Finish.STOP
         elif len(seq.output) >= seq.max_tokens or len(seq.prompt) + len(seq.output) >= self.max_model_len:

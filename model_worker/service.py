@@ -16,7 +16,7 @@ import random
 import grpc
 
 from model_worker.loop import EngineLoop
-from model_worker.sampling import MAX_TOP_K
+from model_worker.sampling import MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS, mask_words_from_bytes
 from model_worker.scheduler import Finish, SamplingSpec, Sequence, TokenEvent
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
 
@@ -43,41 +43,71 @@ class _Live:
     timer: asyncio.TimerHandle | None = None
 
 
-def sampling_from_pb(sp: common_pb2.SamplingParams) -> SamplingSpec:
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def sampling_from_pb(sp: common_pb2.SamplingParams, vocab_size: int) -> SamplingSpec:
     """Validate and convert SamplingParams.
 
     Raises:
-      RequestError: INVALID_ARGUMENT for out-of-range values; UNIMPLEMENTED for features not served yet.
+      RequestError: INVALID_ARGUMENT naming the out-of-range value.
     """
-    if not math.isfinite(sp.temperature) or sp.temperature < 0:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"temperature must be >= 0, got {sp.temperature}")
-    if not 0 <= sp.top_k <= MAX_TOP_K:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_k must be in [0, {MAX_TOP_K}], got {sp.top_k}")
-    if not 0 <= sp.top_p <= 1:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_p must be in (0, 1], got {sp.top_p}")
-    if not 0 <= sp.min_p < 1:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"min_p must be in [0, 1), got {sp.min_p}")
-    unsupported = [
-        name
-        for name, on in [
-            ("presence_penalty", sp.presence_penalty != 0),
-            ("frequency_penalty", sp.frequency_penalty != 0),
-            ("repetition_penalty", sp.repetition_penalty not in (0, 1)),
-            ("logit_bias", bool(sp.logit_bias)),
-            ("top_logprobs", sp.top_logprobs > 0),
-        ]
-        if on
-    ]
-    if unsupported:
-        raise RequestError(grpc.StatusCode.UNIMPLEMENTED, f"not supported yet: {', '.join(unsupported)}")
+    finite = all(math.isfinite(x) for x in (sp.temperature, sp.top_p, sp.min_p, sp.presence_penalty,
+                                            sp.frequency_penalty, sp.repetition_penalty))
+    _check(finite, "sampling values must be finite numbers")
+    _check(sp.temperature >= 0, f"temperature must be >= 0, got {sp.temperature}")
+    _check(0 <= sp.top_k <= MAX_TOP_K, f"top_k must be in [0, {MAX_TOP_K}], got {sp.top_k}")
+    _check(0 <= sp.top_p <= 1, f"top_p must be in (0, 1], got {sp.top_p}")
+    _check(0 <= sp.min_p < 1, f"min_p must be in [0, 1), got {sp.min_p}")
+    _check(-2 <= sp.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {sp.presence_penalty}")
+    _check(-2 <= sp.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {sp.frequency_penalty}")
+    _check(sp.repetition_penalty >= 0, f"repetition_penalty must be > 0, got {sp.repetition_penalty}")
+    _check(len(sp.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias has more than {MAX_LOGIT_BIAS} entries")
+    for tid, bias in sp.logit_bias.items():
+        _check(0 <= tid < vocab_size, f"logit_bias token id {tid} is out of range [0, {vocab_size})")
+        _check(math.isfinite(bias) and -100 <= bias <= 100, f"logit_bias values must be in [-100, 100], got {bias}")
+    _check(0 <= sp.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
     seed = sp.seed if sp.HasField("seed") else random.getrandbits(64)
-    top_p = sp.top_p if sp.top_p > 0 else 1.0
-    return SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=top_p, min_p=sp.min_p, seed=seed)
+    bias = sorted(sp.logit_bias.items())
+    return SamplingSpec(
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p if sp.top_p > 0 else 1.0,
+        min_p=sp.min_p,
+        seed=seed,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty if sp.repetition_penalty > 0 else 1.0,
+        bias_ids=tuple(t for t, _ in bias),
+        bias_vals=tuple(v for _, v in bias),
+        top_logprobs=sp.top_logprobs,
+    )
 
 
-def token_pb(token: int, logprob: float) -> common_pb2.GeneratedToken:
-    """One generated token as a proto."""
-    return common_pb2.GeneratedToken(token_id=token, logprob=logprob)
+def mask_from_pb(mask: common_pb2.TokenMask, vocab_size: int):
+    """TokenMask -> packed uint32 words.
+
+    Raises:
+      RequestError: INVALID_ARGUMENT for a wrong length.
+    """
+    expected = (vocab_size + 7) // 8
+    _check(len(mask.allowed) == expected, f"a token mask must have {expected} bytes, got {len(mask.allowed)}")
+    return mask_words_from_bytes(mask.allowed, vocab_size)
+
+
+def tokens_pb(ev: TokenEvent) -> list[common_pb2.GeneratedToken]:
+    """The event's tokens as protos (with alternatives when requested, and the forced flag)."""
+    out = []
+    for j, token in enumerate(ev.token_ids):
+        pb = common_pb2.GeneratedToken(token_id=token, logprob=ev.logprobs[j],
+                                       forced=ev.forced[j] if ev.forced else False)
+        if ev.top and ev.top[j][0]:
+            pb.top_logprobs.extend(common_pb2.TopLogprob(token_id=t, logprob=lp)
+                                   for t, lp in zip(*ev.top[j]) if t >= 0)
+        out.append(pb)
+    return out
 
 
 class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
@@ -124,7 +154,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             live.timer = aio_loop.call_later(self.attach_timeout, self._attach_expired, seq.request_id)
         return model_worker_pb2.PrefillResponse(
             request_id=seq.request_id,
-            first_token=token_pb(ev.token_ids[0], ev.logprobs[0]) if ev.token_ids else None,
+            first_token=tokens_pb(ev)[0] if ev.token_ids else None,
             finish_reason=int(ev.finish),
             usage=common_pb2.Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.generated),
         )
@@ -138,9 +168,11 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         live.attached = True
         if live.timer:
             live.timer.cancel()
-        if first.WhichOneof("constraint"):
+        try:
+            self._constraint(rid, first)
+        except RequestError as err:
             self._drop(rid, abort=True)
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "token masks and forced tokens are not supported yet")
+            await context.abort(err.code, err.message)
         reader = asyncio.ensure_future(self._read_client(context, rid, live))
         finished = False
         try:
@@ -187,24 +219,47 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {len(prompt) + max_tokens} exceeds "
                 f"max_model_len {info.max_model_len}",
             )
-        if request.HasField("initial_mask"):
-            raise RequestError(grpc.StatusCode.UNIMPLEMENTED, "token masks are not supported yet")
+        _check(not request.constrained or request.HasField("initial_mask"),
+               "a constrained request needs initial_mask for its first token")
         stop = set(request.stopping.stop_token_ids)
         if not request.stopping.ignore_eos:
             stop |= set(info.default_stop_token_ids)
-        return Sequence(
+        seq = Sequence(
             request_id=rid,
             prompt=prompt,
-            sampling=sampling_from_pb(request.sampling),
+            sampling=sampling_from_pb(request.sampling, info.vocab_size),
             max_tokens=max_tokens,
             stop_ids=frozenset(stop),
             sink=lambda ev: None,
+            constrained=request.constrained,
+            fork_of=request.share_prompt_with or None,
         )
+        if request.HasField("initial_mask"):
+            seq.masks[0] = mask_from_pb(request.initial_mask, info.vocab_size)
+        return seq
+
+    def _constraint(self, rid: str, msg: model_worker_pb2.DecodeRequest) -> None:
+        """Hand a Decode-stream mask or forced-token run to the engine loop.
+
+        Raises:
+          RequestError: INVALID_ARGUMENT for a malformed mask, bad token ids or a negative step.
+        """
+        kind = msg.WhichOneof("constraint")
+        if kind is None:
+            return
+        _check(msg.step >= 0, f"step must be >= 0, got {msg.step}")
+        if kind == "mask":
+            self.loop.add_mask(rid, msg.step, mask_from_pb(msg.mask, self.info.vocab_size))
+        else:
+            ids = list(msg.forced.token_ids)
+            _check(bool(ids) and all(0 <= t < self.info.vocab_size for t in ids),
+                   f"forced token ids must be non-empty and in [0, {self.info.vocab_size})")
+            self.loop.add_forced(rid, msg.step, ids)
 
     def _decode_reply(self, live: _Live, events: list[TokenEvent]):
         tokens, finish, error = [], Finish.NONE, None
         for ev in events:
-            tokens += [token_pb(t, lp) for t, lp in zip(ev.token_ids, ev.logprobs)]
+            tokens += tokens_pb(ev)
             finish = ev.finish if ev.finish != Finish.NONE else finish
             error = ev.error or error
         live.generated += len(tokens)
@@ -216,13 +271,15 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         return reply, finish != Finish.NONE, error
 
     async def _read_client(self, context, rid: str, live: _Live) -> None:
-        """Consume later client messages; constraints are not served yet, so one aborts the request."""
+        """Forward later client messages (masks, forced tokens); a malformed one aborts the request."""
         while (msg := await context.read()) is not grpc.aio.EOF:
-            if msg.WhichOneof("constraint"):
+            if msg.request_id and msg.request_id != rid:
+                continue
+            try:
+                self._constraint(rid, msg)
+            except RequestError as err:
                 self.loop.abort(rid)
-                live.queue.put_nowait(
-                    TokenEvent([], [], Finish.ABORT, error="token masks and forced tokens are not supported yet")
-                )
+                live.queue.put_nowait(TokenEvent([], [], Finish.ABORT, error=err.message))
                 return
 
     def _attach_expired(self, rid: str) -> None:

@@ -1,15 +1,20 @@
 """Test doubles whose output can be computed by hand (JetStream mock_engine style).
 
 FakeEngine: the next token is always (previous token + 1) % vocab, so a prompt ending in t generates t+1, t+2, ...
-It has the Engine interface the EngineLoop uses (ecfg, prefill, decode) and counts its calls.
+(or, with a mask, the smallest allowed token >= that). It has the Engine interface the EngineLoop uses (ecfg,
+cfg.vocab_size, compute, decode, copy_slot) and counts its calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
 import numpy as np
+
+from model_worker.engine import HostOutput
+from model_worker.sampling import unpack_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,23 +25,41 @@ class FakeEngineConfig:
 
 
 class FakeEngine:
-    """next = (last + 1) % vocab; prefill consumes at most `chunk` tokens per call."""
+    """next = (last + 1) % vocab (masked: the smallest allowed token >= that, wrapping); compute consumes at most
+    `chunk` tokens per call."""
 
     def __init__(self, ecfg: FakeEngineConfig = FakeEngineConfig(), vocab: int = 1000, step_delay: float = 0.0):
         self.ecfg, self.vocab, self.step_delay = ecfg, vocab, step_delay
-        self.calls = {"prefill": 0, "decode": 0}
+        self.cfg = types.SimpleNamespace(vocab_size=vocab)
+        self.calls = {"compute": 0, "decode": 0, "copy": 0}
         self.gate = threading.Event()
         self.gate.set()
 
-    def prefill(self, slot, token_ids, start, sampling):
-        self.gate.wait()
-        self.calls["prefill"] += 1
-        n = min(self.ecfg.chunk, len(token_ids))
-        return (token_ids[n - 1] + 1) % self.vocab, -0.5, n
+    def _next(self, last: int, sampling, row: int) -> int:
+        token = (last + 1) % self.vocab
+        if sampling.mask_on[row]:
+            allowed = np.asarray(unpack_mask(sampling.mask[row], self.vocab))
+            order = np.roll(np.arange(self.vocab), -token)
+            token = int(order[allowed[order]][0])
+        return token
 
-    def decode(self, tokens, positions, sampling):
+    def _out(self, tokens: list[int], logprob: float) -> HostOutput:
+        n = len(tokens)
+        return HostOutput(np.array(tokens, np.int32), np.full(n, logprob, np.float32),
+                          np.full((n, 20), -1, np.int32), np.zeros((n, 20), np.float32), np.zeros(n, bool))
+
+    def compute(self, slot, token_ids, start, is_output, sampling, reset):
+        self.gate.wait()
+        self.calls["compute"] += 1
+        n = min(self.ecfg.chunk, len(token_ids))
+        return self._out([self._next(token_ids[n - 1], sampling, 0)], -0.5), n
+
+    def decode(self, slots, tokens, positions, is_output, sampling, reset=None):
         self.gate.wait()
         if self.step_delay:
             threading.Event().wait(self.step_delay)
         self.calls["decode"] += 1
-        return (tokens + 1) % self.vocab, np.full(tokens.shape, -0.25, np.float32)
+        return self._out([self._next(t, sampling, r) for r, t in enumerate(tokens)], -0.25)
+
+    def copy_slot(self, src, dst):
+        self.calls["copy"] += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from model_worker.scheduler import Finish, SamplingSpec, Scheduler, Sequence
@@ -18,7 +19,7 @@ def test_admission_is_fifo_and_bounded_by_slots():
     work = s.schedule()
     assert sorted(x.request_id for x in s.running.values()) == ["a", "b"]
     assert [x.request_id for x in s.waiting] == ["c"]
-    assert work.prefill.request_id == "a" and work.decode == []
+    assert work.compute.request_id == "a" and work.decode == []
 
 
 def test_oldest_pending_prompt_is_prefilled_first_and_decoders_keep_running():
@@ -28,9 +29,9 @@ def test_oldest_pending_prompt_is_prefilled_first_and_decoders_keep_running():
     s.add(b)
     s.schedule()
     a.num_computed = 3
-    s.append_token(a, 9)
+    s.append_token(a, 9)  # a's prompt is computed and its first token sampled: one pending token
     work = s.schedule()
-    assert work.prefill is b and work.decode == [a]
+    assert work.compute is b and work.decode == [a]
 
 
 def test_finish_reasons_and_slot_reuse():
@@ -43,7 +44,7 @@ def test_finish_reasons_and_slot_reuse():
     assert s.append_token(a, 5) == Finish.NONE
     assert s.append_token(a, 7) == Finish.STOP
     s.finish(a)
-    assert s.schedule().prefill.request_id == "b", "the freed slot is reused at the next iteration"
+    assert s.schedule().compute.request_id == "b", "the freed slot is reused at the next iteration"
     c = seq("c", prompt_len=4, max_tokens=10)
     s2 = Scheduler(num_slots=1, max_model_len=6)
     s2.add(c)
@@ -69,3 +70,43 @@ def test_duplicate_ids_rejected():
     s.add(seq("a"))
     with pytest.raises(KeyError):
         s.add(seq("a"))
+
+
+def test_constrained_sequence_waits_for_its_mask_without_holding_others():
+    s = Scheduler(num_slots=2, max_model_len=100)
+    a, b = seq("a"), seq("b")
+    a.constrained = True
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    for x in (a, b):
+        x.num_computed = 3
+        s.append_token(x, 9)
+    assert s.schedule().decode == [b]
+    a.masks[1] = np.ones(4, np.uint32)
+    assert s.schedule().decode == [a, b]
+
+
+def test_forced_tokens_make_a_compute_step_and_can_end_the_sequence():
+    s = Scheduler(num_slots=1, max_model_len=100)
+    a = seq("a", max_tokens=4)
+    s.add(a)
+    s.schedule()
+    a.num_computed = 3
+    s.append_token(a, 9)
+    a.forced[1] = [5, 6, 7, 8]
+    assert s.apply_forced(a) == [5, 6, 7]  # max_tokens 4 ends it after the third forced token
+    assert a.finish == Finish.LENGTH and a.output == [9, 5, 6, 7]
+
+
+def test_fork_waits_for_the_parent_prompt_then_is_copied():
+    s = Scheduler(num_slots=2, max_model_len=100)
+    parent, child = seq("p", prompt_len=5), seq("c", prompt_len=5)
+    child.fork_of = "p"
+    s.add(parent)
+    s.add(child)
+    work = s.schedule()
+    assert work.compute is parent and work.forks == [] and child not in work.decode
+    parent.num_computed = 5
+    s.append_token(parent, 9)
+    assert s.schedule().forks == [(parent, child)]

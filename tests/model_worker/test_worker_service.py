@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
+
+import numpy as np
 
 import grpc
 import pytest
@@ -125,7 +128,10 @@ def test_first_token_can_finish(server):
         (dict(prompt=[1], max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
         (dict(prompt=[1], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
         (dict(prompt=[1], top_k=5000), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
-        (dict(prompt=[1], presence_penalty=0.5), grpc.StatusCode.UNIMPLEMENTED, "presence_penalty"),
+        (dict(prompt=[1], presence_penalty=3.0), grpc.StatusCode.INVALID_ARGUMENT, "presence_penalty"),
+        (dict(prompt=[1], top_logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs"),
+        (dict(prompt=[1], logit_bias={5000: 1.0}), grpc.StatusCode.INVALID_ARGUMENT, "logit_bias token id 5000"),
+        (dict(prompt=[1], logit_bias={5: 101.0}), grpc.StatusCode.INVALID_ARGUMENT, "[-100, 100]"),
     ],
 )
 def test_prefill_validation(server, kwargs, code, fragment):
@@ -134,7 +140,7 @@ def test_prefill_validation(server, kwargs, code, fragment):
     assert err.value.code() == code and fragment in err.value.details()
 
 
-def test_duplicate_live_id_and_masks_rejected(server, engine):
+def test_duplicate_live_id_and_bad_masks_rejected(server, engine):
     engine.gate.clear()  # hold the engine so "x" stays live
     future = server.stub.Prefill.future(model_worker_pb2.PrefillRequest(
         request_id="x", prompt_token_ids=[1], stopping=common_pb2.StoppingParams(max_tokens=3)))
@@ -148,7 +154,11 @@ def test_duplicate_live_id_and_masks_rejected(server, engine):
         server.stub.Prefill(model_worker_pb2.PrefillRequest(
             request_id="m", prompt_token_ids=[1], stopping=common_pb2.StoppingParams(max_tokens=3),
             initial_mask=common_pb2.TokenMask(allowed=b"\x01")))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "125 bytes" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Prefill(model_worker_pb2.PrefillRequest(
+            request_id="c", prompt_token_ids=[1], stopping=common_pb2.StoppingParams(max_tokens=3), constrained=True))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "initial_mask" in err.value.details()
     decode_all(server.stub, "x")
 
 
@@ -207,3 +217,56 @@ def test_not_ready_is_unavailable():
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         s.close()
+
+
+def mask_bytes(allowed: list[int], vocab: int = 1000) -> bytes:
+    bits = np.zeros(vocab, bool)
+    bits[allowed] = True
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def test_masks_and_forced_tokens_over_the_decode_stream(server, engine):
+    """A constrained sequence samples only within its masks, waits for each, and forced runs are appended."""
+    first = server.stub.Prefill(model_worker_pb2.PrefillRequest(
+        request_id="k", prompt_token_ids=[10], stopping=common_pb2.StoppingParams(max_tokens=6), constrained=True,
+        initial_mask=common_pb2.TokenMask(allowed=mask_bytes([50, 60]))))
+    assert first.first_token.token_id == 50  # smallest allowed >= 11
+    steps = dict(engine.calls)
+    requests = queue.Queue()
+    requests.put(model_worker_pb2.DecodeRequest(request_id="k"))
+    stream = server.stub.Decode(iter(requests.get, None))
+    time.sleep(0.2)
+    assert engine.calls == steps, "a constrained sequence must wait for its mask"
+    requests.put(model_worker_pb2.DecodeRequest(step=1, mask=common_pb2.TokenMask(allowed=mask_bytes([7]))))
+    msg = next(stream)
+    assert [t.token_id for t in msg.tokens] == [7]
+    steps = dict(engine.calls)
+    engine.gate.clear()  # the run and the next step's mask arrive together, before the engine moves
+    requests.put(model_worker_pb2.DecodeRequest(step=2, forced=model_worker_pb2.ForcedTokens(token_ids=[300, 301, 302])))
+    requests.put(model_worker_pb2.DecodeRequest(step=5, mask=common_pb2.TokenMask(allowed=mask_bytes([998]))))
+    time.sleep(0.2)
+    engine.gate.set()
+    got, last = [], None
+    for last in stream:
+        got += [(t.token_id, t.forced) for t in last.tokens]
+    requests.put(None)
+    assert got == [(300, True), (301, True), (302, True), (998, False)]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == 6
+    # The last sampled token and the 3 forced ones are computed in one step, which also samples token 5.
+    assert engine.calls["compute"] == steps["compute"] + 1 and engine.calls["decode"] == steps["decode"]
+
+
+def test_n_choices_share_the_prompt(server, engine):
+    """A fork copies its parent's slot once the parent's prompt is computed, and computes no prompt chunk."""
+    engine.gate.clear()
+    parent = server.stub.Prefill.future(model_worker_pb2.PrefillRequest(
+        request_id="p0", prompt_token_ids=list(range(100, 110)), stopping=common_pb2.StoppingParams(max_tokens=3)))
+    child = server.stub.Prefill.future(model_worker_pb2.PrefillRequest(
+        request_id="p1", prompt_token_ids=list(range(100, 110)), stopping=common_pb2.StoppingParams(max_tokens=3),
+        share_prompt_with="p0"))
+    time.sleep(0.2)
+    engine.gate.set()
+    assert parent.result(5).first_token.token_id == 110 and child.result(5).first_token.token_id == 110
+    assert engine.calls["copy"] == 1
+    assert engine.calls["compute"] == 3, "the 10-token prompt is computed once, in chunks of 4"
+    assert decode_all(server.stub, "p0")[0] == [111, 112] and decode_all(server.stub, "p1")[0] == [111, 112]
