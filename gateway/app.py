@@ -22,12 +22,13 @@ from gateway.completions import (
     ResponseIds,
     chat_prompt,
     check_model,
+    choice_jobs,
     completion_prompts,
-    gen_params,
     run_choices,
     usage_dict,
     validate_fields,
 )
+from gateway.logprobs import CompletionLogprobs, chat_content, visible
 from gateway.errors import ApiError
 from gateway.generate import resolve_max_tokens
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest
@@ -134,8 +135,6 @@ async def _completions(backends: Backends, req: CompletionRequest):
     model = check_model(backends, req.model)
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
-    if req.logprobs is not None:
-        raise ApiError(400, "logprobs are not supported yet", param="logprobs")
     if req.best_of not in (None, 1, req.n):
         raise ApiError(400, "best_of other than n is not supported", param="best_of")
     prompts = await completion_prompts(backends, req)
@@ -143,19 +142,24 @@ async def _completions(backends: Backends, req: CompletionRequest):
     jobs = []
     for p, (ids, _) in enumerate(prompts):
         resolve_max_tokens(len(ids), req.max_tokens, max_len)
-        jobs += [(p * req.n + j, ids, gen_params(req, req.max_tokens, j)) for j in range(req.n)]
+        jobs += choice_jobs(ids, req, req.max_tokens, req.n, p * req.n, top_logprobs=req.logprobs or 0)
     echoes = [await _echo_text(backends, ids, text) if req.echo else "" for ids, text in prompts]
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     ids = ResponseIds("cmpl", model)
     if req.stream:
         stream = await _primed(run_choices(backends, jobs))
-        return StreamingResponse(_completion_chunks(ids, stream, req, echoes, prompt_tokens),
+        return StreamingResponse(_completion_chunks(backends, ids, stream, req, echoes, prompt_tokens),
                                  media_type="text/event-stream")
-    texts, finishes, completion_tokens = await _collect(run_choices(backends, jobs), len(jobs))
-    choices = [
-        {"index": i, "text": echoes[i // req.n] + texts[i], "logprobs": None, "finish_reason": finishes[i]}
-        for i in range(len(jobs))
-    ]
+    texts, finishes, completion_tokens, tokens = await _collect(run_choices(backends, jobs), len(jobs))
+    facts = backends.ready_facts()
+    choices = []
+    for i in range(len(jobs)):
+        echo = echoes[i // req.n]
+        lp = None
+        if req.logprobs is not None:
+            lp = CompletionLogprobs(facts, req.logprobs, len(echo)).chunk(
+                visible(facts, tokens[i], req.skip_special_tokens))
+        choices.append({"index": i, "text": echo + texts[i], "logprobs": lp, "finish_reason": finishes[i]})
     return {**ids.head("text_completion"), "choices": choices, "usage": usage_dict(prompt_tokens, completion_tokens)}
 
 
@@ -167,31 +171,39 @@ async def _echo_text(backends: Backends, ids: list[int], text: str) -> str:
     return reply.text
 
 
-async def _collect(stream, count: int) -> tuple[list[str], list[str | None], int]:
-    texts, finishes, tokens = [""] * count, [None] * count, 0
+async def _collect(stream, count: int):
+    """Gather every choice: (texts, finish reasons, total completion tokens, per-choice token protos)."""
+    texts, finishes, total = [""] * count, [None] * count, 0
+    tokens: list[list] = [[] for _ in range(count)]
     async for index, delta in stream:
         texts[index] += delta.text
+        tokens[index] += delta.tokens
         if delta.finish_reason:
             finishes[index] = delta.finish_reason
-            tokens += delta.usage.completion_tokens
-    return texts, finishes, tokens
+            total += delta.usage.completion_tokens
+    return texts, finishes, total, tokens
 
 
-async def _completion_chunks(ids: ResponseIds, stream, req: CompletionRequest, echoes, prompt_tokens: int):
+async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: CompletionRequest, echoes,
+                             prompt_tokens: int):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
+    facts = backends.ready_facts()
     completion_tokens = 0
-    started = set()
+    logprobs: dict[int, CompletionLogprobs] = {}
     try:
         async for index, delta in stream:
             text = delta.text
-            if index not in started:
-                started.add(index)
+            if index not in logprobs:
                 text = echoes[index // req.n] + text
+                logprobs[index] = CompletionLogprobs(facts, req.logprobs or 0, len(text) - len(delta.text))
             if delta.finish_reason:
                 completion_tokens += delta.usage.completion_tokens
-            if text or delta.finish_reason:
-                choice = {"index": index, "text": text, "logprobs": None, "finish_reason": delta.finish_reason}
+            lp = None
+            if req.logprobs is not None:
+                lp = logprobs[index].chunk(visible(facts, delta.tokens, req.skip_special_tokens))
+            if text or delta.finish_reason or (lp and lp["tokens"]):
+                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}
                 yield _sse({**ids.head("text_completion"), "choices": [choice], **extra})
         if include_usage:
             yield _sse({**ids.head("text_completion"), "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens)})
@@ -206,33 +218,40 @@ async def _chat(backends: Backends, req: ChatCompletionRequest):
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     validate_fields(req, max_tokens, param)
     model = check_model(backends, req.model)
-    if req.logprobs or req.top_logprobs:
-        raise ApiError(400, "logprobs are not supported yet", param="logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     prompt = await chat_prompt(backends, req)
     resolve_max_tokens(len(prompt), max_tokens, backends.ready_facts().max_model_len, param)
-    jobs = [(j, prompt, gen_params(req, max_tokens, j)) for j in range(req.n)]
+    jobs = choice_jobs(prompt, req, max_tokens, req.n, top_logprobs=req.top_logprobs or 0)
     ids = ResponseIds("chatcmpl", model)
     if req.stream:
         stream = await _primed(run_choices(backends, jobs))
-        return StreamingResponse(_chat_chunks(ids, stream, req, len(prompt)), media_type="text/event-stream")
-    texts, finishes, completion_tokens = await _collect(run_choices(backends, jobs), len(jobs))
-    choices = [
-        {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
-         "finish_reason": finishes[i]}
-        for i in range(len(jobs))
-    ]
+        return StreamingResponse(_chat_chunks(backends, ids, stream, req, len(prompt)),
+                                 media_type="text/event-stream")
+    texts, finishes, completion_tokens, tokens = await _collect(run_choices(backends, jobs), len(jobs))
+    facts = backends.ready_facts()
+    choices = []
+    for i in range(len(jobs)):
+        lp = None
+        if req.logprobs:
+            lp = {"content": chat_content(facts, visible(facts, tokens[i], req.skip_special_tokens),
+                                          req.top_logprobs or 0)}
+        choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lp,
+                        "finish_reason": finishes[i]})
     return {**ids.head("chat.completion"), "choices": choices, "usage": usage_dict(len(prompt), completion_tokens)}
 
 
-async def _chat_chunks(ids: ResponseIds, stream, req: ChatCompletionRequest, prompt_tokens: int):
+async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCompletionRequest,
+                       prompt_tokens: int):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
     head = ids.head("chat.completion.chunk")
+    facts = backends.ready_facts()
     completion_tokens = 0
     started = set()
 
-    def chunk(index, delta, finish=None):
-        return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
+    def chunk(index, delta, finish=None, logprobs=None):
+        return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                            "finish_reason": finish}], **extra})
 
     try:
@@ -240,8 +259,12 @@ async def _chat_chunks(ids: ResponseIds, stream, req: ChatCompletionRequest, pro
             if index not in started:
                 started.add(index)
                 yield chunk(index, {"role": "assistant", "content": ""})
-            if delta.text:
-                yield chunk(index, {"content": delta.text})
+            lp = None
+            if req.logprobs:
+                lp = {"content": chat_content(facts, visible(facts, delta.tokens, req.skip_special_tokens),
+                                              req.top_logprobs or 0)}
+            if delta.text or (lp and lp["content"]):
+                yield chunk(index, {"content": delta.text}, logprobs=lp)
             if delta.finish_reason:
                 completion_tokens += delta.usage.completion_tokens
                 yield chunk(index, {}, delta.finish_reason)

@@ -60,15 +60,21 @@ def validate_fields(req: SamplingFields, max_tokens: int | None, param: str = "m
         raise ApiError(400, f"{param} must be at least 1, got {max_tokens}", param=param)
 
 
-def gen_params(req: SamplingFields, max_tokens: int | None, choice: int) -> GenParams:
+def gen_params(req: SamplingFields, max_tokens: int | None, choice: int, top_logprobs: int = 0,
+               share_prompt_with: str | None = None) -> GenParams:
     """GenParams for choice number `choice` (a seeded request gives choice i the seed + i).
 
+    Args:
+      top_logprobs: alternatives per token to return (logprobs are always computed by the worker).
+      share_prompt_with: request id of choice 0 when this choice shares its prompt (n > 1).
     Raises:
       ApiError: 400 for bad stop strings, max_tokens or logit_bias.
     """
     validate_fields(req, max_tokens)
     stops = req.stop_list()
     sp = sampling_from_request(req)
+    sp.logprobs = True
+    sp.top_logprobs = top_logprobs
     if sp.HasField("seed"):
         sp.seed = (sp.seed + choice) & 0xFFFFFFFFFFFFFFFF
     return GenParams(
@@ -78,7 +84,21 @@ def gen_params(req: SamplingFields, max_tokens: int | None, choice: int) -> GenP
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
+        allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
+        share_prompt_with=share_prompt_with,
     )
+
+
+def choice_jobs(prompt: list[int], req: SamplingFields, max_tokens: int | None, n: int, first_index: int = 0,
+                top_logprobs: int = 0) -> list[tuple[int, list[int], GenParams, str]]:
+    """(index, prompt, params, request id) for the n choices of one prompt; choices 1..n-1 share choice 0's
+    prompt KV on the worker instead of computing the prompt again."""
+    rid0 = f"gen-{uuid.uuid4().hex}"
+    jobs = []
+    for j in range(n):
+        params = gen_params(req, max_tokens, j, top_logprobs, share_prompt_with=rid0 if j else None)
+        jobs.append((first_index + j, prompt, params, rid0 if j == 0 else f"{rid0}-{j}"))
+    return jobs
 
 
 def check_model(backends: Backends, model: str | None) -> str:
@@ -162,7 +182,7 @@ async def chat_prompt(backends: Backends, req: ChatCompletionRequest) -> list[in
 
 
 async def run_choices(
-    backends: Backends, jobs: list[tuple[int, list[int], GenParams]]
+    backends: Backends, jobs: list[tuple[int, list[int], GenParams, str]]
 ) -> AsyncIterator[tuple[int, Delta]]:
     """Run several generations concurrently; yields (choice index, delta) as they arrive.
 
@@ -172,9 +192,9 @@ async def run_choices(
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(index, prompt, params):
+    async def pump(index, prompt, params, rid):
         try:
-            async for delta in generate(backends, prompt, params):
+            async for delta in generate(backends, prompt, params, rid):
                 await queue.put((index, delta))
         except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
             await queue.put(exc)

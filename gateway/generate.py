@@ -40,6 +40,8 @@ class GenParams:
       stop_token_ids: extra stop ids.
       ignore_eos: do not stop on the model's default stop ids.
       skip_special_tokens: leave control tokens out of the text.
+      allowed_token_ids: restrict every step to these ids (vLLM's `allowed_token_ids`), or None.
+      share_prompt_with: request id of a sibling choice with the same prompt whose KV to reuse (n > 1).
     """
 
     sampling: common_pb2.SamplingParams
@@ -48,17 +50,26 @@ class GenParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    share_prompt_with: str | None = None
 
 
 @dataclasses.dataclass
 class Delta:
-    """Output since the previous delta; finish_reason and usage are set on the last one."""
+    """Output since the previous delta; finish_reason and usage are set on the last one.
+
+    Attributes:
+      text: new text (after stop-string handling).
+      token_ids, logprobs: the tokens counted in this delta.
+      tokens: the same tokens as worker protos (top alternatives, forced flag).
+    """
 
     text: str
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
     usage: common_pb2.Usage | None = None
+    tokens: list[common_pb2.GeneratedToken] = dataclasses.field(default_factory=list)
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> int:
@@ -101,15 +112,16 @@ class _Stream:
 
     def feed(self, tokens: list[common_pb2.GeneratedToken]) -> Delta:
         """Consume tokens (ignoring any after a stop string matched)."""
-        text, ids, lps = "", [], []
+        text, ids, lps, kept = "", [], [], []
         for t in tokens:
             if self.stops.stopped:
                 break
             self.count += 1
             ids.append(t.token_id)
             lps.append(t.logprob)
+            kept.append(t)
             text += self.stops.push(self.detok.push(t.token_id))
-        return Delta(text=text, token_ids=ids, logprobs=lps)
+        return Delta(text=text, token_ids=ids, logprobs=lps, tokens=kept)
 
     def close(self, delta: Delta, finish: int, prompt_tokens: int) -> Delta:
         """Mark the delta final: flush held text and attach the finish reason and usage."""
@@ -144,7 +156,10 @@ async def generate(
         stopping=common_pb2.StoppingParams(
             max_tokens=max_tokens, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos
         ),
+        share_prompt_with=params.share_prompt_with or "",
     )
+    if params.allowed_token_ids is not None:
+        prefill.allowed_tokens.allowed = allowed_mask_bytes(params.allowed_token_ids, facts.vocab_size)
     reply = await backends.call("model worker", backends.worker.Prefill(prefill))
     prompt_tokens = reply.usage.prompt_tokens
     delta = stream.feed([reply.first_token])
@@ -177,6 +192,22 @@ async def generate(
         call.cancel()
         if not stream.done or stream.stops.stopped:
             await _abort(backends, rid)
+
+
+def allowed_mask_bytes(token_ids: list[int], vocab_size: int) -> bytes:
+    """A TokenMask bitset (bit i of byte i // 8, LSB first) allowing exactly `token_ids`.
+
+    Raises:
+      ApiError: 400 for an empty list or an id out of range.
+    """
+    if not token_ids:
+        raise ApiError(400, "allowed_token_ids must not be empty", param="allowed_token_ids")
+    bits = bytearray((vocab_size + 7) // 8)
+    for t in token_ids:
+        if not 0 <= t < vocab_size:
+            raise ApiError(400, f"allowed token id {t} is out of range [0, {vocab_size})", param="allowed_token_ids")
+        bits[t // 8] |= 1 << (t % 8)
+    return bytes(bits)
 
 
 async def _abort(backends: Backends, rid: str) -> None:

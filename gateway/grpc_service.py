@@ -46,6 +46,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ApiError(400, "at most 4 non-empty stop strings are allowed")
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
+        sampling.logprobs = True
         return GenParams(
             sampling=sampling,
             max_tokens=request.max_tokens or None,
@@ -58,11 +59,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             prompt = await self._prompt(request)
             async for delta in generate(self.backends, prompt, self._params(request), request.request_id or None):
-                reply = gateway_pb2.GenerateResponse(
-                    text=delta.text,
-                    tokens=[common_pb2.GeneratedToken(token_id=t, logprob=lp)
-                            for t, lp in zip(delta.token_ids, delta.logprobs)],
-                )
+                reply = gateway_pb2.GenerateResponse(text=delta.text, tokens=delta.tokens)
                 if delta.finish_reason:
                     reply.finish_reason = _FINISH[delta.finish_reason]
                     reply.usage.CopyFrom(delta.usage)

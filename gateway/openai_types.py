@@ -46,6 +46,7 @@ class SamplingFields(_Body):
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     stop_token_ids: list[StrictInt] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
 
     def stop_list(self) -> list[str]:
         """`stop` as a list (at most 4 strings, none empty)."""
@@ -59,7 +60,7 @@ class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = 16
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
 

@@ -34,7 +34,7 @@ def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
         n = min(len(sp.bias_ids), MAX_LOGIT_BIAS)
         s.bias_ids[r, :n], s.bias_vals[r, :n] = sp.bias_ids[:n], sp.bias_vals[:n]
         s.top_logprobs[r] = sp.top_logprobs
-        mask = seq.masks.get(len(seq.output))
+        mask = seq.masks.get(len(seq.output), seq.allowed)
         if mask is not None:
             s.mask[r], s.mask_on[r] = mask, True
     return s

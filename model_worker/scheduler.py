@@ -98,6 +98,7 @@ class Sequence:
       output: generated token ids (sampled and forced).
       masks: step -> packed uint32 mask words for the token at output index `step`.
       forced: step -> token ids to append without sampling at output index `step`.
+      allowed: packed mask words applied at every step without a per-step mask, or None.
       finish: why it ended (NONE while live).
       arrival: admission order (set by Scheduler.add).
       reset: the slot's penalty history must be cleared at its next step (a fresh sequence).
@@ -116,6 +117,7 @@ class Sequence:
     output: list[int] = dataclasses.field(default_factory=list)
     masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     forced: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    allowed: np.ndarray | None = None
     finish: Finish = Finish.NONE
     arrival: int = 0
     reset: bool = True

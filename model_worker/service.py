@@ -236,6 +236,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         )
         if request.HasField("initial_mask"):
             seq.masks[0] = mask_from_pb(request.initial_mask, info.vocab_size)
+        if request.HasField("allowed_tokens"):
+            seq.allowed = mask_from_pb(request.allowed_tokens, info.vocab_size)
         return seq
 
     def _constraint(self, rid: str, msg: model_worker_pb2.DecodeRequest) -> None:

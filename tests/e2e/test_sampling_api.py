@@ -1,0 +1,116 @@
+"""Sampling features through the REST API, checked against transformers' logits (the independent reference):
+logprobs and top logprobs, n > 1, logit bias, presence/frequency penalties, allowed_token_ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+PROMPT = "The history of the city begins"
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def ref_logprobs(hf_gemma3, ids: list[int]) -> np.ndarray:
+    """log_softmax of transformers' logits at every position, float64."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf_gemma3(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def test_logprobs_equal_log_softmax_of_reference_logits(client, text_tokenizer, hf_gemma3):
+    r = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    prompt_ids = text_tokenizer.encode(PROMPT, add_bos=True)
+    out_ids = [text_tokenizer.token_id(t) if False else None for t in lp.tokens]  # noqa: F841 (strings only)
+    out_ids = text_tokenizer.encode(r.choices[0].text, parse_special=False)
+    assert len(out_ids) == len(lp.token_logprobs) == 6
+    ref = ref_logprobs(hf_gemma3, prompt_ids + out_ids)[len(prompt_ids) - 1 : -1]
+    ours = np.asarray(lp.token_logprobs)
+    expected = ref[np.arange(6), out_ids]
+    assert np.abs(ours - expected).max() < 2e-3, (ours, expected)
+    for step, top in enumerate(lp.top_logprobs):
+        assert len(top) == 5
+        best = np.argsort(-ref[step])[:5]
+        assert np.allclose(sorted(top.values(), reverse=True), ref[step][best], atol=2e-3)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs_shape(client):
+    r = client.chat.completions.create(model="gemma-3-270m", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert content and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        model="gemma-3-270m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert np.allclose([c.logprob for c in streamed], [c.logprob for c in content])
+
+
+def test_n_choices_share_the_prompt_and_match_single_requests(client):
+    single = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=8, temperature=0)
+    multi = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=8, temperature=0, n=3)
+    assert [c.text for c in multi.choices] == [single.choices[0].text] * 3
+    assert multi.usage.completion_tokens == 3 * single.usage.completion_tokens
+    assert multi.usage.prompt_tokens == single.usage.prompt_tokens
+    sampled = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                        n=3, seed=11)
+    again = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                      n=3, seed=11)
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in sampled.choices}) > 1, "seed + i gives each choice its own stream"
+
+
+def test_logit_bias_forces_and_forbids(client, text_tokenizer):
+    target = text_tokenizer.encode(" banana", parse_special=False)[0]
+    r = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logit_bias={str(target): 100})
+    assert text_tokenizer.encode(r.choices[0].text, parse_special=False) == [target] * 4
+    base = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=1, temperature=0)
+    first = text_tokenizer.encode(base.choices[0].text, parse_special=False)[0]
+    banned = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert text_tokenizer.encode(banned.choices[0].text, parse_special=False)[0] != first
+
+
+def test_penalties_follow_the_openai_formula_on_reference_logits(client, text_tokenizer, hf_gemma3):
+    """Greedy with presence/frequency penalties picks argmax(logits - f * count - p * [count > 0]) at every step,
+    where the logits are transformers' and the counts those of the tokens generated so far."""
+    presence, frequency = 0.8, 1.2
+    prompt = "one one one one one one one one"  # greedy repeats " one": the penalties must change that
+    r = client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=10, temperature=0,
+                                  presence_penalty=presence, frequency_penalty=frequency)
+    prompt_ids = text_tokenizer.encode(prompt, add_bos=True)
+    out_ids = text_tokenizer.encode(r.choices[0].text, parse_special=False)
+    import torch
+
+    with torch.no_grad():
+        logits = hf_gemma3(torch.tensor([prompt_ids + out_ids])).logits[0, len(prompt_ids) - 1 :].double().numpy()
+    counts = np.zeros(logits.shape[-1])
+    for step, token in enumerate(out_ids):
+        adjusted = logits[step] - frequency * counts - presence * (counts > 0)
+        top2 = np.sort(adjusted)[-2:]
+        if top2[1] - top2[0] > 1e-2:
+            assert token == int(adjusted.argmax()), step
+        counts[token] += 1
+    plain = client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=10, temperature=0)
+    assert plain.choices[0].text != r.choices[0].text, "the penalties should change this continuation"
+
+
+def test_allowed_token_ids_restrict_every_step(client, text_tokenizer):
+    allowed = text_tokenizer.encode(" one two three four five", parse_special=False)
+    r = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3,
+                                  extra_body={"allowed_token_ids": allowed})
+    assert set(text_tokenizer.encode(r.choices[0].text, parse_special=False)) <= set(allowed)
+    assert r.usage.completion_tokens == 8
