@@ -19,6 +19,7 @@ silently. Compiled programs live in JAX's persistent compilation cache (`enable_
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -155,6 +156,7 @@ class Engine:
         self.kv_buckets = ecfg.kv_buckets(cfg.sliding_window)
         self.batch_buckets = ecfg.batch_buckets()
         self._programs: dict[tuple[str, int, int, int], jax.stages.Compiled] = {}
+        self.calls: collections.Counter = collections.Counter()  # program key -> times run
 
     # ----- the grid -------------------------------------------------------------------------------------------
     def grid(self) -> list[tuple[str, int, int, int]]:
@@ -221,6 +223,7 @@ class Engine:
 
     # ----- running programs -----------------------------------------------------------------------------------
     def _run(self, key, *args) -> SampleOutput:
+        self.calls[key] += 1
         out, self.cache, self.pstate = self._programs[key](self.params, self.cache, self.pstate, *args)
         return out
 
@@ -290,6 +293,7 @@ class Engine:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy one slot's KV cache rows and penalty history to another slot."""
+        self.calls[("copy", 1, 0, 0)] += 1
         self.cache, self.pstate = self._programs[("copy", 1, 0, 0)](self.cache, self.pstate, np.int32(src),
                                                                      np.int32(dst))
 

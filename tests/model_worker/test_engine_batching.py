@@ -1,0 +1,183 @@
+"""The batched engine on a tiny random Gemma 4: batching never changes a sequence's result, nothing compiles
+after warm-up, a lone request uses the smallest programs, and N concurrent requests take about as many decode
+steps as the longest one."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_worker.engine import Engine, EngineConfig
+from model_worker.hf_loader import load_checkpoint
+from model_worker.loop import EngineLoop, wait_idle
+from model_worker.params import to_device
+from model_worker.scheduler import Finish, SamplingSpec, Sequence
+from tests.gemma4_tiny import SHARED, write_checkpoint
+
+TOL = 2e-4  # float32 summation-order noise between batch shapes (as in test_gemma4_numerics)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    write_checkpoint(SHARED, out)
+    cfg, flat = load_checkpoint(out, jnp.float32)
+    eng = Engine(cfg, to_device(cfg, flat, jnp.float32),
+                 EngineConfig(num_slots=4, max_model_len=128, prefill_chunks=(8, 32), kv_bucket_factor=16))
+    eng.compile_all()
+    return eng
+
+
+@pytest.fixture
+def loop(engine):
+    loop = EngineLoop(engine)
+    loop.start()
+    yield loop
+    loop.stop()
+
+
+class Collector:
+    """A sink that records (token, logprob, top-20 logprobs) per step and signals completion."""
+
+    def __init__(self):
+        self.tokens, self.logprobs, self.tops, self.finish = [], [], [], Finish.NONE
+        self.done = threading.Event()
+
+    def __call__(self, ev):
+        self.tokens += ev.token_ids
+        self.logprobs += ev.logprobs
+        self.tops += [np.asarray(t[1]) for t in ev.top]
+        if ev.finish != Finish.NONE:
+            self.finish = ev.finish
+            self.done.set()
+
+
+def make(rid, prompt, max_tokens, temperature=0.0, seed=0):
+    sink = Collector()
+    spec = SamplingSpec(temperature=temperature, seed=seed, top_logprobs=20)
+    return Sequence(rid, list(prompt), spec, max_tokens, frozenset(), sink), sink
+
+
+def run_alone(loop, rid, prompt, max_tokens, **kw):
+    seq, sink = make(rid, prompt, max_tokens, **kw)
+    loop.submit(seq)
+    assert sink.done.wait(60)
+    return sink
+
+
+REQUESTS = [  # (prompt length, max_tokens): different lengths, some longer than the window (8) and one chunk
+    (3, 12), (17, 5), (9, 20), (40, 8), (1, 15), (26, 3),
+]
+
+
+def _prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, n).tolist() for n, _ in REQUESTS]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_batched_equals_alone_with_joins_and_leaves(loop, temperature):
+    prompts = _prompts()
+    alone = [run_alone(loop, f"solo{i}", p, m, temperature=temperature, seed=100 + i)
+             for i, (p, (_, m)) in enumerate(zip(prompts, REQUESTS))]
+    # Now all together, arriving at staggered times (6 sequences, 4 slots: some wait, join and leave mid-flight).
+    sinks = []
+    for i, (p, (_, m)) in enumerate(zip(prompts, REQUESTS)):
+        seq, sink = make(f"batch{i}", p, m, temperature=temperature, seed=100 + i)
+        loop.submit(seq)
+        sinks.append(sink)
+        time.sleep(random.Random(i).uniform(0, 0.05))
+    for sink in sinks:
+        assert sink.done.wait(120)
+    for i, (a, b) in enumerate(zip(alone, sinks)):
+        assert len(a.tokens) == len(b.tokens)
+        lp_a, lp_b = np.asarray(a.logprobs), np.asarray(b.logprobs)
+        top_a, top_b = np.stack(a.tops), np.stack(b.tops)
+        assert np.abs(top_a - top_b).max() < TOL, f"request {i}: top-20 log-probabilities differ"
+        clear = (top_a[:, 0] - top_a[:, 1]) > 2 * TOL
+        same = np.asarray(a.tokens) == np.asarray(b.tokens)
+        first_diff = np.argmin(same) if not same.all() else len(same)
+        # Tokens agree wherever the choice is clear (up to the first unclear step, after which contexts differ).
+        assert same[:first_diff].all() and (first_diff == len(same) or not clear[first_diff]), i
+        assert np.abs(lp_a[:first_diff + 1] - lp_b[:first_diff + 1]).max() < TOL
+
+
+def test_no_compilation_after_warmup_and_smallest_buckets(loop, engine):
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)
+    engine.calls.clear()
+    # A lone short request runs in the smallest programs.
+    run_alone(loop, "short", [5, 6, 7], 4)
+    smallest_kv, smallest_chunk = engine.kv_buckets[0], min(engine.ecfg.prefill_chunks)
+    assert set(engine.calls) == {("compute", 1, smallest_chunk, smallest_kv), ("decode", 1, 1, smallest_kv)}, \
+        engine.calls
+    # A randomized stream: prompt lengths, max_tokens, sampling settings, batch sizes.
+    rng = random.Random(7)
+    sinks = []
+    for i in range(24):
+        prompt = [rng.randrange(512) for _ in range(rng.randint(1, 90))]
+        spec = SamplingSpec(temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 5, 50]),
+                            top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(2**63),
+                            presence_penalty=rng.choice([0.0, 0.5]), repetition_penalty=rng.choice([1.0, 1.2]),
+                            bias_ids=(3,), bias_vals=(rng.uniform(-5, 5),), top_logprobs=rng.choice([0, 5]))
+        sink = Collector()
+        loop.submit(Sequence(f"r{i}", prompt, spec, rng.randint(1, 128 - len(prompt)), frozenset(), sink))
+        sinks.append(sink)
+        if rng.random() < 0.3:
+            time.sleep(0.02)
+    for sink in sinks:
+        assert sink.done.wait(300)
+    assert compiles == [], f"{len(compiles)} compilations after warm-up"
+    assert {k[1] for k in engine.calls if k[0] == "decode"} > {1}, "the stream used several batch buckets"
+
+
+def test_decode_steps_follow_the_longest_request(loop):
+    steps = dict(loop.steps)
+    lengths = [3, 9, 17, 30]
+    sinks = []
+    for i, m in enumerate(lengths):
+        seq, sink = make(f"len{i}", [1 + i, 2, 3], m)
+        loop.submit(seq)
+        sinks.append(sink)
+    for sink in sinks:
+        assert sink.done.wait(60)
+    decode_steps = loop.steps["decode"] - steps["decode"]
+    # The first token of each comes from its prompt step; the rest from shared decode steps.
+    assert decode_steps <= max(lengths) + len(lengths), decode_steps
+    assert decode_steps < 0.6 * sum(m - 1 for m in lengths), "one sequence after another would take the sum"
+
+
+def test_a_finished_slot_is_reused_at_the_next_step(engine):
+    """Five requests on four slots: the fifth is admitted in the iteration right after the first one finishes."""
+    loop = EngineLoop(engine)
+    admitted = []
+    original = loop.scheduler.schedule
+
+    def schedule():
+        work = original()
+        admitted.append(sorted(s.request_id for s in loop.scheduler.running.values()))
+        return work
+
+    loop.scheduler.schedule = schedule
+    loop.start()
+    try:
+        sinks = []
+        for rid, m in (("a", 2), ("b", 30), ("c", 30), ("d", 30), ("e", 5)):
+            seq, sink = make(rid, [9, 8, 7], m)
+            loop.submit(seq)
+            sinks.append(sink)
+        for sink in sinks:
+            assert sink.done.wait(60)
+        assert wait_idle(loop)
+    finally:
+        loop.stop()
+    first_e = next(i for i, ids in enumerate(admitted) if "e" in ids)
+    last_a = max(i for i, ids in enumerate(admitted) if "a" in ids)
+    assert first_e == last_a + 1, admitted[: first_e + 1]
