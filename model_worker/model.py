@@ -176,8 +176,10 @@ def _attention_block(
     slots: jax.Array | None,
     kv_len: int,
     cfg: ModelConfig,
+    deferred: list,
 ) -> jax.Array:
-    """Self-attention of one layer; updates `cache` and `shared` in place (they are local to the trace)."""
+    """Self-attention of one layer; updates `cache` (full layers), `shared` and `deferred` (sliding-ring writes,
+    applied after the last layer by `_write_rings`) in place (they are local to the trace)."""
     B, C, _ = x.shape
     D, K = spec.head_dim, spec.num_kv_heads
     eps = cfg.rms_norm_eps
@@ -209,16 +211,46 @@ def _attention_block(
             keys = jnp.concatenate([dequantize_kv(ring[0], ring[2], dtype), dequantize_kv(k, ks, dtype)], axis=1)
             vals = jnp.concatenate([dequantize_kv(ring[1], ring[3], dtype), dequantize_kv(v, vs, dtype)], axis=1)
             k_pos = jnp.concatenate([ring_positions(start, cfg.sliding_window), positions], axis=1)
-            new = [None if old is None else _update_ring(old, chunk, start, n_valid)
-                   for old, chunk in zip(ring, (k, v, ks, vs))]
-            cache.k[i], cache.v[i] = _set_rows(cache.k[i], new[0], slots), _set_rows(cache.v[i], new[1], slots)
-            cache.k_scale[i] = _set_rows(cache.k_scale[i], new[2], slots)
-            cache.v_scale[i] = _set_rows(cache.v_scale[i], new[3], slots)
+            deferred.append((i, ring, (k, v, ks, vs)))
         shared[i] = (keys, vals, k_pos)
     else:
         keys, vals, k_pos = shared[spec.kv_source]
     out = attend(q, keys, vals, positions, k_pos, window, cfg.attn_scale)
     return linear(out, lp.o)
+
+
+def _after_value(x: jax.Array, anchor: jax.Array) -> jax.Array:
+    """x itself, made data-dependent on `anchor` (0 derived from it in a way XLA cannot fold: for v = the bits of
+    one anchor element, min(v, 0) & max(v, 0) == 0), so ops producing x's consumers wait for the anchor."""
+    v = jax.lax.bitcast_convert_type(anchor.reshape(-1)[0].astype(jnp.float32), jnp.int32)
+    dep = jnp.minimum(v, 0) & jnp.maximum(v, 0)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x | dep.astype(x.dtype)
+    return x + dep.astype(x.dtype)
+
+
+def _write_rings(cache: KVCache, deferred: list, anchor, positions, start, n_valid, slots, window: int) -> None:
+    """Apply the sliding layers' ring updates once every layer has read the rings.
+
+    Writing a ring while a later read of the same buffer is still pending (the read is fused into the attention
+    that consumes it, or a KV-shared layer reads it later) makes XLA copy the whole cache array instead of updating
+    it in place. Making the written values depend on the final hidden state (`anchor`) orders every write after
+    every read. Each valid token goes to ring index position % W — a scatter of C entries per row when C <= W (no
+    collisions); longer chunks rewrite whole rows with `_update_ring`.
+    """
+    names = ("k", "v", "k_scale", "v_scale")
+    C = positions.shape[1]
+    for i, ring, chunks in deferred:
+        for name, old, chunk in zip(names, ring, chunks):
+            arrays = getattr(cache, name)
+            if arrays[i] is None:
+                continue
+            if C <= window:
+                ring_idx = jnp.where(positions >= 0, positions % window, -1)
+                arrays[i] = _write_full(arrays[i], _after_value(chunk, anchor), ring_idx, slots)
+            else:
+                rows_value = _update_ring(old, _after_value(chunk, anchor), start, n_valid)
+                arrays[i] = _set_rows(arrays[i], rows_value, slots)
 
 
 def _mlp(lp: LayerParams, x: jax.Array) -> jax.Array:
@@ -282,6 +314,8 @@ def forward(
     pli = per_layer_inputs(params, tokens, x, cfg) if cfg.ple_dim else None
     cache = KVCache(k=list(cache.k), v=list(cache.v), k_scale=list(cache.k_scale), v_scale=list(cache.v_scale))
     shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+    deferred: list = []
+    all_positions = positions
     # KV-shared layers write no cache, so only the rows whose logits are wanted need to pass through them
     # (transformers Gemma4TextModel._maybe_slice_kv_shared_inputs): prefill computes them for one token.
     cut = cfg.first_shared_layer if logit_rows is not None else cfg.num_layers
@@ -291,7 +325,8 @@ def forward(
             x, positions = pick(x), pick(positions)
             pli = pick(pli) if pli is not None else None
         a = _attention_block(
-            lp, spec, i, rms_norm(x, lp.input_norm, eps), positions, start, n_valid, cache, shared, slots, kv_len, cfg
+            lp, spec, i, rms_norm(x, lp.input_norm, eps), positions, start, n_valid, cache, shared, slots, kv_len,
+            cfg, deferred,
         )
         x = x + rms_norm(a, lp.post_attn_norm, eps)
         x = x + rms_norm(_mlp(lp, rms_norm(x, lp.pre_ffw_norm, eps)), lp.post_ffw_norm, eps)
@@ -299,6 +334,7 @@ def forward(
             x = x + _ple_block(lp, x, pli[:, :, i], eps)
         if cfg.layer_scalar:
             x = x * lp.layer_scalar.astype(x.dtype)
+    _write_rings(cache, deferred, x, all_positions, start, n_valid, slots, cfg.sliding_window)
     if logit_rows is not None:
         x = x[:, 0] if cut < cfg.num_layers else jnp.take_along_axis(x, logit_rows[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params.final_norm, eps)

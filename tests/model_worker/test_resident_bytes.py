@@ -6,15 +6,12 @@ scripts/make_synthetic_gemma4.py, one per format.
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from model_worker.config import GEMMA4_E2B
-from model_worker.engine import Engine, EngineConfig, _step
+from model_worker.engine import Engine, EngineConfig
 from model_worker.hf_loader import load_checkpoint
 from model_worker.params import param_shapes, to_device
 from scripts.make_synthetic_gemma4 import GROUP, scaled_config, write
@@ -67,8 +64,8 @@ def _largest_layer_dequantized_bytes(itemsize: int) -> int:
     return max(per_layer.values())
 
 
-@pytest.mark.parametrize("kind, chunk", [("decode", 1), ("prefill", 16)])
-def test_int4_step_temporaries_stay_below_two_layers(tmp_path_factory, kind, chunk):
+@pytest.mark.parametrize("key", [("decode", 2, 1, 512), ("compute", 1, 16, 512)], ids=["decode", "compute"])
+def test_int4_step_temporaries_stay_below_two_layers(tmp_path_factory, key):
     """XLA's memory analysis of the compiled step: int4 weights are unpacked layer by layer, never all up front
     (all of them dequantized would be ~10 layers' worth)."""
     out = tmp_path_factory.mktemp("w4a16")
@@ -76,8 +73,7 @@ def test_int4_step_temporaries_stay_below_two_layers(tmp_path_factory, kind, chu
     cfg, flat = load_checkpoint(out, jnp.float32)
     params = to_device(cfg, flat, jnp.float32)
     engine = Engine(cfg, params, EngineConfig(num_slots=2, max_model_len=1024, prefill_chunks=(16,), dtype="float32"))
-    step = jax.jit(functools.partial(_step, cfg=cfg, kv_len=512), donate_argnames=("cache",))
-    compiled = step.lower(params, engine.cache, *engine._example_args(kind, chunk)).compile()
+    compiled = engine._lower(key).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     two_layers = 2 * _largest_layer_dequantized_bytes(4)
     assert temp < two_layers, f"temporaries {temp} B >= two layers of dequantized weights {two_layers} B"
