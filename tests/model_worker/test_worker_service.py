@@ -241,9 +241,9 @@ def test_masks_and_forced_tokens_over_the_decode_stream(server, engine):
     msg = next(stream)
     assert [t.token_id for t in msg.tokens] == [7]
     steps = dict(engine.calls)
-    engine.gate.clear()  # the run and the next step's mask arrive together, before the engine moves
-    requests.put(model_worker_pb2.DecodeRequest(step=2, forced=model_worker_pb2.ForcedTokens(token_ids=[300, 301, 302])))
+    engine.gate.clear()  # the next step's mask is there when the forced run arrives
     requests.put(model_worker_pb2.DecodeRequest(step=5, mask=common_pb2.TokenMask(allowed=mask_bytes([998]))))
+    requests.put(model_worker_pb2.DecodeRequest(step=2, forced=model_worker_pb2.ForcedTokens(token_ids=[300, 301, 302])))
     time.sleep(0.2)
     engine.gate.set()
     got, last = [], None
