@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import grpc
 
+import dataclasses
+import uuid
+
 from gateway.clients import Backends
+from gateway.completions import run_choices
 from gateway.errors import ApiError
-from gateway.generate import GenParams, generate
+from gateway.generate import GenParams
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -53,13 +57,31 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             stop=list(request.stop),
             stop_token_ids=list(request.stop_token_ids),
             skip_special_tokens=not request.include_special_tokens,
+            allowed_token_ids=list(request.allowed_token_ids) or None,
         )
+
+    def _jobs(self, request, prompt: list[int]) -> list:
+        """(index, prompt, params, request id) per choice; choices 1.. share choice 0's prompt KV."""
+        n = request.n or 1
+        if not 1 <= n <= 16:
+            raise ApiError(400, f"n must be in [1, 16], got {n}")
+        base = self._params(request)
+        rid0 = request.request_id or f"gen-{uuid.uuid4().hex}"
+        jobs = []
+        for j in range(n):
+            sampling = common_pb2.SamplingParams()
+            sampling.CopyFrom(base.sampling)
+            if j and sampling.HasField("seed"):
+                sampling.seed = (sampling.seed + j) & 0xFFFFFFFFFFFFFFFF
+            params = dataclasses.replace(base, sampling=sampling, share_prompt_with=rid0 if j else None)
+            jobs.append((j, prompt, params, rid0 if j == 0 else f"{rid0}-{j}"))
+        return jobs
 
     async def Generate(self, request, context):
         try:
             prompt = await self._prompt(request)
-            async for delta in generate(self.backends, prompt, self._params(request), request.request_id or None):
-                reply = gateway_pb2.GenerateResponse(text=delta.text, tokens=delta.tokens)
+            async for index, delta in run_choices(self.backends, self._jobs(request, prompt)):
+                reply = gateway_pb2.GenerateResponse(text=delta.text, tokens=delta.tokens, index=index)
                 if delta.finish_reason:
                     reply.finish_reason = _FINISH[delta.finish_reason]
                     reply.usage.CopyFrom(delta.usage)

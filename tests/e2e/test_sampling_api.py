@@ -114,3 +114,23 @@ def test_allowed_token_ids_restrict_every_step(client, text_tokenizer):
                                   extra_body={"allowed_token_ids": allowed})
     assert set(text_tokenizer.encode(r.choices[0].text, parse_special=False)) <= set(allowed)
     assert r.usage.completion_tokens == 8
+
+
+def test_grpc_generate_n_logprobs_and_bias(stack, text_tokenizer):
+    import grpc
+
+    from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    target = text_tokenizer.encode(" banana", parse_special=False)[0]
+    request = gateway_pb2.GenerateRequest(
+        text=PROMPT, max_tokens=3, n=2,
+        sampling=common_pb2.SamplingParams(temperature=0.0, top_logprobs=4, logit_bias={target: 100.0}))
+    with grpc.insecure_channel(stack.grpc_addr) as channel:
+        replies = list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=120))
+    by_choice = {0: [], 1: []}
+    for r in replies:
+        by_choice[r.index] += list(r.tokens)
+    for tokens in by_choice.values():
+        assert [t.token_id for t in tokens] == [target] * 3
+        assert all(len(t.top_logprobs) == 4 and t.top_logprobs[0].token_id == target for t in tokens)
+    assert sum(r.usage.completion_tokens for r in replies if r.finish_reason) == 6
