@@ -50,6 +50,9 @@ class EngineConfig:
       dtype: weights and activations dtype ("float32" or "bfloat16").
       kv_int8: store K/V as int8 with per-token, per-head scales.
       kv_bucket_factor: ratio between consecutive KV-length buckets.
+      prefix_slack: sliding-ring positions kept beyond the window, so a new prompt that diverges from a slot's
+        history at most this many tokens before its end reuses the slot exactly (prefix reuse).
+      max_waiting: bound of the waiting queue (requests beyond it are refused: RESOURCE_EXHAUSTED).
     """
 
     num_slots: int = 4
@@ -58,6 +61,8 @@ class EngineConfig:
     dtype: str = "float32"
     kv_int8: bool = False
     kv_bucket_factor: int = 4
+    prefix_slack: int = 256
+    max_waiting: int | None = 64
 
     def kv_buckets(self, window: int) -> tuple[int, ...]:
         """KV length buckets: window * factor**i below max_model_len, then max_model_len."""
@@ -151,7 +156,8 @@ class Engine:
             raise ValueError(f"prefill chunk {max(ecfg.prefill_chunks)} exceeds max_model_len {ecfg.max_model_len}")
         self.cfg, self.ecfg, self.params = cfg, ecfg, params
         self.dtype = jnp.dtype(ecfg.dtype)
-        self.cache = KVCache.zeros(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype, int8=ecfg.kv_int8)
+        self.cache = KVCache.zeros(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype, int8=ecfg.kv_int8,
+                                   slack=ecfg.prefix_slack)
         self.pstate = penalty_state_zeros(ecfg.num_slots, cfg.vocab_size)
         self.kv_buckets = ecfg.kv_buckets(cfg.sliding_window)
         self.batch_buckets = ecfg.batch_buckets()
@@ -303,10 +309,19 @@ class Engine:
         return self.params.nbytes()
 
     def kv_bytes(self) -> tuple[int, int]:
-        """KV bytes (per token of context, per sequence) of the allocated layout."""
-        if self.ecfg.kv_int8:
-            return self.cfg.kv_bytes(1, scale_bytes=4)
-        return self.cfg.kv_bytes(self.dtype.itemsize)
+        """KV bytes (per token of context, per sequence), measured from the allocated arrays: full-attention
+        layers grow with the context; sliding rings (window + slack) are a fixed per-sequence cost."""
+        per_token = per_seq = 0
+        arrays = zip(self.cache.k, self.cache.v, self.cache.k_scale, self.cache.v_scale)
+        for i, group in enumerate(arrays):
+            row_bytes = sum(a.nbytes for a in group if a is not None) // self.ecfg.num_slots
+            if row_bytes == 0:
+                continue
+            if self.cfg.layers[i].attention == "full":
+                per_token += row_bytes // self.ecfg.max_model_len
+            else:
+                per_seq += row_bytes
+        return per_token, per_seq
 
 
 def _pad_rows(sampling: SamplingArrays, batch: int, vocab: int) -> SamplingArrays:

@@ -2,7 +2,9 @@
 
 Layout (S = slots, T = max_model_len, W = sliding window, K = KV heads, D = head dim of the layer):
   * a full-attention layer keeps every position: `[S, T, K, D]`, position p stored at index p;
-  * a sliding layer keeps a ring of the last W positions: `[S, W, K, D]`, position p stored at index p % W;
+  * a sliding layer keeps a ring of the last R >= W positions: `[S, R, K, D]`, position p stored at index p % R.
+    R = W + slack: the slack keeps up to `slack` positions beyond the window, so a new prompt that shares a slot's
+    tokens up to a point at most `slack` + 1 positions back can reuse the slot exactly (prefix reuse);
   * a KV-shared layer (Gemma 4) owns nothing (None) and reads its source layer's arrays.
 
 Positions are logical: the ring index and the masks are derived from a token's position in its sequence, never
@@ -44,21 +46,24 @@ class KVCache:
         return any(s is not None for s in self.k_scale)
 
     @staticmethod
-    def shapes(cfg: ModelConfig, num_slots: int, max_len: int) -> list[tuple[int, ...] | None]:
+    def shapes(cfg: ModelConfig, num_slots: int, max_len: int, slack: int = 0) -> list[tuple[int, ...] | None]:
         """Shape of each layer's K (and V) array, None for layers without their own cache."""
         out: list[tuple[int, ...] | None] = []
         for i, spec in enumerate(cfg.layers):
             if spec.kv_source != i:
                 out.append(None)
             else:
-                length = max_len if spec.attention == "full" else cfg.sliding_window
+                length = max_len if spec.attention == "full" else min(cfg.sliding_window + slack, max_len)
                 out.append((num_slots, length, spec.num_kv_heads, spec.head_dim))
         return out
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype, int8: bool = False) -> KVCache:
-        """An all-zero cache for `num_slots` sequences of up to `max_len` positions (int8 + scales if `int8`)."""
-        shapes = cls.shapes(cfg, num_slots, max_len)
+    def zeros(
+        cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype, int8: bool = False, slack: int = 0
+    ) -> KVCache:
+        """An all-zero cache for `num_slots` sequences of up to `max_len` positions (int8 + scales if `int8`;
+        sliding rings of window + `slack` positions)."""
+        shapes = cls.shapes(cfg, num_slots, max_len, slack)
         store = jnp.int8 if int8 else dtype
         k = [None if s is None else jnp.zeros(s, store) for s in shapes]
         v = [None if s is None else jnp.zeros(s, store) for s in shapes]

@@ -43,15 +43,19 @@ def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
 class EngineLoop:
     """Drives an Engine with a Scheduler on a background thread."""
 
-    def __init__(self, engine: Engine):
-        """Args: engine: a compiled Engine (the loop becomes its only user)."""
+    def __init__(self, engine: Engine, token_budget: int | None = None):
+        """Args: engine: a compiled Engine (the loop becomes its only user); token_budget: most prompt tokens
+        computed per iteration (bounds the pause a long prompt causes in running streams; default: the largest
+        chunk)."""
         self.engine = engine
+        self.token_budget = token_budget or max(engine.ecfg.prefill_chunks)
         self.vocab = engine.cfg.vocab_size
-        self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len)
+        self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len, slack=engine.ecfg.prefix_slack,
+                                   max_waiting=engine.ecfg.max_waiting)
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.steps = {"compute": 0, "decode": 0, "copy": 0}
+        self.steps = {"compute": 0, "decode": 0, "copy": 0, "computed_tokens": 0}
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -96,9 +100,8 @@ class EngineLoop:
         for seq in list(self.scheduler.running.values()):
             self._apply_forced(seq)
         work = self.scheduler.schedule()
-        for parent, fork in work.forks:
-            self.engine.copy_slot(parent.slot, fork.slot)
-            fork.num_computed, fork.reset = len(fork.prompt) - 1, False
+        for src, dst in work.copies:
+            self.engine.copy_slot(src, dst)
             self.steps["copy"] += 1
         if work.compute is not None:
             self._compute(work.compute)
@@ -125,6 +128,8 @@ class EngineLoop:
                 self.scheduler.add(arg)
             except KeyError:
                 arg.sink(TokenEvent([], [], Finish.ABORT, error=f"request id {arg.request_id!r} is already live"))
+            except OverflowError as err:
+                arg.sink(TokenEvent([], [], Finish.ABORT, error=f"queue full: {err}"))
         elif kind == "abort":
             seq = self.scheduler.abort(arg)
             if seq is not None:
@@ -153,13 +158,28 @@ class EngineLoop:
         todo = seq.tokens[start:]
         if not seq.ready():
             todo = todo[:-1]  # leave the last token until its mask arrives
+        if seq.snapshot_at is not None and start < seq.snapshot_at:
+            todo = todo[: seq.snapshot_at - start]  # stop exactly at the shared prefix, to pin a copy
+        todo = todo[: self.token_budget]
         out, n = self.engine.compute(seq.slot, todo, start, seq.is_output(start, len(todo)),
                                      sampling_rows([seq], self.vocab), seq.reset)
         seq.num_computed += n
         seq.reset = False
         self.steps["compute"] += 1
+        self.steps["computed_tokens"] += n
+        if seq.snapshot_at is not None and seq.num_computed >= seq.snapshot_at:
+            self._snapshot(seq)
         if seq.pending == 0:
             self._publish(seq, out, 0)
+
+    def _snapshot(self, seq: Sequence) -> None:
+        """Pin a copy of the slot holding the shared prefix prompt[:snapshot_at] for later conversations."""
+        target = self.scheduler.cache.snapshot_slot(seq.slot)
+        if target is not None and seq.num_computed == seq.snapshot_at:
+            self.engine.copy_slot(seq.slot, target)
+            self.scheduler.cache.pin(target, seq.prompt[: seq.snapshot_at])
+            self.steps["copy"] += 1
+        seq.snapshot_at = None
 
     def _decode(self, seqs: list[Sequence]) -> None:
         out = self.engine.decode(
@@ -171,6 +191,7 @@ class EngineLoop:
             [s.reset for s in seqs],
         )
         self.steps["decode"] += 1
+        self.steps["computed_tokens"] += len(seqs)
         for r, seq in enumerate(seqs):
             seq.num_computed += 1
             seq.reset = False
@@ -183,10 +204,12 @@ class EngineLoop:
         token = int(out.tokens[row])
         n = seq.sampling.top_logprobs
         top = (out.top_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist())
+        first = not seq.output
         finish = self.scheduler.append_token(seq, token)
         if finish != Finish.NONE:
             self.scheduler.finish(seq)
-        seq.sink(TokenEvent([token], [float(out.logprobs[row])], finish, forced=[False], top=[top]))
+        seq.sink(TokenEvent([token], [float(out.logprobs[row])], finish, forced=[False], top=[top],
+                            cached_tokens=seq.cached_tokens if first else 0))
 
 
 def wait_idle(loop: EngineLoop, timeout: float = 10.0) -> bool:

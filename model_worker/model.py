@@ -210,7 +210,7 @@ def _attention_block(
             ring = [_rows(a, slots) for a in (cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i])]
             keys = jnp.concatenate([dequantize_kv(ring[0], ring[2], dtype), dequantize_kv(k, ks, dtype)], axis=1)
             vals = jnp.concatenate([dequantize_kv(ring[1], ring[3], dtype), dequantize_kv(v, vs, dtype)], axis=1)
-            k_pos = jnp.concatenate([ring_positions(start, cfg.sliding_window), positions], axis=1)
+            k_pos = jnp.concatenate([ring_positions(start, ring[0].shape[1]), positions], axis=1)
             deferred.append((i, ring, (k, v, ks, vs)))
         shared[i] = (keys, vals, k_pos)
     else:
@@ -229,14 +229,14 @@ def _after_value(x: jax.Array, anchor: jax.Array) -> jax.Array:
     return x + dep.astype(x.dtype)
 
 
-def _write_rings(cache: KVCache, deferred: list, anchor, positions, start, n_valid, slots, window: int) -> None:
+def _write_rings(cache: KVCache, deferred: list, anchor, positions, start, n_valid, slots) -> None:
     """Apply the sliding layers' ring updates once every layer has read the rings.
 
     Writing a ring while a later read of the same buffer is still pending (the read is fused into the attention
     that consumes it, or a KV-shared layer reads it later) makes XLA copy the whole cache array instead of updating
     it in place. Making the written values depend on the final hidden state (`anchor`) orders every write after
-    every read. Each valid token goes to ring index position % W — a scatter of C entries per row when C <= W (no
-    collisions); longer chunks rewrite whole rows with `_update_ring`.
+    every read. Each valid token goes to ring index position % R (R = the ring length) — a scatter of C entries
+    per row when C <= R (no collisions); longer chunks rewrite whole rows with `_update_ring`.
     """
     names = ("k", "v", "k_scale", "v_scale")
     C = positions.shape[1]
@@ -245,8 +245,9 @@ def _write_rings(cache: KVCache, deferred: list, anchor, positions, start, n_val
             arrays = getattr(cache, name)
             if arrays[i] is None:
                 continue
-            if C <= window:
-                ring_idx = jnp.where(positions >= 0, positions % window, -1)
+            size = arrays[i].shape[1]
+            if C <= size:
+                ring_idx = jnp.where(positions >= 0, positions % size, -1)
                 arrays[i] = _write_full(arrays[i], _after_value(chunk, anchor), ring_idx, slots)
             else:
                 rows_value = _update_ring(old, _after_value(chunk, anchor), start, n_valid)
@@ -334,7 +335,7 @@ def forward(
             x = x + _ple_block(lp, x, pli[:, :, i], eps)
         if cfg.layer_scalar:
             x = x * lp.layer_scalar.astype(x.dtype)
-    _write_rings(cache, deferred, x, all_positions, start, n_valid, slots, cfg.sliding_window)
+    _write_rings(cache, deferred, x, all_positions, start, n_valid, slots)
     if logit_rows is not None:
         x = x[:, 0] if cut < cfg.num_layers else jnp.take_along_axis(x, logit_rows[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params.final_norm, eps)

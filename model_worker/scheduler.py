@@ -15,6 +15,9 @@ appended without sampling when the sequence reaches that step, and computed toge
 the engine copies the parent's slot into the fork's, and the fork only recomputes its last prompt token (which
 is exact for sliding-window rings: the parent's ring is then exactly one position ahead, and the one entry it
 overwrote is outside the window of the recomputed position).
+
+Slots keep their KV after a sequence finishes: `PrefixCache` (prefix_cache.py) decides which slot a new sequence
+gets and how much of its prompt is already there.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import enum
 from typing import Callable
 
 import numpy as np
+
+from model_worker.prefix_cache import PrefixCache
 
 
 class Finish(enum.IntEnum):
@@ -68,6 +73,7 @@ class TokenEvent:
     Attributes:
       token_ids, logprobs, forced: per token.
       top: per token, (ids, logprobs) of the most likely alternatives (empty when not requested).
+      cached_tokens: prompt tokens reused from the prefix cache (on the first event).
       finish: why the sequence ended (NONE while live).
       error: a message when it ended because of an error.
     """
@@ -78,6 +84,7 @@ class TokenEvent:
     error: str | None = None
     forced: list[bool] = dataclasses.field(default_factory=list)
     top: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -102,6 +109,8 @@ class Sequence:
       finish: why it ended (NONE while live).
       arrival: admission order (set by Scheduler.add).
       reset: the slot's penalty history must be cleared at its next step (a fresh sequence).
+      cached_tokens: prompt tokens whose KV was reused from the prefix cache.
+      snapshot_at: pin a copy of the slot once this many prompt tokens are computed (a shared prefix), or None.
     """
 
     request_id: str
@@ -121,6 +130,8 @@ class Sequence:
     finish: Finish = Finish.NONE
     arrival: int = 0
     reset: bool = True
+    cached_tokens: int = 0
+    snapshot_at: int | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -143,22 +154,26 @@ class Sequence:
 
 @dataclasses.dataclass
 class Work:
-    """One engine iteration: forks to copy, an optional compute chunk, and the sequences to decode."""
+    """One engine iteration: slot copies (prefix reuse, forks) first, an optional compute chunk, then the
+    sequences to decode."""
 
-    forks: list[tuple[Sequence, Sequence]]
+    copies: list[tuple[int, int]]
     compute: Sequence | None
     decode: list[Sequence]
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set and the free slots."""
+    """Owns the waiting queue and the running set; slots and their contents belong to `self.cache`."""
 
-    def __init__(self, num_slots: int, max_model_len: int):
-        """Args: num_slots: cache rows; max_model_len: context limit used to finish sequences with LENGTH."""
+    def __init__(self, num_slots: int, max_model_len: int, slack: int = 0, max_waiting: int | None = None):
+        """Args: num_slots: cache rows; max_model_len: context limit used to finish sequences with LENGTH;
+        slack: sliding-ring positions beyond the window (prefix reuse tolerance, see PrefixCache);
+        max_waiting: bound of the waiting queue (None: unbounded)."""
         self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}
-        self.free_slots: list[int] = list(range(num_slots))[::-1]
+        self.cache = PrefixCache(num_slots, slack)
         self.by_id: dict[str, Sequence] = {}
         self._arrivals = 0
 
@@ -167,25 +182,42 @@ class Scheduler:
 
         Raises:
           KeyError: a live sequence already has this request id.
+          OverflowError: the waiting queue is full.
         """
         if seq.request_id in self.by_id:
             raise KeyError(seq.request_id)
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise OverflowError(f"{len(self.waiting)} requests are already waiting")
         self._arrivals += 1
         seq.arrival = self._arrivals
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
 
     def schedule(self) -> Work:
-        """Admit waiting sequences into free slots, apply due forced tokens, then pick this iteration's work."""
-        while self.waiting and self.free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
-            self.running[seq.slot] = seq
-        forks = self.due_forks()
+        """Admit waiting sequences (reusing cached prefixes), copy due forks, then pick this iteration's work."""
+        copies = self._admit()
+        for parent, fork in self.due_forks():
+            copies.append((parent.slot, fork.slot))
+            fork.num_computed, fork.reset = len(fork.prompt) - 1, False
         live = [s for s in self.running.values() if s.finish == Finish.NONE and not self._waits_for_parent(s)]
         compute = min((s for s in live if s.pending >= 2), key=lambda s: s.arrival, default=None)
         decode = sorted((s for s in live if s.pending == 1 and s.ready()), key=lambda s: s.slot)
-        return Work(forks=forks, compute=compute, decode=decode)
+        return Work(copies=copies, compute=compute, decode=decode)
+
+    def _admit(self) -> list[tuple[int, int]]:
+        copies = []
+        while self.waiting:
+            seq = self.waiting[0]
+            reuse = seq.fork_of is None and seq.sampling.repetition_penalty == 1.0
+            placement = self.cache.place(seq, reuse=reuse)
+            if placement is None:
+                break
+            self.waiting.popleft()
+            seq.slot, seq.num_computed, seq.cached_tokens = placement.slot, placement.cached, placement.cached
+            if placement.copy_from is not None:
+                copies.append((placement.copy_from, placement.slot))
+            self.running[seq.slot] = seq
+        return copies
 
     def _waits_for_parent(self, seq: Sequence) -> bool:
         return seq.fork_of is not None and seq.num_computed == 0
@@ -228,11 +260,11 @@ class Scheduler:
         return seq.finish
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished sequence's slot (it becomes free for the next iteration)."""
+        """Release a finished sequence's slot (free for the next iteration; its KV stays for prefix reuse)."""
         self.by_id.pop(seq.request_id, None)
         if seq.slot is not None and self.running.get(seq.slot) is seq:
             del self.running[seq.slot]
-            self.free_slots.append(seq.slot)
+            self.cache.release(seq)
         seq.slot = None
 
     def abort(self, request_id: str) -> Sequence | None:

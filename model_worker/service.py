@@ -146,7 +146,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             raise
         if ev.error:
             self._drop(seq.request_id, abort=False)
-            await context.abort(grpc.StatusCode.INTERNAL, ev.error)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if ev.error.startswith("queue full") else grpc.StatusCode.INTERNAL
+            await context.abort(code, ev.error)
         live.generated = len(ev.token_ids)
         if ev.finish != Finish.NONE:
             self._drop(seq.request_id, abort=False)
@@ -156,7 +157,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             request_id=seq.request_id,
             first_token=tokens_pb(ev)[0] if ev.token_ids else None,
             finish_reason=int(ev.finish),
-            usage=common_pb2.Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.generated),
+            usage=common_pb2.Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.generated,
+                                   cached_tokens=ev.cached_tokens),
         )
 
     async def Decode(self, request_iterator, context):

@@ -22,6 +22,12 @@ class FakeEngineConfig:
     num_slots: int = 2
     max_model_len: int = 64
     chunk: int = 4
+    prefix_slack: int = 4
+    max_waiting: int | None = 64
+
+    @property
+    def prefill_chunks(self) -> tuple[int, ...]:
+        return (self.chunk,)
 
 
 class FakeEngine:

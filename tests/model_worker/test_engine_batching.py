@@ -29,7 +29,8 @@ def engine(tmp_path_factory):
     write_checkpoint(SHARED, out)
     cfg, flat = load_checkpoint(out, jnp.float32)
     eng = Engine(cfg, to_device(cfg, flat, jnp.float32),
-                 EngineConfig(num_slots=4, max_model_len=128, prefill_chunks=(8, 32), kv_bucket_factor=16))
+                 EngineConfig(num_slots=4, max_model_len=128, prefill_chunks=(8, 32), kv_bucket_factor=16,
+                              prefix_slack=4))
     eng.compile_all()
     return eng
 
@@ -181,3 +182,74 @@ def test_a_finished_slot_is_reused_at_the_next_step(engine):
     first_e = next(i for i, ids in enumerate(admitted) if "e" in ids)
     last_a = max(i for i, ids in enumerate(admitted) if "a" in ids)
     assert first_e == last_a + 1, admitted[: first_e + 1]
+
+
+def run_fresh(engine, rid, prompt, max_tokens):
+    """The same request on a loop with an empty prefix cache (nothing reused): the cold reference."""
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        return run_alone(loop, rid, prompt, max_tokens)
+    finally:
+        loop.stop()
+
+
+def assert_same(a, b):
+    assert a.tokens == b.tokens
+    assert np.abs(np.asarray(a.logprobs) - np.asarray(b.logprobs)).max() < TOL
+    assert np.abs(np.stack(a.tops) - np.stack(b.tops)).max() < TOL
+
+
+def submit(loop, rid, prompt, max_tokens):
+    seq, sink = make(rid, prompt, max_tokens)
+    loop.submit(seq)
+    assert sink.done.wait(60)
+    return seq, sink
+
+
+def test_agent_turns_reuse_the_previous_turn_exactly(engine):
+    """Turn 2 = turn 1's prompt + answer + new tokens: everything computed before is reused (the window is 8, the
+    prompt far longer), and the output equals a cold run, also when the history diverges a few tokens before the
+    slot's end (within the ring's slack)."""
+    rng = np.random.default_rng(11)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        p1 = rng.integers(0, 512, 30).tolist()
+        seq1, sink1 = submit(loop, "t1", p1, 10)
+        p2 = p1 + sink1.tokens + rng.integers(0, 512, 12).tolist()
+        computed = loop.steps["computed_tokens"]
+        seq2, sink2 = submit(loop, "t2", p2, 8)
+        assert seq2.cached_tokens == len(p1) + 10 - 1, "all of turn 1 but its never-fed last token is reused"
+        # Computed: the new prompt tokens, then one token per decode step.
+        assert loop.steps["computed_tokens"] - computed == (len(p2) - seq2.cached_tokens) + 7
+        # Turn 3 rewrites the last two tokens of turn 2's answer (a client trimming the reply).
+        p3 = p2 + sink2.tokens[:-2] + [7, 7] + rng.integers(0, 512, 5).tolist()
+        seq3, sink3 = submit(loop, "t3", p3, 6)
+        assert seq3.cached_tokens == len(p2) + 6
+    finally:
+        loop.stop()
+    for prompt, sink, n in ((p2, sink2, 8), (p3, sink3, 6)):
+        assert_same(sink, run_fresh(engine, "cold", prompt, n))
+
+
+def test_shared_system_prompt_is_snapshotted_and_reused(engine):
+    rng = np.random.default_rng(12)
+    system = rng.integers(0, 512, 40).tolist()
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        a, _ = submit(loop, "a", system + rng.integers(0, 512, 6).tolist(), 20)
+        assert a.cached_tokens == 0
+        # b shares the 40-token prefix with a's slot, whose ring has moved far past it: b computes the prefix
+        # and pins a copy of it on the way.
+        b, _ = submit(loop, "b", system + rng.integers(0, 512, 9).tolist(), 4)
+        assert b.cached_tokens == 0
+        assert any(e.pinned and e.tokens == system for e in loop.scheduler.cache.entries)
+        c_prompt = system + rng.integers(0, 512, 7).tolist()
+        c, c_sink = submit(loop, "c", c_prompt, 6)
+        assert c.cached_tokens == len(system)
+        assert loop.scheduler.cache.hits >= 1
+    finally:
+        loop.stop()
+    assert_same(c_sink, run_fresh(engine, "cold", c_prompt, 6))

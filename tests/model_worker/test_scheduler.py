@@ -37,14 +37,17 @@ def test_oldest_pending_prompt_is_prefilled_first_and_decoders_keep_running():
 def test_finish_reasons_and_slot_reuse():
     s = Scheduler(num_slots=1, max_model_len=6)
     a = seq("a", prompt_len=3, max_tokens=10, stop=[7])
+    b = seq("b")
     s.add(a)
-    s.add(seq("b"))
+    s.add(b)
     s.schedule()
     a.num_computed = 3
     assert s.append_token(a, 5) == Finish.NONE
     assert s.append_token(a, 7) == Finish.STOP
     s.finish(a)
-    assert s.schedule().compute.request_id == "b", "the freed slot is reused at the next iteration"
+    work = s.schedule()
+    assert b.slot == 0 and work.decode == [b], "the freed slot is reused at the next iteration"
+    assert b.cached_tokens == 2, "b's prompt [1, 2, 3] was a's: all but its last token is reused in place"
     c = seq("c", prompt_len=4, max_tokens=10)
     s2 = Scheduler(num_slots=1, max_model_len=6)
     s2.add(c)
@@ -60,7 +63,7 @@ def test_abort_waiting_and_running():
     s.add(b)
     s.schedule()
     assert s.abort("b") is b and b.finish == Finish.ABORT and not s.waiting
-    assert s.abort("a") is a and not s.running and s.free_slots == [0]
+    assert s.abort("a") is a and not s.running and s.cache.has_free()
     assert s.abort("zzz") is None
     assert not s.has_work()
 
@@ -106,7 +109,57 @@ def test_fork_waits_for_the_parent_prompt_then_is_copied():
     s.add(parent)
     s.add(child)
     work = s.schedule()
-    assert work.compute is parent and work.forks == [] and child not in work.decode
+    assert work.compute is parent and work.copies == [] and child not in work.decode
     parent.num_computed = 5
     s.append_token(parent, 9)
-    assert s.schedule().forks == [(parent, child)]
+    work = s.schedule()
+    assert work.copies == [(parent.slot, child.slot)] and child.num_computed == 4
+
+
+def _run(s, seq_, upto: int):
+    """Pretend the engine computed the sequence's prompt and produced tokens until `upto` outputs."""
+    seq_.num_computed = len(seq_.tokens)
+    while len(seq_.output) < upto:
+        s.append_token(seq_, 50 + len(seq_.output))
+        seq_.num_computed = len(seq_.tokens) - 1
+
+
+def test_prefix_reuse_takes_over_a_finished_conversation():
+    s = Scheduler(num_slots=2, max_model_len=1000, slack=4)
+    turn1 = Sequence("t1", list(range(1, 41)), SamplingSpec(), 5, frozenset(), lambda ev: None)
+    s.add(turn1)
+    s.schedule()
+    _run(s, turn1, 5)
+    slot = turn1.slot
+    s.finish(turn1)
+    history = turn1.tokens[: turn1.num_computed]
+    # Next turn: the whole previous turn (prompt + answer) plus new tokens.
+    turn2 = Sequence("t2", turn1.tokens + [7, 8, 9], SamplingSpec(), 5, frozenset(), lambda ev: None)
+    s.add(turn2)
+    work = s.schedule()
+    assert work.copies == [] and turn2.slot == slot
+    assert turn2.cached_tokens == len(history) and turn2.pending == len(turn2.prompt) - len(history)
+
+
+def test_divergence_beyond_the_slack_is_not_reused():
+    s = Scheduler(num_slots=4, max_model_len=1000, slack=4)  # 4 slots: room for one pinned snapshot
+    a = Sequence("a", list(range(1, 41)), SamplingSpec(), 30, frozenset(), lambda ev: None)
+    s.add(a)
+    s.schedule()
+    _run(s, a, 30)
+    s.finish(a)
+    # Shares 40 prompt tokens, but the slot's ring has moved 29 positions past them (> slack + 1).
+    b = Sequence("b", list(range(1, 41)) + [999], SamplingSpec(), 5, frozenset(), lambda ev: None)
+    s.add(b)
+    s.schedule()
+    assert b.cached_tokens == 0 and b.snapshot_at == 40
+
+
+def test_running_or_pinned_prefix_is_copied_not_taken():
+    s = Scheduler(num_slots=3, max_model_len=1000, slack=4)
+    s.cache.pin(2, list(range(1, 33)))
+    b = Sequence("b", list(range(1, 33)) + [5, 6], SamplingSpec(), 5, frozenset(), lambda ev: None)
+    s.add(b)
+    work = s.schedule()
+    assert work.copies == [(2, b.slot)] and b.slot != 2 and b.cached_tokens == 32
+    assert s.cache.entries[2].pinned
