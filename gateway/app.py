@@ -21,6 +21,7 @@ from gateway.clients import Backends
 from gateway.completions import (
     ResponseIds,
     chat_prompt,
+    remember_answer,
     check_model,
     choice_jobs,
     completion_prompts,
@@ -150,7 +151,7 @@ async def _completions(backends: Backends, req: CompletionRequest):
         stream = await _primed(run_choices(backends, jobs))
         return StreamingResponse(_completion_chunks(backends, ids, stream, req, echoes, prompt_tokens),
                                  media_type="text/event-stream")
-    texts, finishes, completion_tokens, tokens = await _collect(run_choices(backends, jobs), len(jobs))
+    got = await _collect(run_choices(backends, jobs), len(jobs))
     facts = backends.ready_facts()
     choices = []
     for i in range(len(jobs)):
@@ -158,9 +159,11 @@ async def _completions(backends: Backends, req: CompletionRequest):
         lp = None
         if req.logprobs is not None:
             lp = CompletionLogprobs(facts, req.logprobs, len(echo)).chunk(
-                visible(facts, tokens[i], req.skip_special_tokens))
-        choices.append({"index": i, "text": echo + texts[i], "logprobs": lp, "finish_reason": finishes[i]})
-    return {**ids.head("text_completion"), "choices": choices, "usage": usage_dict(prompt_tokens, completion_tokens)}
+                visible(facts, got.tokens[i], req.skip_special_tokens))
+        choices.append({"index": i, "text": echo + got.texts[i], "logprobs": lp, "finish_reason": got.finishes[i]})
+    cached = sum(got.cached(p * req.n) for p in range(len(prompts)))
+    usage = usage_dict(prompt_tokens, got.completion_tokens, cached)
+    return {**ids.head("text_completion"), "choices": choices, "usage": usage}
 
 
 async def _echo_text(backends: Backends, ids: list[int], text: str) -> str:
@@ -171,17 +174,31 @@ async def _echo_text(backends: Backends, ids: list[int], text: str) -> str:
     return reply.text
 
 
-async def _collect(stream, count: int):
-    """Gather every choice: (texts, finish reasons, total completion tokens, per-choice token protos)."""
-    texts, finishes, total = [""] * count, [None] * count, 0
-    tokens: list[list] = [[] for _ in range(count)]
+class _Gathered:
+    """Every choice of a non-streamed response: texts, finish reasons, token protos, last deltas."""
+
+    def __init__(self, count: int):
+        self.texts, self.finishes = [""] * count, [None] * count
+        self.tokens: list[list] = [[] for _ in range(count)]
+        self.last: list = [None] * count
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(d.usage.completion_tokens for d in self.last if d is not None)
+
+    def cached(self, index: int) -> int:
+        return self.last[index].usage.cached_tokens if self.last[index] is not None else 0
+
+
+async def _collect(stream, count: int) -> _Gathered:
+    out = _Gathered(count)
     async for index, delta in stream:
-        texts[index] += delta.text
-        tokens[index] += delta.tokens
+        out.texts[index] += delta.text
+        out.tokens[index] += delta.tokens
         if delta.finish_reason:
-            finishes[index] = delta.finish_reason
-            total += delta.usage.completion_tokens
-    return texts, finishes, total, tokens
+            out.finishes[index] = delta.finish_reason
+            out.last[index] = delta
+    return out
 
 
 async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: CompletionRequest, echoes,
@@ -189,7 +206,7 @@ async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
     facts = backends.ready_facts()
-    completion_tokens = 0
+    completion_tokens = cached = 0
     logprobs: dict[int, CompletionLogprobs] = {}
     try:
         async for index, delta in stream:
@@ -199,6 +216,7 @@ async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: 
                 logprobs[index] = CompletionLogprobs(facts, req.logprobs or 0, len(text) - len(delta.text))
             if delta.finish_reason:
                 completion_tokens += delta.usage.completion_tokens
+                cached += delta.usage.cached_tokens if index % req.n == 0 else 0
             lp = None
             if req.logprobs is not None:
                 lp = logprobs[index].chunk(visible(facts, delta.tokens, req.skip_special_tokens))
@@ -206,7 +224,8 @@ async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: 
                 choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}
                 yield _sse({**ids.head("text_completion"), "choices": [choice], **extra})
         if include_usage:
-            yield _sse({**ids.head("text_completion"), "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens)})
+            usage = usage_dict(prompt_tokens, completion_tokens, cached)
+            yield _sse({**ids.head("text_completion"), "choices": [], "usage": usage})
     except ApiError as err:
         yield _sse(err.body())
     yield "data: [DONE]\n\n"
@@ -228,17 +247,19 @@ async def _chat(backends: Backends, req: ChatCompletionRequest):
         stream = await _primed(run_choices(backends, jobs))
         return StreamingResponse(_chat_chunks(backends, ids, stream, req, len(prompt)),
                                  media_type="text/event-stream")
-    texts, finishes, completion_tokens, tokens = await _collect(run_choices(backends, jobs), len(jobs))
+    got = await _collect(run_choices(backends, jobs), len(jobs))
     facts = backends.ready_facts()
     choices = []
     for i in range(len(jobs)):
         lp = None
         if req.logprobs:
-            lp = {"content": chat_content(facts, visible(facts, tokens[i], req.skip_special_tokens),
+            lp = {"content": chat_content(facts, visible(facts, got.tokens[i], req.skip_special_tokens),
                                           req.top_logprobs or 0)}
-        choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lp,
-                        "finish_reason": finishes[i]})
-    return {**ids.head("chat.completion"), "choices": choices, "usage": usage_dict(len(prompt), completion_tokens)}
+        remember_answer(backends, got.texts[i], got.last[i], got.tokens[i])
+        choices.append({"index": i, "message": {"role": "assistant", "content": got.texts[i]}, "logprobs": lp,
+                        "finish_reason": got.finishes[i]})
+    usage = usage_dict(len(prompt), got.completion_tokens, got.cached(0))
+    return {**ids.head("chat.completion"), "choices": choices, "usage": usage}
 
 
 async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCompletionRequest,
@@ -247,8 +268,10 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
     extra = {"usage": None} if include_usage else {}
     head = ids.head("chat.completion.chunk")
     facts = backends.ready_facts()
-    completion_tokens = 0
+    completion_tokens = cached = 0
     started = set()
+    texts: dict[int, str] = {}
+    tokens: dict[int, list] = {}
 
     def chunk(index, delta, finish=None, logprobs=None):
         return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -259,6 +282,8 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
             if index not in started:
                 started.add(index)
                 yield chunk(index, {"role": "assistant", "content": ""})
+            texts[index] = texts.get(index, "") + delta.text
+            tokens.setdefault(index, []).extend(delta.tokens)
             lp = None
             if req.logprobs:
                 lp = {"content": chat_content(facts, visible(facts, delta.tokens, req.skip_special_tokens),
@@ -267,9 +292,11 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
                 yield chunk(index, {"content": delta.text}, logprobs=lp)
             if delta.finish_reason:
                 completion_tokens += delta.usage.completion_tokens
+                cached += delta.usage.cached_tokens if index == 0 else 0
+                remember_answer(backends, texts[index], delta, tokens[index])
                 yield chunk(index, {}, delta.finish_reason)
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens)})
+            yield _sse({**head, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens, cached)})
     except ApiError as err:
         yield _sse(err.body())
     yield "data: [DONE]\n\n"

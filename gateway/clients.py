@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import ApiError, from_rpc_error
+from gateway.history import AnswerHistory
 from protos import model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
 log = logging.getLogger("gemma_serve.gateway")
@@ -40,6 +41,7 @@ class Backends:
         self.tokenizer_addr, self.worker_addr = tokenizer_addr, worker_addr
         self.served_model_name = served_model_name
         self.facts: ModelFacts | None = None
+        self.answers = AnswerHistory()
         self._channels: tuple[grpc.aio.Channel, grpc.aio.Channel] | None = None
 
     def _connect(self) -> tuple[grpc.aio.Channel, grpc.aio.Channel]:

@@ -148,12 +148,15 @@ async def completion_prompts(backends: Backends, req: CompletionRequest) -> list
     return out
 
 
-def message_to_pb(m) -> tokenizer_pb2.ChatMessage:
-    """OpenAI ChatMessage -> tokenizer proto."""
+def message_to_pb(m, answers=None) -> tokenizer_pb2.ChatMessage:
+    """OpenAI ChatMessage -> tokenizer proto (an assistant answer we generated carries its exact token ids)."""
     pb = tokenizer_pb2.ChatMessage(role=m.role, name=m.name or "", tool_call_id=m.tool_call_id or "",
                                    reasoning_content=m.reasoning_content or "")
     if isinstance(m.content, str):
         pb.content = m.content
+        exact = answers.lookup(m.content) if answers is not None and m.role == "assistant" else None
+        if exact:
+            pb.generated_token_ids.extend(exact)
     elif m.content is not None:
         pb.content_parts.extend(tokenizer_pb2.ContentPart(type=p.type, text=p.text or "") for p in m.content)
     for call in m.tool_calls or []:
@@ -172,7 +175,7 @@ async def chat_prompt(backends: Backends, req: ChatCompletionRequest) -> list[in
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise ApiError(400, "response_format other than text is not supported yet", param="response_format")
     request = tokenizer_pb2.ChatTemplateRequest(
-        messages=[message_to_pb(m) for m in req.messages],
+        messages=[message_to_pb(m, backends.answers) for m in req.messages],
         add_generation_prompt=True,
         tools_json=json.dumps(req.tools) if req.tools else "",
         template_kwargs_json=json.dumps(req.chat_template_kwargs) if req.chat_template_kwargs else "",
@@ -219,14 +222,25 @@ async def run_choices(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI usage object."""
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI usage object (cached_tokens: prompt tokens whose KV was reused)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def remember_answer(backends: Backends, text: str, delta: Delta, tokens: list) -> None:
+    """Remember a whole answer's exact ids (all generated tokens but a final stop token) for later turns."""
+    if not delta.whole:
+        return
+    ids = [t.token_id for t in tokens]
+    facts = backends.ready_facts()
+    if ids and ids[-1] in facts.stop_ids:
+        ids = ids[:-1]
+    backends.answers.remember(text, ids)
 
 
 class ResponseIds:

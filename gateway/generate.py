@@ -62,6 +62,7 @@ class Delta:
       text: new text (after stop-string handling).
       token_ids, logprobs: the tokens counted in this delta.
       tokens: the same tokens as worker protos (top alternatives, forced flag).
+      whole: (last delta) the text is exactly the detokenized generated tokens — no stop string cut it.
     """
 
     text: str
@@ -70,6 +71,7 @@ class Delta:
     finish_reason: str | None = None
     usage: common_pb2.Usage | None = None
     tokens: list[common_pb2.GeneratedToken] = dataclasses.field(default_factory=list)
+    whole: bool = False
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> int:
@@ -108,6 +110,7 @@ class _Stream:
         self.detok = IncrementalDetokenizer(facts.token_bytes, facts.special_ids, params.skip_special_tokens)
         self.stops = StopMatcher(params.stop)
         self.count = 0
+        self.cached = 0
         self.done = False
 
     def feed(self, tokens: list[common_pb2.GeneratedToken]) -> Delta:
@@ -132,7 +135,9 @@ class _Stream:
             delta.text += self.stops.flush()
             reason = "stop" if self.stops.stopped else FINISH_NAMES.get(finish, "stop")
         delta.finish_reason = reason
-        delta.usage = common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=self.count)
+        delta.whole = not self.stops.stopped
+        delta.usage = common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=self.count,
+                                       cached_tokens=self.cached)
         self.done = True
         return delta
 
@@ -162,6 +167,7 @@ async def generate(
         prefill.allowed_tokens.allowed = allowed_mask_bytes(params.allowed_token_ids, facts.vocab_size)
     reply = await backends.call("model worker", backends.worker.Prefill(prefill))
     prompt_tokens = reply.usage.prompt_tokens
+    stream.cached = reply.usage.cached_tokens
     delta = stream.feed([reply.first_token])
     if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or stream.stops.stopped:
         if stream.stops.stopped and reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:

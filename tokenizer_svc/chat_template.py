@@ -39,10 +39,12 @@ class TemplateError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """A piece of a rendered prompt: a control token (by spelling) or plain text."""
+    """A piece of a rendered prompt: a control token (by spelling), plain text, or exact token ids (an assistant
+    message's generated tokens, rendered verbatim)."""
 
     text: str
     control: bool = False
+    ids: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -66,6 +68,7 @@ class Message:
     tool_call_id: str = ""
     name: str = ""
     reasoning: str = ""
+    generated_ids: tuple[int, ...] = ()
 
 
 Renderer = Callable[[list[Message], bool, list[dict], dict], list[Segment]]
@@ -133,13 +136,11 @@ def render_gemma3(
                 f"{expected!r} was expected"
             )
         role = "model" if m.role == "assistant" else "user"
-        text = _text_of(m, i, trim=True)
-        segs += [
-            _control("<start_of_turn>"),
-            Segment(f"{role}\n" + (prefix if n == 0 else "") + text),
-            _control("<end_of_turn>"),
-            Segment("\n"),
-        ]
+        if role == "model" and m.generated_ids:
+            content = [Segment(f"{role}\n"), Segment("", ids=tuple(m.generated_ids))]
+        else:
+            content = [Segment(f"{role}\n" + (prefix if n == 0 else "") + _text_of(m, i, trim=True))]
+        segs += [_control("<start_of_turn>"), *content, _control("<end_of_turn>"), Segment("\n")]
     if add_generation_prompt:
         segs += [_control("<start_of_turn>"), Segment("model\n")]
     return segs
@@ -473,8 +474,12 @@ def render_gemma4(
                 consumed.add(k)
                 has_results, prev_type = True, "tool_response"
                 k += 1
-        text = _gemma4_text(m, i, model=role == "model")
-        segs.append(Segment(text))
+        if role == "model" and m.generated_ids:
+            text = "x"  # non-empty: the turn is closed as for any answer
+            segs.append(Segment("", ids=tuple(m.generated_ids)))
+        else:
+            text = _gemma4_text(m, i, model=role == "model")
+            segs.append(Segment(text))
         continues_into_next = role == "model" and next_role[n] == "assistant" and (not calls or has_results)
         if prev_type == "tool_call" and not has_results:
             segs.append(_control("<|tool_response>"))
@@ -489,7 +494,7 @@ def render_gemma4(
             segs += [_control("<|turn>"), Segment("model\n")]
         elif prev_type == "tool_response" and enable_thinking:
             segs += [_control("<|channel>"), Segment("thought\n")]
-    return [s for s in segs if s.control or s.text]
+    return [s for s in segs if s.control or s.text or s.ids]
 
 
 # ---------------------------------------------------------------------------------------- checkpoint templates
@@ -497,6 +502,7 @@ def render_gemma4(
 _ESC = "\ue000"  # starts an escape inside message data; the data's own U+E000 is written twice
 _CODE_BASE = 0xF0000  # control token i is escaped as _ESC + chr(_CODE_BASE + i) (Supplementary PUA-A)
 _MAX_CODES = 0xFFFFE - _CODE_BASE
+_IDS_BASE = 0x100000  # message k's generated ids are marked as _ESC + chr(_IDS_BASE + k) (Supplementary PUA-B)
 
 
 def _trie_regex(tokens: Iterable[str]) -> str:
@@ -664,16 +670,36 @@ class JinjaTemplate:
                 i += 1
         return "".join(out)
 
-    def split(self, rendered: str) -> list[Segment]:
-        """Rendered text -> segments: control-token spellings are control segments, the rest un-escaped text."""
+    def split(self, rendered: str, generated: dict[int, tuple[int, ...]] | None = None) -> list[Segment]:
+        """Rendered text -> segments: control-token spellings are control segments, generated-ids markers are
+        ids segments, the rest un-escaped text."""
         pieces = self._splitter.split(rendered) if self._splitter else [rendered]
         segs = []
         for n, piece in enumerate(pieces):
             if n % 2:
                 segs.append(_control(piece))
             elif piece:
-                segs.append(Segment(self.unescape(piece)))
+                segs += self._text_and_ids(piece, generated or {})
         return segs
+
+    def _text_and_ids(self, piece: str, generated: dict[int, tuple[int, ...]]) -> list[Segment]:
+        """Split a text piece on generated-ids markers (an unpaired _ESC + marker code cannot come from data)."""
+        out, text, i = [], "", 0
+        while i < len(piece):
+            if piece[i] == _ESC and i + 1 < len(piece):
+                nxt = piece[i + 1]
+                if nxt == _ESC or nxt in self._token_of:
+                    text += piece[i : i + 2]
+                    i += 2
+                    continue
+                if ord(nxt) - _IDS_BASE in generated:
+                    out += [Segment(self.unescape(text)), Segment("", ids=generated[ord(nxt) - _IDS_BASE])]
+                    text, i = "", i + 2
+                    continue
+            text += piece[i]
+            i += 1
+        out.append(Segment(self.unescape(text)))
+        return [s for s in out if s.text or s.ids]
 
     # -- rendering -------------------------------------------------------------------------------------------
 
@@ -692,14 +718,18 @@ class JinjaTemplate:
         if not messages:
             raise TemplateError("messages must contain at least one message")
         chat = [_message_dict(m, i) for i, m in enumerate(messages)]
+        generated = {i: tuple(m.generated_ids) for i, m in enumerate(messages) if m.role == "assistant" and m.generated_ids}
         options = dict(options or {})
         for reserved in ("messages", "tools", "add_generation_prompt", "documents"):
             if reserved in options:
                 raise TemplateError(f"template option {reserved!r} is reserved")
         variables = {**self.special_tokens, **self.escape(options)}
         try:
+            escaped = self.escape(chat)
+            for i in generated:  # the marker is set after escaping, so it stays a single (unpaired) escape
+                escaped[i]["content"] = _ESC + chr(_IDS_BASE + i)
             rendered = self._template.render(
-                messages=self.escape(chat),
+                messages=escaped,
                 tools=self.escape(list(tools)) if tools else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
@@ -709,7 +739,7 @@ class JinjaTemplate:
             raise TemplateError(f"the chat template refused the conversation: {self.unescape(str(err))}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
             raise TemplateError(f"the chat template failed on this conversation: {err!r}") from None
-        segs = self.split(rendered)
+        segs = self.split(rendered, generated)
         bos = self.special_tokens.get("bos_token")
         if bos and not (segs and segs[0] == _control(bos)):
             segs.insert(0, _control(bos))
@@ -756,18 +786,20 @@ def tokenize_segments(segments: list[Segment], tokenizer: TextTokenizer) -> tupl
     ids: list[int] = []
     pending = ""
     for seg in segments + [Segment("", control=True)]:
-        if not seg.control:
+        if not seg.control and seg.ids is None:
             pending += seg.text
             continue
         if pending:
             ids += tokenizer.encode(pending, parse_special=False)
             pending = ""
-        if seg.text:
+        if seg.ids is not None:
+            ids += list(seg.ids)
+        elif seg.text:
             try:
                 ids.append(tokenizer.token_id(seg.text))
             except KeyError:
                 raise TemplateError(f"the vocabulary has no control token {seg.text!r}") from None
-    return ids, "".join(s.text for s in segments)
+    return ids, "".join(s.text if s.ids is None else tokenizer.decode(list(s.ids), False) for s in segments)
 
 
 TEMPLATES: dict[str, Renderer] = {"gemma3": render_gemma3, "gemma4": render_gemma4}

@@ -57,6 +57,7 @@ def message_from_pb(m: tokenizer_pb2.ChatMessage) -> Message:
         tool_call_id=m.tool_call_id,
         name=m.name,
         reasoning=m.reasoning_content,
+        generated_ids=tuple(m.generated_token_ids),
     )
 
 
