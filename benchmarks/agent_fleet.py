@@ -54,12 +54,13 @@ import uuid
 import httpx
 import numpy as np
 
-CHARS_PER_TOKEN = 3.6  # rough Gemma-tokenizer density of the generated JSON/log text, used only for sizing
+# Characters per token of the generated tool output under the Gemma 3 tokenizer (measured with llama-server's
+# /tokenize: ids, numbers and JSON indentation tokenize densely). Only used to size the tool results.
+CHARS_PER_TOKEN = {"log": 2.05, "json": 2.05, "tests": 2.9}
 
 SYSTEM_PROMPT = """\
-You are Forge, an autonomous software engineering agent working inside a sandboxed checkout of a \
-production Python service. You complete the task given by the user by calling tools, reading their \
-results, and deciding on the next step. You work without supervision, so be careful and deliberate.
+You are Forge, an autonomous software engineering agent working in a sandboxed checkout of a \
+production Python service. You complete the user's task by calling tools and reading their results.
 
 ## Tools
 - `shell(cmd)`: run a shell command in the repository root; returns exit code, stdout and stderr \
@@ -68,11 +69,10 @@ results, and deciding on the next step. You work without supervision, so be care
 - `search(pattern, path)`: ripgrep for a regular expression; returns matching lines with file and line.
 - `apply_patch(diff)`: apply a unified diff; fails if any hunk does not apply cleanly.
 - `run_tests(selector)`: run pytest on the selector; returns a summary and the first failures.
-- `http_get(url)`: fetch an internal URL (metrics, logs, the service's admin endpoints).
 
 ## How to work
-1. Restate the goal in one sentence, then form a short plan of at most five steps.
-2. Prefer reading code and logs before changing anything. Never guess file contents: read them.
+1. Restate the goal in one sentence, then plan at most five steps.
+2. Read code and logs before changing anything. Never guess file contents.
 3. Make the smallest change that fixes the root cause. Keep the existing style, naming and error handling.
 4. After every change, run the narrowest relevant tests, then the wider suite before finishing.
 5. If a tool fails twice in the same way, stop and explain what you tried instead of retrying blindly.
@@ -85,10 +85,9 @@ what you changed (files and functions), how you verified it, and any risk or fol
 ## Rules
 - Do not modify tests to make them pass unless the task says the test is wrong.
 - Do not touch files under vendor/, migrations/ or generated/ directories.
-- Do not print secrets; redact anything that looks like a token, password or key in your reports.
-- Network access is limited to internal hosts; package installation is not allowed.
-- Timestamps in logs are UTC. Durations in metrics are in seconds unless the name ends in _ms.
-- Be concise: the user reads many agent transcripts every day."""
+- Do not print secrets; redact anything that looks like a token, password or key.
+- Timestamps in logs are UTC; durations are in seconds unless the name ends in _ms.
+- Be concise."""
 
 TASKS = [
     "The /orders/export endpoint times out for large accounts since yesterday's deploy. Find the cause.",
@@ -100,7 +99,7 @@ TASKS = [
     "A migration left NULLs in invoices.currency. Make the reader tolerant and write a backfill script.",
     "The rate limiter lets bursts through when two replicas start at once. Find the race and fix it.",
 ]
-TOOLS = ["shell", "read_file", "search", "run_tests", "http_get"]
+TOOLS = ["shell", "read_file", "search", "run_tests"]
 MODULES = (
     "orders",
     "billing",
@@ -143,7 +142,7 @@ def _log_excerpt(rng: random.Random, chars: int) -> str:
 def _json_blob(rng: random.Random, chars: int) -> str:
     """A JSON search/metrics result until about `chars` characters."""
     items: list[dict] = []
-    while len(json.dumps(items)) < chars:
+    while len(json.dumps(items, indent=1)) < chars:
         mod, fn, arg = rng.choice(MODULES), f"{rng.choice(WORDS)}_{rng.choice(WORDS)}", rng.choice(WORDS)
         items.append(
             {
@@ -172,13 +171,14 @@ def _test_output(rng: random.Random, chars: int) -> str:
     return "\n".join(lines)
 
 
-CONTENT_KINDS = [_log_excerpt, _json_blob, _test_output]
+CONTENT_KINDS = {"log": _log_excerpt, "json": _json_blob, "tests": _test_output}
 
 
 def tool_result(rng: random.Random, turn: int, target_tokens: int) -> str:
     """A user message carrying one tool result of about `target_tokens` tokens (deterministic from rng)."""
-    tool = rng.choice(TOOLS)
-    body = rng.choice(CONTENT_KINDS)(rng, int(target_tokens * CHARS_PER_TOKEN))
+    tool, kind = rng.choice(TOOLS), rng.choice(sorted(CONTENT_KINDS))
+    chars = int(target_tokens * CHARS_PER_TOKEN[kind])
+    body = CONTENT_KINDS[kind](rng, chars)[:chars]  # cut to size, as tools truncate their output
     return (
         f"Tool result (call_{turn:02d}, {tool}, exit_code={rng.choice([0, 0, 0, 1])}):\n{body}\n\nContinue."
     )
@@ -194,7 +194,7 @@ def system_prompt(run_tag: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """Sizes of one agent's conversation (all in tokens; tool sizes are approximate, see CHARS_PER_TOKEN)."""
+    """Sizes of one agent's conversation (in tokens; tool sizes are approximate: see CHARS_PER_TOKEN)."""
 
     turns: int
     tool_tokens: tuple[int, int]

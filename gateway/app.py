@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.clients import Backends
 from gateway.completions import (
@@ -89,7 +89,19 @@ def create_app(backends: Backends) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        if request.url.path != "/metrics":
+            backends.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = backends.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

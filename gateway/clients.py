@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import ApiError, from_rpc_error
 from gateway.history import AnswerHistory
+from gateway.metrics import GatewayMetrics
 from protos import model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
 log = logging.getLogger("gemma_serve.gateway")
@@ -42,6 +43,7 @@ class Backends:
         self.served_model_name = served_model_name
         self.facts: ModelFacts | None = None
         self.answers = AnswerHistory()
+        self.metrics = GatewayMetrics()
         self._channels: tuple[grpc.aio.Channel, grpc.aio.Channel] | None = None
 
     def _connect(self) -> tuple[grpc.aio.Channel, grpc.aio.Channel]:

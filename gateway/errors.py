@@ -31,9 +31,11 @@ _GRPC_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT
 class ApiError(Exception):
     """An error returned to the client as {"error": {message, type, param, code}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         """The OpenAI error object."""
@@ -57,6 +59,9 @@ def from_rpc_error(err: grpc.aio.AioRpcError, backend: str) -> ApiError:
     status = _HTTP_OF_GRPC.get(code, 500)
     if code == grpc.StatusCode.UNAVAILABLE:
         return ApiError(503, f"the {backend} is unavailable: {err.details()}", code="backend_unavailable")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ApiError(429, f"the server is overloaded: {err.details()}; retry shortly", code="overloaded",
+                        headers={"Retry-After": "1"})
     if status == 500:
         return ApiError(500, f"the {backend} failed: {err.details()}", code="backend_error")
     return ApiError(status, err.details() or code.name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from typing import AsyncIterator
 
@@ -154,6 +155,7 @@ async def generate(
     max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, facts.max_model_len)
     rid = request_id or f"gen-{uuid.uuid4().hex}"
     stream = _Stream(backends, params)
+    clock = _Clock(backends)
     prefill = model_worker_pb2.PrefillRequest(
         request_id=rid,
         prompt_token_ids=prompt_ids,
@@ -168,10 +170,11 @@ async def generate(
     reply = await backends.call("model worker", backends.worker.Prefill(prefill))
     prompt_tokens = reply.usage.prompt_tokens
     stream.cached = reply.usage.cached_tokens
-    delta = stream.feed([reply.first_token])
+    delta = clock.tick(stream.feed([reply.first_token]))
     if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or stream.stops.stopped:
         if stream.stops.stopped and reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
             await _abort(backends, rid)
+        clock.done()
         yield stream.close(delta, reply.finish_reason, prompt_tokens)
         return
     call = backends.worker.Decode()
@@ -180,13 +183,15 @@ async def generate(
         if delta.text or delta.token_ids:
             yield delta
         async for msg in call:
-            delta = stream.feed(msg.tokens)
+            delta = clock.tick(stream.feed(msg.tokens))
             if stream.stops.stopped:
+                clock.done()
                 yield stream.close(delta, common_pb2.FINISH_REASON_STOP, prompt_tokens)
                 return
             if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 if msg.finish_reason == common_pb2.FINISH_REASON_ABORT:
                     raise ApiError(500, "the model worker aborted the request", code="aborted")
+                clock.done()
                 yield stream.close(delta, msg.finish_reason, prompt_tokens)
                 return
             if delta.text or delta.token_ids:
@@ -198,6 +203,32 @@ async def generate(
         call.cancel()
         if not stream.done or stream.stops.stopped:
             await _abort(backends, rid)
+
+
+class _Clock:
+    """Client-facing latency metrics of one generation (TTFT, inter-token, end to end)."""
+
+    def __init__(self, backends: Backends):
+        self.metrics = backends.metrics
+        self.start = self.last = time.monotonic()
+        self.first = True
+
+    def tick(self, delta: Delta) -> Delta:
+        now = time.monotonic()
+        n = len(delta.token_ids)
+        if n:
+            if self.first:
+                self.metrics.ttft.observe(now - self.start)
+                self.first = False
+            else:
+                for _ in range(n):
+                    self.metrics.itl.observe((now - self.last) / n)
+            self.last = now
+            self.metrics.tokens.inc(n)
+        return delta
+
+    def done(self) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.start)
 
 
 def allowed_mask_bytes(token_ids: list[int], vocab_size: int) -> bytes:

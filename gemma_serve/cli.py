@@ -11,7 +11,8 @@ import sys
 
 from gemma_serve.models import EMBEDDED, default_cache_dir
 
-DEFAULT_PORTS = {"http_port": 8000, "gateway_grpc_port": 50050, "tokenizer_port": 50051, "worker_port": 50052}
+DEFAULT_PORTS = {"http_port": 8000, "gateway_grpc_port": 50050, "tokenizer_port": 50051, "worker_port": 50052,
+                 "worker_metrics_port": 8001}
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -37,6 +38,7 @@ def _add_ports(p: argparse.ArgumentParser, which: tuple[str, ...]) -> None:
         "gateway_grpc_port": "gateway gRPC Generate port",
         "tokenizer_port": "tokenizer service gRPC port",
         "worker_port": "model worker gRPC port",
+        "worker_metrics_port": "model worker Prometheus /metrics HTTP port",
     }
     for key in which:
         p.add_argument(
@@ -58,6 +60,27 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[64, 512],
         help="prefill chunk lengths in tokens; long prompts are computed in chunks of the largest (default: 64 512)",
+    )
+    p.add_argument(
+        "--prefill-token-budget",
+        type=int,
+        default=None,
+        help="most prompt tokens computed in an engine step that also decodes running streams; bounds the pause a "
+        "long new prompt causes in them (default: the smallest prefill chunk)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=64,
+        help="requests that may wait for a slot; beyond it the worker answers RESOURCE_EXHAUSTED and the gateway "
+        "429 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefix-slack",
+        type=int,
+        default=256,
+        help="sliding-window ring positions kept beyond the window, so a prompt diverging from a cached "
+        "conversation up to this many tokens before its end still reuses it exactly (default: %(default)s)",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -99,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="run the model worker (owns the accelerator, weights and KV cache)")
     _add_common(worker)
-    _add_ports(worker, ("worker_port",))
+    _add_ports(worker, ("worker_port", "worker_metrics_port"))
     _add_engine(worker)
 
     tok = sub.add_parser("tokenizer", help="run the tokenizer service (tokenization and chat templates)")

@@ -40,7 +40,11 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     base = [sys.executable, "-m", "gemma_serve.cli"]
     common = ["--model", args.model, "--cache-dir", args.cache_dir, "--host", args.host, "--log-level", args.log_level]
     engine = ["--max-model-len", str(args.max_model_len), "--num-slots", str(args.num_slots), "--dtype", args.dtype,
-              "--kv-cache-dtype", args.kv_cache_dtype,
+              "--kv-cache-dtype", args.kv_cache_dtype, "--max-waiting", str(args.max_waiting),
+              "--prefix-slack", str(args.prefix_slack)]
+    if args.prefill_token_budget:
+        engine += ["--prefill-token-budget", str(args.prefill_token_budget)]
+    engine += [
               "--prefill-chunks", *map(str, args.prefill_chunks)]
     gateway = ["--http-port", str(args.http_port), "--gateway-grpc-port", str(args.gateway_grpc_port),
                "--tokenizer-addr", f"{args.host}:{args.tokenizer_port}", "--worker-addr", f"{args.host}:{args.worker_port}"]
@@ -48,7 +52,8 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         gateway += ["--served-model-name", args.served_model_name]
     return {
         "tokenizer": base + ["tokenizer", *common, "--tokenizer-port", str(args.tokenizer_port)],
-        "worker": base + ["worker", *common, "--worker-port", str(args.worker_port), *engine],
+        "worker": base + ["worker", *common, "--worker-port", str(args.worker_port), "--worker-metrics-port",
+                          str(args.worker_metrics_port), *engine],
         "gateway": base + ["gateway", *common, *gateway],
     }
 

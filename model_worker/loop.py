@@ -43,12 +43,14 @@ def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
 class EngineLoop:
     """Drives an Engine with a Scheduler on a background thread."""
 
-    def __init__(self, engine: Engine, token_budget: int | None = None):
+    def __init__(self, engine: Engine, token_budget: int | None = None, metrics=None):
         """Args: engine: a compiled Engine (the loop becomes its only user); token_budget: most prompt tokens
-        computed per iteration (bounds the pause a long prompt causes in running streams; default: the largest
-        chunk)."""
+        computed in an iteration that also decodes running streams (bounds the pause a long new prompt causes in
+        them; default: the smallest chunk); a lone prompt always uses the largest chunk. metrics: an optional
+        WorkerMetrics to update."""
         self.engine = engine
-        self.token_budget = token_budget or max(engine.ecfg.prefill_chunks)
+        self.token_budget = token_budget or min(engine.ecfg.prefill_chunks)
+        self.metrics = metrics
         self.vocab = engine.cfg.vocab_size
         self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len, slack=engine.ecfg.prefix_slack,
                                    max_waiting=engine.ecfg.max_waiting)
@@ -100,15 +102,40 @@ class EngineLoop:
         for seq in list(self.scheduler.running.values()):
             self._apply_forced(seq)
         work = self.scheduler.schedule()
+        if self.metrics is not None:
+            self._observe_admissions()
         for src, dst in work.copies:
             self.engine.copy_slot(src, dst)
             self.steps["copy"] += 1
         if work.compute is not None:
-            self._compute(work.compute)
+            self._compute(work.compute, budget=self.token_budget if work.decode else None)
         if work.decode:
             self._decode(work.decode)
+        if self.metrics is not None:
+            self.metrics.observe_iteration(self)
         if work.compute is None and not work.decode and self.scheduler.has_work():
             time.sleep(0.001)  # everyone waits for a mask or a parent: don't spin
+
+    def _observe_admissions(self) -> None:
+        for seq in self.scheduler.running.values():
+            if seq.admitted_at is not None and not getattr(seq, "_queue_observed", False):
+                self.metrics.queue.observe(seq.admitted_at - seq.arrived_at)
+                self.metrics.prompt_tokens.inc(len(seq.prompt))
+                self.metrics.cached_tokens.inc(seq.cached_tokens)
+                seq._queue_observed = True
+
+    def _observe_token(self, seq: Sequence) -> None:
+        """Latency metrics for a sampled token (first: TTFT; later: inter-token; last: end to end)."""
+        now = time.monotonic()
+        m = self.metrics
+        if seq.last_token_at is None:
+            m.ttft.observe(now - seq.arrived_at)
+        else:
+            m.itl.observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        m.generation_tokens.inc()
+        if seq.finish != Finish.NONE:
+            m.e2e.observe(now - seq.arrived_at)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -129,6 +156,8 @@ class EngineLoop:
             except KeyError:
                 arg.sink(TokenEvent([], [], Finish.ABORT, error=f"request id {arg.request_id!r} is already live"))
             except OverflowError as err:
+                if self.metrics is not None:
+                    self.metrics.rejected.inc()
                 arg.sink(TokenEvent([], [], Finish.ABORT, error=f"queue full: {err}"))
         elif kind == "abort":
             seq = self.scheduler.abort(arg)
@@ -153,14 +182,15 @@ class EngineLoop:
             seq.sink(TokenEvent(applied, [0.0] * len(applied), seq.finish, forced=[True] * len(applied),
                                 top=[([], [])] * len(applied)))
 
-    def _compute(self, seq: Sequence) -> None:
+    def _compute(self, seq: Sequence, budget: int | None = None) -> None:
         start = seq.num_computed
         todo = seq.tokens[start:]
         if not seq.ready():
             todo = todo[:-1]  # leave the last token until its mask arrives
         if seq.snapshot_at is not None and start < seq.snapshot_at:
             todo = todo[: seq.snapshot_at - start]  # stop exactly at the shared prefix, to pin a copy
-        todo = todo[: self.token_budget]
+        if budget is not None:
+            todo = todo[:budget]
         out, n = self.engine.compute(seq.slot, todo, start, seq.is_output(start, len(todo)),
                                      sampling_rows([seq], self.vocab), seq.reset)
         seq.num_computed += n
@@ -206,6 +236,8 @@ class EngineLoop:
         top = (out.top_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist())
         first = not seq.output
         finish = self.scheduler.append_token(seq, token)
+        if self.metrics is not None:
+            self._observe_token(seq)
         if finish != Finish.NONE:
             self.scheduler.finish(seq)
         seq.sink(TokenEvent([token], [float(out.logprobs[row])], finish, forced=[False], top=[top],

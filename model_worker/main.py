@@ -57,6 +57,8 @@ def load_engine(prepared, args: argparse.Namespace):
         prefill_chunks=tuple(sorted(args.prefill_chunks)),
         dtype=dtype,
         kv_int8=args.kv_cache_dtype == "int8",
+        prefix_slack=args.prefix_slack,
+        max_waiting=args.max_waiting,
     )
     engine = Engine(cfg, params, ecfg)
     grid = engine.grid()
@@ -86,7 +88,11 @@ async def serve(args: argparse.Namespace) -> int:
     """Run the worker until SIGTERM/SIGINT. Returns the process exit code."""
     from gemma_serve.models import prepare
     from model_worker.loop import EngineLoop
+    from model_worker.metrics import WorkerMetrics
     from model_worker.service import SERVICE_NAME, WorkerServicer
+
+    metrics = WorkerMetrics()
+    metrics.serve(args.worker_metrics_port, args.host)
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
     health_servicer = health.aio.HealthServicer()
@@ -117,7 +123,8 @@ async def serve(args: argparse.Namespace) -> int:
         log.exception("failed to load the model")
         await server.stop(0)
         return 1
-    loop = EngineLoop(engine)
+    metrics.programs.set(engine.num_programs)
+    loop = EngineLoop(engine, token_budget=args.prefill_token_budget, metrics=metrics)
     loop.start()
     servicer.set_ready(loop, info)
     for name in ("", SERVICE_NAME):

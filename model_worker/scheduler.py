@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import time
 from typing import Callable
 
 import numpy as np
@@ -111,6 +112,7 @@ class Sequence:
       reset: the slot's penalty history must be cleared at its next step (a fresh sequence).
       cached_tokens: prompt tokens whose KV was reused from the prefix cache.
       snapshot_at: pin a copy of the slot once this many prompt tokens are computed (a shared prefix), or None.
+      arrived_at, admitted_at, last_token_at: time.monotonic() stamps for the latency metrics.
     """
 
     request_id: str
@@ -132,6 +134,9 @@ class Sequence:
     reset: bool = True
     cached_tokens: int = 0
     snapshot_at: int | None = None
+    arrived_at: float = dataclasses.field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    last_token_at: float | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -214,6 +219,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.slot, seq.num_computed, seq.cached_tokens = placement.slot, placement.cached, placement.cached
+            seq.admitted_at = time.monotonic()
             if placement.copy_from is not None:
                 copies.append((placement.copy_from, placement.slot))
             self.running[seq.slot] = seq

@@ -50,16 +50,17 @@ class Stack:
 
 def start_stack(cache_dir, log_path: pathlib.Path, extra: list[str], timeout: float = 900) -> Stack:
     """Run `gemma-serve up` on free ports with `extra` flags; wait until /health is 200."""
-    http, grpc_port, tok, worker = free_ports(4)
+    http, grpc_port, tok, worker, metrics = free_ports(5)
     cmd = [
         sys.executable, "-m", "gemma_serve.cli", "up", "--cache-dir", str(cache_dir),
         "--http-port", str(http), "--gateway-grpc-port", str(grpc_port), "--tokenizer-port", str(tok),
-        "--worker-port", str(worker), *extra,
+        "--worker-port", str(worker), "--worker-metrics-port", str(metrics), *extra,
     ]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    s = Stack(proc, {"http": http, "grpc": grpc_port, "tokenizer": tok, "worker": worker}, log_path, 0.0)
+    s = Stack(proc, {"http": http, "grpc": grpc_port, "tokenizer": tok, "worker": worker, "metrics": metrics},
+              log_path, 0.0)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -253,3 +253,38 @@ def test_shared_system_prompt_is_snapshotted_and_reused(engine):
     finally:
         loop.stop()
     assert_same(c_sink, run_fresh(engine, "cold", c_prompt, 6))
+
+
+def test_long_prompt_is_chunked_while_running_streams_keep_decoding(engine):
+    """A 100-token prompt arriving while another sequence decodes is computed in budget-sized chunks, with a decode
+    step of the running sequence after every chunk (bounded inter-token latency), and gives the same result as
+    when computed alone in large chunks."""
+    rng = np.random.default_rng(13)
+    long_prompt = rng.integers(0, 512, 100).tolist()
+    loop = EngineLoop(engine, token_budget=8)
+    order = []
+    original = loop._compute
+
+    def compute(seq, budget=None):
+        order.append(("compute", seq.request_id, budget))
+        original(seq, budget)
+
+    loop._compute = compute
+    decode = loop._decode
+    loop._decode = lambda seqs: (order.append(("decode", tuple(s.request_id for s in seqs))), decode(seqs))
+    loop.start()
+    try:
+        runner, runner_sink = make("runner", [1, 2, 3], 60)
+        loop.submit(runner)
+        while len(runner_sink.tokens) < 3:
+            time.sleep(0.01)
+        seq, sink = make("long", long_prompt, 5)
+        loop.submit(seq)
+        assert sink.done.wait(60) and runner_sink.done.wait(60)
+    finally:
+        loop.stop()
+    at = [i for i, o in enumerate(order) if o[0] == "compute" and o[1] == "long"]
+    assert len(at) == -(-100 // 8) and all(order[i][2] == 8 for i in at)
+    for a, b in zip(at, at[1:]):
+        assert any(o[0] == "decode" and "runner" in o[1] for o in order[a:b]), "a chunk without a decode step"
+    assert_same(sink, run_fresh(engine, "cold", long_prompt, 5))

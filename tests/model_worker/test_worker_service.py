@@ -270,3 +270,26 @@ def test_n_choices_share_the_prompt(server, engine):
     assert engine.calls["copy"] == 1
     assert engine.calls["compute"] == 3, "the 10-token prompt is computed once, in chunks of 4"
     assert decode_all(server.stub, "p0")[0] == [111, 112] and decode_all(server.stub, "p1")[0] == [111, 112]
+
+
+def test_queue_bound_answers_resource_exhausted():
+    engine = FakeEngine(FakeEngineConfig(num_slots=1, max_model_len=MAX_LEN, chunk=4, max_waiting=1))
+    s = Server(engine)
+    try:
+        engine.gate.clear()
+        futures = [s.stub.Prefill.future(model_worker_pb2.PrefillRequest(
+            request_id=f"q{i}", prompt_token_ids=[1, 2], stopping=common_pb2.StoppingParams(max_tokens=2)))
+            for i in range(3)]
+        time.sleep(0.3)
+        engine.gate.set()
+        codes = []
+        for f in futures:
+            try:
+                f.result(10)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as err:
+                codes.append(err.code())
+        # One slot, one waiting place: the third request is refused, never silently dropped.
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 1 and codes.count(grpc.StatusCode.OK) == 2
+    finally:
+        s.close()

@@ -1,0 +1,32 @@
+"""Prometheus metrics of the gateway (client-facing latencies), served at GET /metrics.
+
+Time to first token, inter-token latency and end-to-end latency are measured per generation as the client sees
+them (from the request reaching the gateway), plus request counts by endpoint and HTTP status.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class GatewayMetrics:
+    """The gateway's metrics in their own registry."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        p = "gemma_serve:gateway_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Request arrival to the first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive tokens seen by the client.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Request arrival to the last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(p + "requests", "HTTP requests by path and status.", ["path", "status"], registry=r)
+        self.tokens = Counter(p + "generation_tokens", "Tokens generated for clients.", registry=r)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """(body, content type) of the /metrics response."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

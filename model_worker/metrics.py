@@ -1,0 +1,81 @@
+"""Prometheus metrics of the model worker, with the field's names (vLLM's, under the `gemma_serve:` prefix).
+
+Served on their own HTTP port (`--metrics-port`, path /metrics) since the worker's API is gRPC. Latencies are
+measured at the worker: from the Prefill call's arrival (time to first token, end to end), between tokens as
+they leave the engine (inter-token latency), and from arrival to admission into a slot (queue time). The engine
+loop refreshes the gauges (running, waiting, KV usage) and the prefix-cache counters after every iteration.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class WorkerMetrics:
+    """The worker's metrics in their own registry (thread-safe: updated from the engine thread and the gRPC loop)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        p = "gemma_serve:"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Prefill arrival to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Prefill arrival to the last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(p + "request_queue_time_seconds", "Arrival to admission into a slot.",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests holding a slot.", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting for a slot.", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Share of the KV positions held by running requests.",
+                              registry=r)
+        self.cached_slots = Gauge(p + "prefix_cache_slots", "Slots holding finished or snapshot KV.", registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Admissions looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Admissions that reused a cached prefix.", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens received.", registry=r)
+        self.cached_tokens = Counter(p + "prompt_tokens_cached", "Prompt tokens whose KV was reused.", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
+        self.computed_tokens = Counter(p + "computed_tokens", "Tokens run through the model.", registry=r)
+        self.steps = Counter(p + "engine_steps", "Engine programs run.", ["kind"], registry=r)
+        self.rejected = Counter(p + "requests_rejected", "Requests refused because the queue was full.", registry=r)
+        self.compilations = Counter(p + "compilations", "XLA compilations (after warm-up this must stay flat).",
+                                    registry=r)
+        self.programs = Gauge(p + "compiled_programs", "Programs in the compiled grid.", registry=r)
+        self._seen = {"queries": 0, "hits": 0, "steps": {}, "computed": 0}
+        self._lock = threading.Lock()
+        jax.monitoring.register_event_duration_secs_listener(self._on_compile)
+
+    def _on_compile(self, event: str, duration: float, **kwargs) -> None:
+        if "backend_compile" in event:
+            self.compilations.inc()
+
+    def observe_iteration(self, loop) -> None:
+        """Refresh gauges and counters from the engine loop (called on the engine thread after each iteration)."""
+        sched = loop.scheduler
+        ecfg = loop.engine.ecfg
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        held = sum(len(s.prompt) + len(s.output) for s in sched.running.values())
+        self.kv_usage.set(held / (ecfg.num_slots * ecfg.max_model_len))
+        self.cached_slots.set(sched.cache.cached_slots())
+        with self._lock:
+            seen = self._seen
+            self.prefix_queries.inc(sched.cache.queries - seen["queries"])
+            self.prefix_hits.inc(sched.cache.hits - seen["hits"])
+            seen["queries"], seen["hits"] = sched.cache.queries, sched.cache.hits
+            for kind in ("compute", "decode", "copy"):
+                self.steps.labels(kind).inc(loop.steps[kind] - seen["steps"].get(kind, 0))
+                seen["steps"][kind] = loop.steps[kind]
+            self.computed_tokens.inc(loop.steps["computed_tokens"] - seen["computed"])
+            seen["computed"] = loop.steps["computed_tokens"]
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        """Expose /metrics over HTTP on `port` (a daemon thread)."""
+        start_http_server(port, addr=host, registry=self.registry)
