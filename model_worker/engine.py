@@ -4,10 +4,15 @@ Every model program is one jitted `step` = forward + sample, with the KV cache a
 (updated in place, never copied per token). The grid is enumerated and compiled ahead of time at start-up
 (`Engine.compile_all`):
 
-  * compute (batch 1, C tokens of one slot, KV bucket L) -> ("compute", 1, C, L): prompt chunks, forced-token
-    runs (several tokens per slot in one step), and the first step of a forked sequence
+  * compute (batch 1, C tokens of one slot, KV bucket L) -> ("compute", 1, C, L): prompt chunks and forced-token
+    runs (several tokens per slot in one step)
   * decode  (B slots, one token each, KV bucket L)        -> ("decode", B, 1, L), B in the batch buckets
-  * copy    (one slot's KV and penalty rows to another)   -> ("copy", 1, 0, 0): `n` > 1 shares the prompt's KV
+  * sample  (B rows of logits)                            -> ("sample", B, 0, 0): penalties, masks, sampling
+  * copy    (one slot's KV and penalty rows to another)   -> ("copy", 1, 0, 0): prefix reuse, `n` > 1
+
+The forward programs return logits that stay on the device; sampling is a separate program, dispatched once
+the token masks of constrained rows have arrived, so a client builds step t's mask while step t's forward pass
+runs (JAX dispatches asynchronously).
 
 Batch buckets are powers of two up to num_slots: a lone sequence runs the B=1 programs, and a decode batch of n
 sequences runs the smallest bucket >= n, padded with idle slots (position -1: they write nothing). KV buckets
@@ -113,22 +118,59 @@ def _record_inputs(state: PenaltyState, tokens, positions, is_output) -> Penalty
     return PenaltyState(counts=counts, seen=seen)
 
 
-def _step(params, cache, pstate, tokens, positions, slots, is_output, reset, logit_rows, sampling, *, cfg, kv_len):
-    """forward + penalty bookkeeping + sample, for the batch rows `slots` of the cache and penalty state.
+def _forward(params, cache, tokens, positions, slots, logit_rows, *, cfg, kv_len):
+    """The model on a batch of cache rows; returns (logits [B, V] float32, cache). No sampling: the logits stay on
+    the device until `_sample` runs, so token masks only need to exist by then."""
+    return forward(params, tokens, positions, cache, slots, cfg, kv_len, logit_rows)
 
-    Args:
-      tokens, positions, is_output: [B, C]; slots, reset, logit_rows: [B]; sampling: [B] rows.
-    Returns:
-      (SampleOutput [B], cache, pstate).
-    """
+
+def _forward_chunk(params, cache, pstate, tokens, positions, slots, logit_rows, is_output, reset, *, cfg, kv_len):
+    """`_forward` for a compute chunk, which also records its input tokens in the row's penalty history (cleared
+    first when `reset`): a chunk's tokens are committed whatever happens to the sample after it."""
     logits, cache = forward(params, tokens, positions, cache, slots, cfg, kv_len, logit_rows)
     rows = jax.tree_util.tree_map(lambda a: jnp.take(a, slots, axis=0), pstate)
-    rows = jax.tree_util.tree_map(lambda a: jnp.where(reset.reshape((-1,) + (1,) * (a.ndim - 1)), 0, a).astype(a.dtype),
-                                  rows)
+    rows = jax.tree_util.tree_map(
+        lambda a: jnp.where(reset.reshape((-1,) + (1,) * (a.ndim - 1)), 0, a).astype(a.dtype), rows)
+    rows = _record_inputs(rows, tokens, positions, is_output)
+    pstate = jax.tree_util.tree_map(lambda a, r: a.at[slots].set(r), pstate, rows)
+    return logits, cache, pstate
+
+
+def _sample(pstate, logits, tokens, positions, slots, is_output, reset, active, sampling):
+    """Penalty bookkeeping + sampling for the batch rows `slots`: records each row's input token (positions -1:
+    none, e.g. a compute chunk, which recorded its own), then samples.
+
+    Rows with `active` False are sampled but commit nothing (their penalty history is left untouched): a row
+    whose token mask did not arrive in time is recomputed at a later step.
+    Returns:
+      (SampleOutput [B], pstate).
+    """
+    old = jax.tree_util.tree_map(lambda a: jnp.take(a, slots, axis=0), pstate)
+    expand = lambda flag, a: flag.reshape((-1,) + (1,) * (a.ndim - 1))
+    rows = jax.tree_util.tree_map(lambda a: jnp.where(expand(reset, a), 0, a).astype(a.dtype), old)
     rows = _record_inputs(rows, tokens, positions, is_output)
     out = sample(logits, sampling, rows)
-    pstate = jax.tree_util.tree_map(lambda a, r: a.at[slots].set(r), pstate, rows)
-    return out, cache, pstate
+    kept = jax.tree_util.tree_map(lambda new, prev: jnp.where(expand(active, new), new, prev), rows, old)
+    pstate = jax.tree_util.tree_map(lambda a, r: a.at[slots].set(r), pstate, kept)
+    return out, pstate
+
+
+@dataclasses.dataclass
+class Pending:
+    """A dispatched forward pass whose logits await sampling (JAX runs it asynchronously meanwhile).
+
+    Attributes:
+      logits: [B, V] float32 on the device.
+      slots, tokens, positions, is_output: the batch rows' inputs, padded to B.
+      rows: rows that belong to real sequences (the first `rows` of the batch).
+    """
+
+    logits: jax.Array
+    slots: np.ndarray
+    tokens: np.ndarray
+    positions: np.ndarray
+    is_output: np.ndarray
+    rows: int
 
 
 def _copy(cache, pstate, src, dst):
@@ -169,22 +211,30 @@ class Engine:
         """Every program key (kind, batch, tokens per row, kv_len)."""
         keys = [("compute", 1, c, L) for c in self.ecfg.prefill_chunks for L in self.kv_buckets]
         keys += [("decode", b, 1, L) for b in self.batch_buckets for L in self.kv_buckets]
+        keys += [("sample", b, 0, 0) for b in sorted(set(self.batch_buckets) | {1})]
         return keys + [("copy", 1, 0, 0)]
-
-    def _example_args(self, batch: int, chunk: int):
-        tokens = np.zeros((batch, chunk), np.int32)
-        positions = np.full((batch, chunk), -1, np.int32)
-        flags = np.zeros((batch, chunk), bool)
-        return (tokens, positions, np.arange(batch, dtype=np.int32), flags, np.zeros(batch, bool),
-                np.zeros(batch, np.int32), SamplingArrays.defaults(batch, self.cfg.vocab_size))
 
     def _lower(self, key):
         kind, batch, chunk, kv_len = key
         if kind == "copy":
             fn = jax.jit(_copy, donate_argnames=("cache", "pstate"))
             return fn.lower(self.cache, self.pstate, np.int32(0), np.int32(0))
-        fn = jax.jit(functools.partial(_step, cfg=self.cfg, kv_len=kv_len), donate_argnames=("cache", "pstate"))
-        return fn.lower(self.params, self.cache, self.pstate, *self._example_args(batch, chunk))
+        if kind == "sample":
+            fn = jax.jit(_sample, donate_argnames=("pstate",))
+            flags = np.zeros((batch, 1), bool)
+            return fn.lower(self.pstate, jax.ShapeDtypeStruct((batch, self.cfg.vocab_size), jnp.float32),
+                            np.zeros((batch, 1), np.int32), np.full((batch, 1), -1, np.int32),
+                            np.arange(batch, dtype=np.int32), flags, np.zeros(batch, bool), np.zeros(batch, bool),
+                            SamplingArrays.defaults(batch, self.cfg.vocab_size))
+        args = (np.zeros((batch, chunk), np.int32), np.full((batch, chunk), -1, np.int32),
+                np.arange(batch, dtype=np.int32), np.zeros(batch, np.int32))
+        if kind == "compute":
+            fn = jax.jit(functools.partial(_forward_chunk, cfg=self.cfg, kv_len=kv_len),
+                         donate_argnames=("cache", "pstate"))
+            return fn.lower(self.params, self.cache, self.pstate, *args, np.zeros((batch, chunk), bool),
+                            np.zeros(batch, bool))
+        fn = jax.jit(functools.partial(_forward, cfg=self.cfg, kv_len=kv_len), donate_argnames=("cache",))
+        return fn.lower(self.params, self.cache, *args)
 
     def compile_all(self, progress=None, keys=None) -> float:
         """Compile every program of the grid (or just `keys`, for benchmarks) ahead of time. Returns the seconds.
@@ -229,27 +279,24 @@ class Engine:
         return max(self.ecfg.prefill_chunks)
 
     # ----- running programs -----------------------------------------------------------------------------------
-    def _run(self, key, *args) -> SampleOutput:
+    def _forward(self, key, tokens, positions, slots, logit_rows) -> jax.Array:
         self.calls[key] += 1
-        out, self.cache, self.pstate = self._programs[key](self.params, self.cache, self.pstate, *args)
-        return out
+        logits, self.cache = self._programs[key](self.params, self.cache, tokens, positions, slots, logit_rows)
+        return logits
 
-    def compute(
-        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], sampling: SamplingArrays,
-        reset: bool,
-    ) -> tuple[HostOutput, int]:
-        """Compute up to one chunk of a slot's pending tokens and sample after the last one computed.
+    def dispatch_compute(
+        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], reset: bool = False
+    ) -> tuple[Pending, int]:
+        """Dispatch one chunk of a slot's pending tokens (asynchronously).
 
         Args:
           slot: cache row.
           token_ids: the tokens to compute, from position `start` on (only the first chunk's worth is used).
           start: position of token_ids[0]; positions < start must already be in the cache.
           is_output: per token, whether it is a generated (not prompt) token, for the penalty counts.
-          sampling: 1-row settings, used if this chunk computes the last pending token.
-          reset: clear the slot's penalty history first (a new sequence).
+          reset: clear the slot's penalty history first (a fresh sequence).
         Returns:
-          (1-row sample result, number of tokens consumed). The sample is meaningful only when all of token_ids
-          were consumed.
+          (the pending logits of the last token consumed, number of tokens consumed).
         """
         chunk = self.chunk_size(len(token_ids))
         n = min(chunk, len(token_ids))
@@ -259,26 +306,23 @@ class Engine:
         positions[0, :n] = np.arange(start, start + n)
         outputs = np.zeros((1, chunk), bool)
         outputs[0, :n] = is_output[:n]
+        slots = np.array([slot], np.int32)
         key = ("compute", 1, chunk, self.kv_bucket(start + n))
-        out = self._run(key, tokens, positions, np.array([slot], np.int32), outputs, np.array([reset]),
-                        np.array([n - 1], np.int32), sampling)
-        return HostOutput.from_device(out, 1), n
+        self.calls[key] += 1
+        logits, self.cache, self.pstate = self._programs[key](
+            self.params, self.cache, self.pstate, tokens, positions, slots, np.array([n - 1], np.int32), outputs,
+            np.array([reset]))
+        none = np.full((1, 1), -1, np.int32)  # the chunk recorded its own inputs
+        return Pending(logits, slots, tokens[:, :1], none, outputs[:, :1], 1), n
 
-    def decode(
-        self, slots: list[int], tokens: list[int], positions: list[int], is_output: list[bool],
-        sampling: SamplingArrays, reset: list[bool] | None = None,
-    ) -> HostOutput:
-        """One decode step for the given slots (one token each), in the smallest batch bucket.
+    def dispatch_decode(self, slots: list[int], tokens: list[int], positions: list[int], is_output: list[bool]) -> Pending:
+        """Dispatch one decode step for the given slots (one token each), in the smallest batch bucket.
 
         Args:
           slots: distinct cache rows of the sequences to advance.
           tokens, positions: each slot's input token and its position.
           is_output: whether each input token is a generated token (False for a forked sequence's last prompt
             token).
-          sampling: settings with len(slots) rows.
-          reset: per slot, clear its penalty history first (a fresh sequence whose prompt is one token).
-        Returns:
-          The sample result, one row per given slot, in order.
         """
         n = len(slots)
         batch = self.batch_bucket(n)
@@ -290,13 +334,41 @@ class Engine:
         pos[:n, 0] = positions
         outs = np.zeros((batch, 1), bool)
         outs[:n, 0] = is_output
-        resets = np.zeros(batch, bool)
-        resets[:n] = reset if reset is not None else False
-        rows = _pad_rows(sampling, batch, self.cfg.vocab_size)
         kv_len = self.kv_bucket(max(positions) + 1)
-        out = self._run(("decode", batch, 1, kv_len), tok, pos, all_slots, outs, resets,
-                        np.zeros(batch, np.int32), rows)
+        logits = self._forward(("decode", batch, 1, kv_len), tok, pos, all_slots, np.zeros(batch, np.int32))
+        return Pending(logits, all_slots, tok[:, :1], pos[:, :1], outs[:, :1], n)
+
+    def sample(self, pending: Pending, sampling: SamplingArrays, reset: list[bool], active: list[bool]) -> HostOutput:
+        """Sample the pending logits (blocks until the forward pass and the sampling are done).
+
+        Args:
+          pending: from dispatch_compute / dispatch_decode.
+          sampling: settings with `pending.rows` rows.
+          reset: per row, clear its penalty history first (a fresh sequence).
+          active: per row, whether to commit (False: the row's mask did not arrive; it will be recomputed).
+        Returns:
+          One result row per real row.
+        """
+        batch = pending.slots.shape[0]
+        n = pending.rows
+        flags = lambda values: np.array(list(values) + [False] * (batch - n), bool)
+        rows = _pad_rows(sampling, batch, self.cfg.vocab_size)
+        key = ("sample", batch, 0, 0)
+        self.calls[key] += 1
+        out, self.pstate = self._programs[key](self.pstate, pending.logits, pending.tokens, pending.positions,
+                                               pending.slots, pending.is_output, flags(reset), flags(active), rows)
         return HostOutput.from_device(out, n)
+
+    # Convenience for tests and benchmarks: dispatch + sample in one call.
+    def compute(self, slot, token_ids, start, is_output, sampling, reset) -> tuple[HostOutput, int]:
+        """dispatch_compute + sample (all rows active)."""
+        pending, n = self.dispatch_compute(slot, token_ids, start, is_output, reset)
+        return self.sample(pending, sampling, [False], [True]), n
+
+    def decode(self, slots, tokens, positions, is_output, sampling, reset=None) -> HostOutput:
+        """dispatch_decode + sample (all rows active)."""
+        pending = self.dispatch_decode(slots, tokens, positions, is_output)
+        return self.sample(pending, sampling, reset or [False] * len(slots), [True] * len(slots))
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy one slot's KV cache rows and penalty history to another slot."""

@@ -43,12 +43,14 @@ def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
 class EngineLoop:
     """Drives an Engine with a Scheduler on a background thread."""
 
-    def __init__(self, engine: Engine, token_budget: int | None = None, metrics=None):
+    def __init__(self, engine: Engine, token_budget: int | None = None, metrics=None, mask_wait: float = 0.2):
         """Args: engine: a compiled Engine (the loop becomes its only user); token_budget: most prompt tokens
         computed in an iteration that also decodes running streams (bounds the pause a long new prompt causes in
         them; default: the smallest chunk); a lone prompt always uses the largest chunk. metrics: an optional
-        WorkerMetrics to update."""
+        WorkerMetrics to update; mask_wait: seconds a step waits, after dispatching its forward pass, for the
+        token masks of its constrained rows (a row whose mask is later is recomputed at a later step)."""
         self.engine = engine
+        self.mask_wait = mask_wait
         self.token_budget = token_budget or min(engine.ecfg.prefill_chunks)
         self.metrics = metrics
         self.vocab = engine.cfg.vocab_size
@@ -107,10 +109,19 @@ class EngineLoop:
         for src, dst in work.copies:
             self.engine.copy_slot(src, dst)
             self.steps["copy"] += 1
+        computing = None
         if work.compute is not None:
-            self._compute(work.compute, budget=self.token_budget if work.decode else None)
-        if work.decode:
-            self._decode(work.decode)
+            computing = self._dispatch_compute(work.compute, budget=self.token_budget if work.decode else None)
+        decoding = self.engine.dispatch_decode(
+            [s.slot for s in work.decode], [s.tokens[-1] for s in work.decode],
+            [s.num_computed for s in work.decode], [s.num_computed >= len(s.prompt) for s in work.decode],
+        ) if work.decode else None
+        if decoding is not None:
+            self._await_constraints(work.decode)
+        if computing is not None:
+            self._finish_compute(work.compute, *computing)
+        if decoding is not None:
+            self._finish_decode(work.decode, decoding)
         if self.metrics is not None:
             self.metrics.observe_iteration(self)
         if work.compute is None and not work.decode and self.scheduler.has_work():
@@ -182,7 +193,8 @@ class EngineLoop:
             seq.sink(TokenEvent(applied, [0.0] * len(applied), seq.finish, forced=[True] * len(applied),
                                 top=[([], [])] * len(applied)))
 
-    def _compute(self, seq: Sequence, budget: int | None = None) -> None:
+    def _dispatch_compute(self, seq: Sequence, budget: int | None = None):
+        """Dispatch the next chunk of a sequence's pending tokens; returns (pending, tokens consumed)."""
         start = seq.num_computed
         todo = seq.tokens[start:]
         if not seq.ready():
@@ -191,16 +203,31 @@ class EngineLoop:
             todo = todo[: seq.snapshot_at - start]  # stop exactly at the shared prefix, to pin a copy
         if budget is not None:
             todo = todo[:budget]
-        out, n = self.engine.compute(seq.slot, todo, start, seq.is_output(start, len(todo)),
-                                     sampling_rows([seq], self.vocab), seq.reset)
-        seq.num_computed += n
+        pending, n = self.engine.dispatch_compute(seq.slot, todo, start, seq.is_output(start, len(todo)), seq.reset)
         seq.reset = False
+        return pending, n
+
+    def _finish_compute(self, seq: Sequence, pending, n: int) -> None:
+        seq.num_computed += n
         self.steps["compute"] += 1
         self.steps["computed_tokens"] += n
         if seq.snapshot_at is not None and seq.num_computed >= seq.snapshot_at:
             self._snapshot(seq)
-        if seq.pending == 0:
+        if seq.pending == 0 and seq.slot is not None:
+            out = self.engine.sample(pending, sampling_rows([seq], self.vocab), [False], [True])
             self._publish(seq, out, 0)
+
+    def _await_constraints(self, seqs: list[Sequence]) -> None:
+        """While the forward pass runs, wait (up to mask_wait) for the masks or forced runs of constrained rows."""
+        deadline = time.monotonic() + self.mask_wait
+        while any(s.slot is not None and not s.has_constraint() for s in seqs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                self._handle(*self._inbox.get(timeout=remaining))
+            except queue.Empty:
+                return
 
     def _snapshot(self, seq: Sequence) -> None:
         """Pin a copy of the slot holding the shared prefix prompt[:snapshot_at] for later conversations."""
@@ -211,23 +238,28 @@ class EngineLoop:
             self.steps["copy"] += 1
         seq.snapshot_at = None
 
-    def _decode(self, seqs: list[Sequence]) -> None:
-        out = self.engine.decode(
-            [s.slot for s in seqs],
-            [s.tokens[-1] for s in seqs],
-            [s.num_computed for s in seqs],
-            [s.num_computed >= len(s.prompt) for s in seqs],
-            sampling_rows(seqs, self.vocab),
-            [s.reset for s in seqs],
-        )
+    def _finish_decode(self, seqs: list[Sequence], pending) -> None:
+        """Sample the decode step. A row whose mask has not arrived commits nothing and is recomputed later; a row
+        whose forced tokens arrived keeps its computed KV but not the sample (the forced tokens follow)."""
+        live = [s.slot is not None for s in seqs]
+        sampled = [live[i] and s.ready() for i, s in enumerate(seqs)]
+        forced = [live[i] and not sampled[i] and len(s.output) in s.forced for i, s in enumerate(seqs)]
+        active = [a or f for a, f in zip(sampled, forced)]
+        out = self.engine.sample(pending, sampling_rows(seqs, self.vocab), [s.reset for s in seqs], active)
         self.steps["decode"] += 1
-        self.steps["computed_tokens"] += len(seqs)
+        self.steps["computed_tokens"] += sum(active)
         for r, seq in enumerate(seqs):
+            seq.missed = live[r] and not active[r]
+            if not active[r]:
+                continue
             seq.num_computed += 1
             seq.reset = False
-            self._publish(seq, out, r)
+            if sampled[r]:
+                self._publish(seq, out, r)
 
     def _publish(self, seq: Sequence, out: HostOutput, row: int) -> None:
+        if seq.slot is None:  # aborted while the step ran
+            return
         if out.mask_empty[row]:
             self._end(seq, Finish.ABORT, error="the token mask allows no token")
             return

@@ -113,6 +113,8 @@ class Sequence:
       cached_tokens: prompt tokens whose KV was reused from the prefix cache.
       snapshot_at: pin a copy of the slot once this many prompt tokens are computed (a shared prefix), or None.
       arrived_at, admitted_at, last_token_at: time.monotonic() stamps for the latency metrics.
+      missed: the last step ran this (constrained) sequence but its mask came too late; it waits for the mask
+        before it joins a step again.
     """
 
     request_id: str
@@ -137,6 +139,7 @@ class Sequence:
     arrived_at: float = dataclasses.field(default_factory=time.monotonic)
     admitted_at: float | None = None
     last_token_at: float | None = None
+    missed: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -151,6 +154,10 @@ class Sequence:
     def ready(self) -> bool:
         """Whether the next token can be sampled now (unconstrained, or its mask has arrived)."""
         return not self.constrained or len(self.output) in self.masks
+
+    def has_constraint(self) -> bool:
+        """Whether the next step's mask or forced tokens have arrived (always True when unconstrained)."""
+        return self.ready() or len(self.output) in self.forced
 
     def is_output(self, start: int, count: int) -> list[bool]:
         """For tokens start..start+count-1 of `tokens`: whether each is generated (not prompt)."""
@@ -206,7 +213,9 @@ class Scheduler:
             fork.num_computed, fork.reset = len(fork.prompt) - 1, False
         live = [s for s in self.running.values() if s.finish == Finish.NONE and not self._waits_for_parent(s)]
         compute = min((s for s in live if s.pending >= 2), key=lambda s: s.arrival, default=None)
-        decode = sorted((s for s in live if s.pending == 1 and s.ready()), key=lambda s: s.slot)
+        # A constrained sequence joins the decode step before its mask arrives (the mask is needed only at
+        # sampling, after the forward pass), unless its mask came too late last time.
+        decode = sorted((s for s in live if s.pending == 1 and (s.ready() or not s.missed)), key=lambda s: s.slot)
         return Work(copies=copies, compute=compute, decode=decode)
 
     def _admit(self) -> list[tuple[int, int]]:

@@ -54,18 +54,21 @@ class FakeEngine:
         return HostOutput(np.array(tokens, np.int32), np.full(n, logprob, np.float32),
                           np.full((n, 20), -1, np.int32), np.zeros((n, 20), np.float32), np.zeros(n, bool))
 
-    def compute(self, slot, token_ids, start, is_output, sampling, reset):
+    def dispatch_compute(self, slot, token_ids, start, is_output, reset=False):
         self.gate.wait()
         self.calls["compute"] += 1
         n = min(self.ecfg.chunk, len(token_ids))
-        return self._out([self._next(token_ids[n - 1], sampling, 0)], -0.5), n
+        return types.SimpleNamespace(last=[token_ids[n - 1]], logprob=-0.5), n
 
-    def decode(self, slots, tokens, positions, is_output, sampling, reset=None):
+    def dispatch_decode(self, slots, tokens, positions, is_output):
         self.gate.wait()
         if self.step_delay:
             threading.Event().wait(self.step_delay)
         self.calls["decode"] += 1
-        return self._out([self._next(t, sampling, r) for r, t in enumerate(tokens)], -0.25)
+        return types.SimpleNamespace(last=list(tokens), logprob=-0.25)
+
+    def sample(self, pending, sampling, reset, active):
+        return self._out([self._next(t, sampling, r) for r, t in enumerate(pending.last)], pending.logprob)
 
     def copy_slot(self, src, dst):
         self.calls["copy"] += 1

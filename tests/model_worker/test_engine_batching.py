@@ -117,8 +117,8 @@ def test_no_compilation_after_warmup_and_smallest_buckets(loop, engine):
     # A lone short request runs in the smallest programs.
     run_alone(loop, "short", [5, 6, 7], 4)
     smallest_kv, smallest_chunk = engine.kv_buckets[0], min(engine.ecfg.prefill_chunks)
-    assert set(engine.calls) == {("compute", 1, smallest_chunk, smallest_kv), ("decode", 1, 1, smallest_kv)}, \
-        engine.calls
+    assert set(engine.calls) == {("compute", 1, smallest_chunk, smallest_kv), ("decode", 1, 1, smallest_kv),
+                                 ("sample", 1, 0, 0)}, engine.calls
     # A randomized stream: prompt lengths, max_tokens, sampling settings, batch sizes.
     rng = random.Random(7)
     sinks = []
@@ -263,15 +263,16 @@ def test_long_prompt_is_chunked_while_running_streams_keep_decoding(engine):
     long_prompt = rng.integers(0, 512, 100).tolist()
     loop = EngineLoop(engine, token_budget=8)
     order = []
-    original = loop._compute
+    original = loop._dispatch_compute
 
     def compute(seq, budget=None):
         order.append(("compute", seq.request_id, budget))
-        original(seq, budget)
+        return original(seq, budget)
 
-    loop._compute = compute
-    decode = loop._decode
-    loop._decode = lambda seqs: (order.append(("decode", tuple(s.request_id for s in seqs))), decode(seqs))
+    loop._dispatch_compute = compute
+    decode = loop._finish_decode
+    loop._finish_decode = lambda seqs, p: (order.append(("decode", tuple(s.request_id for s in seqs))),
+                                           decode(seqs, p))
     loop.start()
     try:
         runner, runner_sink = make("runner", [1, 2, 3], 60)

@@ -75,7 +75,7 @@ def test_duplicate_ids_rejected():
         s.add(seq("a"))
 
 
-def test_constrained_sequence_waits_for_its_mask_without_holding_others():
+def test_constrained_sequence_mask_timing_never_holds_others():
     s = Scheduler(num_slots=2, max_model_len=100)
     a, b = seq("a"), seq("b")
     a.constrained = True
@@ -85,6 +85,9 @@ def test_constrained_sequence_waits_for_its_mask_without_holding_others():
     for x in (a, b):
         x.num_computed = 3
         s.append_token(x, 9)
+    # a joins the step before its mask (needed only at sampling); once it missed a step, it waits for the mask.
+    assert s.schedule().decode == [a, b]
+    a.missed = True
     assert s.schedule().decode == [b]
     a.masks[1] = np.ones(4, np.uint32)
     assert s.schedule().decode == [a, b]
