@@ -32,6 +32,7 @@ class ModelFacts:
     special_ids: set[int]
     bos_id: int
     stop_ids: list[int]
+    tokenizer_json: str = ""
 
 
 class Backends:
@@ -115,6 +116,7 @@ class Backends:
             special_ids=set(vocab.special_token_ids),
             bos_id=tinfo.bos_token_id,
             stop_ids=list(info.default_stop_token_ids),
+            tokenizer_json=vocab.tokenizer_json,
         )
 
     def ready_facts(self) -> ModelFacts:

@@ -43,6 +43,8 @@ class GenParams:
       skip_special_tokens: leave control tokens out of the text.
       allowed_token_ids: restrict every step to these ids (vLLM's `allowed_token_ids`), or None.
       share_prompt_with: request id of a sibling choice with the same prompt whose KV to reuse (n > 1).
+      constraint: a grammar matcher for this generation (gateway/constraints.py `Constraint`: mask(), advance(),
+        forced(), done()), or None.
     """
 
     sampling: common_pb2.SamplingParams
@@ -53,6 +55,7 @@ class GenParams:
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     share_prompt_with: str | None = None
+    constraint: object | None = None
 
 
 @dataclasses.dataclass
@@ -167,6 +170,10 @@ async def generate(
     )
     if params.allowed_token_ids is not None:
         prefill.allowed_tokens.allowed = allowed_mask_bytes(params.allowed_token_ids, facts.vocab_size)
+    driver = ConstraintDriver(params.constraint) if params.constraint is not None else None
+    if driver is not None:
+        prefill.constrained = True
+        prefill.initial_mask.allowed = driver.initial_mask()
     reply = await backends.call("model worker", backends.worker.Prefill(prefill))
     prompt_tokens = reply.usage.prompt_tokens
     stream.cached = reply.usage.cached_tokens
@@ -180,9 +187,15 @@ async def generate(
     call = backends.worker.Decode()
     try:
         await call.write(model_worker_pb2.DecodeRequest(request_id=rid))
+        if driver is not None:
+            for message in driver.on_tokens([reply.first_token]):
+                await call.write(message)
         if delta.text or delta.token_ids:
             yield delta
         async for msg in call:
+            if driver is not None and msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                for message in driver.on_tokens(list(msg.tokens)):
+                    await call.write(message)
             delta = clock.tick(stream.feed(msg.tokens))
             if stream.stops.stopped:
                 clock.done()
@@ -203,6 +216,58 @@ async def generate(
         call.cancel()
         if not stream.done or stream.stops.stopped:
             await _abort(backends, rid)
+
+
+class ConstraintDriver:
+    """Drives a request's grammar from the gateway: the first mask goes with Prefill; then, for every token the
+    worker streams back, the matcher advances and the next step's instruction goes out on the Decode stream — a
+    run of forced tokens when the grammar allows exactly one continuation (the worker appends them in one step),
+    then the mask for the token after them. The worker needs a mask only at sampling, so building it overlaps the
+    worker's forward pass. Once the grammar is complete the mask allows only the stop ids.
+    """
+
+    def __init__(self, constraint):
+        self.c = constraint
+        self.received = 0  # tokens received from the worker (= index of the next one)
+        self.sent_for = 0  # step for which the next mask has been sent
+        self.forced_pending = 0
+        self.forced_count = 0
+
+    def initial_mask(self) -> bytes:
+        """The mask of token 0."""
+        return self.c.mask()
+
+    def on_tokens(self, tokens: list[common_pb2.GeneratedToken]) -> list[model_worker_pb2.DecodeRequest]:
+        """Advance over received tokens; returns the Decode-stream messages to send next.
+
+        Raises:
+          ApiError: 500 if the worker produced a token the grammar does not allow.
+        """
+        for t in tokens:
+            self.received += 1
+            if t.forced and self.forced_pending:
+                self.forced_pending -= 1  # already consumed when the run was sent
+                continue
+            try:
+                self.c.advance(t.token_id)
+            except ValueError as err:
+                raise ApiError(500, f"the model produced a token the grammar forbids: {err}", code="constraint") from None
+        if self.received <= self.sent_for:
+            return []
+        messages = []
+        forced = [] if self.c.done() else list(self.c.forced())
+        step = self.received
+        if forced:
+            for token in forced:
+                self.c.advance(token)
+            messages.append(model_worker_pb2.DecodeRequest(step=step, forced=model_worker_pb2.ForcedTokens(
+                token_ids=forced)))
+            self.forced_pending += len(forced)
+            self.forced_count += len(forced)
+            step += len(forced)
+        messages.append(model_worker_pb2.DecodeRequest(step=step, mask=common_pb2.TokenMask(allowed=self.c.mask())))
+        self.sent_for = step
+        return messages
 
 
 class _Clock:

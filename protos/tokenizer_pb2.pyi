@@ -121,13 +121,15 @@ class GetVocabRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetVocabResponse(_message.Message):
-    __slots__ = ("token_bytes", "special_token_ids", "bos_token_id", "eos_token_id")
+    __slots__ = ("token_bytes", "special_token_ids", "bos_token_id", "eos_token_id", "tokenizer_json")
     TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     token_bytes: _containers.RepeatedScalarFieldContainer[bytes]
     special_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bos_token_id: int
     eos_token_id: int
-    def __init__(self, token_bytes: _Optional[_Iterable[bytes]] = ..., special_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+    tokenizer_json: str
+    def __init__(self, token_bytes: _Optional[_Iterable[bytes]] = ..., special_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tokenizer_json: _Optional[str] = ...) -> None: ...

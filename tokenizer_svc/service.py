@@ -130,4 +130,5 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             special_token_ids=sorted(t.special_ids),
             bos_token_id=t.bos_id,
             eos_token_id=t.eos_id,
+            tokenizer_json=t.tok.to_str(),
         )
