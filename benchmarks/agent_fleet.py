@@ -20,18 +20,23 @@ Several N (--agents 1 2 4 8) run one after another in one invocation, each with 
 (benchmarks/llama_cpp_server.sh runs one N per invocation instead, as llama-server's slot count is fixed
 at start.)
 
-Measured per request: TTFT (first non-empty content chunk), inter-token intervals (between content
-chunks; a chunk carrying k > 1 tokens counts as k intervals of gap/k, with the usage's completion_tokens
-spread over chunks by text length), end-to-end latency, prompt/completion tokens (usage), cached prompt
-tokens (usage.prompt_tokens_details.cached_tokens; else llama.cpp's timings: prompt - timings.prompt_n).
-TPOT = (e2e - TTFT) / (completion_tokens - 1). Goodput counts only requests with TTFT <= --slo-ttft and
-TPOT <= --slo-tpot. Prefill "computed" = prompt - cached; "new" = prompt - (previous turn's prompt +
-completion) of the same agent (turn 1: the whole prompt).
+Measured per request: TTFT (to the first non-empty content chunk), inter-token intervals (between content
+chunks; when a server packs several tokens into a chunk, usage.completion_tokens is spread over the chunks
+by text length and a chunk carrying k tokens counts as k intervals of gap/k), end-to-end latency,
+prompt/completion tokens (usage), cached prompt tokens (usage.prompt_tokens_details.cached_tokens, else
+llama.cpp's timings: prompt - timings.prompt_n). TPOT = (e2e - TTFT) / (completion_tokens - 1). Goodput
+counts only requests with TTFT <= --slo-ttft and TPOT <= --slo-tpot (one-token answers: TTFT alone).
+Prefill "computed" = prompt - cached; "new" = prompt - (the same agent's previous prompt + completion),
+turn 1: the whole prompt; computed/new = 1.00 means only the new tokens were prefilled.
 
-Defaults (20 turns; tool results 50-400 tokens; max_tokens 12-40 with p=0.8, else 150-300; N = 1 2 4 8):
-about 300 requests / ~21k output tokens; budget ~15 minutes against a slow 2-core CPU server (llama.cpp's
-llama-server on the embedded 270M model at 2 threads takes ~6-7 minutes). --quick: 5 turns, tool results
-30-150 tokens, answers 8-24 / 60-120 tokens (~1-2 minutes for N = 1 and 8).
+Defaults: 20 turns, tool results 50-400 tokens (log-uniform), max_tokens 12-40 (p=0.8) or 150-300 (p=0.2),
+N = 1 2 4 8: 300 requests, ~21k output tokens, prompts up to ~6-7k tokens. Sized for ~15 minutes against
+a slow 2-core CPU server: llama.cpp's llama-server (embedded 270M Q4_K_M, 2 threads, 2-core x86) took 4.2 min
+for N = 8 and 1.5-2.5 min for N = 1, so about 10-11 min for all four N. For a server much slower than that,
+use fewer turns (--turns 12) or fewer fleet sizes (--agents 1 8). --quick: 5 turns, tool results 30-150
+tokens, max_tokens 8-24 / 60-120: ~35 s for N = 1 and 8 against llama-server. Run on an otherwise idle
+machine: each table prints this machine's load average during the run, and a server that uses every core
+slows down several-fold when anything else competes for them.
 
   python benchmarks/agent_fleet.py --base-url http://127.0.0.1:8000/v1 --model gemma-3-270m
   python benchmarks/agent_fleet.py --agents 1 8 --quick --json /tmp/fleet.json
@@ -45,6 +50,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import random
 import sys
@@ -217,9 +223,8 @@ def plan_agent(seed: int, agent: int, w: Workload) -> list[TurnPlan]:
     lo, hi = w.tool_tokens
     plans = []
     for turn in range(1, w.turns + 1):
-        tokens = round(
-            math.exp(rng.uniform(math.log(lo), math.log(hi)))
-        )  # log-uniform: many short, some long
+        # log-uniform sizes: many short results, some long ones
+        tokens = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
         user = tool_result(rng, turn, tokens)
         if turn == 1:
             user = f"Task: {TASKS[agent % len(TASKS)]}\n\n{user}"
@@ -241,7 +246,7 @@ class RequestRecord:
     start: float = 0.0  # seconds since the fleet started
     ttft: float | None = None
     e2e: float | None = None
-    chunk_times: list[float] = dataclasses.field(default_factory=list)  # content chunks, relative to start
+    chunk_times: list[float] = dataclasses.field(default_factory=list)  # content chunk arrivals, fleet clock
     itl: list[float] = dataclasses.field(default_factory=list)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -361,8 +366,34 @@ async def stream_chat(
     return rec.text
 
 
+class Progress:
+    """Prints a line to stderr each time every agent of the fleet is past a turn."""
+
+    def __init__(self, agents: int, turns: int, t0: float):
+        self.agents, self.turns, self.t0 = agents, turns, t0
+        self.done = [0] * (turns + 1)
+
+    def turn_done(self, turn: int, errors: bool = False) -> None:
+        """Agent finished `turn` (errors: it failed and gives up its remaining turns too)."""
+        for t in range(turn, self.turns + 1 if errors else turn + 1):
+            self.done[t] += 1
+            if self.done[t] == self.agents:
+                elapsed = time.perf_counter() - self.t0
+                print(
+                    f"  N={self.agents}: turn {t}/{self.turns} done at {elapsed:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+
 async def run_agent(
-    client: httpx.AsyncClient, model: str, agent: int, system: str, plans: list[TurnPlan], t0: float
+    client: httpx.AsyncClient,
+    model: str,
+    agent: int,
+    system: str,
+    plans: list[TurnPlan],
+    t0: float,
+    progress: Progress,
 ) -> list[RequestRecord]:
     """One agent's conversation; stops at the first failed request (the conversation cannot go on)."""
     messages = [{"role": "system", "content": system}]
@@ -375,7 +406,9 @@ async def run_agent(
             answer = await stream_chat(client, model, messages, rec, t0)
         except Exception as e:  # noqa: BLE001 - recorded and reported, the fleet goes on
             rec.error = f"{type(e).__name__}: {e}"
+            progress.turn_done(turn, errors=True)
             break
+        progress.turn_done(turn)
         messages.append({"role": "assistant", "content": answer})
     return records
 
@@ -393,6 +426,17 @@ def fill_new_tokens(records: list[RequestRecord]) -> None:
         prev[rec.agent] = rec
 
 
+async def sample_load(samples: list[float], period: float = 5.0) -> None:
+    """Append this machine's 1-minute load average every `period` seconds until cancelled.
+
+    With the server on the same machine, a load well above what the server itself uses means other processes
+    competed for the CPU and the latencies are not the server's alone.
+    """
+    while True:
+        samples.append(os.getloadavg()[0])
+        await asyncio.sleep(period)
+
+
 async def run_fleet(args: argparse.Namespace, n: int, w: Workload) -> dict:
     """Run n agents concurrently; return the raw records and the wall time."""
     run_tag = "" if args.no_cache_bust else f"fleet-N{n}-{uuid.uuid4().hex[:12]}"
@@ -404,13 +448,22 @@ async def run_fleet(args: argparse.Namespace, n: int, w: Workload) -> dict:
         base_url=args.base_url, headers=headers, timeout=timeout, limits=limits
     ) as client:
         t0 = time.perf_counter()
+        progress = Progress(n, w.turns, t0)
+        loads: list[float] = []
+        sampler = asyncio.create_task(sample_load(loads))
         per_agent = await asyncio.gather(
-            *(run_agent(client, args.model, a, system, plan_agent(args.seed, a, w), t0) for a in range(n))
+            *(
+                run_agent(client, args.model, a, system, plan_agent(args.seed, a, w), t0, progress)
+                for a in range(n)
+            )
         )
         wall = time.perf_counter() - t0
+        sampler.cancel()
     records = [r for recs in per_agent for r in recs]
     fill_new_tokens(records)
-    return {"agents": n, "run_tag": run_tag, "wall_s": wall, "records": records}
+    loads = loads or [os.getloadavg()[0]]
+    load = {"max": max(loads), "mean": sum(loads) / len(loads), "cpus": os.cpu_count()}
+    return {"agents": n, "run_tag": run_tag, "wall_s": wall, "load_avg_1m": load, "records": records}
 
 
 # ----------------------------------------------------------------------------------------------- stats
@@ -505,15 +558,18 @@ def report_turns(n_turns: int, all_turns: bool) -> list[int]:
     return sorted({1, 2, round(n_turns / 4), round(n_turns / 2), round(3 * n_turns / 4), n_turns} - {0})
 
 
-def print_run(n: int, summary: dict, n_turns: int, all_turns: bool) -> None:
+def print_run(run: dict, n_turns: int, all_turns: bool) -> None:
     """The per-turn table of one fleet run, with its overall row and throughput line."""
-    o = summary["overall"]
+    n, o, load = run["agents"], run["summary"]["overall"], run["load_avg_1m"]
     agents = f"{n} agent{'s' * (n != 1)}"
-    print(f"\n== {agents}: {o['requests']} requests, {o['errors']} errors, wall {o['wall_s']:.1f} s")
+    print(
+        f"\n== {agents}: {o['requests']} requests, {o['errors']} errors, wall {o['wall_s']:.1f} s "
+        f"(this machine's load avg: mean {load['mean']:.1f}, max {load['max']:.1f} on {load['cpus']} CPUs)"
+    )
     print(TURN_COLUMNS)
     for t in report_turns(n_turns, all_turns):
-        if t in summary["per_turn"]:
-            print(turn_row(str(t), summary["per_turn"][t]))
+        if t in run["summary"]["per_turn"]:
+            print(turn_row(str(t), run["summary"]["per_turn"][t]))
     print(turn_row("all", o))
     print(
         f"   output {o['output_tok_s']:.1f} tok/s, {o['request_s']:.2f} req/s; "
@@ -571,6 +627,7 @@ def write_json(path: pathlib.Path, args: argparse.Namespace, w: Workload, runs: 
                 "agents": run["agents"],
                 "run_tag": run["run_tag"],
                 "wall_s": run["wall_s"],
+                "load_avg_1m": run["load_avg_1m"],
                 "summary": run["summary"],
                 "records": [record_json(r, args.keep_text) for r in run["records"]],
             }
@@ -689,7 +746,7 @@ async def main_async(args: argparse.Namespace) -> int:
         run = await run_fleet(args, n, w)
         run["summary"] = summarize_run(run, args.slo_ttft, args.slo_tpot)
         runs.append(run)
-        print_run(n, run["summary"], w.turns, args.all_turns)
+        print_run(run, w.turns, args.all_turns)
         sys.stdout.flush()
         if args.json:  # after every N, so an interrupted run keeps what it measured
             write_json(args.json, args, w, runs)

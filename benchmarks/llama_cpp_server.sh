@@ -13,14 +13,26 @@
 #   benchmarks/llama_cpp_server.sh gguf                       # print the GGUF path it serves
 #
 # Examples:
-#   benchmarks/llama_cpp_server.sh bench 1 8 -- --quick      # the smoke run (~3 min on 2 cores, plus the build)
+#   benchmarks/llama_cpp_server.sh bench 1 8 -- --quick      # the smoke run: ~35 s on an idle 2-core machine
 #   benchmarks/llama_cpp_server.sh bench                      # N = 1 2 4 8 with agent_fleet.py's defaults
+#   LLAMA_SERVER_ARGS="--swa-full" benchmarks/llama_cpp_server.sh serve 8   # then point agent_fleet.py at it
 #
 # One server per N: llama-server's slot count (-np) is fixed at start, so `bench` restarts it for each N
 # (which also starts every N with a cold prompt cache). Results: $RESULTS_DIR/llama_cpp_N<N>.json.
 #
-# Build time (2-core CPU, GGML_NATIVE, only the llama-server target): about 20 minutes, see the
-# build-time.txt written next to the build. The build is skipped when the binary already exists.
+# Build time (2-core x86_64, GGML_NATIVE, -j2, only the llama-server target): 420 s measured, plus ~45 s for
+# the 77 MB sdist download and ~5 s to unpack; build-time.txt next to the build records it. The build is
+# skipped when the binary exists. The work dir takes ~380 MB.
+#
+# llama.cpp notes (0.3.36's vendored llama.cpp):
+# - The GGUF has no chat template, and llama.cpp's Jinja mode (on by default) would take `--chat-template
+#   gemma` as Jinja *source*; so --no-jinja, which selects the built-in Gemma template (system message merged
+#   into the first user turn, every message content trimmed).
+# - Prefix caching across turns (cache_prompt) is on by default; --cache-reuse is passed, but llama.cpp
+#   disables it for Gemma 3's sliding-window KV cache ("cache_reuse is not supported by this context").
+# - Slots do not share prefixes: with N slots the shared system prompt is prefilled N times.
+# - Cached tokens are reported in usage.prompt_tokens_details.cached_tokens and in its own `timings`
+#   (cache_n, prompt_n = tokens actually computed) on the final streamed chunk.
 #
 # Environment knobs (defaults in brackets):
 #   LLAMA_CPP_PYTHON_VERSION [0.3.36]   which llama-cpp-python sdist to take llama.cpp from
@@ -104,10 +116,7 @@ gguf_path() {
 # The llama-server command line for N slots, one argument per line.
 server_args() {
   local n="$1" gguf="$2"
-  # The GGUF has no chat template. llama.cpp defaults to Jinja templates, and with --jinja on, a
-  # --chat-template value is taken as Jinja *source*, so "gemma" would render the literal text "gemma".
-  # --no-jinja makes it the built-in (legacy) Gemma template: system merged into the first user turn,
-  # <start_of_turn>user/model ... <end_of_turn>, message contents trimmed.
+  # --no-jinja: see the notes at the top (with Jinja on, "gemma" would be a template that renders "gemma").
   # shellcheck disable=SC2206
   local extra=(${LLAMA_SERVER_ARGS:-})
   printf '%s\n' "$BIN" -m "$gguf" --alias "$MODEL_ALIAS" --host 127.0.0.1 --port "$PORT" \

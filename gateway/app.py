@@ -21,6 +21,8 @@ from gateway.clients import Backends
 from gateway.completions import (
     ResponseIds,
     chat_prompt,
+    constraint_factory,
+    json_grammar,
     remember_answer,
     check_model,
     choice_jobs,
@@ -251,9 +253,11 @@ async def _chat(backends: Backends, req: ChatCompletionRequest):
     model = check_model(backends, req.model)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    grammar = json_grammar(req)
     prompt = await chat_prompt(backends, req)
     resolve_max_tokens(len(prompt), max_tokens, backends.ready_facts().max_model_len, param)
-    jobs = choice_jobs(prompt, req, max_tokens, req.n, top_logprobs=req.top_logprobs or 0)
+    jobs = choice_jobs(prompt, req, max_tokens, req.n, top_logprobs=req.top_logprobs or 0,
+                       constraint=await constraint_factory(backends, grammar))
     ids = ResponseIds("chatcmpl", model)
     if req.stream:
         stream = await _primed(run_choices(backends, jobs))

@@ -45,7 +45,24 @@ class Backends:
         self.facts: ModelFacts | None = None
         self.answers = AnswerHistory()
         self.metrics = GatewayMetrics()
+        self._lltokenizer = None
+        self._lltokenizer_lock = asyncio.Lock()
         self._channels: tuple[grpc.aio.Channel, grpc.aio.Channel] | None = None
+
+    async def grammar_tokenizer(self):
+        """The llguidance tokenizer of the served vocabulary, built once (2-5 s, off the event loop).
+
+        Raises:
+          ApiError: 503 while the backends are not ready.
+        """
+        from gateway.constraints import build_tokenizer
+
+        facts = self.ready_facts()
+        async with self._lltokenizer_lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = await asyncio.to_thread(
+                    build_tokenizer, facts.tokenizer_json, facts.vocab_size, facts.stop_ids)
+        return self._lltokenizer
 
     def _connect(self) -> tuple[grpc.aio.Channel, grpc.aio.Channel]:
         """Create the channels on first use, inside the running event loop (grpc.aio binds them to it)."""

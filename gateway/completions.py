@@ -90,13 +90,15 @@ def gen_params(req: SamplingFields, max_tokens: int | None, choice: int, top_log
 
 
 def choice_jobs(prompt: list[int], req: SamplingFields, max_tokens: int | None, n: int, first_index: int = 0,
-                top_logprobs: int = 0) -> list[tuple[int, list[int], GenParams, str]]:
+                top_logprobs: int = 0, constraint=None) -> list[tuple[int, list[int], GenParams, str]]:
     """(index, prompt, params, request id) for the n choices of one prompt; choices 1..n-1 share choice 0's
-    prompt KV on the worker instead of computing the prompt again."""
+    prompt KV on the worker instead of computing the prompt again. `constraint`: a factory of per-choice
+    grammar matchers, or None."""
     rid0 = f"gen-{uuid.uuid4().hex}"
     jobs = []
     for j in range(n):
         params = gen_params(req, max_tokens, j, top_logprobs, share_prompt_with=rid0 if j else None)
+        params.constraint = constraint() if constraint is not None else None
         jobs.append((first_index + j, prompt, params, rid0 if j == 0 else f"{rid0}-{j}"))
     return jobs
 
@@ -165,15 +167,37 @@ def message_to_pb(m, answers=None) -> tokenizer_pb2.ChatMessage:
     return pb
 
 
+def json_grammar(req: ChatCompletionRequest) -> str | None:
+    """The grammar of the request's `response_format` (None for text).
+
+    Raises:
+      ApiError: 400 naming the keyword or problem for a schema that cannot be enforced or is malformed.
+    """
+    from gateway.constraints import SchemaError, grammar_for_response_format
+
+    try:
+        return grammar_for_response_format(req.response_format)
+    except SchemaError as err:
+        raise ApiError(400, str(err), param="response_format", code="unsupported_schema") from None
+
+
+async def constraint_factory(backends: Backends, grammar: str | None):
+    """A function making one fresh Constraint per choice for `grammar`, or None when unconstrained."""
+    if grammar is None:
+        return None
+    from gateway.constraints import Constraint
+
+    tokenizer = await backends.grammar_tokenizer()
+    facts = backends.ready_facts()
+    return lambda: Constraint(tokenizer, grammar, facts.vocab_size, facts.stop_ids)
+
+
 async def chat_prompt(backends: Backends, req: ChatCompletionRequest) -> list[int]:
     """Render the conversation with the model's chat template.
 
     Raises:
-      ApiError: 400 when the template cannot render it (the tokenizer service names the problem), or for
-        features not served yet (response_format, tools).
+      ApiError: 400 when the template cannot render it (the tokenizer service names the problem).
     """
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format other than text is not supported yet", param="response_format")
     request = tokenizer_pb2.ChatTemplateRequest(
         messages=[message_to_pb(m, backends.answers) for m in req.messages],
         add_generation_prompt=True,

@@ -14,7 +14,9 @@ Every renderer has one signature, `render(messages, add_generation_prompt, tools
 Gemma 3 (formats.md §4.1; the `chat_template` of Hugging Face `google/gemma-3-*-it` tokenizer_config.json):
 `<bos>`, then per message `<start_of_turn>{role}\\n{content|trim}<end_of_turn>\\n` with role assistant -> model;
 a leading system (or developer) message is folded into the first user turn as `{system}\\n\\n`; roles must
-alternate user/model starting with user; generation prompt `<start_of_turn>model\\n`.
+alternate user/model starting with user; generation prompt `<start_of_turn>model\\n`. Gemma 3 has no tool
+format: with tools, tool calls or tool results the renderer writes this project's JSON tool format (documented in
+gateway/tool_calls.py, whose grammars make the model answer in it).
 
 Gemma 4 (formats.md §4.2-4.4; Google's Gemma 4 E2B/E4B `chat_template.jinja`, July 2026 revision, whose text is
 kept in tests/tokenizer_svc/data/gemma4_chat_template.jinja): see `render_gemma4`.
@@ -106,44 +108,145 @@ def _check_roles(messages: list[Message]) -> None:
 # ---------------------------------------------------------------------------------------------------- Gemma 3
 
 
+GEMMA3_TOOLS_INTRO = (
+    "You can call these tools. Each line is one tool's name, description and JSON Schema parameters:\n"
+)
+GEMMA3_TOOLS_HOWTO = (
+    "To call tools, answer with only a JSON object of this form and nothing else:\n"
+    '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}\n'
+    "List several calls to run them in parallel. Otherwise answer normally. Tool results come back in the next "
+    "user turn."
+)
+
+
+def gemma3_tools_text(tools: list[dict]) -> str:
+    """The Gemma 3 tool declarations (gateway/tool_calls.py documents the format): the intro, one JSON line per
+    tool (name, description, parameters), a blank line, the instructions.
+
+    Raises:
+      TemplateError: a tool is not {"type": "function", "function": {"name": ..., ...}}.
+    """
+    lines = []
+    for t, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise TemplateError(f"tools[{t}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        decl = {"name": function["name"], "description": function.get("description") or "",
+                "parameters": function.get("parameters") or {"type": "object", "properties": {}}}
+        lines.append(json.dumps(decl, ensure_ascii=False))
+    return GEMMA3_TOOLS_INTRO + "\n".join(lines) + "\n\n" + GEMMA3_TOOLS_HOWTO
+
+
+def gemma3_tool_calls_text(calls: list[tuple[str, str, str]], where: str) -> str:
+    """An assistant message's calls in the Gemma 3 JSON format: `{"tool_calls": [{"name": N, "arguments": A}, ...]}`
+    with each `arguments` JSON text inserted verbatim (stripped; "" -> {}), so generated calls re-render exactly.
+
+    Raises:
+      TemplateError: arguments that are not a JSON object.
+    """
+    parts = []
+    for c, (_, name, arguments) in enumerate(calls):
+        parse_tool_arguments(arguments, f"{where}.tool_calls[{c}]")
+        parts.append('{"name": ' + json.dumps(name) + ', "arguments": ' + (arguments.strip() or "{}") + "}")
+    return '{"tool_calls": [' + ", ".join(parts) + "]}"
+
+
+def _gemma3_turns(body: list[Message], offset: int) -> list[tuple[str, int, list]]:
+    """Messages -> (role, index of the first message, content pieces) turns. Tool results answering a call
+    message form one user turn ("Tool result for NAME (ID):\n{content}" blocks), and a user message right after
+    them joins that turn; a piece is text or a tuple of generated ids."""
+    turns: list[tuple[str, int, list]] = []
+    calls: list[tuple[str, str, str]] = []
+    for n, m in enumerate(body):
+        i = n + offset
+        if m.role in ("system", "developer"):
+            raise TemplateError(f"messages[{i}]: a {m.role} message is only supported as the first message")
+        if m.tool_calls and m.role != "assistant":
+            raise TemplateError(f"messages[{i}]: only assistant messages can have tool_calls")
+        if m.role == "tool":
+            prev = body[n - 1].role if n else None
+            if not calls or prev not in ("assistant", "tool"):
+                raise TemplateError(
+                    f"messages[{i}]: a tool message must directly follow an assistant message with tool_calls "
+                    "(or another tool message answering the same calls)"
+                )
+            name = next((nm for cid, nm, _ in calls if cid == m.tool_call_id), m.name)
+            if not name:
+                raise TemplateError(f"messages[{i}]: tool_call_id {m.tool_call_id!r} matches none of the tool calls")
+            label = f"Tool result for {name}" + (f" ({m.tool_call_id})" if m.tool_call_id else "") + ":\n"
+            block = label + (_tool_result_text(m, i) or "").strip()
+            if prev == "tool":
+                turns[-1][2].append("\n\n" + block)
+            else:
+                turns.append(("user", i, [block]))
+            continue
+        if m.role == "user" and n and body[n - 1].role == "tool":
+            turns[-1][2].append("\n\n" + _text_of(m, i, trim=True))
+            continue
+        if m.role == "assistant":
+            calls = list(m.tool_calls)
+            if m.generated_ids:
+                turns.append(("assistant", i, [tuple(m.generated_ids)]))
+            elif m.tool_calls:
+                has_text = m.content is not None and m.content.strip() or m.parts
+                text = _text_of(m, i, trim=True) if has_text else ""
+                turns.append(("assistant", i, [(text + "\n\n" if text else "") +
+                                               gemma3_tool_calls_text(m.tool_calls, f"messages[{i}]")]))
+            else:
+                turns.append(("assistant", i, [_text_of(m, i, trim=True)]))
+        else:
+            turns.append((m.role, i, [_text_of(m, i, trim=True)]))
+    return turns
+
+
+def _tool_result_text(msg: Message, index: int) -> str | None:
+    if msg.content is not None or not msg.parts:
+        return msg.content
+    for kind, _ in msg.parts:
+        if kind != "text":
+            raise TemplateError(f"messages[{index}]: tool result part type {kind!r} is not supported")
+    return "".join(text for _, text in msg.parts)
+
+
 def render_gemma3(
     messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None, options: dict | None = None
 ) -> list[Segment]:
     """Render a conversation with the Gemma 3 template (formats.md §4.1). `options` are accepted and ignored.
 
+    Without tools, tool calls and tool messages this is the official template. Gemma 3 has no tool format; this
+    project's JSON format (documented in gateway/tool_calls.py) adds: tool declarations (`gemma3_tools_text`)
+    at the start of the first user turn after the system text; assistant calls rendered as
+    `{"tool_calls": [{"name": ..., "arguments": ...}]}` (`gemma3_tool_calls_text`); tool results as a user turn
+    of "Tool result for NAME (ID):\n..." blocks, which a following user message joins.
+
     Raises:
-      TemplateError: empty conversation, unknown or unsupported role (tool), tools given, system message not
-        first, tool calls, non-text content, or roles that do not alternate user/assistant starting with user.
+      TemplateError: empty conversation, unknown role, system message not first, a tool message that does not
+        answer a call message, malformed tools or tool-call arguments, non-text content, or roles that do not
+        alternate user/assistant starting with user.
     """
     _check_roles(messages)
-    if tools:
-        raise TemplateError("tools are not supported by the gemma3 template")
-    for i, m in enumerate(messages):
-        if m.role == "tool" or m.tool_calls:
-            raise TemplateError(f"messages[{i}]: tool calls and tool results are not supported by the Gemma 3 template")
     prefix, body, offset = "", messages, 0
     if messages[0].role in ("system", "developer"):
         prefix, body, offset = _text_of(messages[0], 0, trim=False) + "\n\n", messages[1:], 1
+    if tools:
+        prefix += gemma3_tools_text(tools) + "\n\n"
     segs = [_control("<bos>")]
-    for n, m in enumerate(body):
-        i = n + offset
-        if m.role in ("system", "developer"):
-            raise TemplateError(f"messages[{i}]: a {m.role} message is only supported as the first message")
+    for n, (role, i, pieces) in enumerate(_gemma3_turns(body, offset)):
         expected = "user" if n % 2 == 0 else "assistant"
-        if m.role != expected:
+        if role != expected:
+            got = messages[i].role
             raise TemplateError(
-                f"messages[{i}]: roles must alternate user/assistant starting with user; got {m.role!r} where "
+                f"messages[{i}]: roles must alternate user/assistant starting with user; got {got!r} where "
                 f"{expected!r} was expected"
             )
-        role = "model" if m.role == "assistant" else "user"
-        if role == "model" and m.generated_ids:
-            content = [Segment(f"{role}\n"), Segment("", ids=tuple(m.generated_ids))]
-        else:
-            content = [Segment(f"{role}\n" + (prefix if n == 0 else "") + _text_of(m, i, trim=True))]
+        head = ("model" if role == "assistant" else "user") + "\n" + (prefix if n == 0 else "")
+        content = [Segment(head)]
+        for piece in pieces:
+            content.append(Segment("", ids=piece) if isinstance(piece, tuple) else Segment(piece))
         segs += [_control("<start_of_turn>"), *content, _control("<end_of_turn>"), Segment("\n")]
     if add_generation_prompt:
         segs += [_control("<start_of_turn>"), Segment("model\n")]
-    return segs
+    return [s for s in segs if s.control or s.text or s.ids]
 
 
 # ---------------------------------------------------------------------------------------------------- Gemma 4

@@ -530,9 +530,9 @@ def test_unrenderable_conversations_name_the_problem(messages, tools, fragment):
         render_gemma4(messages, True, tools, {})
 
 
-def test_gemma3_rejects_tools():
-    with pytest.raises(TemplateError, match="tools are not supported by the gemma3 template"):
-        render_gemma3([Message("user", "Hi")], True, [WEATHER], {})
+def test_gemma3_rejects_malformed_tools():
+    with pytest.raises(TemplateError, match=r"tools\[0\]"):
+        render_gemma3([Message("user", "Hi")], True, [{"type": "function", "name": "flat"}], {})
     assert render_gemma3([Message("user", "Hi")], True, [], {"enable_thinking": True})[0].text == "<bos>"
 
 
@@ -601,7 +601,7 @@ def test_service_passes_tools_and_options(g4tok):
         ("gemma4", {"tools_json": '{"type": "function"}'}, "JSON array"),
         ("gemma4", {"template_kwargs_json": "[1]"}, "JSON object"),
         ("gemma4", {"template_kwargs_json": "{"}, "template_kwargs_json is not valid JSON"),
-        ("gemma3", {"tools_json": json.dumps([WEATHER])}, "not supported by the gemma3 template"),
+        ("gemma3", {"tools_json": '[{"type": "function"}]'}, "tools[0]"),
     ],
 )
 def test_service_rejects_bad_requests(g4tok, template, fields, fragment):

@@ -1,0 +1,1479 @@
+"""Tool calls in the model's own format: llguidance grammars that hold the calls to the tools' JSON Schemas, and
+incremental parsers that turn the generated tokens into OpenAI tool calls (streaming deltas and final calls).
+
+Gemma 4 (native format, formats.md §4.2-4.4)
+--------------------------------------------
+The model writes calls in its trained syntax, then stops on `<|tool_response>`::
+
+    <|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|><|tool_response>
+
+`<|tool_call>` (48), `<tool_call|>` (49), `<|tool_response>` (50), the string delimiter `<|"|>` (52) and the end of
+turn `<turn|>` (106) are control tokens: the grammar references them by id (`<[48]>`), so they are matched as
+tokens and never as text, and no text in the grammar (call names, keys, strings, free text) can contain a control
+token. Arguments are the tool's `parameters` schema written in Gemma syntax:
+
+- objects `{key:value,...}` with bare keys, **in the chat template's order** (keys sorted case-insensitively,
+  Jinja `dictsort`): the order Gemma 4's template writes calls in, so the model sees its own calls in history exactly
+  as the template renders them. Required properties are mandatory, optional ones optional; no other keys.
+- strings `<|"|>raw text<|"|>` (no escapes: the text is everything between the delimiters);
+- numbers as Python prints them (what the template writes for a JSON number, so generated calls re-render
+  exactly): integers `0|-?[1-9][0-9]*`; other numbers in fixed notation with at most 15 significant digits and
+  `1e-4 <= |x| < 1e15` (`3.5`, `-0.25`, `100.0`); no exponents, no `1.50`, no `-0`;
+- `true`, `false`, `null`, arrays `[v,...]`, nested objects.
+
+The parser converts the arguments to JSON text as they arrive (keys -> `"key"`, Gemma strings -> JSON strings
+with quotes, backslashes and control characters escaped, numbers/literals as they are) and streams them.
+
+Gemma 3 (no native tool format): this project's JSON format
+----------------------------------------------------------
+Gemma 3 was not trained on tools, so the built-in Gemma 3 template (tokenizer_svc `render_gemma3`) and these
+grammars define a plain-text JSON convention:
+
+1. **Declarations.** When a request has tools, the first user turn starts (after the system text and its blank
+   line, if any) with::
+
+       You can call these tools. Each line is one tool's name, description and JSON Schema parameters:
+       {"name": "get_weather", "description": "Get the weather.", "parameters": {...}}
+       ...
+
+       To call tools, answer with only a JSON object of this form and nothing else:
+       {"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}
+       List several calls to run them in parallel. Otherwise answer normally. Tool results come back in the next
+       user turn.
+
+   followed by a blank line and the user's text.
+2. **Calls.** The whole model answer is exactly
+   `{"tool_calls": [{"name": "NAME", "arguments": ARGS}, {"name": ..., "arguments": ...}]}` (separators `", "` and
+   `": "`, no other whitespace outside ARGS) followed by `<end_of_turn>`. ARGS is a JSON object valid against the
+   tool's schema, written with `", "` / `": "` separators and properties in the schema's order. With
+   `tool_choice: "auto"` the answer is either that object or plain text that does not start with `{`.
+3. **History.** An assistant message with `tool_calls` renders as that same JSON object, each call's `arguments`
+   string inserted verbatim (so an answer sent back unchanged re-renders exactly as generated); text content, if
+   any, comes first, followed by a blank line.
+4. **Results.** Gemma 3 has no tool role. The `tool` messages answering a call message form one user turn, one
+   block per result, blocks separated by a blank line::
+
+       Tool result for get_weather (call_0):
+       {"temp": 20}
+
+   (`(id)` is left out when the message has no `tool_call_id`; the name comes from the matching call, else the
+   message's `name`.) A user message right after tool results joins that same user turn after a blank line, so
+   turns keep alternating user/model.
+
+JSON Schema support (both formats; fail closed)
+-----------------------------------------------
+Supported: `type` (a name or a list, `"null"` included), OpenAPI `nullable: true`, `enum`/`const` of scalars,
+`anyOf`, `oneOf` (only when its alternatives have different JSON types, so at most one can match), `allOf` with
+one schema, local `$ref` (`#/$defs/...`, `#/definitions/...`, recursion allowed), `properties`, `required`,
+`additionalProperties`, `items` (a schema), `minItems`, `maxItems`, `minLength`, `maxLength`, `pattern`
+(anchored or not; `^`/`$` only at the ends), `format` (`date`, `time`, `date-time`, `uuid`, `email`, `ipv4`),
+`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (any integer bound for `integer`; whole-number
+bounds for `number`), and the annotations `title`, `description`, `default`, `examples`, `$comment`,
+`deprecated`, `readOnly`, `writeOnly`, `$schema`, `$id`.
+Rejected with `ToolSchemaError` naming the keyword: everything else, e.g. `multipleOf`, `uniqueItems`,
+`prefixItems`/tuple `items`, `contains`, `patternProperties`, `propertyNames`, `minProperties`, `maxProperties`,
+`dependentRequired`, `dependentSchemas`, `if`/`then`/`else`, `not`, `unevaluated*`, remote `$ref`, other
+formats, fractional `number` bounds, `required` names without a property, property names that cannot be bare
+keys (`[\\w$@.-]+`).
+Objects: an object with a `properties` keyword gets exactly its declared keys (`"properties": {}` means `{}`),
+whatever `additionalProperties` says (extra keys would be valid, but are never produced). An object with no
+`properties` keyword is free-form: any identifier keys, values per `additionalProperties` (any value when
+absent/true; `{}` when false); its key order is not enforced, so it is the one thing the template may
+re-render in a different (sorted) order. `nullable: true` is not JSON Schema: validate with
+`validation_schema()` / `validate_tool_arguments()`, which read it as "or null".
+
+Grammars per tool_choice (the gateway masks with an llguidance matcher; None = no grammar)
+-----------------------------------------------------------------------------------------
+Gemma 4 (CALL_i = `<[48]> "call:NAME_i" ARGS_i <[49]>`; CALLS = `(CALL_0|CALL_1|...)+`, exactly one call when
+`parallel` is false):
+
+- `"none"` (or no tools): None. The model must still not call: the gateway bans `<|tool_call>` and
+  `<tool_call|>` (`GEMMA4_NONE_BANNED_IDS`) in its sampling mask.
+- `"auto"`: `start: TEXT? <[106]> | TEXT? CALLS <[50]>` - an answer, or optional text then calls (Gemma 4's
+  template renders such leading text after the tool results when the message comes back in history).
+- `"required"`: `start: CALLS <[50]>`.
+- named `{"type": "function", "function": {"name": X}}`: `start: CALL_X+ <[50]>` (one call without `parallel`).
+
+Gemma 3 (CALLS_JSON = the object of point 2; `<[106]>` = `<end_of_turn>`): `"none"` -> None; `"auto"` ->
+`start: TEXT_NOT_STARTING_WITH_BRACE? <[106]> | CALLS_JSON <[106]>`; `"required"` -> `start: CALLS_JSON <[106]>`;
+named -> the same with only tool X. Grammars are cached by a hash of (format, tools, tool_choice, parallel).
+
+Call ids are `{id_prefix}{n}`, n counting the calls of one response from 0, so they are unique within a
+response; pass a per-response prefix (e.g. `f"call_{request_id}_{choice}_"`) to make them unique across a
+conversation.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+# Gemma 4 control-token ids (formats.md §4.2; identical across sizes).
+GEMMA4_EOS = 1
+GEMMA4_TOOL_CALL = 48
+GEMMA4_TOOL_CALL_END = 49
+GEMMA4_TOOL_RESPONSE = 50
+GEMMA4_STRING = 52
+GEMMA4_TURN_END = 106
+GEMMA4_CONTROL_IDS = frozenset({0, 1, 2, 46, 47, 48, 49, 50, 51, 52, 98, 100, 101, 105, 106})
+GEMMA4_NONE_BANNED_IDS = (GEMMA4_TOOL_CALL, GEMMA4_TOOL_CALL_END)
+"""Ids the gateway bans with tool_choice "none" (there is no grammar then)."""
+
+# Gemma 3 control-token ids (formats.md §4.1).
+GEMMA3_EOS = 1
+GEMMA3_END_OF_TURN = 106
+GEMMA3_CONTROL_IDS = frozenset({0, 1, 2, 3, 105, 106})
+
+# The Gemma 3 call JSON (the template in tokenizer_svc/chat_template.py writes the same text).
+GEMMA3_CALLS_OPEN = '{"tool_calls": ['
+GEMMA3_CALLS_CLOSE = "]}"
+GEMMA3_CALL_SEPARATOR = ", "
+GEMMA3_ARGS_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                       "coerce_one_of": True}  # oneOf alternatives are checked to be disjoint first
+
+
+def gemma3_call_open(name: str) -> str:
+    """The text of one Gemma 3 call before its arguments."""
+    return '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
+class ToolSchemaError(ValueError):
+    """A tool's schema cannot be enforced (unsupported keyword or value): the request must be rejected.
+
+    Attributes:
+      message: what is wrong, naming the tool, keyword and path.
+      tool: the tool's name (or `tools[i]` when it has none).
+      keyword: the offending JSON Schema keyword (or "name"/"function"/"parameters" for the tool itself).
+      path: JSON pointer of the schema node inside the tool's `parameters` ("" for the root).
+    """
+
+    def __init__(self, message: str, tool: str, keyword: str, path: str):
+        super().__init__(message)
+        self.message, self.tool, self.keyword, self.path = message, tool, keyword, path
+
+
+class ToolChoiceError(ValueError):
+    """`tool_choice` is malformed, names a tool that is not in `tools`, or needs tools and there are none."""
+
+
+class ToolCallParseError(ValueError):
+    """The generated text is not a well-formed tool call (cannot happen under the grammar)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: `arguments` is JSON text (an object), the concatenation of the streamed fragments."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedOutput:
+    """A whole generated answer.
+
+    Attributes:
+      content: the text outside calls ("" when none).
+      tool_calls: the complete calls, in order.
+      truncated: generation stopped inside a call (its streamed fragments are not valid JSON; it is not in
+        tool_calls).
+    """
+
+    content: str
+    tool_calls: list[ToolCall]
+    truncated: bool = False
+
+
+# ------------------------------------------------------------------------------------------- tools and choice
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def _functions(tools: list[dict]) -> list[dict]:
+    """The `function` objects of an OpenAI `tools` array, checked: type function, unique valid names."""
+    out, seen = [], set()
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ToolSchemaError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{...}}}}",
+                                  f"tools[{i}]", "function", "")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolSchemaError(f"tools[{i}]: the name must match [A-Za-z0-9_.-]{{1,64}}, got {name!r}",
+                                  f"tools[{i}]", "name", "")
+        if name in seen:
+            raise ToolSchemaError(f"tools[{i}]: duplicate tool name {name!r}", name, "name", "")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ToolSchemaError(f"tool {name!r}: parameters must be a JSON Schema object", name, "parameters", "")
+        out.append(fn)
+    return out
+
+
+def resolve_tool_choice(tools: list[dict], tool_choice: Any) -> tuple[str, str | None]:
+    """OpenAI `tool_choice` -> (mode, name): mode "none" | "auto" | "required" | "named" (name set for "named").
+    None means the OpenAI default ("auto" with tools, else "none"); "auto" without tools is "none".
+
+    Raises:
+      ToolChoiceError: unknown value, a named tool that is not in `tools`, or "required"/named without tools.
+    """
+    names = [fn["name"] for fn in _functions(tools)]
+    if tool_choice is None:
+        tool_choice = "auto"
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice == "required" and not names:
+            raise ToolChoiceError('tool_choice "required" needs at least one tool')
+        return ("none" if tool_choice == "auto" and not names else tool_choice), None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(fn, dict):
+        raise ToolChoiceError('tool_choice must be "none", "auto", "required" or '
+                              '{"type": "function", "function": {"name": ...}}')
+    if fn.get("name") not in names:
+        raise ToolChoiceError(f"tool_choice names {fn.get('name')!r}, which is not one of the tools")
+    return "named", fn["name"]
+
+
+# ------------------------------------------------------------------------------------------ regex building
+
+
+def _digits_between(a: str, b: str) -> str:
+    """Regex for the digit strings of len(a) between a and b (a <= b, equal lengths, leading zeros allowed)."""
+    n = len(a)
+    if a == b:
+        return a
+    if a == "0" * n and b == "9" * n:
+        return f"[0-9]{{{n}}}" if n > 1 else "[0-9]"
+    if n == 1:
+        return f"[{a}-{b}]"
+    if a[0] == b[0]:
+        return a[0] + _digits_between(a[1:], b[1:])
+    alts = [a[0] + _digits_between(a[1:], "9" * (n - 1))]
+    if int(b[0]) - int(a[0]) > 1:
+        alts.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}][0-9]{{{n - 1}}}")
+    alts.append(b[0] + _digits_between("0" * (n - 1), b[1:]))
+    return "(?:" + "|".join(alts) + ")"
+
+
+def _uint_range(a: int, b: int | None) -> str | None:
+    """Regex for canonical decimal integers in [a, b] (0 <= a; b None = unbounded), or None if empty."""
+    if b is not None and a > b:
+        return None
+    alts = []
+    if a == 0:
+        alts.append("0")
+        if b == 0:
+            return "0"
+        a = 1
+    sa = str(a)
+    if b is None:
+        alts.append(_digits_between(sa, "9" * len(sa)))
+        alts.append(f"[1-9][0-9]{{{len(sa)},}}")
+    else:
+        sb = str(b)
+        if len(sa) == len(sb):
+            alts.append(_digits_between(sa, sb))
+        else:
+            alts.append(_digits_between(sa, "9" * len(sa)))
+            for k in range(len(sa) + 1, len(sb)):
+                alts.append(f"[1-9][0-9]{{{k - 1}}}")
+            alts.append(_digits_between("1" + "0" * (len(sb) - 1), sb))
+    return "(?:" + "|".join(alts) + ")"
+
+
+def int_range_regex(lo: int | None, hi: int | None) -> str | None:
+    """Regex for canonical integers (no leading zeros, no "-0") in [lo, hi] (None = unbounded), or None if
+    the range is empty."""
+    alts = []
+    if hi is None or hi >= 0:
+        r = _uint_range(max(lo, 0) if lo is not None else 0, hi)
+        if r:
+            alts.append(r)
+    if lo is None or lo < 0:
+        r = _uint_range(-hi if hi is not None and hi < 0 else 1, -lo if lo is not None else None)
+        if r:
+            alts.append("-" + r)
+    return "(?:" + "|".join(alts) + ")" if alts else None
+
+
+# Fixed-notation numbers that Python prints back unchanged (repr(float(s)) == s): <= 15 significant digits,
+# 1e-4 <= |x| < 1e15, no trailing zeros except the single ".0".
+_FRACTION_REPR = "(?:" + "|".join(
+    ["0\\.(?:0|0{0,3}[1-9](?:[0-9]{0,13}[1-9])?)"]
+    + [f"[1-9][0-9]{{{k - 1}}}\\.(?:0|[0-9]{{0,{14 - k}}}[1-9])" for k in range(1, 15)]
+    + ["[1-9][0-9]{14}\\.0"]
+) + ")"
+NUMBER_REPR_REGEX = f"-?{_FRACTION_REPR}"
+INTEGER_REGEX = "(?:0|-?[1-9][0-9]*)"
+
+_FORMATS = {
+    "date": "(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"  # year 0000 is not a date for Python
+            "-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+            "|02-(?:0[1-9]|1[0-9]|2[0-8]))",  # no Feb 29: a leap-year rule in a regex is not worth it
+    "time": "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])",
+    "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "email": "[A-Za-z0-9._%+\\-]{1,64}@[A-Za-z0-9\\-]{1,63}(?:\\.[A-Za-z0-9\\-]{1,63}){1,8}",
+    "ipv4": "(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
+}
+_FORMATS["date-time"] = _FORMATS["date"] + "T" + _FORMATS["time"]
+
+
+def _lark_regex(regex: str) -> str:
+    return "/" + regex.replace("/", "\\/") + "/"
+
+
+def _python_number(value: int | float) -> str:
+    """A number as Python (and so the Jinja template) prints it."""
+    return str(value) if isinstance(value, int) else repr(float(value))
+
+
+# ----------------------------------------------------------------------------------------- schema walking
+
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+                "$schema", "$id"}
+_STRING_KW = {"minLength", "maxLength", "pattern", "format"}
+_NUMBER_KW = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+_ARRAY_KW = {"items", "minItems", "maxItems"}
+_OBJECT_KW = {"properties", "required", "additionalProperties"}
+_STRUCTURE_KW = {"type", "nullable", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions"}
+_KNOWN = _ANNOTATIONS | _STRING_KW | _NUMBER_KW | _ARRAY_KW | _OBJECT_KW | _STRUCTURE_KW
+_TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
+_KEY = re.compile(r"^[\w$@.\-]+$")
+_ATOM = re.compile(r'[A-Za-z_][A-Za-z0-9_]*|"(?:[^"\\]|\\.)*"')
+
+
+def _pointer_escape(part: str) -> str:
+    return str(part).replace("~", "~0").replace("/", "~1")
+
+
+def _dictsort(mapping: dict) -> list[tuple[str, Any]]:
+    """Jinja's `dictsort` (case-insensitive), the order Gemma 4's template writes mappings in."""
+    return sorted(mapping.items(), key=lambda kv: kv[0].lower())
+
+
+class _Gemma4Schema:
+    """Translates one tool's `parameters` JSON Schema into Lark rules for Gemma 4 call syntax."""
+
+    def __init__(self, grammar: _Gemma4Grammar, tool: str, root: dict, prefix: str):
+        self.g, self.tool, self.root, self.prefix = grammar, tool, root, prefix
+        self.refs: dict[str, str] = {}
+
+    def error(self, keyword: str, path: str, reason: str) -> ToolSchemaError:
+        return ToolSchemaError(f"tool {self.tool!r}: JSON Schema keyword {keyword!r} at {path or '/'} is not "
+                               f"supported: {reason}", self.tool, keyword, path)
+
+    def rule(self, body: str) -> str:
+        return self.g.add_rule(self.prefix, body)
+
+    # -- entry points
+
+    def parameters(self) -> str:
+        """The rule of the arguments object."""
+        schema = self.root
+        if not schema:
+            return '"{}"'
+        t = schema.get("type", "object")
+        if t != "object" or any(k in schema for k in ("anyOf", "oneOf", "allOf", "enum", "const", "$ref")):
+            raise self.error("type", "", 'parameters must be a plain {"type": "object"} schema')
+        return self.node(schema, "")
+
+    def node(self, schema: Any, path: str) -> str:
+        """A Lark atom (rule or terminal name, literal, or parenthesized expression) for the values valid against
+        `schema`."""
+        expr = self._node(schema, path)
+        return expr if _ATOM.fullmatch(expr) else f"({expr})"
+
+    def _node(self, schema: Any, path: str) -> str:
+        if schema is True or schema == {}:
+            return self.g.any_value()
+        if schema is False:
+            raise self.error("false", path, "a false schema matches nothing")
+        if not isinstance(schema, dict):
+            raise self.error("schema", path, f"expected an object, got {type(schema).__name__}")
+        for key in schema:
+            if key not in _KNOWN:
+                raise self.error(key, path, "this keyword cannot be enforced")
+        core = {k: v for k, v in schema.items() if k not in _ANNOTATIONS and k not in ("$defs", "definitions")}
+        if "$ref" in core:
+            return self.ref(core, path)
+        if "allOf" in core:
+            parts = core["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1 or len(core) != 1:
+                raise self.error("allOf", path, "only allOf with a single schema and no sibling keywords")
+            return self.node(parts[0], f"{path}/allOf/0")
+        for kw in ("anyOf", "oneOf"):
+            if kw in core:
+                return self.union(kw, core, path)
+        if "enum" in core or "const" in core:
+            return self.literals(core, path)
+        types = self.types(core, path)
+        alts = [self.typed(t, core, path) for t in types]
+        return alts[0] if len(alts) == 1 else self.rule(" | ".join(alts))
+
+    def types(self, core: dict, path: str) -> list[str]:
+        t = core.get("type")
+        if t is None:
+            if core.keys() & _OBJECT_KW:
+                types = ["object"]
+            elif core.keys() & _ARRAY_KW:
+                types = ["array"]
+            elif core.keys() & _STRING_KW:
+                types = ["string"]
+            elif core.keys() & _NUMBER_KW:
+                types = ["number"]
+            else:
+                types = ["string", "number", "boolean", "null", "object", "array"]
+        else:
+            types = [t] if isinstance(t, str) else t
+            if not isinstance(types, list) or not types or any(x not in _TYPES for x in types):
+                raise self.error("type", path, f"unknown type {t!r}")
+            if "integer" in types and "number" in types:
+                types = [x for x in types if x != "integer"]
+        if core.get("nullable") is True and "null" not in types:
+            types = [*types, "null"]
+        return list(dict.fromkeys(types))
+
+    def typed(self, t: str, core: dict, path: str) -> str:
+        if t == "null":
+            return '"null"'
+        if t == "boolean":
+            return '"true" | "false"'
+        if t == "string":
+            return f"<[{GEMMA4_STRING}]> {self.string_terminal(core, path)} <[{GEMMA4_STRING}]>"
+        if t in ("integer", "number"):
+            return self.number(t, core, path)
+        if t == "array":
+            return self.array(core, path)
+        return self.object(core, path)
+
+    # -- references and combinations
+
+    def ref(self, core: dict, path: str) -> str:
+        ref = core["$ref"]
+        if len(core) != 1 and not (len(core) == 2 and core.get("nullable") is True):
+            raise self.error("$ref", path, "$ref with sibling keywords")
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise self.error("$ref", path, "only local references (#/$defs/...)")
+        if ref not in self.refs:
+            target: Any = self.root
+            for part in [p for p in ref[1:].split("/") if p]:
+                part = part.replace("~1", "/").replace("~0", "~")
+                if not isinstance(target, dict) or part not in target:
+                    raise self.error("$ref", path, f"{ref!r} does not resolve")
+                target = target[part]
+            name = self.g.new_name(self.prefix)
+            self.refs[ref] = name
+            self.g.rules[name] = self.node(target, ref[1:])
+        return self.rule(f'{self.refs[ref]} | "null"') if core.get("nullable") is True else self.refs[ref]
+
+    def union(self, kw: str, core: dict, path: str) -> str:
+        options = core[kw]
+        extra = set(core) - {kw, "nullable"}
+        if extra:
+            raise self.error(kw, path, f"{kw} together with {sorted(extra)}")
+        if not isinstance(options, list) or not options:
+            raise self.error(kw, path, "expected a non-empty list of schemas")
+        if kw == "oneOf":
+            seen: set[str] = set()
+            for i, option in enumerate(options):
+                fams = self.families(option, set())
+                if fams is None or fams & seen:
+                    raise self.error("oneOf", f"{path}/oneOf/{i}", "oneOf alternatives must have different JSON "
+                                     "types (use anyOf)")
+                seen |= fams
+        alts = [self.node(option, f"{path}/{kw}/{i}") for i, option in enumerate(options)]
+        if core.get("nullable") is True:
+            alts.append('"null"')
+        return self.rule(" | ".join(alts))
+
+    def families(self, schema: Any, visiting: set[str]) -> set[str] | None:
+        """The JSON types (integer and number as one) `schema` can match, or None if unknown/any."""
+        if not isinstance(schema, dict):
+            return None
+        fams: set[str] = set()
+        if "$ref" in schema:
+            ref = schema["$ref"]
+            if not isinstance(ref, str) or ref in visiting:
+                return None
+            target: Any = self.root
+            for part in [p for p in ref[1:].split("/") if p]:
+                target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+            sub = self.families(target, visiting | {ref})
+            if sub is None:
+                return None
+            fams |= sub
+        elif "anyOf" in schema or "oneOf" in schema or "allOf" in schema:
+            for option in schema.get("anyOf", schema.get("oneOf", schema.get("allOf"))) or []:
+                sub = self.families(option, visiting)
+                if sub is None:
+                    return None
+                fams |= sub
+        elif "enum" in schema or "const" in schema:
+            values = schema["enum"] if "enum" in schema else [schema["const"]]
+            for v in values if isinstance(values, list) else []:
+                fams.add(_family(v))
+        elif "type" in schema:
+            types = [schema["type"]] if isinstance(schema["type"], str) else schema["type"]
+            fams |= {"number" if t == "integer" else t for t in types}
+        else:
+            return None
+        if schema.get("nullable") is True:
+            fams.add("null")
+        return fams
+
+    def literals(self, core: dict, path: str) -> str:
+        kw = "enum" if "enum" in core else "const"
+        values = core["enum"] if kw == "enum" else [core["const"]]
+        if not isinstance(values, list) or not values:
+            raise self.error(kw, path, "expected a non-empty list")
+        siblings = {k: v for k, v in core.items() if k not in ("enum", "const")}
+        if siblings.keys() - {"type", "nullable"} - _STRING_KW - _NUMBER_KW:
+            raise self.error(kw, path, f"{kw} together with {sorted(siblings.keys())}")
+        if core.get("nullable") is True and None not in values:
+            values = [*values, None]
+        check = _validator(validation_schema(siblings))
+        alts = []
+        for v in values:
+            if isinstance(v, (dict, list)) or (isinstance(v, float) and not math.isfinite(v)):
+                raise self.error(kw, path, f"only string, number, boolean and null values, got {v!r}")
+            if not check.is_valid(v):
+                continue
+            if isinstance(v, str):
+                alts.append(f"<[{GEMMA4_STRING}]> {json.dumps(v)} <[{GEMMA4_STRING}]>" if v else
+                            f"<[{GEMMA4_STRING}]> <[{GEMMA4_STRING}]>")
+            elif v is None:
+                alts.append('"null"')
+            elif isinstance(v, bool):
+                alts.append('"true"' if v else '"false"')
+            else:
+                alts.append(json.dumps(_python_number(v)))
+        if not alts:
+            raise self.error(kw, path, "no value satisfies the other keywords")
+        return self.rule(" | ".join(dict.fromkeys(alts)))
+
+    # -- scalars
+
+    def string_terminal(self, core: dict, path: str) -> str:
+        lo, hi = core.get("minLength", 0), core.get("maxLength")
+        for kw, v in (("minLength", lo), ("maxLength", hi)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise self.error(kw, path, f"expected a non-negative integer, got {v!r}")
+        parts = []
+        if lo or hi is not None:
+            parts.append(f"(?s:.{{{lo},{'' if hi is None else hi}}})")
+        if "pattern" in core:
+            parts.append(self.pattern(core["pattern"], path))
+        if "format" in core:
+            fmt = core["format"]
+            if fmt not in _FORMATS:
+                raise self.error("format", path, f"format {fmt!r} (supported: {', '.join(sorted(_FORMATS))})")
+            parts.append(_FORMATS[fmt])
+        if not parts:
+            return self.g.terminal("(?s:.*)")
+        return self.g.terminal(*parts)
+
+    def pattern(self, pattern: Any, path: str) -> str:
+        """An ECMA `pattern` (matches anywhere unless anchored) -> a whole-string regex for the same strings, or
+        for a subset of them (a pattern anchored at both ends is taken as one group)."""
+        if not isinstance(pattern, str):
+            raise self.error("pattern", path, "expected a string")
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise self.error("pattern", path, f"invalid regex ({err})") from None
+        body, start, end = pattern, False, False
+        if body.startswith("^"):
+            body, start = body[1:], True
+        if body.endswith("$") and not _escaped_at(body, len(body) - 1):
+            body, end = body[:-1], True
+        if re.search(r"(?<!\\)[\^$]", body.replace("[^", "[")):
+            raise self.error("pattern", path, "^ and $ are supported only at the ends of the pattern")
+        regex = ("" if start else "(?s:.*)") + f"(?:{body})" + ("" if end else "(?s:.*)")
+        problem = _regex_problem(regex)
+        if problem:
+            raise self.error("pattern", path, f"the regex does not compile for llguidance ({problem})")
+        return regex
+
+    def number(self, t: str, core: dict, path: str) -> str:
+        lo, lo_excl = core.get("minimum"), False
+        hi, hi_excl = core.get("maximum"), False
+        for kw in ("exclusiveMinimum", "exclusiveMaximum"):
+            v = core.get(kw)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise self.error(kw, path, f"expected a number, got {v!r}")
+            if kw == "exclusiveMinimum" and (lo is None or v >= lo):
+                lo, lo_excl = v, True
+            if kw == "exclusiveMaximum" and (hi is None or v <= hi):
+                hi, hi_excl = v, True
+        for kw, v in (("minimum", lo), ("maximum", hi)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise self.error(kw, path, f"expected a finite number, got {v!r}")
+        if lo is None and hi is None:
+            return self.g.terminal(INTEGER_REGEX if t == "integer" else f"{INTEGER_REGEX}|{NUMBER_REPR_REGEX}")
+        # Integers in range (inclusive integer bounds).
+        ilo = None if lo is None else (math.floor(lo) + 1 if lo_excl else math.ceil(lo))
+        ihi = None if hi is None else (math.ceil(hi) - 1 if hi_excl else math.floor(hi))
+        ints = int_range_regex(ilo, ihi) if ilo is None or ihi is None or ilo <= ihi else None
+        if t == "integer":
+            if ints is None:
+                raise self.error("minimum" if lo is not None else "maximum", path, "no integer is in range")
+            return self.g.terminal(ints)
+        for kw, v in (("minimum", lo), ("maximum", hi)):
+            if v is not None and not float(v).is_integer():
+                raise self.error(kw, path, "number bounds must be whole numbers")
+        lo_i = None if lo is None else int(lo)
+        hi_i = None if hi is None else int(hi)
+        # Non-integral x = I.F lies in (I, I+1) (or (-I-1, -I)): inside the bounds iff the whole interval is.
+        pos = _uint_range(max(lo_i, 0) if lo_i is not None else 0, None if hi_i is None else hi_i - 1)
+        neg = None
+        if lo_i is None or lo_i < 0:
+            neg = _uint_range(max(-hi_i, 0) if hi_i is not None else 0, None if lo_i is None else -lo_i - 1)
+        fractions = [f"{pos}\\.[0-9]*[1-9]"] if pos else []
+        if neg:
+            fractions.append(f"-{neg}\\.[0-9]*[1-9]")
+        if ints:
+            fractions.append(f"{ints}\\.0")
+        alts = [_lark_regex(ints)] if ints else []
+        if fractions:
+            alts.append(f"({_lark_regex('|'.join(fractions))} & {_lark_regex(NUMBER_REPR_REGEX)})")
+        if not alts:
+            raise self.error("minimum" if lo is not None else "maximum", path, "no number is in range")
+        return self.g.terminal_expr(" | ".join(alts))
+
+    # -- containers
+
+    def array(self, core: dict, path: str) -> str:
+        items = core.get("items", True)
+        if isinstance(items, list):
+            raise self.error("items", path, "tuple items (a list of schemas)")
+        lo, hi = core.get("minItems", 0), core.get("maxItems")
+        for kw, v in (("minItems", lo), ("maxItems", hi)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise self.error(kw, path, f"expected a non-negative integer, got {v!r}")
+        if items is False:
+            hi = 0
+        if hi is not None and lo > hi:
+            raise self.error("minItems", path, "minItems > maxItems")
+        if hi == 0:
+            return '"[" "]"'
+        item = self.node(items, f"{path}/items")
+        rest_lo = max(lo - 1, 0)
+        count = "*" if rest_lo == 0 and hi is None else f"{{{rest_lo},}}" if hi is None else f"{{{rest_lo},{hi - 1}}}"
+        seq = item if count == "{0,0}" else f'{item} ("," {item}){count}'
+        return self.rule(f'"[" {seq} "]"' if lo >= 1 else f'"[" ({seq})? "]"')
+
+    def object(self, core: dict, path: str) -> str:
+        props = core.get("properties", {})
+        required = core.get("required", [])
+        extra = core.get("additionalProperties", True)
+        if not isinstance(props, dict):
+            raise self.error("properties", path, "expected an object")
+        if not isinstance(required, list) or any(not isinstance(r, str) for r in required):
+            raise self.error("required", path, "expected a list of names")
+        for name in required:
+            if name not in props:
+                raise self.error("required", path, f"{name!r} is required but not in properties")
+        if extra not in (True, False):
+            self.node(extra, f"{path}/additionalProperties")  # checked even where no extra keys are produced
+        if not props and ("properties" in core or extra is False):
+            return '"{}"'
+        if not props:  # a free-form object: any identifier keys (order not enforced)
+            value = self.g.any_value() if extra is True else self.node(extra, f"{path}/additionalProperties")
+            pair = self.rule(f'ANY_KEY ":" {value}')
+            self.g.need_any_key = True
+            return self.rule(f'"{{" ({pair} ("," {pair})*)? "}}"')
+        entries = []
+        for name, sub in _dictsort(props):
+            if not _KEY.match(name):
+                raise self.error("properties", f"{path}/properties/{_pointer_escape(name)}",
+                                 f"property name {name!r} cannot be written as a bare key")
+            value = self.node(sub, f"{path}/properties/{_pointer_escape(name)}")
+            entries.append((f"{json.dumps(name + ':')} {value}", name in required))
+        # The first key is one of the optional keys before the first required one (or that one): head(i) = entry
+        # i, then tail(i+1) = each later entry after a comma (optional ones optional).
+        n = len(entries)
+        first_required = next((i for i, (_, req) in enumerate(entries) if req), n)
+        tails = [""] * (n + 1)
+        for i in range(n - 1, 0, -1):
+            pair, req = entries[i]
+            body = (f'"," {pair}' if req else f'("," {pair})?') + (f" {tails[i + 1]}" if tails[i + 1] else "")
+            tails[i] = self.rule(body) if tails[i + 1] else body
+        heads = []
+        for i in range(min(first_required, n - 1), -1, -1):
+            pair, _ = entries[i]
+            heads.append(pair + (f" {tails[i + 1]}" if tails[i + 1] else ""))
+        head = self.rule(" | ".join(reversed(heads)))
+        nullable = first_required == n
+        return self.rule(f'"{{" {head}{"?" if nullable else ""} "}}"')
+
+
+def _family(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _escaped_at(text: str, index: int) -> bool:
+    n = 0
+    while index - 1 - n >= 0 and text[index - 1 - n] == "\\":
+        n += 1
+    return n % 2 == 1
+
+
+_REGEX_PROBLEMS: dict[str, str] = {}
+
+
+def _regex_problem(regex: str) -> str:
+    """'' if llguidance compiles `regex` as a terminal, else its error message (cached)."""
+    if regex not in _REGEX_PROBLEMS:
+        import llguidance
+
+        _REGEX_PROBLEMS[regex] = llguidance.LLMatcher.validate_grammar(f"start: T\nT: {_lark_regex(regex)}\n")
+    return _REGEX_PROBLEMS[regex]
+
+
+class _Gemma4Grammar:
+    """Collects rules and terminals of one grammar."""
+
+    def __init__(self):
+        self.rules: dict[str, str] = {}
+        self.terminals: dict[str, str] = {}  # expression -> name
+        self.counter = 0
+        self.need_any = False
+        self.need_any_key = False
+
+    def new_name(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def add_rule(self, prefix: str, body: str) -> str:
+        name = self.new_name(prefix)
+        self.rules[name] = body
+        return name
+
+    def terminal(self, *regexes: str) -> str:
+        return self.terminal_expr(" & ".join(_lark_regex(r) for r in regexes))
+
+    def terminal_expr(self, expr: str) -> str:
+        if expr not in self.terminals:
+            self.terminals[expr] = f"T{len(self.terminals)}"
+        return self.terminals[expr]
+
+    def any_value(self) -> str:
+        """The rule of any Gemma value (free-form objects and arrays; keys are identifiers)."""
+        self.need_any = self.need_any_key = True
+        return "any_value"
+
+    def text(self) -> str:
+        lines = [f"{name}: {body}" for name, body in self.rules.items()]
+        if self.need_any:
+            s = GEMMA4_STRING
+            string, number = self.terminal("(?s:.*)"), self.terminal(f"{INTEGER_REGEX}|{NUMBER_REPR_REGEX}")
+            lines += [
+                f'any_value: <[{s}]> {string} <[{s}]> | {number} | "true" | "false" | "null" | any_object | any_array',
+                'any_object: "{" (ANY_KEY ":" any_value ("," ANY_KEY ":" any_value)*)? "}"',
+                'any_array: "[" (any_value ("," any_value)*)? "]"',
+            ]
+        if self.need_any_key:
+            lines.append("ANY_KEY: /[A-Za-z_][A-Za-z0-9_]*/")
+        lines += [f"{name}: {expr}" for expr, name in self.terminals.items()]
+        return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------- grammars
+
+_CACHE: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+_CACHE_LOCK = threading.Lock()
+_CACHE_SIZE = 256
+
+
+def _cached(kind: str, tools: list[dict], tool_choice: Any, parallel: bool, build: Callable[[], str | None]):
+    key = hashlib.sha256(json.dumps([kind, tools, tool_choice, bool(parallel)], separators=(",", ":"),
+                                    ensure_ascii=False, default=repr).encode()).hexdigest()
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+    grammar = build()
+    with _CACHE_LOCK:
+        _CACHE[key] = grammar
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return grammar
+
+
+def gemma4_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: bool = True) -> str | None:
+    """The llguidance Lark grammar of a Gemma 4 answer under `tool_choice` (see the module docstring), or None
+    for "none" (then the gateway bans `GEMMA4_NONE_BANNED_IDS`). Cached by a hash of the arguments.
+
+    Raises:
+      ToolSchemaError: a tool or its schema cannot be enforced (the error names the keyword and path).
+      ToolChoiceError: tool_choice is malformed or names an unknown tool.
+    """
+    return _cached("gemma4", tools, tool_choice, parallel, lambda: _build_gemma4(tools, tool_choice, parallel))
+
+
+def _build_gemma4(tools: list[dict], tool_choice: Any, parallel: bool) -> str | None:
+    fns = _functions(tools)
+    mode, chosen = resolve_tool_choice(tools, tool_choice)
+    if mode == "none":
+        return None
+    g = _Gemma4Grammar()
+    calls = []
+    for i, fn in enumerate(fns):
+        if mode == "named" and fn["name"] != chosen:
+            continue
+        args = _Gemma4Schema(g, fn["name"], fn.get("parameters") or {}, f"t{i}_").parameters()
+        call = f"call_{i}"
+        g.rules[call] = f'<[{GEMMA4_TOOL_CALL}]> {json.dumps("call:" + fn["name"])} {args} <[{GEMMA4_TOOL_CALL_END}]>'
+        calls.append(call)
+    one = calls[0] if len(calls) == 1 else "(" + " | ".join(calls) + ")"
+    many = f"{one}+" if parallel else one
+    if mode == "auto":
+        start = (f"start: TEXT? <[{GEMMA4_TURN_END}]> | TEXT? {many} <[{GEMMA4_TOOL_RESPONSE}]>\n"
+                 "TEXT: /(?s:.+)/\n")
+    else:
+        start = f"start: {many} <[{GEMMA4_TOOL_RESPONSE}]>\n"
+    return _checked(start + g.text(), fns)
+
+
+def gemma3_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: bool = True) -> str | None:
+    """The llguidance Lark grammar of a Gemma 3 answer in this project's JSON tool format (module docstring), or
+    None for "none". Schemas are checked exactly as for Gemma 4 (same supported keywords); arguments are
+    constrained by llguidance's JSON Schema support (`%json`). Cached by a hash of the arguments.
+
+    Raises:
+      ToolSchemaError: a tool or its schema cannot be enforced.
+      ToolChoiceError: tool_choice is malformed or names an unknown tool.
+    """
+    return _cached("gemma3", tools, tool_choice, parallel, lambda: _build_gemma3(tools, tool_choice, parallel))
+
+
+def _build_gemma3(tools: list[dict], tool_choice: Any, parallel: bool) -> str | None:
+    fns = _functions(tools)
+    mode, chosen = resolve_tool_choice(tools, tool_choice)
+    if mode == "none":
+        return None
+    lines, calls = [], []
+    for i, fn in enumerate(fns):
+        if mode == "named" and fn["name"] != chosen:
+            continue
+        params = fn.get("parameters") or {}
+        _Gemma4Schema(_Gemma4Grammar(), fn["name"], params, "x_").parameters()  # same checks as Gemma 4
+        schema = _gemma3_schema(validation_schema(params)) if params else {"type": "object", "properties": {},
+                                                                      "additionalProperties": False}
+        schema = {**schema, "x-guidance": GEMMA3_ARGS_OPTIONS}
+        lines.append(f"call_{i}: {json.dumps(gemma3_call_open(fn['name']))} args_{i} \"}}\"")
+        lines.append(f"args_{i}: %json {json.dumps(schema)}")
+        calls.append(f"call_{i}")
+    one = calls[0] if len(calls) == 1 else "(" + " | ".join(calls) + ")"
+    many = f'{one} ({json.dumps(GEMMA3_CALL_SEPARATOR)} {one})*' if parallel else one
+    obj = f"{json.dumps(GEMMA3_CALLS_OPEN)} {many} {json.dumps(GEMMA3_CALLS_CLOSE)}"
+    end = f"<[{GEMMA3_END_OF_TURN}]>"
+    if mode == "auto":
+        start = f"start: TEXT? {end} | calls {end}\nTEXT: /[^{{](?s:.*)/\n"
+    else:
+        start = f"start: calls {end}\n"
+    return _checked(start + f"calls: {obj}\n" + "\n".join(lines) + "\n", fns)
+
+
+def _checked(grammar: str, fns: list[dict]) -> str:
+    """`grammar` if llguidance compiles it; else a ToolSchemaError (a schema llguidance cannot handle)."""
+    import llguidance
+
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        tool = fns[0]["name"] if len(fns) == 1 else "tools"
+        raise ToolSchemaError(f"the tools' schemas cannot be compiled into a grammar: {problem}", tool, "schema", "")
+    return grammar
+
+
+def _gemma3_schema(schema: Any) -> Any:
+    """`schema` as llguidance's JSON compiler gets it for Gemma 3, so that both formats produce the same values:
+    `additionalProperties: false` on every object with a `properties` keyword (such objects get exactly their
+    declared keys; extra keys would be valid, but are never produced), and each `format` replaced by the same
+    regex the Gemma 4 grammar uses (as a `pattern`, or an `allOf` pattern next to an existing one)."""
+    if isinstance(schema, list):
+        return [_gemma3_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in ("properties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: _gemma3_schema(sub) for name, sub in v.items()}
+        elif k in ("items", "additionalProperties", "anyOf", "oneOf", "allOf"):
+            out[k] = _gemma3_schema(v)
+        elif k != "format":
+            out[k] = v
+    if "properties" in out:
+        out["additionalProperties"] = False
+    if schema.get("format") in _FORMATS:
+        pattern = f"^(?:{_FORMATS[schema['format']]})$"
+        if "pattern" in out:
+            out["allOf"] = [*out.get("allOf", []), {"pattern": pattern}]
+        else:
+            out["pattern"] = pattern
+    return out
+
+
+# -------------------------------------------------------------------------------------------- validation
+
+
+def validation_schema(schema: Any) -> Any:
+    """`schema` with OpenAPI `nullable: true` rewritten as JSON Schema ("or null"), for jsonschema validators."""
+    if isinstance(schema, list):
+        return [validation_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in ("properties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: validation_schema(sub) for name, sub in v.items()}
+        elif k in ("items", "additionalProperties", "anyOf", "oneOf", "allOf"):
+            out[k] = validation_schema(v)
+        elif k != "nullable":
+            out[k] = v
+    if schema.get("nullable") is not True:
+        return out
+    if "enum" in out or "const" in out:
+        values = out.pop("enum") if "enum" in out else [out.pop("const")]
+        out["enum"] = values if None in values else [*values, None]
+    if "type" in out:
+        types = [out["type"]] if isinstance(out["type"], str) else list(out["type"])
+        out["type"] = types if "null" in types else [*types, "null"]
+        return out
+    if "enum" in out:
+        return out
+    if "anyOf" in out and len(out) == 1:
+        return {"anyOf": [*out["anyOf"], {"type": "null"}]}
+    defs = {k: out.pop(k) for k in ("$defs", "definitions") if k in out}
+    return {**defs, "anyOf": [out, {"type": "null"}]}
+
+
+def _validator(schema: Any):
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator) \
+        if isinstance(schema, dict) else jsonschema.Draft202012Validator
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)  # the draft's own formats (FormatChecker() mixes drafts)
+
+
+def validate_tool_arguments(tools: list[dict], name: str, arguments: str) -> dict:
+    """Parse a call's `arguments` JSON and validate it against the tool's schema (nullable-aware).
+
+    Returns:
+      The arguments as a dict.
+
+    Raises:
+      ToolCallParseError: unknown tool, not a JSON object, or invalid against the schema (message says why).
+    """
+    fn = next((f for f in _functions(tools) if f["name"] == name), None)
+    if fn is None:
+        raise ToolCallParseError(f"no tool named {name!r}")
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError as err:
+        raise ToolCallParseError(f"{name}: arguments are not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ToolCallParseError(f"{name}: arguments must be a JSON object")
+    params = fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+    error = next(iter(_validator(validation_schema(params)).iter_errors(value)), None)
+    if error is not None:
+        raise ToolCallParseError(f"{name}: arguments do not match the schema: {error.message}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+
+
+@dataclasses.dataclass
+class _Call:
+    index: int
+    id: str
+    name: str
+    fragments: list[str] = dataclasses.field(default_factory=list)
+    complete: bool = False
+
+
+class _Deltas:
+    """Output bookkeeping shared by both parsers: content, calls, and the OpenAI deltas of the current step."""
+
+    def __init__(self, id_prefix: str):
+        self.id_prefix = id_prefix
+        self.content: list[str] = []
+        self.calls: list[_Call] = []
+        self.pending: list[tuple] = []
+
+    def text(self, text: str) -> None:
+        if text:
+            self.content.append(text)
+            self.pending.append(("content", text))
+
+    def open(self, name: str) -> _Call:
+        call = _Call(len(self.calls), f"{self.id_prefix}{len(self.calls)}", name)
+        self.calls.append(call)
+        self.pending.append(("header", call))
+        return call
+
+    def args(self, call: _Call, fragment: str) -> None:
+        if fragment:
+            call.fragments.append(fragment)
+            self.pending.append(("args", call, fragment))
+
+    def take(self) -> list[dict]:
+        """The deltas since the last take: adjacent content and same-call argument pieces merged."""
+        out: list[dict] = []
+        last: tuple | None = None
+        for item in self.pending:
+            if item[0] == "content":
+                if last and last[0] == "content":
+                    out[-1]["content"] += item[1]
+                else:
+                    out.append({"content": item[1]})
+            elif item[0] == "header":
+                call = item[1]
+                out.append({"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+            else:
+                call, fragment = item[1], item[2]
+                if last and last[0] == "args" and last[1] is call:
+                    out[-1]["tool_calls"][0]["function"]["arguments"] += fragment
+                else:
+                    out.append({"tool_calls": [{"index": call.index, "function": {"arguments": fragment}}]})
+            last = item
+        self.pending = []
+        return out
+
+    def result(self, truncated: bool) -> ParsedOutput:
+        calls = [ToolCall(c.id, c.name, "".join(c.fragments)) for c in self.calls if c.complete]
+        return ParsedOutput("".join(self.content), calls, truncated)
+
+
+class _TokenText:
+    """Token text -> characters: str as is; bytes decoded incrementally (a character split across tokens comes
+    out whole with the token that completes it)."""
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def chars(self, text: str | bytes) -> str:
+        return text if isinstance(text, str) else self._decoder.decode(text)
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+_SCALAR = re.compile(r"^(?:-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null)$")
+
+
+class Gemma4ToolCallParser:
+    """Incremental parser of a Gemma 4 answer: free text and `<|tool_call>call:NAME{...}<tool_call|>` calls.
+
+    Feed every generated token in order with `feed(token_id, text)` (text as str, or the token's bytes; control
+    tokens are recognised by id, their text is ignored). Each call returns the OpenAI `delta`s produced by that
+    token: `{"content": text}`, a call's first delta `{"tool_calls": [{"index", "id", "type": "function",
+    "function": {"name", "arguments": ""}}]}` (once its name is complete) and then argument fragments
+    `{"tool_calls": [{"index", "function": {"arguments": fragment}}]}` as the arguments arrive, converted to
+    JSON. `finish()` flushes; `result()` gives the whole answer. Control tokens other than the tool and turn
+    markers are dropped from content (pass the vocabulary's control ids as `control_ids`).
+    """
+
+    def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None):
+        self._out = _Deltas(id_prefix)
+        self._chars = _TokenText()
+        self._control = frozenset(control_ids) | GEMMA4_CONTROL_IDS if control_ids is not None else GEMMA4_CONTROL_IDS
+        self._state = "text"  # text | name | args | closed (args done, waiting for <tool_call|>) | done
+        self._name = ""
+        self._call: _Call | None = None
+        self._stack: list[dict] = []
+        self._in_string = False
+        self._scalar: str | None = None
+
+    # -- public
+
+    def feed(self, token_id: int, text: str | bytes = "") -> list[dict]:
+        """Consume one generated token; returns the deltas it produced.
+
+        Raises:
+          ToolCallParseError: the output is not well-formed call syntax.
+        """
+        if token_id in self._control:
+            self._chars_in(self._chars.flush())
+            self._special(token_id)
+        else:
+            self._chars_in(self._chars.chars(text))
+        return self._out.take()
+
+    def finish(self) -> list[dict]:
+        """End of generation (stop token, length limit or abort): flush and return the last deltas."""
+        self._chars_in(self._chars.flush())
+        return self._out.take()
+
+    def result(self) -> ParsedOutput:
+        """The content and the complete calls so far."""
+        return self._out.result(self._state in ("name", "args", "closed"))
+
+    # -- tokens
+
+    def _special(self, tid: int) -> None:
+        if self._state == "done":
+            return
+        if tid == GEMMA4_TOOL_CALL:
+            if self._state != "text":
+                raise ToolCallParseError("<|tool_call> inside a tool call")
+            self._state, self._name = "name", ""
+        elif tid == GEMMA4_TOOL_CALL_END:
+            if self._state != "closed":
+                raise ToolCallParseError("<tool_call|> before the call's arguments were complete")
+            self._call.complete = True
+            self._state, self._call = "text", None
+        elif tid == GEMMA4_STRING and self._state == "args":
+            self._string_delimiter()
+        elif tid in (GEMMA4_TOOL_RESPONSE, GEMMA4_TURN_END, GEMMA4_EOS):
+            if self._state != "text":
+                raise ToolCallParseError("the answer ended inside a tool call")
+            self._state = "done"
+        elif self._state != "text":
+            raise ToolCallParseError(f"control token {tid} inside a tool call")
+
+    def _chars_in(self, chars: str) -> None:
+        for ch in chars:
+            if self._state in ("text", "done"):
+                if self._state == "text":
+                    self._out.text(ch)
+            elif self._state == "name":
+                self._name_char(ch)
+            elif self._state == "args":
+                self._arg_char(ch)
+            elif not ch.isspace():
+                raise ToolCallParseError(f"text {ch!r} after a call's arguments")
+
+    def _name_char(self, ch: str) -> None:
+        if ch != "{":
+            self._name += ch
+            return
+        name = self._name.strip()
+        if not name.startswith("call:") or not name[5:]:
+            raise ToolCallParseError(f"expected call:NAME{{, got {name!r}")
+        self._call = self._out.open(name[5:])
+        self._state = "args"
+        self._stack = [{"kind": "obj", "expect": "key", "key": "", "first": True}]
+        self._out.args(self._call, "{")
+
+    # -- arguments
+
+    def _emit(self, text: str) -> None:
+        self._out.args(self._call, text)
+
+    def _string_delimiter(self) -> None:
+        if self._in_string:
+            self._in_string = False
+            self._emit('"')
+            self._value_done()
+            return
+        frame = self._stack[-1]
+        if self._scalar is not None or frame["expect"] != "value":
+            raise ToolCallParseError("a string where a key, comma or bracket was expected")
+        self._in_string = True
+        self._emit('"')
+
+    def _arg_char(self, ch: str) -> None:
+        if self._in_string:
+            self._emit(json.dumps(ch, ensure_ascii=False)[1:-1])
+            return
+        if self._scalar is not None:
+            if ch not in ",}]" and not ch.isspace():
+                self._scalar += ch
+                return
+            self._end_scalar()
+        if ch.isspace():
+            return
+        frame = self._stack[-1]
+        expect = frame["expect"]
+        if frame["kind"] == "obj" and expect in ("key", "key_more"):
+            if ch == "}" and expect == "key" and frame["first"]:
+                self._close("}")
+            elif ch == ":" and expect == "key_more":
+                self._emit(json.dumps(frame["key"], ensure_ascii=False) + ":")
+                frame["expect"], frame["key"] = "value", ""
+            elif ch in ':,{}[]':
+                raise ToolCallParseError(f"unexpected {ch!r} in a key")
+            else:
+                frame["key"] += ch
+                frame["expect"] = "key_more"
+        elif expect == "value":
+            if ch == "]" and frame["kind"] == "arr" and frame["first"]:
+                self._close("]")
+            elif ch == "{":
+                frame["first"] = False
+                self._stack.append({"kind": "obj", "expect": "key", "key": "", "first": True})
+                self._emit("{")
+            elif ch == "[":
+                frame["first"] = False
+                self._stack.append({"kind": "arr", "expect": "value", "first": True})
+                self._emit("[")
+            elif ch in "-0123456789tfn":
+                frame["first"] = False
+                self._scalar = ch
+            else:
+                raise ToolCallParseError(f"unexpected {ch!r} where a value was expected")
+        elif expect == "comma":
+            if ch == ",":
+                frame["expect"], frame["first"] = ("key" if frame["kind"] == "obj" else "value"), False
+                self._emit(",")
+            elif ch == ("}" if frame["kind"] == "obj" else "]"):
+                self._close(ch)
+            else:
+                raise ToolCallParseError(f"unexpected {ch!r} after a value")
+
+    def _end_scalar(self) -> None:
+        scalar, self._scalar = self._scalar, None
+        if not _SCALAR.match(scalar):
+            raise ToolCallParseError(f"{scalar!r} is not a number, true, false or null")
+        self._emit(scalar)
+        self._value_done()
+
+    def _value_done(self) -> None:
+        self._stack[-1]["expect"] = "comma"
+        self._stack[-1]["first"] = False
+
+    def _close(self, ch: str) -> None:
+        self._stack.pop()
+        self._emit(ch)
+        if self._stack:
+            self._value_done()
+        else:
+            self._state = "closed"
+            try:
+                json.loads("".join(self._call.fragments))
+            except json.JSONDecodeError as err:  # pragma: no cover - the scanner only emits valid JSON
+                raise ToolCallParseError(f"call arguments are not valid JSON ({err})") from None
+
+
+class Gemma3ToolCallParser:
+    """Incremental parser of a Gemma 3 answer in this project's JSON tool format (module docstring), with the
+    same interface and deltas as `Gemma4ToolCallParser`. The first character decides: `{` starts the calls
+    object, anything else is content. Argument fragments are the generated JSON text, verbatim.
+    """
+
+    def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None):
+        self._out = _Deltas(id_prefix)
+        self._chars = _TokenText()
+        self._control = frozenset(control_ids) | GEMMA3_CONTROL_IDS if control_ids is not None else GEMMA3_CONTROL_IDS
+        self._state = "start"  # start | text | json | after | done
+        self._stack: list[dict] = []  # frames: {"kind": obj|arr, "expect", "key", "index"}
+        self._string: str | None = None  # raw text of a string being read (wrapper level)
+        self._capture: dict | None = None  # arguments being copied: depth, in_string, escape
+        self._call: dict | None = None  # {"name", "open": _Call | None, "args": bool}
+
+    def feed(self, token_id: int, text: str | bytes = "") -> list[dict]:
+        """Consume one generated token; returns the deltas it produced.
+
+        Raises:
+          ToolCallParseError: the calls object is malformed.
+        """
+        if token_id in self._control:
+            self._chars_in(self._chars.flush())
+            if token_id in (GEMMA3_END_OF_TURN, GEMMA3_EOS) and self._state != "done":
+                if self._state == "json":
+                    raise ToolCallParseError("the answer ended inside the tool-calls object")
+                self._state = "done"
+            elif self._state == "json":
+                raise ToolCallParseError(f"control token {token_id} inside the tool-calls object")
+        else:
+            self._chars_in(self._chars.chars(text))
+        return self._out.take()
+
+    def finish(self) -> list[dict]:
+        """End of generation: flush and return the last deltas."""
+        self._chars_in(self._chars.flush())
+        return self._out.take()
+
+    def result(self) -> ParsedOutput:
+        """The content and the complete calls so far."""
+        return self._out.result(self._state == "json")
+
+    # -- characters
+
+    def _chars_in(self, chars: str) -> None:
+        for ch in chars:
+            if self._state == "start":
+                self._state = "json" if ch == "{" else "text"
+            if self._state == "text":
+                self._out.text(ch)
+            elif self._state == "json":
+                self._json_char(ch)
+            elif self._state == "after" and not ch.isspace():
+                raise ToolCallParseError(f"text {ch!r} after the tool-calls object")
+
+    def _path(self) -> tuple:
+        return tuple(f["key"] if f["kind"] == "obj" else f["index"] for f in self._stack)
+
+    def _json_char(self, ch: str) -> None:
+        if self._capture is not None:
+            self._capture_char(ch)
+            return
+        if self._string is not None:
+            self._string += ch
+            if ch == '"' and not _escaped_at(self._string, len(self._string) - 1):
+                self._string_done(json.loads(self._string))
+            return
+        if ch.isspace():
+            return
+        frame = self._stack[-1] if self._stack else None
+        expect = frame["expect"] if frame else "value"
+        if expect == "key":
+            if ch == '"':
+                self._string = '"'
+            elif ch == "}" and frame["first"]:
+                self._close()
+            else:
+                raise ToolCallParseError(f"unexpected {ch!r} where a key was expected")
+        elif expect == "colon":
+            if ch != ":":
+                raise ToolCallParseError(f"unexpected {ch!r} where ':' was expected")
+            frame["expect"] = "value"
+        elif expect == "value":
+            self._value_start(ch)
+        elif expect == "comma":
+            if ch == ",":
+                frame["first"] = False
+                if frame["kind"] == "obj":
+                    frame["expect"] = "key"
+                else:
+                    frame["expect"], frame["index"] = "value", frame["index"] + 1
+            elif ch == ("}" if frame["kind"] == "obj" else "]"):
+                self._close()
+            else:
+                raise ToolCallParseError(f"unexpected {ch!r} after a value")
+
+    def _value_start(self, ch: str) -> None:
+        path = self._path()
+        frame = self._stack[-1] if self._stack else None
+        if frame and frame["kind"] == "arr" and ch == "]" and frame["first"]:
+            self._close()
+            return
+        if path == () and ch == "{":
+            self._stack.append({"kind": "obj", "expect": "key", "key": "", "first": True})
+        elif path == ("tool_calls",) and ch == "[":
+            self._stack.append({"kind": "arr", "expect": "value", "index": 0, "first": True})
+        elif len(path) == 2 and ch == "{":
+            self._stack.append({"kind": "obj", "expect": "key", "key": "", "first": True})
+            self._call = {"name": None, "open": None}
+        elif len(path) == 3 and path[2] == "name" and ch == '"':
+            self._string = '"'
+        elif len(path) == 3 and path[2] == "arguments" and ch == "{":
+            if self._call["open"] is None:
+                raise ToolCallParseError('"arguments" before "name"')
+            self._capture = {"depth": 1, "in_string": False, "escape": False}
+            self._out.args(self._call["open"], "{")
+        else:
+            raise ToolCallParseError(f"unexpected {ch!r} at {'.'.join(map(str, path)) or 'the start'}")
+
+    def _string_done(self, value: str) -> None:
+        self._string = None
+        frame = self._stack[-1]
+        if frame["expect"] == "key":
+            allowed = {(): ("tool_calls",)}.get(self._path()[:-1], ("name", "arguments"))
+            if value not in allowed:
+                raise ToolCallParseError(f"unexpected key {value!r}")
+            frame["key"], frame["expect"] = value, "colon"
+            return
+        if not isinstance(value, str) or self._call["open"] is not None:
+            raise ToolCallParseError("a call's name must be one string")
+        self._call["name"] = value
+        self._call["open"] = self._out.open(value)
+        self._value_done()
+
+    def _capture_char(self, ch: str) -> None:
+        cap = self._capture
+        self._out.args(self._call["open"], ch)
+        if cap["in_string"]:
+            if cap["escape"]:
+                cap["escape"] = False
+            elif ch == "\\":
+                cap["escape"] = True
+            elif ch == '"':
+                cap["in_string"] = False
+        elif ch == '"':
+            cap["in_string"] = True
+        elif ch in "{[":
+            cap["depth"] += 1
+        elif ch in "}]":
+            cap["depth"] -= 1
+            if cap["depth"] == 0:
+                self._capture = None
+                self._call["args"] = True
+                self._value_done()
+
+    def _value_done(self) -> None:
+        self._stack[-1]["expect"] = "comma"
+        self._stack[-1]["first"] = False
+
+    def _close(self) -> None:
+        path = self._path()
+        self._stack.pop()
+        if len(path) == 3:  # a call object
+            call = self._call
+            if call["open"] is None or not call.get("args"):
+                raise ToolCallParseError('a call needs "name" and "arguments"')
+            try:
+                json.loads("".join(call["open"].fragments))
+            except json.JSONDecodeError as err:
+                raise ToolCallParseError(f"call arguments are not valid JSON ({err})") from None
+            call["open"].complete = True
+            self._call = None
+        if self._stack:
+            self._value_done()
+        else:
+            self._state = "after"
+
+
+def _parse_marked(text: str, parser, ids: dict[str, int]) -> ParsedOutput:
+    pattern = re.compile("(" + "|".join(re.escape(k) for k in sorted(ids, key=len, reverse=True)) + ")")
+    for n, piece in enumerate(pattern.split(text)):
+        if n % 2:
+            parser.feed(ids[piece], piece)
+        elif piece:
+            parser.feed(-1, piece)
+    parser.finish()
+    return parser.result()
+
+
+def parse_gemma4_tool_calls(text: str, id_prefix: str = "call_") -> ParsedOutput:
+    """Parse a whole Gemma 4 answer written with its control tokens spelled out (`<|tool_call>`, `<|"|>`, ...).
+
+    Raises:
+      ToolCallParseError: malformed call syntax.
+    """
+    ids = {"<|tool_call>": GEMMA4_TOOL_CALL, "<tool_call|>": GEMMA4_TOOL_CALL_END,
+           "<|tool_response>": GEMMA4_TOOL_RESPONSE, '<|"|>': GEMMA4_STRING, "<turn|>": GEMMA4_TURN_END,
+           "<eos>": GEMMA4_EOS}
+    return _parse_marked(text, Gemma4ToolCallParser(id_prefix), ids)
+
+
+def parse_gemma3_tool_calls(text: str, id_prefix: str = "call_") -> ParsedOutput:
+    """Parse a whole Gemma 3 answer (JSON tool format; `<end_of_turn>`/`<eos>` spelled out end it).
+
+    Raises:
+      ToolCallParseError: a malformed calls object.
+    """
+    ids = {"<end_of_turn>": GEMMA3_END_OF_TURN, "<eos>": GEMMA3_EOS}
+    return _parse_marked(text, Gemma3ToolCallParser(id_prefix), ids)

@@ -1,0 +1,95 @@
+"""response_format through the real stack with the embedded model, sampled at temperature 1 with several seeds:
+every answer that finished with `stop` parses and validates; one cut by `length` is a valid prefix."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.gateway.constraint_schemas import CORPUS
+
+pytestmark = pytest.mark.slow
+SUBSET = ["enum_strings", "const_in_object", "nested_arrays"]
+COORD = {"type": "integer", "minimum": -99, "maximum": 99}
+REF = {"$defs": {"point": {"type": "object", "properties": {"x": COORD, "y": COORD}, "required": ["x", "y"],
+                           "additionalProperties": False}},
+       "type": "object", "properties": {"from": {"$ref": "#/$defs/point"}, "to": {"$ref": "#/$defs/point"}},
+       "required": ["from", "to"], "additionalProperties": False}
+# oneOf and $ref with bounded numbers: the corpus's oneOf_tagged and ref_defs have an unbounded `number`, and the base model at
+# temperature 1 writes digits until max_tokens (valid prefixes, but nothing finishes).
+TAGGED = {"oneOf": [
+    {"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 99}},
+     "required": ["kind", "r"], "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"const": "rect"}, "w": {"type": "integer", "minimum": 0, "maximum": 99},
+                                      "h": {"type": "integer", "minimum": 0, "maximum": 99}},
+     "required": ["kind", "w", "h"], "additionalProperties": False}]}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def schemas():
+    named = dict(CORPUS)
+    return [("person", PERSON), ("oneOf_tagged_bounded", TAGGED), ("ref_defs_bounded", REF)] + [(n, named[n]) for n in SUBSET if n in named]
+
+
+def ask(client, schema, seed):
+    return client.chat.completions.create(
+        model="gemma-3-270m", messages=[{"role": "user", "content": "Reply with JSON."}], max_tokens=120,
+        temperature=1.0, seed=seed,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+
+
+@pytest.mark.parametrize("name, schema", schemas(), ids=[n for n, _ in schemas()])
+def test_sampled_answers_validate(client, name, schema):
+    finished = 0
+    for seed in range(3):
+        r = ask(client, schema, seed)
+        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        if finish == "stop":
+            jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+            finished += 1
+        else:
+            assert finish == "length"
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(text)  # cut short: a prefix, not yet a value
+    assert finished >= 2, f"{name}: most answers should finish within 120 tokens"
+
+
+def test_json_object_and_stream_equals_non_stream(client):
+    kw = dict(model="gemma-3-270m", messages=[{"role": "user", "content": "Reply with JSON."}], max_tokens=60,
+              temperature=0, response_format={"type": "json_object"})
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content
+    if full.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(streamed), dict)
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
+    ({"type": "strin"}, None),
+])
+def test_unenforceable_or_malformed_schema_is_a_400(stack, schema, keyword):
+    r = httpx.post(stack.base_url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format"
+    if keyword:
+        assert keyword in err["message"]
