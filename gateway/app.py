@@ -17,12 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.chat_plan import constraint_factory, plan_chat
 from gateway.clients import Backends
 from gateway.completions import (
     ResponseIds,
     chat_prompt,
-    constraint_factory,
-    json_grammar,
     remember_answer,
     check_model,
     choice_jobs,
@@ -204,12 +203,18 @@ class _Gathered:
         return self.last[index].usage.cached_tokens if self.last[index] is not None else 0
 
 
-async def _collect(stream, count: int) -> _Gathered:
+async def _collect(stream, count: int, routes: list | None = None) -> _Gathered:
+    """Gather every choice; with `routes` (chat), each delta also goes through its choice's ChatRoute exactly as
+    the stream would send it."""
     out = _Gathered(count)
     async for index, delta in stream:
         out.texts[index] += delta.text
         out.tokens[index] += delta.tokens
+        if routes is not None:
+            routes[index].feed(delta)
         if delta.finish_reason:
+            if routes is not None:
+                routes[index].finish()
             out.finishes[index] = delta.finish_reason
             out.last[index] = delta
     return out
@@ -253,40 +258,45 @@ async def _chat(backends: Backends, req: ChatCompletionRequest):
     model = check_model(backends, req.model)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-    grammar = json_grammar(req)
-    prompt = await chat_prompt(backends, req)
-    resolve_max_tokens(len(prompt), max_tokens, backends.ready_facts().max_model_len, param)
+    facts = backends.ready_facts()
+    plan = plan_chat(req, facts)
+    prompt = await chat_prompt(backends, req, plan.template_kwargs)
+    resolve_max_tokens(len(prompt), max_tokens, facts.max_model_len, param)
     jobs = choice_jobs(prompt, req, max_tokens, req.n, top_logprobs=req.top_logprobs or 0,
-                       constraint=await constraint_factory(backends, grammar))
+                       constraint=await constraint_factory(backends, plan))
+    for _, _, params, _ in jobs:
+        params.stop_token_ids = sorted(set(params.stop_token_ids) | set(plan.stop_ids))
+        for tid in plan.banned_ids:
+            params.sampling.logit_bias[tid] = -100.0
     ids = ResponseIds("chatcmpl", model)
+    routes = [plan.route(facts, req.stop_list(), f"call_{ids.id[-12:]}_{i}_") for i in range(len(jobs))]
     if req.stream:
         stream = await _primed(run_choices(backends, jobs))
-        return StreamingResponse(_chat_chunks(backends, ids, stream, req, len(prompt)),
+        return StreamingResponse(_chat_chunks(backends, ids, stream, req, len(prompt), routes),
                                  media_type="text/event-stream")
-    got = await _collect(run_choices(backends, jobs), len(jobs))
-    facts = backends.ready_facts()
+    got = await _collect(run_choices(backends, jobs), len(jobs), routes)
     choices = []
-    for i in range(len(jobs)):
+    for i, route in enumerate(routes):
         lp = None
         if req.logprobs:
             lp = {"content": chat_content(facts, visible(facts, got.tokens[i], req.skip_special_tokens),
                                           req.top_logprobs or 0)}
-        remember_answer(backends, got.texts[i], got.last[i], got.tokens[i])
-        choices.append({"index": i, "message": {"role": "assistant", "content": got.texts[i]}, "logprobs": lp,
-                        "finish_reason": got.finishes[i]})
+        if route.plain():
+            remember_answer(backends, route.content, got.last[i], got.tokens[i])
+        choices.append({"index": i, "message": route.message(), "logprobs": lp,
+                        "finish_reason": route.finish_reason(got.finishes[i])})
     usage = usage_dict(len(prompt), got.completion_tokens, got.cached(0))
     return {**ids.head("chat.completion"), "choices": choices, "usage": usage}
 
 
 async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCompletionRequest,
-                       prompt_tokens: int):
+                       prompt_tokens: int, routes: list):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
     head = ids.head("chat.completion.chunk")
     facts = backends.ready_facts()
     completion_tokens = cached = 0
     started = set()
-    texts: dict[int, str] = {}
     tokens: dict[int, list] = {}
 
     def chunk(index, delta, finish=None, logprobs=None):
@@ -295,22 +305,28 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
 
     try:
         async for index, delta in stream:
+            route = routes[index]
             if index not in started:
                 started.add(index)
                 yield chunk(index, {"role": "assistant", "content": ""})
-            texts[index] = texts.get(index, "") + delta.text
             tokens.setdefault(index, []).extend(delta.tokens)
             lp = None
             if req.logprobs:
                 lp = {"content": chat_content(facts, visible(facts, delta.tokens, req.skip_special_tokens),
                                               req.top_logprobs or 0)}
-            if delta.text or (lp and lp["content"]):
-                yield chunk(index, {"content": delta.text}, logprobs=lp)
+            out = route.feed(delta)
+            if delta.finish_reason:
+                out += route.finish()
+            for n, d in enumerate(out):
+                yield chunk(index, d, logprobs=lp if n == 0 else None)
+            if not out and lp and lp["content"]:
+                yield chunk(index, {"content": ""}, logprobs=lp)
             if delta.finish_reason:
                 completion_tokens += delta.usage.completion_tokens
                 cached += delta.usage.cached_tokens if index == 0 else 0
-                remember_answer(backends, texts[index], delta, tokens[index])
-                yield chunk(index, {}, delta.finish_reason)
+                if route.plain():
+                    remember_answer(backends, route.content, delta, tokens[index])
+                yield chunk(index, {}, route.finish_reason(delta.finish_reason))
         if include_usage:
             yield _sse({**head, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens, cached)})
     except ApiError as err:

@@ -33,6 +33,8 @@ class ModelFacts:
     bos_id: int
     stop_ids: list[int]
     tokenizer_json: str = ""
+    architecture: str = "gemma3"
+    eos_id: int = 1
 
 
 class Backends:
@@ -50,7 +52,9 @@ class Backends:
         self._channels: tuple[grpc.aio.Channel, grpc.aio.Channel] | None = None
 
     async def grammar_tokenizer(self):
-        """The llguidance tokenizer of the served vocabulary, built once (2-5 s, off the event loop).
+        """The llguidance tokenizer of the served vocabulary, built once (2-5 s, off the event loop). Its EOS is
+        the tokenizer's eos only: other stop ids (end of turn, `<|tool_response>`) are handled by Constraint,
+        and tool grammars reference them as tokens.
 
         Raises:
           ApiError: 503 while the backends are not ready.
@@ -61,7 +65,7 @@ class Backends:
         async with self._lltokenizer_lock:
             if self._lltokenizer is None:
                 self._lltokenizer = await asyncio.to_thread(
-                    build_tokenizer, facts.tokenizer_json, facts.vocab_size, facts.stop_ids)
+                    build_tokenizer, facts.tokenizer_json, facts.vocab_size, [facts.eos_id])
         return self._lltokenizer
 
     def _connect(self) -> tuple[grpc.aio.Channel, grpc.aio.Channel]:
@@ -134,6 +138,8 @@ class Backends:
             bos_id=tinfo.bos_token_id,
             stop_ids=list(info.default_stop_token_ids),
             tokenizer_json=vocab.tokenizer_json,
+            architecture=info.architecture or "gemma3",
+            eos_id=tinfo.eos_token_id,
         )
 
     def ready_facts(self) -> ModelFacts:

@@ -167,33 +167,10 @@ def message_to_pb(m, answers=None) -> tokenizer_pb2.ChatMessage:
     return pb
 
 
-def json_grammar(req: ChatCompletionRequest) -> str | None:
-    """The grammar of the request's `response_format` (None for text).
-
-    Raises:
-      ApiError: 400 naming the keyword or problem for a schema that cannot be enforced or is malformed.
-    """
-    from gateway.constraints import SchemaError, grammar_for_response_format
-
-    try:
-        return grammar_for_response_format(req.response_format)
-    except SchemaError as err:
-        raise ApiError(400, str(err), param="response_format", code="unsupported_schema") from None
-
-
-async def constraint_factory(backends: Backends, grammar: str | None):
-    """A function making one fresh Constraint per choice for `grammar`, or None when unconstrained."""
-    if grammar is None:
-        return None
-    from gateway.constraints import Constraint
-
-    tokenizer = await backends.grammar_tokenizer()
-    facts = backends.ready_facts()
-    return lambda: Constraint(tokenizer, grammar, facts.vocab_size, facts.stop_ids)
-
-
-async def chat_prompt(backends: Backends, req: ChatCompletionRequest) -> list[int]:
-    """Render the conversation with the model's chat template.
+async def chat_prompt(backends: Backends, req: ChatCompletionRequest, template_kwargs: dict | None = None
+                      ) -> list[int]:
+    """Render the conversation (and `req.tools`) with the model's chat template; `template_kwargs` are the
+    template options (chat_template_kwargs plus what the plan derived, e.g. enable_thinking).
 
     Raises:
       ApiError: 400 when the template cannot render it (the tokenizer service names the problem).
@@ -202,7 +179,7 @@ async def chat_prompt(backends: Backends, req: ChatCompletionRequest) -> list[in
         messages=[message_to_pb(m, backends.answers) for m in req.messages],
         add_generation_prompt=True,
         tools_json=json.dumps(req.tools) if req.tools else "",
-        template_kwargs_json=json.dumps(req.chat_template_kwargs) if req.chat_template_kwargs else "",
+        template_kwargs_json=json.dumps(template_kwargs) if template_kwargs else "",
     )
     reply = await backends.call("tokenizer service", backends.tokenizer.ApplyChatTemplate(request))
     return list(reply.token_ids)

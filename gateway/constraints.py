@@ -538,13 +538,17 @@ class Constraint:
     like any other; afterwards nothing more is allowed to be advanced.
     """
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, vocab_size: int, stop_ids: list[int]):
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, vocab_size: int, stop_ids: list[int],
+                 grammar_ends: bool = False):
         """
         Args:
           tokenizer: from build_tokenizer (its vocab_size must be <= vocab_size).
           grammar: an llguidance grammar string.
           vocab_size: the model's vocabulary size; mask() has ceil(vocab_size / 8) bytes.
           stop_ids: the tokens that end generation (control tokens of the tokenizer, e.g. [1, 106]).
+          grammar_ends: the grammar itself ends with the stop token(s) it allows (the tool-call grammars of
+            gateway/tool_calls.py end with `<[106]>` or `<[50]>`): stop ids are then masked and consumed by the
+            grammar like any token instead of being allowed whenever the value is complete.
 
         Raises:
           ValueError: bad sizes, or a stop id that is not a control token (it could be ordinary text).
@@ -572,6 +576,7 @@ class Constraint:
         self._eos = [e for e in tokenizer.eos_tokens if e not in self.stop_ids]
         self._stop_set = frozenset(self.stop_ids)
         self._eos_set = frozenset(tokenizer.eos_tokens)
+        self._grammar_ends = bool(grammar_ends)
 
     # -- queries ---------------------------------------------------------------------------------------------
 
@@ -602,6 +607,8 @@ class Constraint:
         out[self._llg_bytes:] = 0
         for e in self._eos:
             out[e >> 3] &= ~(1 << (e & 7)) & 0xFF
+        if self._grammar_ends:
+            return out[: self._nbytes].tobytes()
         accepting = m.is_accepting()
         for s in self.stop_ids:
             if accepting:
@@ -625,6 +632,10 @@ class Constraint:
         """True when the value is complete and nothing but a stop token may follow (or one was consumed)."""
         return self._stopped or (self._m.is_stopped() and not self._m.is_error())
 
+    def finished(self) -> bool:
+        """True once a stop token was consumed (nothing more can be masked or advanced)."""
+        return self._stopped
+
     def is_accepting(self) -> bool:
         """True when the text so far is a complete value (a stop token is allowed now), e.g. at max_tokens."""
         return self._stopped or self._m.is_accepting()
@@ -645,7 +656,7 @@ class Constraint:
         t = int(token_id)
         if self._stopped:
             raise ConstraintError(f"token {t} after the stop token")
-        if t in self._stop_set:
+        if t in self._stop_set and not self._grammar_ends:
             if not self._m.is_accepting():
                 raise ConstraintError(f"stop token {t} before the JSON value is complete")
             self._stopped = True
@@ -657,3 +668,5 @@ class Constraint:
                 raise ConstraintError(f"grammar error: {self._m.get_error().strip().splitlines()[0]}")
             raise ConstraintError(f"token {t} ({self._tok.dbg_tokens([t])}) is not allowed here")
         self._tokens.append(t)
+        if t in self._stop_set:
+            self._stopped = True

@@ -158,7 +158,7 @@ async def generate(
     max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, facts.max_model_len)
     rid = request_id or f"gen-{uuid.uuid4().hex}"
     stream = _Stream(backends, params)
-    clock = _Clock(backends)
+    clock = _Clock(backends, constrained=params.constraint is not None)
     prefill = model_worker_pb2.PrefillRequest(
         request_id=rid,
         prompt_token_ids=prompt_ids,
@@ -170,7 +170,7 @@ async def generate(
     )
     if params.allowed_token_ids is not None:
         prefill.allowed_tokens.allowed = allowed_mask_bytes(params.allowed_token_ids, facts.vocab_size)
-    driver = ConstraintDriver(params.constraint) if params.constraint is not None else None
+    driver = ConstraintDriver(params.constraint, backends.metrics) if params.constraint is not None else None
     if driver is not None:
         prefill.constrained = True
         prefill.initial_mask.allowed = driver.initial_mask()
@@ -226,8 +226,10 @@ class ConstraintDriver:
     worker's forward pass. Once the grammar is complete the mask allows only the stop ids.
     """
 
-    def __init__(self, constraint):
+    def __init__(self, constraint, metrics=None):
+        """Args: constraint: the request's grammar state; metrics: GatewayMetrics to count tokens in, or None."""
         self.c = constraint
+        self.metrics = metrics
         self.received = 0  # tokens received from the worker (= index of the next one)
         self.sent_for = 0  # step for which the next mask has been sent
         self.forced_pending = 0
@@ -264,8 +266,13 @@ class ConstraintDriver:
                 token_ids=forced)))
             self.forced_pending += len(forced)
             self.forced_count += len(forced)
+            if self.metrics is not None:
+                self.metrics.forced_tokens.inc(len(forced))
+                self.metrics.forced_runs.inc()
             step += len(forced)
-        messages.append(model_worker_pb2.DecodeRequest(step=step, mask=common_pb2.TokenMask(allowed=self.c.mask())))
+        if not self.c.finished():  # a forced run may end with the grammar's own stop token
+            messages.append(model_worker_pb2.DecodeRequest(step=step, mask=common_pb2.TokenMask(
+                allowed=self.c.mask())))
         self.sent_for = step
         return messages
 
@@ -273,10 +280,11 @@ class ConstraintDriver:
 class _Clock:
     """Client-facing latency metrics of one generation (TTFT, inter-token, end to end)."""
 
-    def __init__(self, backends: Backends):
+    def __init__(self, backends: Backends, constrained: bool = False):
         self.metrics = backends.metrics
         self.start = self.last = time.monotonic()
         self.first = True
+        self.constrained = constrained
 
     def tick(self, delta: Delta) -> Delta:
         now = time.monotonic()
@@ -290,6 +298,8 @@ class _Clock:
                     self.metrics.itl.observe((now - self.last) / n)
             self.last = now
             self.metrics.tokens.inc(n)
+            if self.constrained:
+                self.metrics.constrained_tokens.inc(n)
         return delta
 
     def done(self) -> None:

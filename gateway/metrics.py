@@ -1,7 +1,9 @@
 """Prometheus metrics of the gateway (client-facing latencies), served at GET /metrics.
 
 Time to first token, inter-token latency and end-to-end latency are measured per generation as the client sees
-them (from the request reaching the gateway), plus request counts by endpoint and HTTP status.
+them (from the request reaching the gateway), plus request counts by endpoint and HTTP status, and constrained
+decoding's token counts (constrained, forced, forced runs: forced tokens / generated tokens is the share of the
+answer the grammar wrote without the model).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ class GatewayMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter(p + "requests", "HTTP requests by path and status.", ["path", "status"], registry=r)
         self.tokens = Counter(p + "generation_tokens", "Tokens generated for clients.", registry=r)
+        self.constrained_tokens = Counter(p + "constrained_tokens", "Tokens generated under a grammar (sampled "
+                                          "with a mask or forced).", registry=r)
+        self.forced_tokens = Counter(p + "forced_tokens", "Tokens the grammar forced (appended without sampling, "
+                                     "a run per engine step).", registry=r)
+        self.forced_runs = Counter(p + "forced_runs", "Runs of forced tokens sent to the worker.", registry=r)
 
     def exposition(self) -> tuple[bytes, str]:
         """(body, content type) of the /metrics response."""

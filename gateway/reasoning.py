@@ -54,3 +54,65 @@ class ReasoningRouter:
         if self._label:
             reasoning = self._label + reasoning
         return reasoning, self._decoders["c"].decode(b"", final=True)
+
+
+class ThoughtFirst:
+    """A constraint that lets a Gemma 4 thinking answer open with its thought channel, free, then holds the rest
+    of the answer to `inner` (a `gateway.constraints.Constraint`: JSON schema or tool-call grammar).
+
+    States: "start" - the next token is `<|channel>` (then "thinking") or any token `inner` allows (then
+    "answer"); "thinking" - any token but the stop ids, until `<channel|>` (then "answer"); "answer" - `inner`
+    decides. Same interface as Constraint: mask() -> bytes (bit i of byte i // 8 = token i allowed),
+    forced() -> list[int], done() -> bool, advance(token_id).
+    """
+
+    def __init__(self, inner, vocab_size: int, open_id: int, close_id: int, stop_ids: list[int]):
+        """Args: inner: the answer's constraint; vocab_size: mask width in tokens; open_id/close_id: the channel
+        markers' ids; stop_ids: tokens not allowed inside the thought (they would end the turn)."""
+        self.inner, self.open_id, self.close_id = inner, open_id, close_id
+        self.state = "start"
+        free = bytearray(b"\xff" * ((vocab_size + 7) // 8))
+        if vocab_size % 8:
+            free[-1] = (1 << (vocab_size % 8)) - 1
+        for s in stop_ids:
+            free[s >> 3] &= ~(1 << (s & 7)) & 0xFF
+        free[open_id >> 3] &= ~(1 << (open_id & 7)) & 0xFF
+        self._free = bytes(free)
+
+    def mask(self) -> bytes:
+        """The allowed-token bitset for the next token (see Constraint.mask)."""
+        if self.state == "thinking":
+            return self._free
+        mask = self.inner.mask()
+        if self.state == "start":
+            mask = bytearray(mask)
+            mask[self.open_id >> 3] |= 1 << (self.open_id & 7)
+            return bytes(mask)
+        return mask
+
+    def forced(self) -> list[int]:
+        """Forced tokens (only once the answer has started)."""
+        return self.inner.forced() if self.state == "answer" else []
+
+    def done(self) -> bool:
+        """True when the answer's constraint is complete."""
+        return self.state == "answer" and self.inner.done()
+
+    def finished(self) -> bool:
+        """True once the answer's constraint consumed a stop token."""
+        return self.state == "answer" and self.inner.finished()
+
+    def advance(self, token_id: int) -> None:
+        """Consume a generated token.
+
+        Raises:
+          ValueError (ConstraintError): a token the answer's constraint refuses.
+        """
+        if self.state == "start" and token_id == self.open_id:
+            self.state = "thinking"
+        elif self.state == "thinking":
+            if token_id == self.close_id:
+                self.state = "answer"
+        else:
+            self.state = "answer"
+            self.inner.advance(token_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import pathlib
 import signal
 import socket
@@ -96,4 +97,25 @@ def stack(cache_dir, prepared, tmp_path_factory):
     s = start_stack(cache_dir, log_path, ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4"])
     STARTUP["seconds"] = s.startup_s
     yield s
+    stop_stack(s)
+
+
+GEMMA4_TEMPLATE = pathlib.Path(__file__).parents[1] / "tokenizer_svc" / "data" / "gemma4_chat_template.jinja"
+
+
+@pytest.fixture(scope="session")
+def gemma4_stack(cache_dir, prepared, tmp_path_factory):
+    """A tiny random Gemma 4 checkpoint directory (KV sharing, PLE, double-wide MLP, window 8, the full
+    262,144-token vocabulary, the Gemma 4 test tokenizer and the official chat template) served with
+    max_model_len 512 and 2 slots; yields (stack, transformers model)."""
+    from tests.gemma4_tiny import SHARED, write_checkpoint
+    from tests.gemma4_tokenizer import write_gemma4_test_tokenizer
+
+    ckpt = tmp_path_factory.mktemp("gemma-4-tiny")
+    model = write_checkpoint({**SHARED, "vocab_size": 262_144, "vocab_size_per_layer_input": 262_144}, ckpt)
+    write_gemma4_test_tokenizer(ckpt, prepared.dir / "tokenizer.json")
+    shutil.copy(GEMMA4_TEMPLATE, ckpt / "chat_template.jinja")
+    s = start_stack(cache_dir, tmp_path_factory.mktemp("g4log") / "stack.log",
+                    ["--model", str(ckpt), "--max-model-len", "512", "--num-slots", "2", "--prefill-chunks", "32"])
+    yield s, model
     stop_stack(s)

@@ -8,32 +8,15 @@ safetensors. The served greedy tokens must be transformers' argmax at every step
 
 from __future__ import annotations
 
-import shutil
-
 import grpc
 import numpy as np
 import openai
 import pytest
 
 from protos import gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
-from tests.e2e.conftest import start_stack, stop_stack
-from tests.gemma4_tiny import SHARED, reference_logits, write_checkpoint
-from tests.gemma4_tokenizer import write_gemma4_test_tokenizer
+from tests.gemma4_tiny import reference_logits
 
 pytestmark = pytest.mark.slow
-TEMPLATE = __import__("pathlib").Path(__file__).parents[1] / "tokenizer_svc" / "data" / "gemma4_chat_template.jinja"
-
-
-@pytest.fixture(scope="module")
-def gemma4_stack(cache_dir, prepared, tmp_path_factory):
-    ckpt = tmp_path_factory.mktemp("gemma-4-tiny")
-    model = write_checkpoint({**SHARED, "vocab_size": 262_144, "vocab_size_per_layer_input": 262_144}, ckpt)
-    write_gemma4_test_tokenizer(ckpt, prepared.dir / "tokenizer.json")
-    shutil.copy(TEMPLATE, ckpt / "chat_template.jinja")
-    s = start_stack(cache_dir, tmp_path_factory.mktemp("g4log") / "stack.log",
-                    ["--model", str(ckpt), "--max-model-len", "128", "--num-slots", "2", "--prefill-chunks", "32"])
-    yield s, model
-    stop_stack(s)
 
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]

@@ -93,3 +93,25 @@ def test_unenforceable_or_malformed_schema_is_a_400(stack, schema, keyword):
     assert err["param"] == "response_format"
     if keyword:
         assert keyword in err["message"]
+
+
+def test_grpc_generate_response_format(stack):
+    import grpc
+
+    from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    request = gateway_pb2.GenerateRequest(
+        text="A person as JSON:", max_tokens=120, sampling=common_pb2.SamplingParams(temperature=1.0, seed=3),
+        response_format_json=json.dumps({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}))
+    with grpc.insecure_channel(stack.grpc_addr) as channel:
+        replies = list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=120))
+        text = "".join(r.text for r in replies)
+        if replies[-1].finish_reason == common_pb2.FINISH_REASON_STOP:
+            jsonschema.validate(json.loads(text), PERSON)
+        else:
+            assert replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        bad = gateway_pb2.GenerateRequest(text="x", max_tokens=5, response_format_json=json.dumps(
+            {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "array", "uniqueItems": True}}}))
+        with pytest.raises(grpc.RpcError) as err:
+            list(gateway_pb2_grpc.GatewayStub(channel).Generate(bad, timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "uniqueItems" in err.value.details()

@@ -1,0 +1,138 @@
+"""One chat choice's generated tokens -> OpenAI chat deltas and the final message: `content`,
+`reasoning_content` (Gemma 4 thinking) and `tool_calls`.
+
+Streamed and non-streamed responses both run every Delta of a choice through one `ChatRoute`; the non-streamed
+message is the merge of the deltas the stream would have sent, so the two are identical by construction.
+
+Two paths:
+- text (no tools, a model without a thought channel): `content` is the generated text as `generate` produced it
+  (detokenized, stop strings cut).
+- tokens (tools requested, or a Gemma 4 model): every token is routed by id — `<|channel>`...`<channel|>` to
+  `reasoning_content` (gateway/reasoning.py), the rest through the model's tool-call parser
+  (gateway/tool_calls.py), which emits content and tool-call deltas as the grammar's structure arrives (the
+  first argument fragment leaves before the call's closing marker is generated). Control tokens never reach
+  content. Stop strings cut `content` only (they end generation either way).
+"""
+
+from __future__ import annotations
+
+import codecs
+
+from gateway.detokenizer import StopMatcher
+from gateway.generate import Delta
+from gateway.reasoning import ReasoningRouter
+from gateway.tool_calls import Gemma3ToolCallParser, Gemma4ToolCallParser
+
+GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE = 100, 101
+
+
+class ChatRoute:
+    """Routes one choice's Deltas to OpenAI chat `delta` objects and accumulates the final message.
+
+    Args:
+      token_bytes: each token's bytes (the vocabulary); special_ids: control tokens (no text).
+      tool_format: "gemma4" | "gemma3" to parse tool calls in that format, None for no tool parsing.
+      channels: route Gemma 4's thought channel to reasoning_content (also takes the token path).
+      stops: the request's stop strings (cut content on the token path).
+      id_prefix: prefix of the tool-call ids of this choice (unique per response and choice).
+    """
+
+    def __init__(self, token_bytes: list[bytes], special_ids: set[int], tool_format: str | None = None,
+                 channels: bool = False, stops: list[str] | None = None, id_prefix: str = "call_"):
+        self.tokens_path = tool_format is not None or channels
+        self._bytes, self._special = token_bytes, special_ids
+        self._router = ReasoningRouter(token_bytes, special_ids, GEMMA4_CHANNEL_OPEN,
+                                       GEMMA4_CHANNEL_CLOSE) if channels else None
+        parsers = {"gemma4": Gemma4ToolCallParser, "gemma3": Gemma3ToolCallParser}
+        self._parser = parsers[tool_format](id_prefix, control_ids=special_ids) if tool_format else None
+        self._content = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = StopMatcher(stops or [])
+        self.content, self.reasoning = "", ""
+        self.calls: list[dict] = []
+        self.truncated = False
+
+    # -- feeding
+
+    def feed(self, delta: Delta) -> list[dict]:
+        """The OpenAI deltas produced by one generate() Delta (after the last one, call finish())."""
+        if not self.tokens_path:
+            return self._record([{"content": delta.text}] if delta.text else [])
+        out: list[dict] = []
+        for t in delta.tokens:
+            out += self._token(t.token_id)
+        return self._record(out)
+
+    def finish(self) -> list[dict]:
+        """Flush held text at the end of the choice."""
+        if not self.tokens_path:
+            return []
+        out: list[dict] = []
+        if self._router is not None:
+            reasoning, content = self._router.flush()
+            out += [{"reasoning_content": reasoning}] if reasoning else []
+            out += self._text(content)
+        if self._parser is not None:
+            out += self._parsed(self._parser.finish())
+            self.truncated = self._parser.result().truncated
+        else:
+            out += self._text(self._content.decode(b"", final=True))
+        tail = self._stops.flush()
+        out += [{"content": tail}] if tail else []
+        return self._record(out)
+
+    def _token(self, tid: int) -> list[dict]:
+        router = self._router
+        if router is not None and (router.inside or tid in (router.open_id, router.close_id)):
+            reasoning, _ = router.push(tid)
+            return [{"reasoning_content": reasoning}] if reasoning else []
+        if self._parser is not None:
+            return self._parsed(self._parser.feed(tid, self._bytes[tid]))
+        if tid in self._special:
+            return []
+        return self._text(self._content.decode(self._bytes[tid]))
+
+    def _parsed(self, deltas: list[dict]) -> list[dict]:
+        out = []
+        for d in deltas:
+            if "content" in d:
+                out += self._text(d["content"])
+            else:
+                out.append(d)
+        return out
+
+    def _text(self, text: str) -> list[dict]:
+        text = self._stops.push(text) if text else ""
+        return [{"content": text}] if text else []
+
+    def _record(self, deltas: list[dict]) -> list[dict]:
+        for d in deltas:
+            self.content += d.get("content", "")
+            self.reasoning += d.get("reasoning_content", "")
+            for call in d.get("tool_calls", []):
+                if call["index"] == len(self.calls):
+                    self.calls.append({"id": call["id"], "type": "function",
+                                       "function": {"name": call["function"]["name"], "arguments": ""}})
+                self.calls[call["index"]]["function"]["arguments"] += call["function"].get("arguments", "")
+        return deltas
+
+    # -- results
+
+    def finish_reason(self, worker_reason: str) -> str:
+        """`tool_calls` when the choice returned calls (and was not cut by the length limit), else the reason."""
+        if self.calls and worker_reason != "length":
+            return "tool_calls"
+        return worker_reason
+
+    def message(self) -> dict:
+        """The non-streamed `message`: content (None when the answer is only tool calls), reasoning_content
+        (when there was a thought), tool_calls (when there were calls)."""
+        msg: dict = {"role": "assistant", "content": self.content if (self.content or not self.calls) else None}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.calls:
+            msg["tool_calls"] = self.calls
+        return msg
+
+    def plain(self) -> bool:
+        """True when the answer is plain content (no calls, no thought): its ids may be remembered as history."""
+        return not self.calls and not self.reasoning and not self.truncated

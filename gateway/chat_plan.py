@@ -1,0 +1,140 @@
+"""What a chat request asks beyond plain text — response_format, tools/tool_choice, thinking — turned into how it
+is generated (grammar, extra stop ids, banned ids, template options) and how its output is routed (ChatRoute).
+
+Per model family (ModelFacts.architecture):
+- gemma4: tools in the native syntax (`<|tool_call>call:NAME{...}<tool_call|>`, the turn ends with
+  `<|tool_response>`, id 50, added to the stop ids); `tool_choice: "none"` bans `<|tool_call>`/`<tool_call|>`;
+  thinking on with `chat_template_kwargs.enable_thinking` or `reasoning_effort` low|medium|high, returned as
+  `reasoning_content`; under a grammar a thinking answer may first write its thought channel freely
+  (reasoning.ThoughtFirst).
+- gemma3: tools in this project's JSON format (gateway/tool_calls.py docstring, rendered by the tokenizer
+  service's built-in template); no thinking mode (asking for it is a 400, as OpenAI answers for models without
+  reasoning).
+`response_format` and tools together are a 400 (the answer cannot be both a JSON value and a tool call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gateway.chat_output import GEMMA4_CHANNEL_CLOSE, GEMMA4_CHANNEL_OPEN, ChatRoute
+from gateway.clients import Backends, ModelFacts
+from gateway.errors import ApiError
+from gateway.openai_types import ChatCompletionRequest
+from gateway import tool_calls as tc
+
+THINKING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+
+
+@dataclasses.dataclass
+class ChatPlan:
+    """How to generate and route one chat request.
+
+    Attributes:
+      grammar: llguidance grammar of the answer, or None (unconstrained).
+      grammar_ends: the grammar consumes its own end token (tool grammars).
+      tool_format: "gemma4" | "gemma3" when the output is parsed for tool calls, else None.
+      thinking: Gemma 4 thinking is on for this request.
+      channels: route Gemma 4 thought channels to reasoning_content.
+      stop_ids: extra stop token ids: the tool grammar's end tokens (Gemma 4 calls end with `<|tool_response>`).
+      banned_ids: token ids the answer may not contain (logit bias -inf).
+      template_kwargs: options for the chat template (enable_thinking derived from reasoning_effort).
+    """
+
+    grammar: str | None = None
+    grammar_ends: bool = False
+    tool_format: str | None = None
+    thinking: bool = False
+    channels: bool = False
+    stop_ids: list[int] = dataclasses.field(default_factory=list)
+    banned_ids: list[int] = dataclasses.field(default_factory=list)
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def route(self, facts: ModelFacts, stops: list[str], id_prefix: str) -> ChatRoute:
+        """A fresh ChatRoute for one choice."""
+        return ChatRoute(facts.token_bytes, facts.special_ids, self.tool_format, self.channels, stops, id_prefix)
+
+
+def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
+    """Validate response_format / tools / tool_choice / thinking fields and plan the request. `req` is a
+    ChatCompletionRequest, or any object with its attributes `response_format`, `tools`, `tool_choice`,
+    `parallel_tool_calls`, `chat_template_kwargs` and `reasoning_effort` (the gRPC Generate builds one).
+
+    Raises:
+      ApiError: 400 naming the field: an unenforceable or malformed schema (response_format, or a tool's
+        parameters — the message names the keyword and path), a bad tool_choice, response_format with tools,
+        thinking on a model without a thought channel.
+    """
+    from gateway.constraints import SchemaError, grammar_for_response_format
+
+    arch = facts.architecture
+    plan = ChatPlan(template_kwargs=dict(req.chat_template_kwargs or {}), channels=arch == "gemma4")
+    plan.thinking = _thinking(req, arch, plan.template_kwargs)
+    try:
+        plan.grammar = grammar_for_response_format(req.response_format)
+    except SchemaError as err:
+        raise ApiError(400, str(err), param="response_format", code="unsupported_schema") from None
+    tools = req.tools or []
+    try:
+        mode, _ = tc.resolve_tool_choice(tools, req.tool_choice)
+    except tc.ToolSchemaError as err:
+        raise ApiError(400, err.message, param="tools", code="unsupported_schema") from None
+    except tc.ToolChoiceError as err:
+        raise ApiError(400, str(err), param="tool_choice") from None
+    if mode != "none" and plan.grammar is not None:
+        raise ApiError(400, "response_format cannot be combined with tools (unless tool_choice is \"none\")",
+                       param="response_format")
+    if mode == "none":
+        if arch == "gemma4" and tools:
+            plan.banned_ids = list(tc.GEMMA4_NONE_BANNED_IDS)
+        return plan
+    parallel = req.parallel_tool_calls is not False
+    build = tc.gemma4_tool_grammar if arch == "gemma4" else tc.gemma3_tool_grammar
+    try:
+        plan.grammar = build(tools, req.tool_choice, parallel)
+    except tc.ToolSchemaError as err:
+        raise ApiError(400, err.message, param="tools", code="unsupported_schema") from None
+    plan.grammar_ends = True
+    plan.tool_format = "gemma4" if arch == "gemma4" else "gemma3"
+    # The grammar's end tokens always stop generation, whatever the checkpoint's generation_config says.
+    plan.stop_ids = [tc.GEMMA4_TOOL_RESPONSE, tc.GEMMA4_TURN_END] if arch == "gemma4" else [tc.GEMMA3_END_OF_TURN]
+    return plan
+
+
+def _thinking(req: ChatCompletionRequest, arch: str, kwargs: dict) -> bool:
+    """Whether thinking is on; sets kwargs["enable_thinking"] from reasoning_effort when not given.
+
+    Raises:
+      ApiError: 400 for an unknown reasoning_effort, or thinking asked of a model without it.
+    """
+    if req.reasoning_effort is not None and req.reasoning_effort not in THINKING_EFFORTS:
+        raise ApiError(400, f"reasoning_effort must be one of {', '.join(THINKING_EFFORTS)}, got "
+                            f"{req.reasoning_effort!r}", param="reasoning_effort")
+    if "enable_thinking" not in kwargs and req.reasoning_effort is not None:
+        kwargs["enable_thinking"] = THINKING_EFFORTS[req.reasoning_effort]
+    on = bool(kwargs.get("enable_thinking", False))
+    if on and arch != "gemma4":
+        param = "chat_template_kwargs" if "enable_thinking" in (req.chat_template_kwargs or {}) else \
+            "reasoning_effort"
+        raise ApiError(400, f"this model ({arch}) has no thinking mode", param=param)
+    return on
+
+
+async def constraint_factory(backends: Backends, plan: ChatPlan):
+    """A function making one fresh constraint per choice for the plan's grammar, or None when unconstrained."""
+    if plan.grammar is None:
+        return None
+    from gateway.constraints import Constraint
+    from gateway.reasoning import ThoughtFirst
+
+    tokenizer = await backends.grammar_tokenizer()
+    facts = backends.ready_facts()
+    stops = sorted(set(facts.stop_ids) | set(plan.stop_ids))
+
+    def make():
+        inner = Constraint(tokenizer, plan.grammar, facts.vocab_size, stops, grammar_ends=plan.grammar_ends)
+        if plan.thinking:
+            return ThoughtFirst(inner, facts.vocab_size, GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE, stops)
+        return inner
+
+    return make
