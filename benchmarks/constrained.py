@@ -5,12 +5,14 @@ Not a test: prints a table and writes JSON. Usage (with `make serve` running):
 
     .venv/bin/python benchmarks/constrained.py --base-url http://127.0.0.1:8000 --concurrency 8
 
-Each round sends `--concurrency` chat requests at once, twice: unconstrained (`ignore_eos`, so every answer runs to
-max_tokens) and constrained by a JSON schema whose answers are long (a list of records, ~100+ tokens). Rounds
+Each round sends `--concurrency` chat requests at once, twice: constrained by a JSON schema whose answers are
+long (a list of records, ~100+ tokens), then unconstrained with `ignore_eos` and each request's max_tokens set to
+the length of the matching constrained answer (same token counts, same batch-size profile over time). Rounds
 alternate the two kinds so machine drift hits both. Aggregate output tok/s = completion tokens / wall time of the
 round; the ratio constrained / unconstrained is over the sums of all rounds (target >= 0.9). The gateway's
-/metrics give the forced-token share of the constrained tokens (tokens the grammar wrote without sampling, sent
-to the worker as runs appended in one engine step each) and the number of runs.
+/metrics give the forced-token share of the constrained tokens (tokens the grammar determined: runs of at least
+gateway.generate.FORCED_RUN_MIN tokens are appended in one compute step each, shorter ones go as one-token masks
+in the batched decode step) and the number of runs.
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ SCHEMA = {
     "additionalProperties": False,
 }
 MESSAGES = [{"role": "user", "content": "List six people on the team as JSON with name, age, role and remote."}]
-METRICS = ("constrained_tokens", "forced_tokens", "forced_runs", "generation_tokens")
+METRICS = ("constrained_tokens", "forced_tokens", "forced_runs", "forced_run_tokens", "generation_tokens")
 
 
-async def one(client: httpx.AsyncClient, args, constrained: bool, seed: int) -> dict:
-    body = {"model": args.model, "messages": MESSAGES, "max_tokens": args.max_tokens, "temperature": 1.0,
+async def one(client: httpx.AsyncClient, args, constrained: bool, seed: int, max_tokens: int) -> dict:
+    body = {"model": args.model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 1.0,
             "seed": seed}
     if constrained:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "team", "schema": SCHEMA}}
@@ -72,12 +74,16 @@ def _valid(text: str) -> bool:
         return False
 
 
-async def round_(client, args, constrained: bool, base_seed: int) -> dict:
+async def round_(client, args, constrained: bool, base_seed: int, lengths: list[int] | None = None) -> dict:
+    """One round of `concurrency` requests; `lengths`: per-request max_tokens (default: --max-tokens)."""
+    lengths = lengths or [args.max_tokens] * args.concurrency
     start = time.perf_counter()
-    results = await asyncio.gather(*(one(client, args, constrained, base_seed + i) for i in range(args.concurrency)))
+    results = await asyncio.gather(*(one(client, args, constrained, base_seed + i, n)
+                                     for i, n in enumerate(lengths)))
     wall = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in results)
     return {"constrained": constrained, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+            "lengths": [r["tokens"] for r in results],
             "finishes": [r["finish"] for r in results], "valid": [r["valid"] for r in results]}
 
 
@@ -106,8 +112,11 @@ async def main() -> None:
         before = await metrics(client)
         rounds = []
         for r in range(args.rounds):
-            for constrained in (False, True):
-                rounds.append(await round_(client, args, constrained, 100 * r))
+            for constrained in (True, False):
+                # The unconstrained round generates exactly as many tokens per request as the constrained one
+                # did (ignore_eos), so both have the same batch-size profile over time.
+                lengths = None if constrained else [max(1, n) for n in rounds[-1]["lengths"]]
+                rounds.append(await round_(client, args, constrained, 100 * r, lengths))
                 print(f"round {r + 1} {'constrained  ' if constrained else 'unconstrained'}: "
                       f"{rounds[-1]['tokens']:5d} tokens in {rounds[-1]['wall_s']:6.1f} s = "
                       f"{rounds[-1]['tok_s']:6.1f} tok/s", flush=True)
@@ -124,14 +133,16 @@ async def main() -> None:
         "unconstrained_tok_s": agg[False], "constrained_tok_s": agg[True], "ratio": agg[True] / agg[False],
         "forced_share": share, "forced_tokens": delta["forced_tokens"], "constrained_tokens":
         delta["constrained_tokens"], "forced_runs": delta["forced_runs"],
-        "tokens_per_forced_run": delta["forced_tokens"] / delta["forced_runs"] if delta["forced_runs"] else 0.0,
+        "forced_run_tokens": delta["forced_run_tokens"],
+        "tokens_per_forced_run": delta["forced_run_tokens"] / delta["forced_runs"] if delta["forced_runs"] else 0.0,
         "finished_valid": f"{sum(valid)}/{len(valid)}",
     }
     print(f"\n{args.concurrency} concurrent requests, max_tokens {args.max_tokens}, {args.rounds} rounds each")
     print(f"  unconstrained {agg[False]:7.1f} tok/s")
     print(f"  constrained   {agg[True]:7.1f} tok/s   ratio {summary['ratio']:.2f} (target >= 0.9)")
-    print(f"  forced tokens {share:.1%} of constrained tokens, in {delta['forced_runs']:.0f} runs "
-          f"({summary['tokens_per_forced_run']:.1f} tokens per run = per engine step)")
+    print(f"  forced tokens {share:.1%} of constrained tokens; {delta['forced_run_tokens']:.0f} of them in "
+          f"{delta['forced_runs']:.0f} runs ({summary['tokens_per_forced_run']:.1f} tokens per run = per compute "
+          f"step), the rest as one-token masks in the batched decode step")
     print(f"  constrained answers that finished: {summary['finished_valid']} validate")
     with open(args.json, "w") as f:
         json.dump({"summary": summary, "rounds": rounds}, f, indent=1)

@@ -30,9 +30,11 @@ class GatewayMetrics:
         self.tokens = Counter(p + "generation_tokens", "Tokens generated for clients.", registry=r)
         self.constrained_tokens = Counter(p + "constrained_tokens", "Tokens generated under a grammar (sampled "
                                           "with a mask or forced).", registry=r)
-        self.forced_tokens = Counter(p + "forced_tokens", "Tokens the grammar forced (appended without sampling, "
-                                     "a run per engine step).", registry=r)
-        self.forced_runs = Counter(p + "forced_runs", "Runs of forced tokens sent to the worker.", registry=r)
+        self.forced_tokens = Counter(p + "forced_tokens", "Tokens the grammar determined (the only allowed "
+                                     "continuation), sent as one-token masks or in forced runs.", registry=r)
+        self.forced_runs = Counter(p + "forced_runs", "Runs of forced tokens sent to the worker (one compute step "
+                                   "each).", registry=r)
+        self.forced_run_tokens = Counter(p + "forced_run_tokens", "Tokens in forced runs.", registry=r)
 
     def exposition(self) -> tuple[bytes, str]:
         """(body, content type) of the /metrics response."""

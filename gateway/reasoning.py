@@ -70,6 +70,7 @@ class ThoughtFirst:
         """Args: inner: the answer's constraint; vocab_size: mask width in tokens; open_id/close_id: the channel
         markers' ids; stop_ids: tokens not allowed inside the thought (they would end the turn)."""
         self.inner, self.open_id, self.close_id = inner, open_id, close_id
+        self.vocab_size = vocab_size
         self.state = "start"
         free = bytearray(b"\xff" * ((vocab_size + 7) // 8))
         if vocab_size % 8:

@@ -905,23 +905,37 @@ def _checked(grammar: str, fns: list[dict]) -> str:
     return grammar
 
 
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")       # keywords holding {name: subschema}
+_SCHEMA_VALUES = ("items", "additionalProperties", "anyOf", "oneOf", "allOf")  # a subschema or a list of them
+
+
+def _rewrite_schema(schema: Any, drop: str, finish: Callable[[dict, dict], dict]) -> Any:
+    """A copy of `schema` rewritten bottom-up: every subschema loses the keyword `drop`, then
+    `finish(original node, rewritten node)` gives its final form."""
+    if isinstance(schema, list):
+        return [_rewrite_schema(s, drop, finish) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _rewrite_schema(sub, drop, finish) for name, sub in v.items()}
+        elif k in _SCHEMA_VALUES:
+            out[k] = _rewrite_schema(v, drop, finish)
+        elif k != drop:
+            out[k] = v
+    return finish(schema, out)
+
+
 def _gemma3_schema(schema: Any) -> Any:
     """`schema` as llguidance's JSON compiler gets it for Gemma 3, so that both formats produce the same values:
     `additionalProperties: false` on every object with a `properties` keyword (such objects get exactly their
     declared keys; extra keys would be valid, but are never produced), and each `format` replaced by the same
     regex the Gemma 4 grammar uses (as a `pattern`, or an `allOf` pattern next to an existing one)."""
-    if isinstance(schema, list):
-        return [_gemma3_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for k, v in schema.items():
-        if k in ("properties", "$defs", "definitions") and isinstance(v, dict):
-            out[k] = {name: _gemma3_schema(sub) for name, sub in v.items()}
-        elif k in ("items", "additionalProperties", "anyOf", "oneOf", "allOf"):
-            out[k] = _gemma3_schema(v)
-        elif k != "format":
-            out[k] = v
+    return _rewrite_schema(schema, "format", _gemma3_node)
+
+
+def _gemma3_node(schema: dict, out: dict) -> dict:
     if "properties" in out:
         out["additionalProperties"] = False
     if schema.get("format") in _FORMATS:
@@ -938,18 +952,10 @@ def _gemma3_schema(schema: Any) -> Any:
 
 def validation_schema(schema: Any) -> Any:
     """`schema` with OpenAPI `nullable: true` rewritten as JSON Schema ("or null"), for jsonschema validators."""
-    if isinstance(schema, list):
-        return [validation_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for k, v in schema.items():
-        if k in ("properties", "$defs", "definitions") and isinstance(v, dict):
-            out[k] = {name: validation_schema(sub) for name, sub in v.items()}
-        elif k in ("items", "additionalProperties", "anyOf", "oneOf", "allOf"):
-            out[k] = validation_schema(v)
-        elif k != "nullable":
-            out[k] = v
+    return _rewrite_schema(schema, "nullable", _nullable_node)
+
+
+def _nullable_node(schema: dict, out: dict) -> dict:
     if schema.get("nullable") is not True:
         return out
     if "enum" in out or "const" in out:
