@@ -9,7 +9,7 @@ Two paths:
   (detokenized, stop strings cut).
 - tokens (tools requested, or a Gemma 4 model): every token is routed by id — `<|channel>`...`<channel|>` to
   `reasoning_content` (gateway/reasoning.py), the rest through the model's tool-call parser
-  (gateway/tool_calls.py), which emits content and tool-call deltas as the grammar's structure arrives (the
+  (gateway/tool_parsers.py), which emits content and tool-call deltas as the grammar's structure arrives (the
   first argument fragment leaves before the call's closing marker is generated). Control tokens never reach
   content. Stop strings cut `content` only (they end generation either way).
 """
@@ -21,7 +21,7 @@ import codecs
 from gateway.detokenizer import StopMatcher
 from gateway.generate import Delta
 from gateway.reasoning import ReasoningRouter
-from gateway.tool_calls import Gemma3ToolCallParser, Gemma4ToolCallParser
+from gateway.tool_parsers import Gemma3ToolCallParser, Gemma4ToolCallParser
 
 GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE = 100, 101
 

@@ -25,8 +25,6 @@ from gateway.tool_calls import (
     GEMMA4_NONE_BANNED_IDS,
     INTEGER_REGEX,
     NUMBER_REPR_REGEX,
-    Gemma3ToolCallParser,
-    Gemma4ToolCallParser,
     ToolCall,
     ToolCallParseError,
     ToolChoiceError,
@@ -34,11 +32,15 @@ from gateway.tool_calls import (
     gemma3_tool_grammar,
     gemma4_tool_grammar,
     int_range_regex,
-    parse_gemma3_tool_calls,
-    parse_gemma4_tool_calls,
     resolve_tool_choice,
     validate_tool_arguments,
     validation_schema,
+)
+from gateway.tool_parsers import (
+    Gemma3ToolCallParser,
+    Gemma4ToolCallParser,
+    parse_gemma3_tool_calls,
+    parse_gemma4_tool_calls,
 )
 from tests.gemma4_tokenizer import write_gemma4_test_tokenizer
 from tokenizer_svc.chat_template import Message, render_gemma3, render_gemma4, tokenize_segments
