@@ -265,7 +265,7 @@ async def _chat(backends: Backends, req: ChatCompletionRequest):
     jobs = choice_jobs(prompt, req, max_tokens, req.n, top_logprobs=req.top_logprobs or 0,
                        constraint=await constraint_factory(backends, plan))
     for _, _, params, _ in jobs:
-        params.stop_token_ids = sorted(set(params.stop_token_ids) | set(plan.stop_ids))
+        params.stop_token_ids = sorted(set(params.stop_token_ids) | set(plan.request_stop_ids(facts)))
         for tid in plan.banned_ids:
             params.sampling.logit_bias[tid] = -100.0
     ids = ResponseIds("chatcmpl", model)

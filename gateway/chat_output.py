@@ -21,6 +21,8 @@ import codecs
 from gateway.detokenizer import StopMatcher
 from gateway.generate import Delta
 from gateway.reasoning import ReasoningRouter
+from gateway.errors import ApiError
+from gateway.tool_calls import ToolCallParseError
 from gateway.tool_parsers import Gemma3ToolCallParser, Gemma4ToolCallParser
 
 GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE = 100, 101
@@ -86,7 +88,10 @@ class ChatRoute:
             reasoning, _ = router.push(tid)
             return [{"reasoning_content": reasoning}] if reasoning else []
         if self._parser is not None:
-            return self._parsed(self._parser.feed(tid, self._bytes[tid]))
+            try:
+                return self._parsed(self._parser.feed(tid, self._bytes[tid]))
+            except ToolCallParseError as err:
+                raise ApiError(500, f"the model's tool call could not be parsed: {err}", code="tool_call") from None
         if tid in self._special:
             return []
         return self._text(self._content.decode(self._bytes[tid]))
@@ -118,8 +123,9 @@ class ChatRoute:
     # -- results
 
     def finish_reason(self, worker_reason: str) -> str:
-        """`tool_calls` when the choice returned calls (and was not cut by the length limit), else the reason."""
-        if self.calls and worker_reason != "length":
+        """`tool_calls` when the choice returned complete calls (not cut by the length limit or a stop string),
+        else the reason."""
+        if self.calls and not self.truncated and worker_reason != "length":
             return "tool_calls"
         return worker_reason
 

@@ -50,6 +50,11 @@ class ChatPlan:
     banned_ids: list[int] = dataclasses.field(default_factory=list)
     template_kwargs: dict = dataclasses.field(default_factory=dict)
 
+    def request_stop_ids(self, facts: ModelFacts) -> list[int]:
+        """Stop ids to add to the request: the plan's, and under a grammar also the model's own (a constraint
+        ends with a stop token, which must end the sequence even with `ignore_eos`)."""
+        return sorted(set(self.stop_ids) | (set(facts.stop_ids) if self.grammar is not None else set()))
+
     def route(self, facts: ModelFacts, stops: list[str], id_prefix: str) -> ChatRoute:
         """A fresh ChatRoute for one choice."""
         return ChatRoute(facts.token_bytes, facts.special_ids, self.tool_format, self.channels, stops, id_prefix)

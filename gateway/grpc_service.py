@@ -98,9 +98,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         if fields.tools is not None and not isinstance(fields.tools, list):
             raise ApiError(400, "chat.tools_json must be a JSON array", param="chat.tools_json")
+        if fields.chat_template_kwargs is not None and not isinstance(fields.chat_template_kwargs, dict):
+            raise ApiError(400, "chat.template_kwargs_json must be a JSON object", param="chat.template_kwargs_json")
         plan = plan_chat(fields, self.backends.ready_facts())
-        if request.WhichOneof("input") != "chat" or request.include_special_tokens:
-            plan.channels = False  # raw prompts, or control tokens asked for: text as generated
+        if request.WhichOneof("input") != "chat":
+            plan.channels = False  # raw prompts: text as generated
         return plan
 
     async def Generate(self, request, context):
@@ -114,7 +116,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             routes = []
             for index, _, params, _ in jobs:
                 params.constraint = factory() if factory is not None else None
-                params.stop_token_ids = sorted(set(params.stop_token_ids) | set(plan.stop_ids))
+                params.stop_token_ids = sorted(set(params.stop_token_ids) | set(plan.request_stop_ids(facts)))
                 for tid in plan.banned_ids:
                     params.sampling.logit_bias[tid] = -100.0
                 routes.append(plan.route(facts, params.stop, f"call_{rid[-12:]}_{index}_"))

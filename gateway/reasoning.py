@@ -51,7 +51,7 @@ class ReasoningRouter:
     def flush(self) -> tuple[str, str]:
         """End of generation: any held text."""
         reasoning = self._decoders["r"].decode(b"", final=True)
-        if self._label:
+        if self._label and not LABEL.startswith(self._label):  # a bare (partial) label is not reasoning
             reasoning = self._label + reasoning
         return reasoning, self._decoders["c"].decode(b"", final=True)
 

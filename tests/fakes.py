@@ -40,6 +40,7 @@ class FakeEngine:
         self.calls = {"compute": 0, "decode": 0, "copy": 0}
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()  # set when a compute call starts (before waiting on the gate)
 
     def _next(self, last: int, sampling, row: int) -> int:
         token = (last + 1) % self.vocab
@@ -55,6 +56,7 @@ class FakeEngine:
                           np.full((n, 20), -1, np.int32), np.zeros((n, 20), np.float32), np.zeros(n, bool))
 
     def dispatch_compute(self, slot, token_ids, start, is_output, reset=False):
+        self.entered.set()
         self.gate.wait()
         self.calls["compute"] += 1
         n = min(self.ecfg.chunk, len(token_ids))

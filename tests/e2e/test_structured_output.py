@@ -115,3 +115,16 @@ def test_grpc_generate_response_format(stack):
         with pytest.raises(grpc.RpcError) as err:
             list(gateway_pb2_grpc.GatewayStub(channel).Generate(bad, timeout=60))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "uniqueItems" in err.value.details()
+
+
+def test_ignore_eos_still_ends_after_the_value(stack):
+    """A complete value allows only stop ids; they end the sequence even with ignore_eos (no hang)."""
+    r = httpx.post(stack.base_url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 80, "temperature": 0,
+        "ignore_eos": True, "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and json.loads(choice["message"]["content"]) in ({"ok": True},
+                                                                                             {"ok": False})

@@ -271,3 +271,21 @@ def test_plan_errors_are_400s_naming_the_field(kw, param, words):
     with pytest.raises(ApiError) as err:
         plan_chat(req(**kw), facts("gemma3"))
     assert err.value.status == 400 and err.value.param == param and words in err.value.message
+
+
+def test_a_call_cut_by_a_stop_string_is_not_reported_as_tool_calls():
+    v = Vocab()
+    route, _ = run(v, v(48, "call:get_weather{city:", 52, "Ro"), 1, tool_format="gemma4")
+    assert route.finish_reason("stop") == "stop"
+
+
+def test_a_bare_thought_label_at_the_end_is_not_reasoning():
+    v = Vocab()
+    route, sent = run(v, v(100, "thought\n"), 1, channels=True)
+    assert route.reasoning == "" and merge(sent)["reasoning"] == ""
+
+
+def test_grammar_requests_stop_on_the_model_stop_ids():
+    f = facts("gemma3")
+    assert plan_chat(req(response_format={"type": "json_object"}), f).request_stop_ids(f) == [1, 106]
+    assert plan_chat(req(), f).request_stop_ids(f) == []

@@ -277,10 +277,14 @@ def test_queue_bound_answers_resource_exhausted():
     s = Server(engine)
     try:
         engine.gate.clear()
-        futures = [s.stub.Prefill.future(model_worker_pb2.PrefillRequest(
-            request_id=f"q{i}", prompt_token_ids=[1, 2], stopping=common_pb2.StoppingParams(max_tokens=2)))
-            for i in range(3)]
-        time.sleep(0.3)
+        futures = []
+        for i in range(3):  # in order: q0 holds the slot (blocked in its compute), q1 waits, q2 finds no room
+            futures.append(s.stub.Prefill.future(model_worker_pb2.PrefillRequest(
+                request_id=f"q{i}", prompt_token_ids=[1, 2], stopping=common_pb2.StoppingParams(max_tokens=2))))
+            deadline = time.monotonic() + 10
+            while not (engine.entered.is_set() if i == 0 else s.engine_loop._inbox.qsize() == i):
+                assert time.monotonic() < deadline, f"q{i} never reached the engine loop"
+                time.sleep(0.01)
         engine.gate.set()
         codes = []
         for f in futures:
