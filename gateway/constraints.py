@@ -34,6 +34,9 @@ schema that passes `check_schema` is enforced exactly as written (top-level type
 Departures from JSON Schema semantics, all of which only *narrow* what is generated (the output still
 validates):
 - Object properties come in the order of `properties` (then `required`, then additional/pattern properties).
+- An object with `properties` and no `additionalProperties` gets no other keys (as in OpenAI's strict mode and
+  xgrammar's default; see `_rewrite_formats` for when this is not applied): a small model otherwise keeps
+  inventing keys until max_tokens.
 - The value is written on one line, compact (`{"a":1,"b":[1,2]}`) or in Python's `json.dumps` style
   (`{"a": 1, "b": [1, 2]}`): the only whitespace allowed is one optional space after `:` and `,`
   (`KEY_SEPARATOR`, `ITEM_SEPARATOR`); none before or after the value, so generation ends right after the
@@ -324,10 +327,14 @@ def _static_check(schema: Any, where: str) -> None:
                                   f"{value!r} (only references inside the schema, '#...')", "$ref", path)
 
 
-def _rewrite_formats(schema: Any) -> Any:
-    """A copy of `schema` with format date/date-time/time replaced by our stricter RFC 3339 patterns."""
+def _rewrite_formats(schema: Any, in_all_of: bool = False) -> Any:
+    """A copy of `schema` as we compile it: format date/date-time/time replaced by our stricter RFC 3339 patterns,
+    and objects closed: an object node with `properties` but no `additionalProperties`/`patternProperties` gets
+    `additionalProperties: false` (what OpenAI's strict mode and xgrammar's default do), unless combinators or an
+    `allOf` could add properties to it or one of its `required` names is not among its properties. Without this a
+    model may keep inventing keys (valid, but a runaway); the output still validates against the original."""
     if isinstance(schema, list):
-        return [_rewrite_formats(s) for s in schema]
+        return [_rewrite_formats(s, in_all_of) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
@@ -335,7 +342,7 @@ def _rewrite_formats(schema: Any) -> Any:
         if key in _SCHEMA_MAP and isinstance(value, dict):
             out[key] = {k: _rewrite_formats(v) for k, v in value.items()}
         elif key in _SCHEMA_ONE or key in _SCHEMA_LIST or key == "items":
-            out[key] = _rewrite_formats(value)
+            out[key] = _rewrite_formats(value, in_all_of=key == "allOf")
         else:
             out[key] = value
     fmt = out.get("format")
@@ -345,6 +352,12 @@ def _rewrite_formats(schema: Any) -> Any:
             out["allOf"] = list(out.get("allOf", [])) + [{"pattern": _FORMAT_PATTERNS[fmt]}]
         else:
             out["pattern"] = _FORMAT_PATTERNS[fmt]
+    props = out.get("properties")
+    open_keys = {"additionalProperties", "patternProperties", "allOf", "anyOf", "oneOf", "$ref",
+                 "unevaluatedProperties"}
+    if (isinstance(props, dict) and not in_all_of and not open_keys & out.keys()
+            and all(name in props for name in out.get("required", []) if isinstance(name, str))):
+        out["additionalProperties"] = False
     return out
 
 

@@ -451,7 +451,8 @@ def test_not_a_schema_object(schema):
     ({"type": "string", "pattern": "^(?=a)a+$"}, "pattern"),                        # look-around
     ({"type": "string", "pattern": "^(a)\\1$"}, "pattern"),                         # back-reference
     ({"type": "object", "patternProperties": {"^x": {}, "^xy": {}}}, "patternProperties"),  # not disjoint
-    ({"type": "object", "properties": {"a": {}}, "maxProperties": 1}, "maxProperties"),     # a not required
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True, "maxProperties": 1},
+     "maxProperties"),                                                              # open object, a not required
     ({"$ref": "#/$defs/missing"}, "$ref"),
     ({"$defs": {"a": {"$ref": "#/$defs/a", "type": "object"}}, "$ref": "#/$defs/a"}, "$ref"),
 ])
@@ -751,3 +752,17 @@ def test_timing_report(llg_tok, vocab_size):
           f"(max {max(first_ms):.2f}), then deep_copy median {statistics.median(copy_ms):.3f} ms")
     assert np.median(mask_ms) < 5
     assert statistics.median(compile_ms) < 200
+
+
+@pytest.mark.parametrize("schema, text, ok", [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a": 1}', True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a": 1, "b": 2}', False),   # closed
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     '{"a": 1, "b": 2}', True),                                                                   # explicitly open
+    ({"type": "object"}, '{"b": 2}', True),                                                       # no properties
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"type": "object", "properties": {"b": {"type": "integer"}}}]}, '{"a": 1, "b": 2}', True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["z"]}, '{"z": 1}', True),
+])
+def test_objects_with_properties_are_closed_unless_something_could_open_them(llg_tok, schema, text, ok):
+    assert accepts(llg_tok, C.grammar_for_json_schema(schema), text) is ok
