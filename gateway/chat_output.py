@@ -16,9 +16,7 @@ Two paths:
 
 from __future__ import annotations
 
-import codecs
-
-from gateway.detokenizer import StopMatcher
+from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.generate import Delta
 from gateway.reasoning import ReasoningRouter
 from gateway.errors import ApiError
@@ -42,12 +40,12 @@ class ChatRoute:
     def __init__(self, token_bytes: list[bytes], special_ids: set[int], tool_format: str | None = None,
                  channels: bool = False, stops: list[str] | None = None, id_prefix: str = "call_"):
         self.tokens_path = tool_format is not None or channels
-        self._bytes, self._special = token_bytes, special_ids
+        self._bytes = token_bytes
         self._router = ReasoningRouter(token_bytes, special_ids, GEMMA4_CHANNEL_OPEN,
                                        GEMMA4_CHANNEL_CLOSE) if channels else None
         parsers = {"gemma4": Gemma4ToolCallParser, "gemma3": Gemma3ToolCallParser}
         self._parser = parsers[tool_format](id_prefix, control_ids=special_ids) if tool_format else None
-        self._content = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._content = IncrementalDetokenizer(token_bytes, special_ids)
         self._stops = StopMatcher(stops or [])
         self.content, self.reasoning = "", ""
         self.calls: list[dict] = []
@@ -77,7 +75,7 @@ class ChatRoute:
             out += self._parsed(self._parser.finish())
             self.truncated = self._parser.result().truncated
         else:
-            out += self._text(self._content.decode(b"", final=True))
+            out += self._text(self._content.flush())
         tail = self._stops.flush()
         out += [{"content": tail}] if tail else []
         return self._record(out)
@@ -92,9 +90,7 @@ class ChatRoute:
                 return self._parsed(self._parser.feed(tid, self._bytes[tid]))
             except ToolCallParseError as err:
                 raise ApiError(500, f"the model's tool call could not be parsed: {err}", code="tool_call") from None
-        if tid in self._special:
-            return []
-        return self._text(self._content.decode(self._bytes[tid]))
+        return self._text(self._content.push(tid))
 
     def _parsed(self, deltas: list[dict]) -> list[dict]:
         out = []

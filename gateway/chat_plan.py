@@ -19,8 +19,10 @@ import dataclasses
 
 from gateway.chat_output import GEMMA4_CHANNEL_CLOSE, GEMMA4_CHANNEL_OPEN, ChatRoute
 from gateway.clients import Backends, ModelFacts
+from gateway.constraints import Constraint, SchemaError, grammar_for_response_format
 from gateway.errors import ApiError
 from gateway.openai_types import ChatCompletionRequest
+from gateway.reasoning import ThoughtFirst
 from gateway import tool_calls as tc
 
 THINKING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
@@ -70,8 +72,6 @@ def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
         parameters — the message names the keyword and path), a bad tool_choice, response_format with tools,
         thinking on a model without a thought channel.
     """
-    from gateway.constraints import SchemaError, grammar_for_response_format
-
     arch = facts.architecture
     plan = ChatPlan(template_kwargs=dict(req.chat_template_kwargs or {}), channels=arch == "gemma4")
     plan.thinking = _thinking(req, arch, plan.template_kwargs)
@@ -129,9 +129,6 @@ async def constraint_factory(backends: Backends, plan: ChatPlan):
     """A function making one fresh constraint per choice for the plan's grammar, or None when unconstrained."""
     if plan.grammar is None:
         return None
-    from gateway.constraints import Constraint
-    from gateway.reasoning import ThoughtFirst
-
     tokenizer = await backends.grammar_tokenizer()
     facts = backends.ready_facts()
     stops = sorted(set(facts.stop_ids) | set(plan.stop_ids))

@@ -224,13 +224,6 @@ the project's 2-core CPU with the embedded model) that the other rows wait for, 
 row in the batched decode step (~13 ms of marginal cost per row at batch 8): runs pay off from ~12 tokens."""
 
 
-def one_token_mask(token_id: int, vocab_size: int) -> bytes:
-    """A TokenMask bitset allowing exactly `token_id`."""
-    bits = bytearray((vocab_size + 7) // 8)
-    bits[token_id // 8] |= 1 << (token_id % 8)
-    return bytes(bits)
-
-
 class ConstraintDriver:
     """Drives a request's grammar from the gateway: the first mask goes with Prefill; then, for every token the
     worker streams back, the matcher advances and the next step's instruction goes out on the Decode stream — a
@@ -281,7 +274,7 @@ class ConstraintDriver:
             self.forced_count += 1
             self.sent_for = step
             return [model_worker_pb2.DecodeRequest(step=step, mask=common_pb2.TokenMask(
-                allowed=one_token_mask(forced[0], self.c.vocab_size)))]
+                allowed=allowed_mask_bytes([forced[0]], self.c.vocab_size)))]
         if forced:
             for token in forced:
                 self.c.advance(token)

@@ -831,16 +831,20 @@ def gemma4_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: 
     return _cached("gemma4", tools, tool_choice, parallel, lambda: _build_gemma4(tools, tool_choice, parallel))
 
 
-def _build_gemma4(tools: list[dict], tool_choice: Any, parallel: bool) -> str | None:
-    fns = _functions(tools)
+def _callable(tools: list[dict], tool_choice: Any) -> tuple[str, list[tuple[int, dict]]]:
+    """(mode, [(index in tools, function)] the answer may call): every tool, or only the named one."""
     mode, chosen = resolve_tool_choice(tools, tool_choice)
+    fns = list(enumerate(_functions(tools)))
+    return mode, [(i, fn) for i, fn in fns if mode != "named" or fn["name"] == chosen]
+
+
+def _build_gemma4(tools: list[dict], tool_choice: Any, parallel: bool) -> str | None:
+    mode, callable_fns = _callable(tools, tool_choice)
     if mode == "none":
         return None
     g = _Gemma4Grammar()
     calls = []
-    for i, fn in enumerate(fns):
-        if mode == "named" and fn["name"] != chosen:
-            continue
+    for i, fn in callable_fns:
         args = _Gemma4Schema(g, fn["name"], fn.get("parameters") or {}, f"t{i}_").parameters()
         call = f"call_{i}"
         g.rules[call] = f'<[{GEMMA4_TOOL_CALL}]> {json.dumps("call:" + fn["name"])} {args} <[{GEMMA4_TOOL_CALL_END}]>'
@@ -852,7 +856,7 @@ def _build_gemma4(tools: list[dict], tool_choice: Any, parallel: bool) -> str | 
                  "TEXT: /(?s:.+)/\n")
     else:
         start = f"start: {many} <[{GEMMA4_TOOL_RESPONSE}]>\n"
-    return _checked(start + g.text(), fns)
+    return _checked(start + g.text(), [fn for _, fn in callable_fns])
 
 
 def gemma3_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: bool = True) -> str | None:
@@ -868,14 +872,11 @@ def gemma3_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: 
 
 
 def _build_gemma3(tools: list[dict], tool_choice: Any, parallel: bool) -> str | None:
-    fns = _functions(tools)
-    mode, chosen = resolve_tool_choice(tools, tool_choice)
+    mode, callable_fns = _callable(tools, tool_choice)
     if mode == "none":
         return None
     lines, calls = [], []
-    for i, fn in enumerate(fns):
-        if mode == "named" and fn["name"] != chosen:
-            continue
+    for i, fn in callable_fns:
         params = fn.get("parameters") or {}
         _Gemma4Schema(_Gemma4Grammar(), fn["name"], params, "x_").parameters()  # same checks as Gemma 4
         schema = _gemma3_schema(validation_schema(params)) if params else {"type": "object", "properties": {},
@@ -892,7 +893,7 @@ def _build_gemma3(tools: list[dict], tool_choice: Any, parallel: bool) -> str | 
         start = f"start: TEXT? {end} | calls {end}\nTEXT: /[^{{](?s:.*)/\n"
     else:
         start = f"start: calls {end}\n"
-    return _checked(start + f"calls: {obj}\n" + "\n".join(lines) + "\n", fns)
+    return _checked(start + f"calls: {obj}\n" + "\n".join(lines) + "\n", [fn for _, fn in callable_fns])
 
 
 def _checked(grammar: str, fns: list[dict]) -> str:

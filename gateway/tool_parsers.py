@@ -111,33 +111,20 @@ class _TokenText:
 _SCALAR = re.compile(r"^(?:-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null)$")
 
 
-class Gemma4ToolCallParser:
-    """Incremental parser of a Gemma 4 answer: free text and `<|tool_call>call:NAME{...}<tool_call|>` calls.
+class _TokenParser:
+    """What both parsers share: output bookkeeping, incremental UTF-8, control ids, and feed/finish/result.
+    Subclasses define `_special(token_id)` (a control token), `_chars_in(chars)` (text) and `_truncated()`."""
 
-    Feed every generated token in order with `feed(token_id, text)` (text as str, or the token's bytes; control
-    tokens are recognised by id, their text is ignored). Each call returns the OpenAI `delta`s produced by that
-    token: `{"content": text}`, a call's first delta `{"tool_calls": [{"index", "id", "type": "function",
-    "function": {"name", "arguments": ""}}]}` (once its name is complete) and then argument fragments
-    `{"tool_calls": [{"index", "function": {"arguments": fragment}}]}` as the arguments arrive, converted to
-    JSON. `finish()` flushes; `result()` gives the whole answer. Control tokens other than the tool and turn
-    markers are dropped from content (pass the vocabulary's control ids as `control_ids`).
-    """
+    BASE_CONTROL_IDS: frozenset[int] = frozenset()
 
     def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None):
         self._out = _Deltas(id_prefix)
         self._chars = _TokenText()
-        self._control = frozenset(control_ids) | GEMMA4_CONTROL_IDS if control_ids is not None else GEMMA4_CONTROL_IDS
-        self._state = "text"  # text | name | args | closed (args done, waiting for <tool_call|>) | done
-        self._name = ""
-        self._call: _Call | None = None
-        self._stack: list[dict] = []
-        self._in_string = False
-        self._scalar: str | None = None
-
-    # -- public
+        self._control = self.BASE_CONTROL_IDS | frozenset(control_ids or ())
 
     def feed(self, token_id: int, text: str | bytes = "") -> list[dict]:
-        """Consume one generated token; returns the deltas it produced.
+        """Consume one generated token (text as str, or the token's bytes; a control token is recognised by id
+        and its text ignored); returns the deltas it produced.
 
         Raises:
           ToolCallParseError: the output is not well-formed call syntax.
@@ -156,7 +143,43 @@ class Gemma4ToolCallParser:
 
     def result(self) -> ParsedOutput:
         """The content and the complete calls so far."""
-        return self._out.result(self._state in ("name", "args", "closed"))
+        return self._out.result(self._truncated())
+
+    def _special(self, token_id: int) -> None:
+        raise NotImplementedError
+
+    def _chars_in(self, chars: str) -> None:
+        raise NotImplementedError
+
+    def _truncated(self) -> bool:
+        raise NotImplementedError
+
+
+class Gemma4ToolCallParser(_TokenParser):
+    """Incremental parser of a Gemma 4 answer: free text and `<|tool_call>call:NAME{...}<tool_call|>` calls.
+
+    Feed every generated token in order with `feed(token_id, text)` (text as str, or the token's bytes; control
+    tokens are recognised by id, their text is ignored). Each call returns the OpenAI `delta`s produced by that
+    token: `{"content": text}`, a call's first delta `{"tool_calls": [{"index", "id", "type": "function",
+    "function": {"name", "arguments": ""}}]}` (once its name is complete) and then argument fragments
+    `{"tool_calls": [{"index", "function": {"arguments": fragment}}]}` as the arguments arrive, converted to
+    JSON. `finish()` flushes; `result()` gives the whole answer. Control tokens other than the tool and turn
+    markers are dropped from content (pass the vocabulary's control ids as `control_ids`).
+    """
+
+    BASE_CONTROL_IDS = GEMMA4_CONTROL_IDS
+
+    def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None):
+        super().__init__(id_prefix, control_ids)
+        self._state = "text"  # text | name | args | closed (args done, waiting for <tool_call|>) | done
+        self._name = ""
+        self._call: _Call | None = None
+        self._stack: list[dict] = []
+        self._in_string = False
+        self._scalar: str | None = None
+
+    def _truncated(self) -> bool:
+        return self._state in ("name", "args", "closed")
 
     # -- tokens
 
@@ -295,48 +318,32 @@ class Gemma4ToolCallParser:
                 raise ToolCallParseError(f"call arguments are not valid JSON ({err})") from None
 
 
-class Gemma3ToolCallParser:
+class Gemma3ToolCallParser(_TokenParser):
     """Incremental parser of a Gemma 3 answer in this project's JSON tool format (module docstring), with the
     same interface and deltas as `Gemma4ToolCallParser`. The first character decides: `{` starts the calls
     object, anything else is content. Argument fragments are the generated JSON text, verbatim.
     """
 
+    BASE_CONTROL_IDS = GEMMA3_CONTROL_IDS
+
     def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None):
-        self._out = _Deltas(id_prefix)
-        self._chars = _TokenText()
-        self._control = frozenset(control_ids) | GEMMA3_CONTROL_IDS if control_ids is not None else GEMMA3_CONTROL_IDS
+        super().__init__(id_prefix, control_ids)
         self._state = "start"  # start | text | json | after | done
         self._stack: list[dict] = []  # frames: {"kind": obj|arr, "expect", "key", "index"}
         self._string: str | None = None  # raw text of a string being read (wrapper level)
         self._capture: dict | None = None  # arguments being copied: depth, in_string, escape
         self._call: dict | None = None  # {"name", "open": _Call | None, "args": bool}
 
-    def feed(self, token_id: int, text: str | bytes = "") -> list[dict]:
-        """Consume one generated token; returns the deltas it produced.
+    def _special(self, token_id: int) -> None:
+        if token_id in (GEMMA3_END_OF_TURN, GEMMA3_EOS) and self._state != "done":
+            if self._state == "json":
+                raise ToolCallParseError("the answer ended inside the tool-calls object")
+            self._state = "done"
+        elif self._state == "json":
+            raise ToolCallParseError(f"control token {token_id} inside the tool-calls object")
 
-        Raises:
-          ToolCallParseError: the calls object is malformed.
-        """
-        if token_id in self._control:
-            self._chars_in(self._chars.flush())
-            if token_id in (GEMMA3_END_OF_TURN, GEMMA3_EOS) and self._state != "done":
-                if self._state == "json":
-                    raise ToolCallParseError("the answer ended inside the tool-calls object")
-                self._state = "done"
-            elif self._state == "json":
-                raise ToolCallParseError(f"control token {token_id} inside the tool-calls object")
-        else:
-            self._chars_in(self._chars.chars(text))
-        return self._out.take()
-
-    def finish(self) -> list[dict]:
-        """End of generation: flush and return the last deltas."""
-        self._chars_in(self._chars.flush())
-        return self._out.take()
-
-    def result(self) -> ParsedOutput:
-        """The content and the complete calls so far."""
-        return self._out.result(self._state == "json")
+    def _truncated(self) -> bool:
+        return self._state == "json"
 
     # -- characters
 
