@@ -261,10 +261,16 @@ def test_n_choices_share_the_prompt(server, engine):
     engine.gate.clear()
     parent = server.stub.Prefill.future(model_worker_pb2.PrefillRequest(
         request_id="p0", prompt_token_ids=list(range(100, 110)), stopping=common_pb2.StoppingParams(max_tokens=3)))
+    # The parent must reach the engine first: a fork that arrives before its parent computes its own prompt
+    # (and the parent then reuses it through the prefix cache), which is correct but not what this test checks.
+    assert engine.entered.wait(10), "p0 never reached the engine"
     child = server.stub.Prefill.future(model_worker_pb2.PrefillRequest(
         request_id="p1", prompt_token_ids=list(range(100, 110)), stopping=common_pb2.StoppingParams(max_tokens=3),
         share_prompt_with="p0"))
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while server.engine_loop._inbox.qsize() == 0:  # p1 queued behind p0's blocked chunk
+        assert time.monotonic() < deadline, "p1 never reached the engine loop"
+        time.sleep(0.01)
     engine.gate.set()
     assert parent.result(5).first_token.token_id == 110 and child.result(5).first_token.token_id == 110
     assert engine.calls["copy"] == 1
