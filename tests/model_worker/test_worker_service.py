@@ -144,7 +144,10 @@ def test_duplicate_live_id_and_bad_masks_rejected(server, engine):
     engine.gate.clear()  # hold the engine so "x" stays live
     future = server.stub.Prefill.future(model_worker_pb2.PrefillRequest(
         request_id="x", prompt_token_ids=[1], stopping=common_pb2.StoppingParams(max_tokens=3)))
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while "x" not in server.engine_loop.scheduler.by_id:  # wait for "x" to be live, however slow the machine
+        assert time.monotonic() < deadline, "x never reached the scheduler"
+        time.sleep(0.01)
     with pytest.raises(grpc.RpcError) as err:
         prefill(server.stub, "x", [1])
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
