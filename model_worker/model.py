@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from model_worker.config import LayerSpec, ModelConfig
 from model_worker.kv_cache import KVCache
 from model_worker.params import LayerParams, Params
-from model_worker.quant import linear
+from model_worker.quant import Int8Weight, int8_linear, linear
 
 # Finite "minus infinity": a fully masked row (a padded query) then gives a uniform softmax instead of NaN.
 MASK_VALUE = -1e30
@@ -346,6 +346,20 @@ def _ple_block(lp: LayerParams, x: jax.Array, pli: jax.Array, eps: float) -> jax
     return rms_norm(linear(h, lp.ple_proj), lp.ple_post_norm, eps)
 
 
+def embed_rows(embed: jax.Array | Int8Weight, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Embedding lookup: tokens int32 [...] -> [..., H] in `dtype` (an Int8Weight dequantizes only these rows)."""
+    if isinstance(embed, Int8Weight):
+        return embed.rows(tokens, dtype)
+    return jnp.take(embed, tokens, axis=0).astype(dtype)
+
+
+def lm_head(x: jax.Array, embed: jax.Array | Int8Weight) -> jax.Array:
+    """Tied LM head: x [..., H] -> logits float32 [..., V] = x · embedᵀ (Gemma ties the head to the embedding)."""
+    if isinstance(embed, Int8Weight):
+        return int8_linear(x, embed).astype(jnp.float32)
+    return jnp.einsum("...h,vh->...v", x, embed, preferred_element_type=jnp.float32)
+
+
 def forward(
     params: Params,
     tokens: jax.Array,
@@ -371,11 +385,11 @@ def forward(
     Returns:
       logits: [B, V] float32 (or [B, C, V] when logit_rows is None); the updated cache.
     """
-    dtype = params.embed.dtype
+    dtype = params.final_norm.dtype  # the activation dtype (the embedding may be stored as Int8Weight)
     eps = cfg.rms_norm_eps
     n_valid = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
     start = jnp.where(n_valid > 0, positions[:, 0], 0)
-    x = jnp.take(params.embed, tokens, axis=0) * jnp.asarray(cfg.embed_scale, dtype)
+    x = embed_rows(params.embed, tokens, dtype) * jnp.asarray(cfg.embed_scale, dtype)
     pli = per_layer_inputs(params, tokens, x, cfg) if cfg.ple_dim else None
     cache = KVCache(k=list(cache.k), v=list(cache.v), k_scale=list(cache.k_scale), v_scale=list(cache.v_scale))
     shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
@@ -403,7 +417,7 @@ def forward(
     if logit_rows is not None:
         x = x[:, 0] if cut < cfg.num_layers else jnp.take_along_axis(x, logit_rows[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params.final_norm, eps)
-    logits = jnp.einsum("...h,vh->...v", x, params.embed, preferred_element_type=jnp.float32)
+    logits = lm_head(x, params.embed)
     if cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits, cache

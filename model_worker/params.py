@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_worker.config import ModelConfig
-from model_worker.quant import Int4Weight
+from model_worker.quant import Int4Weight, Int8Weight, int8_from_flat
 
 
 @jax.tree_util.register_dataclass
@@ -72,7 +72,8 @@ class Params:
     """All weights of a decoder.
 
     Attributes:
-      embed: [V, H] token embedding, also the tied LM head (logits = h @ embed.T).
+      embed: [V, H] token embedding, also the tied LM head (logits = h @ embed.T); an `Int8Weight` [V, H] when the
+        checkpoint stores it as GGUF Q8_0 (kept exactly, 1 byte per value).
       final_norm: [H] RMSNorm after the last layer.
       layers: one `LayerParams` per layer.
       ple_embed: [V_ple, L*P] per-layer token embeddings (Gemma 4 PLE), layer-major columns, else None.
@@ -80,7 +81,7 @@ class Params:
       ple_norm: [P] per_layer_projection_norm, else None.
     """
 
-    embed: jax.Array
+    embed: jax.Array | Int8Weight
     final_norm: jax.Array
     layers: list[LayerParams]
     ple_embed: jax.Array | None = None
@@ -134,7 +135,10 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def logical_shape(x) -> tuple[int, ...]:
-    """Shape of a weight in the forward's [in, out] orientation (an Int4Weight is stored [out, in])."""
+    """Shape of a weight in the forward's [in, out] orientation (an Int4Weight is stored [out, in]; an Int8Weight
+    holds the [V, H] embedding table, whose orientation is the same as the dense table's)."""
+    if isinstance(x, Int8Weight):
+        return x.shape
     if isinstance(x, Int4Weight):
         return (x.in_features, x.out_features)
     return tuple(x.shape)
@@ -175,9 +179,20 @@ def random_flat(cfg: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict[st
 def to_device(cfg: ModelConfig, flat: dict[str, np.ndarray], dtype: jnp.dtype) -> Params:
     """Check `flat` against the declared shapes, cast to `dtype` and place it on the default device.
 
+    `flat` may hold Int4Weight / Int8Weight values, or an Int8Weight saved as NAME.q8 + NAME.q8_scale (see
+    `quant.int8_to_flat`); quantized weights keep their storage dtypes (int8 values, float32 scales).
     Raises:
-      ValueError: see `check_flat`.
+      ValueError: see `check_flat` and `quant.int8_from_flat`.
     """
+    flat = int8_from_flat(flat)
     check_flat(cfg, flat)
-    placed = {k: v if isinstance(v, Int4Weight) else jnp.asarray(v, dtype=dtype) for k, v in flat.items()}
+    placed = {k: _place(v, dtype) for k, v in flat.items()}
     return Params.from_flat(cfg, placed)
+
+
+def _place(v, dtype: jnp.dtype):
+    if isinstance(v, Int4Weight):
+        return v
+    if isinstance(v, Int8Weight):
+        return Int8Weight(q=jnp.asarray(v.q, jnp.int8), scale=jnp.asarray(v.scale, jnp.float32), group_size=v.group_size)
+    return jnp.asarray(v, dtype=dtype)
