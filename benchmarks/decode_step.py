@@ -107,7 +107,7 @@ def main() -> None:
     engine = Engine(cfg, params, ecfg)
     engine.kv_buckets, engine.batch_buckets = tuple(kv_buckets), tuple(sorted(set(args.batches)))
     keys = [("decode", b, 1, L) for b in engine.batch_buckets for L in engine.kv_buckets]
-    keys += [("sample", b, 0, 0) for b in engine.batch_buckets]  # a step = forward + sampling
+    keys += [("greedy", b, 0, 0) for b in engine.batch_buckets]  # a step = forward + (greedy) sampling
     compile_s = engine.compile_all(keys=keys)
     bandwidth = measure_bandwidth()
     weights = engine.weight_bytes()

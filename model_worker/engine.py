@@ -8,6 +8,7 @@ Every model program is one jitted `step` = forward + sample, with the KV cache a
     runs (several tokens per slot in one step)
   * decode  (B slots, one token each, KV bucket L)        -> ("decode", B, 1, L), B in the batch buckets
   * sample  (B rows of logits)                            -> ("sample", B, 0, 0): penalties, masks, sampling
+  * greedy  (B rows, all plain greedy, no reset)          -> ("greedy", B, 0, 0): mask + argmax only
   * copy    (one slot's KV and penalty rows to another)   -> ("copy", 1, 0, 0): prefix reuse, `n` > 1
 
 The forward programs return logits that stay on the device; sampling is a separate program, dispatched once
@@ -38,7 +39,15 @@ from model_worker.config import ModelConfig
 from model_worker.kv_cache import KVCache
 from model_worker.model import forward
 from model_worker.params import Params
-from model_worker.sampling import PenaltyState, SampleOutput, SamplingArrays, penalty_state_zeros, sample
+from model_worker.sampling import (
+    PenaltyState,
+    SampleOutput,
+    SamplingArrays,
+    is_plain_greedy,
+    penalty_state_zeros,
+    sample,
+    sample_greedy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +145,18 @@ def _forward_chunk(params, cache, pstate, tokens, positions, slots, logit_rows, 
     return logits, cache, pstate
 
 
+def _sample_greedy(pstate, logits, tokens, positions, slots, is_output, active, sampling):
+    """`_sample` for a batch that passes `is_plain_greedy` and resets no row: `sample_greedy`, and each active
+    row's input token recorded in its penalty history by point updates (no [B, V] row copies), which leaves the
+    history exactly as `_sample` would. Returns (SampleOutput [B], pstate)."""
+    vocab = pstate.seen.shape[1]
+    token = tokens[:, 0]
+    valid = (positions[:, 0] >= 0) & active
+    seen = pstate.seen.at[slots, jnp.where(valid, token, vocab)].set(True, mode="drop")
+    counts = pstate.counts.at[slots, jnp.where(valid & is_output[:, 0], token, vocab)].add(1, mode="drop")
+    return sample_greedy(logits, sampling), PenaltyState(counts=counts, seen=seen)
+
+
 def _sample(pstate, logits, tokens, positions, slots, is_output, reset, active, sampling):
     """Penalty bookkeeping + sampling for the batch rows `slots`: records each row's input token (positions -1:
     none, e.g. a compute chunk, which recorded its own), then samples.
@@ -211,7 +232,7 @@ class Engine:
         """Every program key (kind, batch, tokens per row, kv_len)."""
         keys = [("compute", 1, c, L) for c in self.ecfg.prefill_chunks for L in self.kv_buckets]
         keys += [("decode", b, 1, L) for b in self.batch_buckets for L in self.kv_buckets]
-        keys += [("sample", b, 0, 0) for b in sorted(set(self.batch_buckets) | {1})]
+        keys += [(kind, b, 0, 0) for kind in ("sample", "greedy") for b in sorted(set(self.batch_buckets) | {1})]
         return keys + [("copy", 1, 0, 0)]
 
     def _lower(self, key):
@@ -219,12 +240,13 @@ class Engine:
         if kind == "copy":
             fn = jax.jit(_copy, donate_argnames=("cache", "pstate"))
             return fn.lower(self.cache, self.pstate, np.int32(0), np.int32(0))
-        if kind == "sample":
-            fn = jax.jit(_sample, donate_argnames=("pstate",))
+        if kind in ("sample", "greedy"):
+            fn = jax.jit(_sample if kind == "sample" else _sample_greedy, donate_argnames=("pstate",))
             flags = np.zeros((batch, 1), bool)
+            reset = (np.zeros(batch, bool),) if kind == "sample" else ()
             return fn.lower(self.pstate, jax.ShapeDtypeStruct((batch, self.cfg.vocab_size), jnp.float32),
                             np.zeros((batch, 1), np.int32), np.full((batch, 1), -1, np.int32),
-                            np.arange(batch, dtype=np.int32), flags, np.zeros(batch, bool), np.zeros(batch, bool),
+                            np.arange(batch, dtype=np.int32), flags, *reset, np.zeros(batch, bool),
                             SamplingArrays.defaults(batch, self.cfg.vocab_size))
         args = (np.zeros((batch, chunk), np.int32), np.full((batch, chunk), -1, np.int32),
                 np.arange(batch, dtype=np.int32), np.zeros(batch, np.int32))
@@ -353,10 +375,12 @@ class Engine:
         n = pending.rows
         flags = lambda values: np.array(list(values) + [False] * (batch - n), bool)
         rows = _pad_rows(sampling, batch, self.cfg.vocab_size)
-        key = ("sample", batch, 0, 0)
+        greedy = not any(reset[:n]) and is_plain_greedy(sampling, n)
+        key = ("greedy" if greedy else "sample", batch, 0, 0)
         self.calls[key] += 1
-        out, self.pstate = self._programs[key](self.pstate, pending.logits, pending.tokens, pending.positions,
-                                               pending.slots, pending.is_output, flags(reset), flags(active), rows)
+        head = (self.pstate, pending.logits, pending.tokens, pending.positions, pending.slots, pending.is_output)
+        tail = (flags(active), rows) if greedy else (flags(reset), flags(active), rows)
+        out, self.pstate = self._programs[key](*head, *tail)
         return HostOutput.from_device(out, n)
 
     # Convenience for tests and benchmarks: dispatch + sample in one call.

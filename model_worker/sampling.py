@@ -39,6 +39,12 @@ other settings still apply) and flagged in `SampleOutput.mask_empty`: the token 
 the caller must end that request (the constraint is unsatisfiable) instead of emitting it. Nothing produces
 NaN.
 
+Greedy batches. `sample_greedy` is `sample` for a batch whose rows are all greedy with no bias, penalty or top
+logprobs (agents' tool calls and JSON, and most benchmarks): the allowed-token mask, the argmax and the chosen
+token's log-probability, nothing else, with the same results. The host picks it per batch (`is_plain_greedy`):
+XLA CPU copies the [B, V] operands of every `lax.cond`, even a skipped one, which made the full program cost
+12.7 ms at B = 8 over 262,144 tokens against 4.7 ms for the greedy one (mask step under its own cond).
+
 Host helpers: `SamplingArrays.defaults(batch, vocab)` (greedy, everything off), `pack_mask` (bool [V] -> the
 uint32 words of `SamplingArrays.mask`), `mask_words_from_bytes` (the protocol's `TokenMask.allowed` bytes ->
 the same words), `penalty_state_zeros`.
@@ -425,6 +431,39 @@ def _no_top_logprobs(x: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The skipped branch of `_top_logprobs`: every entry (-1, 0.0)."""
     shape = (x.shape[0], MAX_TOP_LOGPROBS)
     return jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32)
+
+
+def is_plain_greedy(s: SamplingArrays, rows: int) -> bool:
+    """Host check (numpy settings): the first `rows` rows are greedy and use no logit bias, no penalty and no top
+    logprobs, so `sample_greedy` gives what `sample` gives. Masks are allowed."""
+    r = slice(0, rows)
+    rep = np.asarray(s.repetition_penalty[r])
+    return bool(
+        np.all(np.asarray(s.temperature[r]) == 0)
+        and np.all((rep == 1.0) | (rep <= 0))
+        and np.all(np.asarray(s.frequency_penalty[r]) == 0)
+        and np.all(np.asarray(s.presence_penalty[r]) == 0)
+        and np.all(np.asarray(s.bias_ids[r]) < 0)
+        and np.all(np.asarray(s.top_logprobs[r]) == 0)
+    )
+
+
+def sample_greedy(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
+    """`sample` for rows that pass `is_plain_greedy`: mask, argmax, log-probability (no penalty state needed).
+
+    Args:
+      logits: [B, V] float32; s: per-row settings (only mask and mask_on are read).
+    Returns:
+      SampleOutput equal to `sample`'s for such rows: the same token, the log-probability from the same
+      log_softmax expression, no top logprobs (-1, 0.0), mask_empty as `_apply_mask` reports it.
+    """
+    x, mask_empty = jax.lax.cond(jnp.any(s.mask_on), _apply_mask, _no_mask, logits.astype(jnp.float32), s.mask,
+                                 s.mask_on)
+    tokens = _argmax(x)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tokens[:, None], axis=1)[:, 0]
+    top_ids, top_lps = _no_top_logprobs(x, s.top_logprobs)
+    return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
+                        mask_empty=mask_empty)
 
 
 def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState) -> SampleOutput:

@@ -118,7 +118,7 @@ def test_no_compilation_after_warmup_and_smallest_buckets(loop, engine):
     run_alone(loop, "short", [5, 6, 7], 4)
     smallest_kv, smallest_chunk = engine.kv_buckets[0], min(engine.ecfg.prefill_chunks)
     assert set(engine.calls) == {("compute", 1, smallest_chunk, smallest_kv), ("decode", 1, 1, smallest_kv),
-                                 ("sample", 1, 0, 0)}, engine.calls
+                                 ("sample", 1, 0, 0)}, engine.calls  # top_logprobs=20: the full sampler
     # A randomized stream: prompt lengths, max_tokens, sampling settings, batch sizes.
     rng = random.Random(7)
     sinks = []
@@ -128,6 +128,8 @@ def test_no_compilation_after_warmup_and_smallest_buckets(loop, engine):
                             top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(2**63),
                             presence_penalty=rng.choice([0.0, 0.5]), repetition_penalty=rng.choice([1.0, 1.2]),
                             bias_ids=(3,), bias_vals=(rng.uniform(-5, 5),), top_logprobs=rng.choice([0, 5]))
+        if i % 3 == 0:  # plain greedy requests, which batches of their own run through the greedy sampler
+            spec = SamplingSpec(seed=spec.seed)
         sink = Collector()
         loop.submit(Sequence(f"r{i}", prompt, spec, rng.randint(1, 128 - len(prompt)), frozenset(), sink))
         sinks.append(sink)
@@ -137,6 +139,7 @@ def test_no_compilation_after_warmup_and_smallest_buckets(loop, engine):
         assert sink.done.wait(300)
     assert compiles == [], f"{len(compiles)} compilations after warm-up"
     assert {k[1] for k in engine.calls if k[0] == "decode"} > {1}, "the stream used several batch buckets"
+    assert {k[0] for k in engine.calls} >= {"sample", "greedy"}, engine.calls
 
 
 def test_decode_steps_follow_the_longest_request(loop):
@@ -289,3 +292,31 @@ def test_long_prompt_is_chunked_while_running_streams_keep_decoding(engine):
     for a, b in zip(at, at[1:]):
         assert any(o[0] == "decode" and "runner" in o[1] for o in order[a:b]), "a chunk without a decode step"
     assert_same(sink, run_fresh(engine, "cold", long_prompt, 5))
+
+
+def test_greedy_sampler_keeps_the_penalty_history_like_the_full_one():
+    """The greedy program records input tokens by point updates; the history it leaves equals the full
+    program's (active rows record their input token, generated ones also count; inactive rows and padding none)."""
+    from model_worker.engine import _sample, _sample_greedy
+    from model_worker.sampling import PenaltyState, SamplingArrays
+
+    rng = np.random.default_rng(3)
+    S_, V_ = 6, 300
+    pstate = PenaltyState(counts=jnp.asarray(rng.integers(0, 3, (S_, V_)), jnp.int32),
+                          seen=jnp.asarray(rng.random((S_, V_)) < 0.1))
+    logits = jnp.asarray(rng.standard_normal((4, V_)), jnp.float32)
+    tokens = np.array([[5], [7], [7], [9]], np.int32)
+    positions = np.array([[10], [3], [-1], [4]], np.int32)  # row 2: padding
+    slots = np.array([4, 0, 5, 2], np.int32)
+    is_output = np.array([[True], [False], [True], [True]])
+    active = np.array([True, True, True, False])
+    sampling = SamplingArrays.defaults(4, V_)
+    full_out, full_state = jax.jit(_sample)(jax.tree.map(jnp.copy, pstate), logits, tokens, positions, slots,
+                                            is_output, np.zeros(4, bool), active, sampling)
+    fast_out, fast_state = jax.jit(_sample_greedy)(jax.tree.map(jnp.copy, pstate), logits, tokens, positions,
+                                                   slots, is_output, active, sampling)
+    np.testing.assert_array_equal(np.asarray(fast_out.tokens), np.asarray(full_out.tokens))
+    np.testing.assert_array_equal(np.asarray(fast_state.counts), np.asarray(full_state.counts))
+    np.testing.assert_array_equal(np.asarray(fast_state.seen), np.asarray(full_state.seen))
+    changed = np.asarray(full_state.counts) != np.asarray(pstate.counts)
+    assert changed.sum() == 1 and changed[4, 5], "only slot 4's generated token 5 is counted"

@@ -448,3 +448,41 @@ def test_top_logprobs_sorted_and_equal_to_log_softmax():
     assert out.top_ids[0, 0] == out.tokens[0] and out.top_logprobs[0, 0] == out.logprobs[0]
     off = np_tree(_sample(jnp.asarray(logits), S.SamplingArrays.defaults(3, V), S.penalty_state_zeros(3, V)))
     assert (off.top_ids == -1).all() and (off.top_logprobs == 0).all()
+
+
+def test_plain_greedy_check():
+    s = S.SamplingArrays.defaults(3, V)
+    assert S.is_plain_greedy(s, 3)
+    s.mask_on[1] = True  # masks are allowed
+    assert S.is_plain_greedy(s, 3)
+    for field, value in [("temperature", 0.5), ("repetition_penalty", 1.1), ("frequency_penalty", 0.1),
+                         ("presence_penalty", -0.1), ("top_logprobs", 2)]:
+        t = S.SamplingArrays.defaults(3, V)
+        getattr(t, field)[2] = value
+        assert not S.is_plain_greedy(t, 3) and S.is_plain_greedy(t, 2), field
+    t = S.SamplingArrays.defaults(3, V)
+    t.bias_ids[0, 0] = 7
+    assert not S.is_plain_greedy(t, 1)
+    t = S.SamplingArrays.defaults(3, V)
+    t.repetition_penalty[0] = 0.0  # read as 1 (off)
+    assert S.is_plain_greedy(t, 3)
+
+
+def test_greedy_sampler_equals_the_full_one():
+    """For plain greedy rows, `sample_greedy` returns `sample`'s outputs bit for bit: unconstrained rows, a mask,
+    an empty mask (flagged, mask ignored), with and without any mask in the batch."""
+    rng = np.random.default_rng(11)
+    logits = jnp.asarray(rng.standard_normal((4, V)).astype(np.float32) * 3)
+    state = S.penalty_state_zeros(4, V)
+    for masked in (False, True):
+        s = S.SamplingArrays.defaults(4, V)
+        if masked:
+            allowed = rng.random((4, V)) < 0.01
+            allowed[2] = False
+            s.mask[:] = np.stack([np_pack(row) for row in allowed])
+            s.mask_on[1:3] = True
+        full = jax.jit(S.sample)(logits, s, state)
+        fast = jax.jit(S.sample_greedy)(logits, s)
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "mask_empty"):
+            np.testing.assert_array_equal(np.asarray(getattr(fast, name)), np.asarray(getattr(full, name)), name)
+        assert np.asarray(fast.mask_empty).tolist() == [False, False, masked, False]
