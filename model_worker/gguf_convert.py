@@ -2,9 +2,10 @@
 
 formats.md §3: `GGUFReader` returns tensors in the Hugging Face `[out, in]` orientation; quantized blocks are
 dequantized with `gguf.quants.dequantize`; every `*norm.weight` is stored as `w + 1`, which is exactly the
-effective multiplier our RMSNorm uses, so norms are taken as they are. `token_embd` doubles as the LM head; when it
-is Q8_0 (as in the embedded Gemma 3 270M Q4_K_M file) it is kept as an `Int8Weight`, the same values in a quarter of
-the bytes (`quant.int8_from_q8_0`).
+effective multiplier our RMSNorm uses, so norms are taken as they are. `token_embd` doubles as the LM head.
+A Linear weight or the embedding in a block type that `model_worker.gguf_int8` supports (Q8_0, Q5_0, Q6_K, Q4_K:
+every matrix of the embedded Gemma 3 270M Q4_K_M file) is kept as an `Int8Weight` [out, in] with exactly the
+dequantized values, in about a quarter of the bytes; any other tensor becomes dense float32.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from model_worker.config import ModelConfig, gemma3_from_gguf_metadata
-from model_worker.quant import Int8Weight, int8_from_q8_0
+from model_worker.gguf_int8 import int8_from_gguf
+from model_worker.quant import Int8Weight
 
 # GGUF tensor name (per block) -> our name, and whether it is a Linear weight to transpose to [in, out].
 _BLOCK_NAMES = {
@@ -46,28 +48,27 @@ def read_metadata(reader) -> dict:
 
 
 def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Dequantize every tensor of a Gemma 3 GGUF into our flat float32 weight dict (a Q8_0 embedding stays int8).
+    """Every tensor of a Gemma 3 GGUF into our flat weight dict: float32, or Int8Weight for the block types of
+    `gguf_int8` (the same values).
 
     Args:
       reader: an open `gguf.GGUFReader`.
       name: model name for the config.
     Returns:
-      (config, {name: float32 array or Int8Weight}) with Linear weights as [in, out]; save it with
-      `quant.int8_to_flat`.
+      (config, {name: float32 array or Int8Weight}) with dense Linear weights as [in, out] and Int8Weight ones as
+      [out, in]; save it with `quant.int8_to_flat`.
     Raises:
       ValueError: not a gemma3 GGUF, or an unknown tensor name.
     """
-    from gguf import GGMLQuantizationType, quants
+    from gguf import quants
 
     meta = read_metadata(reader)
     flat: dict[str, np.ndarray | Int8Weight] = {}
     for t in reader.tensors:
-        if t.name == "token_embd.weight" and t.tensor_type == GGMLQuantizationType.Q8_0:
-            flat["embed"] = int8_from_q8_0(t.data, tuple(int(d) for d in reversed(t.shape)))
-            continue
         data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        packed = int8_from_gguf(t.data, t.tensor_type, data) if data.ndim == 2 else None
         if t.name == "token_embd.weight":
-            flat["embed"] = data
+            flat["embed"] = data if packed is None else packed
         elif t.name == "output_norm.weight":
             flat["final_norm"] = data
         elif t.name.startswith("blk."):
@@ -75,7 +76,10 @@ def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray]]
             if base not in _BLOCK_NAMES:
                 raise ValueError(f"unknown GGUF tensor {t.name}")
             ours, transpose = _BLOCK_NAMES[base]
-            flat[f"layers.{idx}.{ours}"] = np.ascontiguousarray(data.T) if transpose else data
+            if transpose:
+                flat[f"layers.{idx}.{ours}"] = np.ascontiguousarray(data.T) if packed is None else packed
+            else:
+                flat[f"layers.{idx}.{ours}"] = data
         elif t.name == "output.weight":
             continue  # an untied head is not used by Gemma; the tied embedding is the head
         else:

@@ -44,7 +44,7 @@ class LayerParams:
       ple_post_norm: [H] RMSNorm after the per-layer projection, else None.
       layer_scalar: [1] multiplier of the residual stream at the end of the layer (Gemma 4), else None.
 
-    Any Linear weight may instead be an `Int4Weight` ([out, in] packed; see quant.py).
+    Any Linear weight may instead be an `Int4Weight` or `Int8Weight` ([out, in]; see quant.py).
     """
 
     input_norm: jax.Array
@@ -72,8 +72,8 @@ class Params:
     """All weights of a decoder.
 
     Attributes:
-      embed: [V, H] token embedding, also the tied LM head (logits = h @ embed.T); an `Int8Weight` [V, H] when the
-        checkpoint stores it as GGUF Q8_0 (kept exactly, 1 byte per value).
+      embed: [V, H] token embedding, also the tied LM head (logits = h @ embed.T); an `Int8Weight` [V, H] when a
+        GGUF stores it block-quantized (kept exactly, about 1 byte per value).
       final_norm: [H] RMSNorm after the last layer.
       layers: one `LayerParams` per layer.
       ple_embed: [V_ple, L*P] per-layer token embeddings (Gemma 4 PLE), layer-major columns, else None.
@@ -134,11 +134,15 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def logical_shape(x) -> tuple[int, ...]:
-    """Shape of a weight in the forward's [in, out] orientation (an Int4Weight is stored [out, in]; an Int8Weight
-    holds the [V, H] embedding table, whose orientation is the same as the dense table's)."""
+# Tables (looked up by token id) are [rows, H] whichever the storage; quantized Linear weights are stored [out, in].
+_TABLES = ("embed", "ple_embed")
+
+
+def logical_shape(x, name: str = "") -> tuple[int, ...]:
+    """Shape of weight `name` in the forward's orientation: [in, out] for a Linear weight (an Int4Weight or
+    Int8Weight Linear is stored [out, in]), [rows, H] for a table."""
     if isinstance(x, Int8Weight):
-        return x.shape
+        return x.shape if name in _TABLES else x.shape[::-1]
     if isinstance(x, Int4Weight):
         return (x.in_features, x.out_features)
     return tuple(x.shape)
@@ -155,8 +159,8 @@ def check_flat(cfg: ModelConfig, flat: dict[str, np.ndarray]) -> None:
     for name, shape in expected.items():
         if name not in flat:
             problems.append(f"missing {name} (expected shape {list(shape)})")
-        elif logical_shape(flat[name]) != shape:
-            problems.append(f"{name} has shape {list(logical_shape(flat[name]))}, expected {list(shape)}")
+        elif logical_shape(flat[name], name) != shape:
+            problems.append(f"{name} has shape {list(logical_shape(flat[name], name))}, expected {list(shape)}")
     problems += [f"unexpected tensor {name}" for name in flat if name not in expected]
     if problems:
         raise ValueError(f"{cfg.name}: {len(problems)} weight problem(s):\n  " + "\n  ".join(problems))
@@ -194,5 +198,7 @@ def _place(v, dtype: jnp.dtype):
     if isinstance(v, Int4Weight):
         return v
     if isinstance(v, Int8Weight):
-        return Int8Weight(q=jnp.asarray(v.q, jnp.int8), scale=jnp.asarray(v.scale, jnp.float32), group_size=v.group_size)
+        offset = None if v.offset is None else jnp.asarray(v.offset, jnp.float32)
+        return Int8Weight(q=jnp.asarray(v.q, jnp.int8), scale=jnp.asarray(v.scale, jnp.float32), offset=offset,
+                          group_size=v.group_size)
     return jnp.asarray(v, dtype=dtype)

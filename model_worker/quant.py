@@ -16,11 +16,12 @@ How `linear` computes x Wᵀ for an `Int4Weight` (measured on the 2-core Zen 4 C
     int4 bitcasts failing in TPU Mosaic kernels, and a GPU compiler may fuse the dequantization into its GEMM).
     Not benchmarked here: no accelerator was available.
 
-`Int8Weight` keeps a GGUF `Q8_0` tensor (formats.md §3: blocks of 32 int8 values with one f16 scale) exactly as
-stored: W[n, k] = q[n, k] * s[n, k // 32]. The embedded Gemma 3's 262144 x 640 token embedding (the tied LM head,
-two thirds of its weights) is Q8_0: held as int8 it is 189 MB instead of 671 MB of float32, with the same values.
-The LM head dequantizes it in row blocks on CPU like int4 (see `int8_linear` for the timings), and the embedding
-lookup dequantizes only the looked-up rows.
+`Int8Weight` holds a GGUF block-quantized tensor (formats.md §3) exactly: W[n, k] = q[n, k] * s[n, k // G]
+(+ o[n, k // G] for the asymmetric K-quants), with the integers q in int8 and one float32 scale (and offset) per
+group (`model_worker.gguf_int8` builds it from Q8_0, Q5_0, Q6_K and Q4_K blocks and checks the values bit for
+bit). The embedded Gemma 3's weights are all of these types: held as int8 they take 0.30 GiB instead of 1.0 GiB of
+float32, with the same values. `int8_linear` dequantizes row blocks on CPU like int4 (timings there), and the
+embedding lookup dequantizes only the looked-up rows.
 """
 
 from __future__ import annotations
@@ -78,18 +79,20 @@ class Int4Weight:
 class Int8Weight:
     """A group-quantized int8 weight [N, K] (Hugging Face [out, in] orientation, like `Int4Weight`).
 
-    W[n, k] = q[n, k] * scale[n, k // G], computed in float32 and rounded once to the activation dtype. GGUF `Q8_0`
-    (G = 32, f16 scales; formats.md §3, gguf-py `quants.Q8_0`) maps onto it without loss: an f16 scale times an
-    int8 is exact in float32, so the values equal `gguf.quants.dequantize` bit for bit.
+    W[n, k] = q[n, k] * scale[n, k // G] + offset[n, k // G] (no offset term when offset is None), computed in
+    float32 and rounded once to the activation dtype. For GGUF blocks (see `model_worker.gguf_int8`) q * scale is
+    exact in float32, so the values equal `gguf.quants.dequantize` bit for bit.
 
     Attributes:
       q: int8 [N, K].
       scale: float32 [N, K/G].
+      offset: float32 [N, K/G], or None (symmetric).
       group_size: G (static); K % G == 0.
     """
 
     q: jax.Array
     scale: jax.Array
+    offset: jax.Array | None
     group_size: int = dataclasses.field(metadata={"static": True})
 
     @property
@@ -99,74 +102,63 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes: N * K int8 + N * K/G float32 scales."""
-        return int(self.q.nbytes + self.scale.nbytes)
+        """Resident bytes: N * K int8 + N * K/G float32 scales (+ as many offsets)."""
+        return int(sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None))
 
     def rows(self, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
         """Dequantized rows (an embedding lookup): ids int32 [...] -> [..., K] in `dtype`.
 
         Raises nothing; out-of-range ids are clamped like `jnp.take`'s default mode.
         """
-        return _dequant_int8(jnp.take(self.q, ids, axis=0), jnp.take(self.scale, ids, axis=0), self.group_size, dtype)
+        take = lambda a: None if a is None else jnp.take(a, ids, axis=0)
+        return _dequant_int8(take(self.q), take(self.scale), take(self.offset), self.group_size, dtype)
 
 
-def _dequant_int8(q: jax.Array, scale: jax.Array, group_size: int, dtype) -> jax.Array:
-    """int8 [..., K] and float32 [..., K/G] -> [..., K] q * s in `dtype` (exact in float32, rounded once)."""
+def _dequant_int8(q: jax.Array, scale: jax.Array, offset: jax.Array | None, group_size: int, dtype) -> jax.Array:
+    """int8 [..., K], float32 [..., K/G] (x2) -> [..., K] q * s (+ o) in `dtype` (q * s exact, one rounding)."""
     groups = q.reshape(*q.shape[:-1], -1, group_size).astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+    if offset is not None:
+        groups = groups + offset.astype(jnp.float32)[..., None]
     return groups.reshape(q.shape).astype(dtype)
 
 
-def int8_from_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Int8Weight:
-    """GGUF Q8_0 block bytes -> Int8Weight (host numpy arrays), values unchanged.
-
-    Args:
-      raw: uint8 [N, K/32 * 34], as `GGUFReader` exposes a Q8_0 tensor: per block of 32 values, a little-endian
-        f16 scale d then 32 int8 q (ggml `block_q8_0`; value = d * q).
-      shape: (N, K) of the dense tensor.
-    Raises:
-      ValueError: the byte count does not match (N, K).
-    """
-    n, k = shape
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if k % 32 or raw.size != n * (k // 32) * 34:
-        raise ValueError(f"Q8_0 data of {raw.size} bytes does not hold a [{n}, {k}] tensor")
-    blocks = raw.reshape(n, k // 32, 34)
-    scale = blocks[:, :, :2].copy().view("<f2")[:, :, 0].astype(np.float32)
-    q = blocks[:, :, 2:].copy().view(np.int8).reshape(n, k)
-    return Int8Weight(q=q, scale=scale, group_size=32)
-
-
 # How an Int8Weight named NAME is saved in a flat safetensors dict (the prepared GGUF files): NAME + suffix.
-INT8_Q, INT8_SCALE = ".q8", ".q8_scale"
+INT8_Q, INT8_SCALE, INT8_OFFSET = ".q8", ".q8_scale", ".q8_offset"
 
 
 def int8_to_flat(flat: dict) -> dict:
-    """Copy of a flat weight dict with every Int8Weight NAME split into NAME.q8 (int8) and NAME.q8_scale (f32)."""
+    """Copy of a flat weight dict with every Int8Weight NAME split into NAME.q8 (int8), NAME.q8_scale (f32) and,
+    when it has offsets, NAME.q8_offset (f32)."""
     out = {}
     for name, value in flat.items():
         if isinstance(value, Int8Weight):
             out[name + INT8_Q], out[name + INT8_SCALE] = np.asarray(value.q), np.asarray(value.scale)
+            if value.offset is not None:
+                out[name + INT8_OFFSET] = np.asarray(value.offset)
         else:
             out[name] = value
     return out
 
 
 def int8_from_flat(flat: dict) -> dict:
-    """Inverse of `int8_to_flat`: NAME.q8 + NAME.q8_scale pairs become Int8Weight NAME (G = K / scale columns).
+    """Inverse of `int8_to_flat`: NAME.q8 + NAME.q8_scale (+ NAME.q8_offset) become Int8Weight NAME
+    (G = K / scale columns).
 
     Raises:
-      ValueError: a NAME.q8 without its NAME.q8_scale (or the reverse), or scales that do not divide K.
+      ValueError: a NAME.q8 without its NAME.q8_scale (or the reverse), or scales/offsets that do not fit q.
     """
-    out = {k: v for k, v in flat.items() if not k.endswith((INT8_Q, INT8_SCALE))}
-    names = {k[: -len(INT8_Q)] for k in flat if k.endswith(INT8_Q)}
-    names |= {k[: -len(INT8_SCALE)] for k in flat if k.endswith(INT8_SCALE)}
+    suffixes = (INT8_Q, INT8_SCALE, INT8_OFFSET)
+    out = {k: v for k, v in flat.items() if not k.endswith(suffixes)}
+    names = {k[: -len(sfx)] for k in flat for sfx in suffixes if k.endswith(sfx)}
     for name in sorted(names):
-        q, scale = flat.get(name + INT8_Q), flat.get(name + INT8_SCALE)
+        q, scale, offset = (flat.get(name + sfx) for sfx in suffixes)
         if q is None or scale is None:
             raise ValueError(f"{name}: int8 weight needs both {name}{INT8_Q} and {name}{INT8_SCALE}")
-        if q.ndim != 2 or scale.ndim != 2 or scale.shape[0] != q.shape[0] or q.shape[1] % scale.shape[1]:
-            raise ValueError(f"{name}: int8 values {list(q.shape)} do not match scales {list(scale.shape)}")
-        out[name] = Int8Weight(q=q, scale=scale, group_size=q.shape[1] // scale.shape[1])
+        fits = lambda a: a.ndim == 2 and a.shape[0] == q.shape[0] and q.shape[1] % a.shape[1] == 0
+        if q.ndim != 2 or not fits(scale) or (offset is not None and offset.shape != scale.shape):
+            raise ValueError(f"{name}: int8 values {list(q.shape)} do not match scales {list(scale.shape)}"
+                             + ("" if offset is None else f" / offsets {list(offset.shape)}"))
+        out[name] = Int8Weight(q=q, scale=scale, offset=offset, group_size=q.shape[1] // scale.shape[1])
     return out
 
 
@@ -337,49 +329,65 @@ def _matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BYTES) -> jax.Array:
-    """y = x Wᵀ for an Int8Weight W [N, K] without a resident dequantized copy (the tied LM head of a Q8_0 GGUF).
+    """y = x Wᵀ for an Int8Weight W [N, K] without a resident dequantized copy.
 
     Args:
       x: [..., K] activations (float32 or bfloat16).
       w: Int8Weight [N, K].
       block_bytes: dequantized bytes per row block on CPU.
     Returns:
-      [..., N] in x.dtype; every path dequantizes the same exact q * s, so they differ only by summation order.
+      [..., N] in x.dtype; every path dequantizes the same exact values, so they differ only by summation order.
     Raises:
       ValueError: x's last axis is not K.
 
-    CPU: row blocks of about `block_bytes` dequantized inside `lax.map`, as `int4_linear`; other platforms: one
-    whole-matrix dequantization then a dot. CPU timings, 262144 x 640 (LM head of the embedded model), medians of
-    7 interleaved runs, ms, against a resident float32 copy ("dense"), M = rows of x:
-      M=1: dense 20.7, blocks of 2048 rows 8.0 | M=2: 43.8 / 22.5 | M=4: 51.1 / 26.8 | M=8: 57.6 / 32.4 |
-      M=16: 83.5 / 54.3. Blocks of 1024 and 4096 rows are within 10% of 2048; 8192 rows (21 MB) is as slow as
-      dense; one whole-matrix dequantization is 8 ms at M=1 but materializes 671 MB (200+ ms) at M >= 2.
+    CPU: row blocks of about `block_bytes` dequantized inside `lax.map`, as `int4_linear` (a weight smaller than
+    that is one block); other platforms: one whole-matrix dequantization then a dot. CPU timings, 2 Zen 4 cores,
+    ms, M = rows of x, against resident float32 ("dense"):
+      LM head 262144 x 640, medians of 7 interleaved runs: M=1: dense 20.7, blocks of 2048 rows 8.0 | M=2: 43.8 /
+      22.5 | M=4: 51.1 / 26.8 | M=8: 57.6 / 32.4 | M=16: 83.5 / 54.3. Blocks of 1024 and 4096 rows are within 10%
+      of 2048; 8192 rows (21 MB) is as slow as dense.
+      The 90 projections of the embedded model's 18 layers, one run: M=1: dense 21.9, int8 6.5 | M=8: 47.1 /
+      29.5 | M=64: 103.5 / 93.9.
+    A weight that is one block is dequantized outside any loop, so its scales are made to depend on x (see
+    `_after`: otherwise XLA dequantizes every layer up front, 0.5 s per step at M=8); a blocked weight needs no
+    dependency (its blocks are dequantized inside the loop) and must not get one (`q | dep` copied all of q:
+    8 -> 58 ms for the LM head at M=1).
     """
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"int8_linear: x has {x.shape[-1]} features, weight expects {k}")
-    # No `_after` dependency here: on CPU the blocks are dequantized inside the loop, which XLA cannot hoist, and
-    # `q | dep` would itself copy all of q every call (measured: 8 -> 58 ms at M=1).
     g = w.group_size
+    blocks, _ = _row_blocks(n, k, jnp.dtype(x.dtype).itemsize, block_bytes)
+    scale = w.scale
+    if blocks == 1:
+        v = lax.bitcast_convert_type(x.reshape(-1)[0].astype(jnp.float32), jnp.int32)
+        scale = scale + (jnp.minimum(v, 0) & jnp.maximum(v, 0)).astype(scale.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
 
-    def cpu(x, q, s):
-        return _blocked(x, [q, s], n, k, lambda q, s: _dequant_int8(q, s, g, x.dtype), _matmul_t, block_bytes)
+    def cpu(x, q, s, o):
+        deq = lambda q, s, o: _dequant_int8(q, s, o, g, x.dtype)
+        return _blocked(x, [q, s, o], n, k, deq, _matmul_t, block_bytes)
 
-    def plain(x, q, s):
-        return _matmul_t(x, _dequant_int8(q, s, g, x.dtype))
+    def plain(x, q, s, o):
+        return _matmul_t(x, _dequant_int8(q, s, o, g, x.dtype))
 
-    return lax.platform_dependent(x, w.q, w.scale, cpu=cpu, default=plain)
+    y = lax.platform_dependent(x2, w.q, scale, w.offset, cpu=cpu, default=plain)
+    return y.reshape(*lead, n)
 
 
-def linear(x: jax.Array, w: jax.Array | Int4Weight) -> jax.Array:
-    """y = x W for a dense weight stored [in, out], or x Wᵀ for an Int4Weight stored [out, in] (HF layout).
+def linear(x: jax.Array, w: jax.Array | Int4Weight | Int8Weight) -> jax.Array:
+    """y = x W for a dense weight stored [in, out], or x Wᵀ for an Int4Weight / Int8Weight stored [out, in] (HF
+    layout).
 
     Args:
       x: [..., K] activations.
-      w: dense [K, N] array, or Int4Weight with in_features K (computed by `int4_linear`, impl "auto").
+      w: dense [K, N] array, or Int4Weight / Int8Weight with K inputs (`int4_linear` impl "auto", `int8_linear`).
     Returns:
       [..., N] in x.dtype.
     """
     if isinstance(w, Int4Weight):
         return int4_linear(x, w)
+    if isinstance(w, Int8Weight):
+        return int8_linear(x, w)
     return x @ w

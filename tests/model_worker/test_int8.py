@@ -1,9 +1,10 @@
-"""GGUF Q8_0 kept as int8 (`Int8Weight`): bytes decoded against the `gguf` library's own quantizer and
-dequantizer, the blocked LM-head matmul against a float64 reference with the rigorous float32 dot error bound
-|y - y_exact| <= (K + 2) * 2^-24 * (|x| @ |W|ᵀ), and the model's embedding/LM head against the dense table.
+"""GGUF blocks kept as int8 (`Int8Weight`, `gguf_int8`): values checked bit for bit against the `gguf` library's
+own dequantizer (on random blocks of every supported type and on matrices of the embedded model), the matmul
+against a float64 reference with the rigorous float32 dot error bound |y - y_exact| <= (K + 2) * 2^-24 *
+(|x| @ |W|ᵀ), and the model's forward against the same weights held dense in float32.
 
-Exactness: a Q8_0 value is d * q with d an f16 (11 significant bits) and |q| <= 127 (7 bits), so the product has
-at most 18 significant bits and is exact in float32; hence our dequantized values equal the library's bit for bit.
+Exactness: a block value is an integer of at most 8 bits times a float of at most 11 (f16) + 8 (the K-quants'
+sub-scales) significant bits, so the product is exact in float32 and our dequantized values equal the library's.
 """
 
 from __future__ import annotations
@@ -14,40 +15,69 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, quants
+from gguf import GGMLQuantizationType as T
+from gguf import quants
 
 from model_worker.config import GEMMA3_270M, gemma3_layers
+from model_worker.gguf_int8 import SUPPORTED, int8_from_gguf
 from model_worker.kv_cache import KVCache
 from model_worker.model import forward_jit
 from model_worker.params import Params, random_flat, to_device
-from model_worker.quant import (
-    Int8Weight,
-    _dequant_int8,
-    int8_from_flat,
-    int8_from_q8_0,
-    int8_linear,
-    int8_to_flat,
-)
+from model_worker.quant import Int8Weight, _dequant_int8, int8_from_flat, int8_linear, int8_to_flat
+
+BLOCK = {T.Q8_0: (34, 32, [0]), T.Q5_0: (22, 32, [0]), T.Q6_K: (210, 256, [208]), T.Q4_K: (144, 256, [0, 2])}
 
 
-def q8_0(rng: np.random.Generator, n: int, k: int, scale: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
-    """(Q8_0 bytes [n, k/32*34], the library's dequantization float32 [n, k]) of a random matrix."""
-    raw = quants.quantize((scale * rng.standard_normal((n, k))).astype(np.float32), GGMLQuantizationType.Q8_0)
-    return raw, np.asarray(quants.dequantize(raw, GGMLQuantizationType.Q8_0), np.float32)
+def random_blocks(rng: np.random.Generator, qtype, n: int, k: int, d: float = 2.0**-10) -> tuple[np.ndarray, np.ndarray]:
+    """(random block bytes [n, ...], the library's dequantization float32 [n, k]). Any bytes are a valid block once
+    its f16 scales are finite: those fields are set to halves in [d/2, 2d]."""
+    nbytes, per, halves = BLOCK[qtype]
+    raw = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
+    for at in halves:
+        halves = (rng.uniform(0.5, 2.0, raw.shape[:2]) * d).astype("<f2")
+        raw[..., at:at + 2] = halves[..., None].view(np.uint8)
+    raw = raw.reshape(n, -1)
+    return raw, np.asarray(quants.dequantize(raw, qtype), np.float32)
+
+
+def to_jax(w: Int8Weight) -> Int8Weight:
+    return jax.tree.map(jnp.asarray, w)
 
 
 def dense_of(w: Int8Weight) -> np.ndarray:
-    return np.asarray(_dequant_int8(jnp.asarray(w.q), jnp.asarray(w.scale), w.group_size, jnp.float32))
+    w = to_jax(w)
+    return np.asarray(_dequant_int8(w.q, w.scale, w.offset, w.group_size, jnp.float32))
 
 
-def test_q8_0_bytes_decode_exactly_as_the_library():
-    raw, ref = q8_0(np.random.default_rng(0), 48, 96)
-    w = int8_from_q8_0(raw, (48, 96))
-    assert w.q.dtype == np.int8 and w.scale.dtype == np.float32 and w.group_size == 32
-    assert w.shape == (48, 96) and w.nbytes == 48 * 96 + 48 * 3 * 4
-    np.testing.assert_array_equal(dense_of(w), ref)
-    with pytest.raises(ValueError, match="does not hold"):
-        int8_from_q8_0(raw, (48, 64))
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED, key=lambda t: t.name), ids=lambda t: t.name)
+def test_blocks_become_int8_with_exactly_the_library_values(qtype):
+    raw, ref = random_blocks(np.random.default_rng(int(qtype)), qtype, 6, 512)
+    w = int8_from_gguf(raw, qtype, ref)
+    assert w is not None and w.q.dtype == np.int8 and w.shape == (6, 512)
+    assert w.group_size == (16 if qtype == T.Q6_K else 32) and (w.offset is not None) == (qtype == T.Q4_K)
+    np.testing.assert_array_equal(dense_of(w), ref)  # dequantized by JAX, compared bit for bit
+    assert w.nbytes < ref.nbytes / 2.5
+
+
+def test_values_that_do_not_round_trip_stay_dense():
+    raw, ref = random_blocks(np.random.default_rng(9), T.Q5_0, 4, 64)
+    assert int8_from_gguf(raw, T.Q5_0, ref) is not None
+    assert int8_from_gguf(raw, T.Q5_0, ref * 1.0001) is None, "values that are not d * q must not be packed"
+    assert int8_from_gguf(raw, T.Q5_0, ref[:, :32]) is None, "a shape the bytes do not hold"
+    assert int8_from_gguf(raw, T.F16, ref) is None, "an unsupported type"
+
+
+def test_matrices_of_the_embedded_model_are_int8(gguf_path):
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    matrices = [t for t in reader.tensors if len(t.shape) == 2]
+    assert {t.tensor_type for t in matrices} <= SUPPORTED
+    for t in matrices[:9]:  # the embedding and layer 0 (every type); the converter checks the rest at prepare
+        ref = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
+        w = int8_from_gguf(t.data, t.tensor_type, ref)
+        assert w is not None, t.name
+        np.testing.assert_array_equal(dense_of(w), ref, err_msg=t.name)
 
 
 def dot_bound(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -56,59 +86,78 @@ def dot_bound(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return exact, (w.shape[1] + 2) * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("lead", [(1,), (3,), (8,), (2, 5)])
-@pytest.mark.parametrize("block_bytes", [1 << 30, 40 * 64 * 4, 24 * 64 * 4])  # one block; 5 blocks; 7 (padded)
-def test_int8_linear_matches_float64_within_the_float32_bound(lead, block_bytes):
+@pytest.mark.parametrize("block_bytes", [1 << 30, 40 * 256 * 4, 24 * 256 * 4])  # one block; 5 blocks; 9 (padded)
+def test_int8_linear_matches_float64_within_the_float32_bound(qtype, lead, block_bytes):
     rng = np.random.default_rng(1)
-    raw, ref = q8_0(rng, 200, 64)
-    w = jax.tree.map(jnp.asarray, int8_from_q8_0(raw, (200, 64)))
-    x = rng.standard_normal((*lead, 64)).astype(np.float32)
+    raw, ref = random_blocks(rng, qtype, 200, 256)
+    w = to_jax(int8_from_gguf(raw, qtype, ref))
+    x = rng.standard_normal((*lead, 256)).astype(np.float32)
     y = np.asarray(jax.jit(lambda x, w: int8_linear(x, w, block_bytes=block_bytes))(jnp.asarray(x), w))
-    exact, bound = dot_bound(x.reshape(-1, 64), ref)
+    exact, bound = dot_bound(x.reshape(-1, 256), ref)
     assert y.shape == (*lead, 200) and y.dtype == np.float32
     assert np.all(np.abs(y.reshape(-1, 200) - exact) <= bound)
 
 
 def test_int8_linear_rejects_a_wrong_width():
-    raw, _ = q8_0(np.random.default_rng(2), 8, 64)
+    raw, ref = random_blocks(np.random.default_rng(2), T.Q8_0, 8, 64)
     with pytest.raises(ValueError, match="32 features"):
-        int8_linear(jnp.zeros((1, 32)), jax.tree.map(jnp.asarray, int8_from_q8_0(raw, (8, 64))))
+        int8_linear(jnp.zeros((1, 32)), to_jax(int8_from_gguf(raw, T.Q8_0, ref)))
 
 
 def test_rows_are_the_dequantized_rows_and_flat_round_trip():
-    raw, ref = q8_0(np.random.default_rng(3), 40, 64)
-    w = int8_from_q8_0(raw, (40, 64))
+    raw, ref = random_blocks(np.random.default_rng(3), T.Q4_K, 40, 256)
+    w = int8_from_gguf(raw, T.Q4_K, ref)
     ids = jnp.array([[0, 39, 7], [7, 7, 1]], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(jax.tree.map(jnp.asarray, w).rows(ids, jnp.float32)), ref[np.asarray(ids)])
+    np.testing.assert_array_equal(np.asarray(to_jax(w).rows(ids, jnp.float32)), ref[np.asarray(ids)])
     flat = int8_to_flat({"embed": w, "final_norm": np.ones(64, np.float32)})
-    assert sorted(flat) == ["embed.q8", "embed.q8_scale", "final_norm"]
+    assert sorted(flat) == ["embed.q8", "embed.q8_offset", "embed.q8_scale", "final_norm"]
     back = int8_from_flat(flat)["embed"]
-    assert back.group_size == 32 and np.array_equal(back.q, w.q) and np.array_equal(back.scale, w.scale)
+    assert back.group_size == 32 and all(np.array_equal(a, b) for a, b in
+                                         [(back.q, w.q), (back.scale, w.scale), (back.offset, w.offset)])
     with pytest.raises(ValueError, match="needs both"):
         int8_from_flat({"embed.q8": w.q})
     with pytest.raises(ValueError, match="do not match"):
-        int8_from_flat({"embed.q8": w.q, "embed.q8_scale": w.scale[:, :1].repeat(3, axis=1)})
+        int8_from_flat({"embed.q8": w.q, "embed.q8_scale": w.scale[:, :3]})
 
 
-def test_forward_with_int8_embedding_equals_the_dense_table():
-    """Embedding lookup and tied LM head through an Int8Weight give the dense table's logits (same values; only
-    the LM head's summation order differs)."""
-    cfg = dataclasses.replace(GEMMA3_270M, vocab_size=512, hidden_size=64, num_heads=2, embed_scale=8.0,
-                              layers=gemma3_layers(2, 32, 1, 128, 1e6, pattern=2), sliding_window=8)
-    flat = random_flat(cfg, seed=4)
-    raw, ref = q8_0(np.random.default_rng(5), cfg.vocab_size, cfg.hidden_size)
-    dense = to_device(cfg, flat | {"embed": ref}, jnp.float32)
-    packed = to_device(cfg, int8_to_flat(flat | {"embed": int8_from_q8_0(raw, ref.shape)}), jnp.float32)
-    assert isinstance(packed.embed, Int8Weight) and packed.embed.q.dtype == jnp.int8
-    assert dense.nbytes() - packed.nbytes() == ref.nbytes - packed.embed.nbytes
+def test_forward_with_int8_weights_equals_the_dense_weights():
+    """The embedding lookup, the tied LM head and every projection through Int8Weights (all four block types)
+    give the logits of the same values held dense (only summation orders differ)."""
+    cfg = dataclasses.replace(GEMMA3_270M, vocab_size=512, hidden_size=256, num_heads=2, embed_scale=16.0,
+                              layers=gemma3_layers(2, 128, 1, 512, 1e6, pattern=2), sliding_window=8)
+    rng = np.random.default_rng(5)
+    dense_flat, packed_flat = random_flat(cfg, seed=4), {}
+    types = [T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_K]
+    for i, (name, value) in enumerate(sorted(dense_flat.items())):
+        if value.ndim != 2:
+            packed_flat[name] = value
+            continue
+        table = name == "embed"
+        rows, cols = value.shape if table else value.shape[::-1]
+        qtype = types[i % 4]
+        raw, ref = random_blocks(rng, qtype, rows, cols, d=2.0**-15)
+        packed_flat[name] = int8_from_gguf(raw, qtype, ref)
+        dense_flat[name] = ref if table else np.ascontiguousarray(ref.T)
+    dense = to_device(cfg, dense_flat, jnp.float32)
+    quant = to_device(cfg, int8_to_flat(packed_flat), jnp.float32)
+    kinds = {type(getattr(quant.layers[0], n)).__name__ for n in ("q", "k", "v", "o", "gate", "up", "down")}
+    assert isinstance(quant.embed, Int8Weight) and kinds == {"Int8Weight"}
+    assert {w.group_size for w in jax.tree.leaves(quant, is_leaf=lambda x: isinstance(x, Int8Weight))
+            if isinstance(w, Int8Weight)} == {16, 32}
     tokens = jnp.array([[1, 5, 300, 511], [2, 9, 0, 0]], jnp.int32)
     positions = jnp.array([[0, 1, 2, 3], [0, 1, -1, -1]], jnp.int32)
-    out = [forward_jit(p, tokens, positions, KVCache.zeros(cfg, 2, 16, jnp.float32), None, cfg, 16)[0]
-           for p in (dense, packed)]
-    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(out[0]), rtol=0, atol=1e-4)
+    out = [np.asarray(forward_jit(p, tokens, positions, KVCache.zeros(cfg, 2, 16, jnp.float32), None, cfg, 16)[0])
+           for p in (dense, quant)]
+    assert np.abs(out[0]).std() > 1e-3, "the logits must not be trivially equal"
+    np.testing.assert_allclose(out[1], out[0], rtol=0, atol=1e-4 * np.abs(out[0]).max())
 
 
-def test_embedded_model_keeps_its_q8_0_embedding_as_int8(gemma3):
+def test_embedded_model_keeps_its_matrices_as_int8(gemma3):
     cfg, params = gemma3
     assert isinstance(params, Params) and isinstance(params.embed, Int8Weight)
     assert params.embed.shape == (cfg.vocab_size, cfg.hidden_size) and params.embed.q.dtype == jnp.int8
+    layer = params.layers[0]
+    assert all(isinstance(getattr(layer, n), Int8Weight) for n in ("q", "k", "v", "o", "gate", "up", "down"))
+    assert params.nbytes() < 0.35 * 2**30
