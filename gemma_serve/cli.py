@@ -93,7 +93,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16"],
-        help="weights/activations/KV dtype; auto = float32 on CPU, bfloat16 on TPU/GPU (default: %(default)s)",
+        help="dtype of activations, KV and dense weights (int8 GGUF blocks and int4 stay packed); auto = float32 on "
+        "CPU, bfloat16 on TPU/GPU (default: %(default)s)",
     )
 
 
