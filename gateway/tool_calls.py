@@ -85,8 +85,8 @@ re-render in a different (sorted) order. `nullable: true` is not JSON Schema: va
 
 Grammars per tool_choice (the gateway masks with an llguidance matcher; None = no grammar)
 -----------------------------------------------------------------------------------------
-Gemma 4 (CALL_i = `<[48]> "call:NAME_i" ARGS_i <[49]>`; CALLS = `(CALL_0|CALL_1|...)+`, exactly one call when
-`parallel` is false):
+Gemma 4 (CALL_i = `<[48]> "call:NAME_i" ARGS_i <[49]>`; CALLS = 1 to MAX_PARALLEL_CALLS of `(CALL_0|CALL_1|...)`,
+exactly one call when `parallel` is false):
 
 - `"none"` (or no tools): None. The model must still not call: the gateway bans `<|tool_call>` and
   `<tool_call|>` (`GEMMA4_NONE_BANNED_IDS`) in its sampling mask.
@@ -98,6 +98,10 @@ Gemma 4 (CALL_i = `<[48]> "call:NAME_i" ARGS_i <[49]>`; CALLS = `(CALL_0|CALL_1|
 Gemma 3 (CALLS_JSON = the object of point 2; `<[106]>` = `<end_of_turn>`): `"none"` -> None; `"auto"` ->
 `start: TEXT_NOT_STARTING_WITH_BRACE? <[106]> | CALLS_JSON <[106]>`; `"required"` -> `start: CALLS_JSON <[106]>`;
 named -> the same with only tool X. Grammars are cached by a hash of (format, tools, tool_choice, parallel).
+
+Parallel calls are capped at MAX_PARALLEL_CALLS per answer in both formats: a greedy base model (the embedded Gemma
+3, asked `tool_choice: "required"`) otherwise repeats the same call until `max_tokens` (seen: 446 identical calls,
+the last one cut off). The grammar ends the answer after the last allowed call.
 
 Call ids are `{id_prefix}{n}`, n counting the calls of one response from 0, so they are unique within a
 response; pass a per-response prefix (e.g. `f"call_{request_id}_{choice}_"`) to make them unique across a
@@ -805,6 +809,10 @@ _CACHE_LOCK = threading.Lock()
 _CACHE_SIZE = 256
 
 
+# Most tool calls in one answer (see the module docstring).
+MAX_PARALLEL_CALLS = 16
+
+
 def _cached(kind: str, tools: list[dict], tool_choice: Any, parallel: bool, build: Callable[[], str | None]):
     key = hashlib.sha256(json.dumps([kind, tools, tool_choice, bool(parallel)], separators=(",", ":"),
                                     ensure_ascii=False, default=repr).encode()).hexdigest()
@@ -850,7 +858,7 @@ def _build_gemma4(tools: list[dict], tool_choice: Any, parallel: bool) -> str | 
         g.rules[call] = f'<[{GEMMA4_TOOL_CALL}]> {json.dumps("call:" + fn["name"])} {args} <[{GEMMA4_TOOL_CALL_END}]>'
         calls.append(call)
     one = calls[0] if len(calls) == 1 else "(" + " | ".join(calls) + ")"
-    many = f"{one}+" if parallel else one
+    many = f"{one}{{1,{MAX_PARALLEL_CALLS}}}" if parallel else one
     if mode == "auto":
         start = (f"start: TEXT? <[{GEMMA4_TURN_END}]> | TEXT? {many} <[{GEMMA4_TOOL_RESPONSE}]>\n"
                  "TEXT: /(?s:.+)/\n")
@@ -886,7 +894,8 @@ def _build_gemma3(tools: list[dict], tool_choice: Any, parallel: bool) -> str | 
         lines.append(f"args_{i}: %json {json.dumps(schema)}")
         calls.append(f"call_{i}")
     one = calls[0] if len(calls) == 1 else "(" + " | ".join(calls) + ")"
-    many = f'{one} ({json.dumps(GEMMA3_CALL_SEPARATOR)} {one})*' if parallel else one
+    rest = f"{{0,{MAX_PARALLEL_CALLS - 1}}}"
+    many = f'{one} ({json.dumps(GEMMA3_CALL_SEPARATOR)} {one}){rest}' if parallel else one
     obj = f"{json.dumps(GEMMA3_CALLS_OPEN)} {many} {json.dumps(GEMMA3_CALLS_CLOSE)}"
     end = f"<[{GEMMA3_END_OF_TURN}]>"
     if mode == "auto":

@@ -24,6 +24,7 @@ import pytest
 from gateway.tool_calls import (
     GEMMA4_NONE_BANNED_IDS,
     INTEGER_REGEX,
+    MAX_PARALLEL_CALLS,
     NUMBER_REPR_REGEX,
     ToolCall,
     ToolCallParseError,
@@ -499,6 +500,19 @@ def test_gemma3_grammar_per_tool_choice(g3_lltok):
     assert _accepts(g3_lltok, named, ['{"tool_calls": [' + now + ", " + now + "]}", 106])
     assert not _accepts(g3_lltok, named, ['{"tool_calls": [' + weather + "]}", 106])
     assert gemma3_tool_grammar(TOOLS, "none", True) is None
+
+
+def test_parallel_calls_are_capped(g3_lltok, g4_lltok):
+    """At most MAX_PARALLEL_CALLS calls per answer (a greedy base model otherwise repeats one until max_tokens)."""
+    now4 = _call4("now", "")
+    g4 = gemma4_tool_grammar(TOOLS, "required", True)
+    assert _accepts(g4_lltok, g4, now4 * MAX_PARALLEL_CALLS + [50])
+    assert not _accepts(g4_lltok, g4, now4 * (MAX_PARALLEL_CALLS + 1) + [50])
+    now3 = '{"name": "now", "arguments": {}}'
+    g3 = gemma3_tool_grammar(TOOLS, "auto", True)
+    answer = lambda n: ['{"tool_calls": [' + ", ".join([now3] * n) + "]}", 106]
+    assert _accepts(g3_lltok, g3, answer(MAX_PARALLEL_CALLS))
+    assert not _accepts(g3_lltok, g3, answer(MAX_PARALLEL_CALLS + 1))
 
 
 def test_tool_grammars_are_cached():
