@@ -81,14 +81,18 @@ def int8_from_gguf(raw: np.ndarray, qtype, dense: np.ndarray) -> Int8Weight | No
     scale, offset, g = _group_floats(raw.reshape(n, k // block_values, block_bytes), qtype)
     groups = dense.reshape(n, k // g, g)
     shifted = groups - (offset[..., None] if offset is not None else 0.0)
+    s = np.broadcast_to(scale[..., None], groups.shape)
+    # A zero scale (e.g. a Q6_K sub-scale of 0) loses q but keeps the sign of the product: q = -1 when that sign
+    # differs from the scale's, else 0, so q * s is the same signed zero.
+    zero_q = np.where(np.signbit(groups) != np.signbit(s), -1.0, 0.0) if offset is None else 0.0
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(scale[..., None] != 0, np.rint(shifted / scale[..., None]), 0.0)
+        q = np.where(s != 0, np.rint(shifted / s), zero_q)
     if q.size and (q.min() < -128 or q.max() > 127):
         return None
     q = q.astype(np.int8)
     recon = q.astype(np.float32) * scale[..., None]
     if offset is not None:
         recon = recon + offset[..., None]
-    if not np.array_equal(recon, groups):
+    if not np.array_equal(recon.view(np.uint32), groups.view(np.uint32)):  # bits, so -0.0 != +0.0
         return None
     return Int8Weight(q=q.reshape(n, k), scale=scale, offset=offset, group_size=g)

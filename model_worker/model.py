@@ -356,7 +356,7 @@ def embed_rows(embed: jax.Array | Int8Weight, tokens: jax.Array, dtype: jnp.dtyp
 def lm_head(x: jax.Array, embed: jax.Array | Int8Weight) -> jax.Array:
     """Tied LM head: x [..., H] -> logits float32 [..., V] = x · embedᵀ (Gemma ties the head to the embedding)."""
     if isinstance(embed, Int8Weight):
-        return int8_linear(x, embed).astype(jnp.float32)
+        return int8_linear(x, embed, out_dtype=jnp.float32)
     return jnp.einsum("...h,vh->...v", x, embed, preferred_element_type=jnp.float32)
 
 

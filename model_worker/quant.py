@@ -108,7 +108,7 @@ class Int8Weight:
     def rows(self, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
         """Dequantized rows (an embedding lookup): ids int32 [...] -> [..., K] in `dtype`.
 
-        Raises nothing; out-of-range ids are clamped like `jnp.take`'s default mode.
+        Ids must be in [0, N) (out-of-range ids behave as in `jnp.take`'s default mode).
         """
         take = lambda a: None if a is None else jnp.take(a, ids, axis=0)
         return _dequant_int8(take(self.q), take(self.scale), take(self.offset), self.group_size, dtype)
@@ -321,22 +321,31 @@ def int4_linear(
     )
 
 
-def _matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] @ w [n, K]ᵀ -> [..., n], written as a transpose then a matmul: for an int8 block XLA CPU then
-    fuses the dequantization into its matrix-vector loop at one row of x (8 ms instead of 16 ms for the 262144 x
-    640 LM head), where `_dot_nt`'s dot_general materializes the block first."""
-    return x @ w.T
+def _matmul_t(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., K] @ w [n, K]ᵀ -> [..., n] (in `out_dtype`, accumulated at least at that precision; default x's
+    dtype), written as a transpose then a matmul: for an int8 block XLA CPU then fuses the dequantization into its
+    matrix-vector loop at one row of x (8 ms instead of 16 ms for the 262144 x 640 LM head), where `_dot_nt`'s
+    dot_general materializes the block first."""
+    return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
 
 
-def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BYTES) -> jax.Array:
+def _zero_from(x: jax.Array, dtype) -> jax.Array:
+    """A scalar 0 of `dtype` that XLA cannot prove is 0 and that depends on x (see `_after`)."""
+    v = lax.bitcast_convert_type(x.reshape(-1)[0].astype(jnp.float32), jnp.int32)
+    return (jnp.minimum(v, 0) & jnp.maximum(v, 0)).astype(dtype)
+
+
+def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BYTES, out_dtype=None) -> jax.Array:
     """y = x Wᵀ for an Int8Weight W [N, K] without a resident dequantized copy.
 
     Args:
       x: [..., K] activations (float32 or bfloat16).
       w: Int8Weight [N, K].
       block_bytes: dequantized bytes per row block on CPU.
+      out_dtype: dtype of y (and of the accumulation), default x's; the LM head asks for float32 so that bfloat16
+        activations still give float32 logits.
     Returns:
-      [..., N] in x.dtype; every path dequantizes the same exact values, so they differ only by summation order.
+      [..., N]; every path dequantizes the same exact values, so they differ only by summation order.
     Raises:
       ValueError: x's last axis is not K.
 
@@ -348,31 +357,30 @@ def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BY
       of 2048; 8192 rows (21 MB) is as slow as dense.
       The 90 projections of the embedded model's 18 layers, one run: M=1: dense 21.9, int8 6.5 | M=8: 47.1 /
       29.5 | M=64: 103.5 / 93.9.
-    A weight that is one block is dequantized outside any loop, so its scales are made to depend on x (see
-    `_after`: otherwise XLA dequantizes every layer up front, 0.5 s per step at M=8); a blocked weight needs no
-    dependency (its blocks are dequantized inside the loop) and must not get one (`q | dep` copied all of q:
-    8 -> 58 ms for the LM head at M=1).
+    A dequantization outside a loop (one CPU block, or the whole matrix elsewhere) gets scales that depend on x
+    (see `_after`: otherwise XLA dequantizes every layer up front, 0.5 s per step at M=8); CPU row blocks need no
+    dependency (they are dequantized inside the loop) and must not get one on q (`q | dep` copied all of q: 8 ->
+    58 ms for the LM head at M=1).
     """
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"int8_linear: x has {x.shape[-1]} features, weight expects {k}")
     g = w.group_size
     blocks, _ = _row_blocks(n, k, jnp.dtype(x.dtype).itemsize, block_bytes)
-    scale = w.scale
-    if blocks == 1:
-        v = lax.bitcast_convert_type(x.reshape(-1)[0].astype(jnp.float32), jnp.int32)
-        scale = scale + (jnp.minimum(v, 0) & jnp.maximum(v, 0)).astype(scale.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
+    dot = lambda a, b: _matmul_t(a, b, out_dtype)
 
     def cpu(x, q, s, o):
+        if blocks == 1:
+            s = s + _zero_from(x, s.dtype)
         deq = lambda q, s, o: _dequant_int8(q, s, o, g, x.dtype)
-        return _blocked(x, [q, s, o], n, k, deq, _matmul_t, block_bytes)
+        return _blocked(x, [q, s, o], n, k, deq, dot, block_bytes)
 
     def plain(x, q, s, o):
-        return _matmul_t(x, _dequant_int8(q, s, o, g, x.dtype))
+        return dot(x, _dequant_int8(q, s + _zero_from(x, s.dtype), o, g, x.dtype))
 
-    y = lax.platform_dependent(x2, w.q, scale, w.offset, cpu=cpu, default=plain)
+    y = lax.platform_dependent(x2, w.q, w.scale, w.offset, cpu=cpu, default=plain)
     return y.reshape(*lead, n)
 
 

@@ -161,3 +161,18 @@ def test_embedded_model_keeps_its_matrices_as_int8(gemma3):
     layer = params.layers[0]
     assert all(isinstance(getattr(layer, n), Int8Weight) for n in ("q", "k", "v", "o", "gate", "up", "down"))
     assert params.nbytes() < 0.35 * 2**30
+
+
+def test_bf16_activations_give_float32_logits():
+    """The LM head asks for float32 output: bfloat16 activations times bfloat16-rounded weights, accumulated and
+    returned in float32 (a bfloat16 result would snap logits near 17 to multiples of 0.125)."""
+    rng = np.random.default_rng(6)
+    raw, ref = random_blocks(rng, T.Q8_0, 300, 64)
+    w = to_jax(int8_from_gguf(raw, T.Q8_0, ref))
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
+    for block_bytes in (1 << 30, 64 * 64 * 2):  # one block; blocked
+        y = jax.jit(lambda x, w: int8_linear(x, w, block_bytes=block_bytes, out_dtype=jnp.float32))(x, w)
+        assert y.dtype == jnp.float32
+        w_bf16 = ref.astype(jnp.bfloat16).astype(np.float32)
+        exact, bound = dot_bound(np.asarray(x, np.float32), w_bf16)
+        assert np.all(np.abs(np.asarray(y) - exact) <= bound)
