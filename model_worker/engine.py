@@ -116,11 +116,13 @@ class HostOutput:
         return HostOutput(*(np.asarray(f)[:rows] for f in fields))
 
 
-def _record_inputs(state: PenaltyState, tokens, positions, is_output) -> PenaltyState:
-    """Note the step's input tokens: every valid one is `seen` (repetition penalty), output ones also `counts`."""
+def _record_inputs(state: PenaltyState, tokens, positions, is_output, rows=None) -> PenaltyState:
+    """Note the step's input tokens [B, C]: every valid one (position >= 0) is `seen` (repetition penalty), output
+    ones also `counts`. `rows`: [B] state row of each batch row (default: row b is state row b)."""
     valid = positions >= 0
     vocab = state.seen.shape[1]
-    rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], tokens.shape)
+    rows = jnp.arange(tokens.shape[0]) if rows is None else rows
+    rows = jnp.broadcast_to(rows[:, None], tokens.shape)
     ids = jnp.where(valid, tokens, vocab)  # out of range -> dropped
     seen = state.seen.at[rows, ids].set(True, mode="drop")
     counts = state.counts.at[rows, jnp.where(valid & is_output, tokens, vocab)].add(1, mode="drop")
@@ -149,12 +151,8 @@ def _sample_greedy(pstate, logits, tokens, positions, slots, is_output, active, 
     """`_sample` for a batch that passes `is_plain_greedy` and resets no row: `sample_greedy`, and each active
     row's input token recorded in its penalty history by point updates (no [B, V] row copies), which leaves the
     history exactly as `_sample` would. Returns (SampleOutput [B], pstate)."""
-    vocab = pstate.seen.shape[1]
-    token = tokens[:, 0]
-    valid = (positions[:, 0] >= 0) & active
-    seen = pstate.seen.at[slots, jnp.where(valid, token, vocab)].set(True, mode="drop")
-    counts = pstate.counts.at[slots, jnp.where(valid & is_output[:, 0], token, vocab)].add(1, mode="drop")
-    return sample_greedy(logits, sampling), PenaltyState(counts=counts, seen=seen)
+    committed = jnp.where(active[:, None], positions, -1)  # an inactive row records nothing
+    return sample_greedy(logits, sampling), _record_inputs(pstate, tokens, committed, is_output, rows=slots)
 
 
 def _sample(pstate, logits, tokens, positions, slots, is_output, reset, active, sampling):

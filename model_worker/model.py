@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from model_worker.config import LayerSpec, ModelConfig
 from model_worker.kv_cache import KVCache
 from model_worker.params import LayerParams, Params
-from model_worker.quant import Int8Weight, int8_linear, linear
+from model_worker.quant import Int8Weight, int8_linear, linear, zero_from
 
 # Finite "minus infinity": a fully masked row (a padded query) then gives a uniform softmax instead of NaN.
 MASK_VALUE = -1e30
@@ -286,11 +286,8 @@ def _write_then_read(lp, spec: LayerSpec, i: int, x, positions, start, n_valid, 
 def _after_value(x: jax.Array, anchor: jax.Array) -> jax.Array:
     """x itself, made data-dependent on `anchor` (0 derived from it in a way XLA cannot fold: for v = the bits of
     one anchor element, min(v, 0) & max(v, 0) == 0), so ops producing x's consumers wait for the anchor."""
-    v = jax.lax.bitcast_convert_type(anchor.reshape(-1)[0].astype(jnp.float32), jnp.int32)
-    dep = jnp.minimum(v, 0) & jnp.maximum(v, 0)
-    if jnp.issubdtype(x.dtype, jnp.integer):
-        return x | dep.astype(x.dtype)
-    return x + dep.astype(x.dtype)
+    zero = zero_from(anchor, x.dtype)
+    return x | zero if jnp.issubdtype(x.dtype, jnp.integer) else x + zero
 
 
 def _write_rings(cache: KVCache, deferred: list, anchor, positions, start, n_valid, slots) -> None:

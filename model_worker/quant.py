@@ -255,6 +255,14 @@ def _linear_plain(x: jax.Array, w: Int4Weight) -> jax.Array:
     return _dot_nt(x, dequantize(w, x.dtype))
 
 
+def zero_from(x: jax.Array, dtype) -> jax.Array:
+    """A scalar 0 of `dtype` computed from x's first element in a way XLA cannot fold (for v = its bits,
+    min(v, 0) & max(v, 0) is 0 for every bit pattern, NaN included): adding it to an array makes that array's
+    consumers wait for x without changing a bit (see `_after`)."""
+    v = lax.bitcast_convert_type(x.reshape(-1)[0].astype(jnp.float32), jnp.int32)
+    return (jnp.minimum(v, 0) & jnp.maximum(v, 0)).astype(dtype)
+
+
 def _after(x: jax.Array, w: Int4Weight) -> Int4Weight:
     """Make W's unpacking data-dependent on x, so XLA cannot schedule it before the layer runs.
 
@@ -269,9 +277,7 @@ def _after(x: jax.Array, w: Int4Weight) -> Int4Weight:
     and 50-54 ms at M=8, against 12-13 and 28-31 ms now (same run; 6144 x 1536, which stays in cache, 2 ms
     either way).
     """
-    v = lax.bitcast_convert_type(x.reshape(-1)[0].astype(jnp.float32), jnp.int32)
-    dep = jnp.minimum(v, 0) & jnp.maximum(v, 0)
-    return dataclasses.replace(w, scale=w.scale + dep.astype(w.scale.dtype))
+    return dataclasses.replace(w, scale=w.scale + zero_from(x, w.scale.dtype))
 
 
 def int4_linear(
@@ -329,12 +335,6 @@ def _matmul_t(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
 
 
-def _zero_from(x: jax.Array, dtype) -> jax.Array:
-    """A scalar 0 of `dtype` that XLA cannot prove is 0 and that depends on x (see `_after`)."""
-    v = lax.bitcast_convert_type(x.reshape(-1)[0].astype(jnp.float32), jnp.int32)
-    return (jnp.minimum(v, 0) & jnp.maximum(v, 0)).astype(dtype)
-
-
 def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BYTES, out_dtype=None) -> jax.Array:
     """y = x Wᵀ for an Int8Weight W [N, K] without a resident dequantized copy.
 
@@ -373,12 +373,12 @@ def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BY
 
     def cpu(x, q, s, o):
         if blocks == 1:
-            s = s + _zero_from(x, s.dtype)
+            s = s + zero_from(x, s.dtype)
         deq = lambda q, s, o: _dequant_int8(q, s, o, g, x.dtype)
         return _blocked(x, [q, s, o], n, k, deq, dot, block_bytes)
 
     def plain(x, q, s, o):
-        return dot(x, _dequant_int8(q, s + _zero_from(x, s.dtype), o, g, x.dtype))
+        return dot(x, _dequant_int8(q, s + zero_from(x, s.dtype), o, g, x.dtype))
 
     y = lax.platform_dependent(x2, w.q, w.scale, w.offset, cpu=cpu, default=plain)
     return y.reshape(*lead, n)

@@ -433,6 +433,13 @@ def _no_top_logprobs(x: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32)
 
 
+def _chosen_logprobs(x: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log_softmax(x)[b, tokens[b]] -> float32 [B]; log_softmax then a gather (measured faster on XLA CPU than
+    logsumexp + gather), the same expression as `_top_logprobs`, so a chosen token that is also a top alternative
+    has bit-identical log-probabilities, and `sample` and `sample_greedy` agree bit for bit."""
+    return jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tokens[:, None], axis=1)[:, 0]
+
+
 def is_plain_greedy(s: SamplingArrays, rows: int) -> bool:
     """Host check (numpy settings): the first `rows` rows are greedy and use no logit bias, no penalty and no top
     logprobs, so `sample_greedy` gives what `sample` gives. Masks are allowed."""
@@ -460,7 +467,7 @@ def sample_greedy(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     x, mask_empty = jax.lax.cond(jnp.any(s.mask_on), _apply_mask, _no_mask, logits.astype(jnp.float32), s.mask,
                                  s.mask_on)
     tokens = _argmax(x)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tokens[:, None], axis=1)[:, 0]
+    logprobs = _chosen_logprobs(x, tokens)
     top_ids, top_lps = _no_top_logprobs(x, s.top_logprobs)
     return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
                         mask_empty=mask_empty)
@@ -480,9 +487,7 @@ def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState) -> SampleO
     """
     x, mask_empty = process_logits(logits, s, state)
     tokens = _draw(x, s, _argmax(x))
-    # log_softmax then a gather (measured faster on XLA CPU than logsumexp + gather); the same expression as
-    # in _top_logprobs, so a chosen token that is also a top alternative has bit-identical log-probabilities.
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tokens[:, None], axis=1)[:, 0]
+    logprobs = _chosen_logprobs(x, tokens)
     top_ids, top_lps = jax.lax.cond(
         jnp.any(s.top_logprobs > 0), _top_logprobs, _no_top_logprobs, x, s.top_logprobs
     )
