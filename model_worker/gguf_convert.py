@@ -47,7 +47,7 @@ def read_metadata(reader) -> dict:
     return meta
 
 
-def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray | Int8Weight]]:
     """Every tensor of a Gemma 3 GGUF into our flat weight dict: float32, or Int8Weight for the block types of
     `gguf_int8` (the same values).
 
