@@ -59,7 +59,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         type=int,
         nargs="+",
         default=[64, 512],
-        help="prefill chunk lengths in tokens; long prompts are computed in chunks of the largest (default: 64 512)",
+        help="prefill chunk lengths in tokens; a prompt runs in the largest chunks it fills, only its last chunk is "
+        "padded (default: 64 512)",
     )
     p.add_argument(
         "--prefill-token-budget",

@@ -44,8 +44,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
               "--prefix-slack", str(args.prefix_slack)]
     if args.prefill_token_budget:
         engine += ["--prefill-token-budget", str(args.prefill_token_budget)]
-    engine += [
-              "--prefill-chunks", *map(str, args.prefill_chunks)]
+    engine += ["--prefill-chunks", *map(str, args.prefill_chunks)]
     gateway = ["--http-port", str(args.http_port), "--gateway-grpc-port", str(args.gateway_grpc_port),
                "--tokenizer-addr", f"{args.host}:{args.tokenizer_port}", "--worker-addr", f"{args.host}:{args.worker_port}"]
     if args.served_model_name:

@@ -294,6 +294,25 @@ def test_long_prompt_is_chunked_while_running_streams_keep_decoding(engine):
     assert_same(sink, run_fresh(engine, "cold", long_prompt, 5))
 
 
+def test_a_lone_prompt_pads_only_its_last_chunk(engine):
+    """Chunks (8, 32): a prompt runs in the largest chunks it fills and only its tail is padded (< 8 pads) - 84
+    tokens as 32 + 32 + 8 + 8 + 8, not 32 + 32 + 32; its logits equal those of the same prompt in 8-token
+    chunks."""
+    assert [engine.chunk_size(n) for n in (84, 38, 32, 31, 20, 9, 8, 3)] == [32, 32, 32, 8, 8, 8, 8, 8]
+    prompt = np.random.default_rng(14).integers(0, 512, 84).tolist()
+    before = {k: v for k, v in engine.calls.items() if k[0] == "compute"}
+    sink = run_fresh(engine, "lone", prompt, 3)
+    ran = {k[2]: v - before.get(k, 0) for k, v in engine.calls.items() if k[0] == "compute" and v > before.get(k, 0)}
+    assert ran == {32: 2, 8: 3}
+    start, pending = 0, None
+    while start < len(prompt):  # the same prompt in 8-token chunks, by hand
+        pending, n = engine.dispatch_compute(3, prompt[start:start + 8], start, [False] * 8, reset=start == 0)
+        start += n
+    logprobs = jax.nn.log_softmax(pending.logits[0])
+    assert sink.tokens[0] == int(np.argmax(logprobs))
+    assert abs(sink.logprobs[0] - float(logprobs[sink.tokens[0]])) < TOL
+
+
 def test_greedy_sampler_keeps_the_penalty_history_like_the_full_one():
     """The greedy program records input tokens by point updates; the history it leaves equals the full
     program's (active rows record their input token, generated ones also count; inactive rows and padding none)."""
