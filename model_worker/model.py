@@ -191,8 +191,7 @@ def _attention_block(
     window = cfg.sliding_window if spec.attention == "sliding" else None
     in_place = C == 1 and cache.k[spec.kv_source] is not None  # decode: every row reads its own cache row
     if spec.kv_source == i and in_place:
-        shared[i] = (None, None, _write_decode(lp, spec, i, x, positions, start, n_valid, cache, slots, kv_len, cfg),
-                     True)
+        shared[i] = (None, None, _write_decode(lp, spec, i, x, positions, start, n_valid, cache, slots, cfg), True)
     elif spec.kv_source == i:
         k_raw = linear(x, lp.k).reshape(B, C, K, D)
         k = rope(rms_norm(k_raw, lp.k_norm, eps), positions, spec)
@@ -204,25 +203,23 @@ def _attention_block(
             (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
         else:
             ks = vs = None
-        if spec.attention == "full":
+        if spec.attention == "full":  # written first, then read in place up to the last valid position
             cache.k[i] = _write_full(cache.k[i], k, positions, slots)
             cache.v[i] = _write_full(cache.v[i], v, positions, slots)
             cache.k_scale[i] = _write_full(cache.k_scale[i], ks, positions, slots)
             cache.v_scale[i] = _write_full(cache.v_scale[i], vs, positions, slots)
-            cut = lambda a: None if a is None else a[:, :kv_len]
-            keys = dequantize_kv(_rows(cut(cache.k[i]), slots), _rows(cut(cache.k_scale[i]), slots), dtype)
-            vals = dequantize_kv(_rows(cut(cache.v[i]), slots), _rows(cut(cache.v_scale[i]), slots), dtype)
-            k_pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
+            shared[i] = (None, None, None, True)
         else:
             ring = [_rows(a, slots) for a in (cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i])]
             keys = jnp.concatenate([dequantize_kv(ring[0], ring[2], dtype), dequantize_kv(k, ks, dtype)], axis=1)
             vals = jnp.concatenate([dequantize_kv(ring[1], ring[3], dtype), dequantize_kv(v, vs, dtype)], axis=1)
             k_pos = jnp.concatenate([ring_positions(start, ring[0].shape[1]), positions], axis=1)
             deferred.append((i, ring, (k, v, ks, vs)))
-        shared[i] = (keys, vals, k_pos, False)
+            shared[i] = (keys, vals, k_pos, False)
     keys, vals, k_pos, in_place = shared[spec.kv_source]
     if in_place:
-        out = _attend_in_place(q, cache, spec.kv_source, slots, positions, k_pos, window, cfg.attn_scale, x.dtype)
+        out = _attend_in_place(q, cache, spec.kv_source, slots, positions, k_pos, window, cfg.attn_scale, x.dtype,
+                               kv_len)
     else:
         out = attend(q, keys, vals, positions, k_pos, window, cfg.attn_scale)
     return linear(out, lp.o)
@@ -233,14 +230,14 @@ def _batch_rows(slots: jax.Array | None, B: int) -> jax.Array:
     return jnp.arange(B, dtype=jnp.int32) if slots is None else slots
 
 
-def _write_decode(lp, spec: LayerSpec, i: int, x, positions, start, n_valid, cache: KVCache, slots, kv_len: int,
-                  cfg) -> jax.Array:
+def _write_decode(lp, spec: LayerSpec, i: int, x, positions, start, n_valid, cache: KVCache, slots,
+                  cfg) -> jax.Array | None:
     """Decode (one token per row): layer i's K/V written into the cache in place (ring index position % R for
     sliding layers, which is safe because the ring is longer than the window), before any read.
 
     Returns:
-      k_pos [B, T'] int32: the position held at each index of each batch row's cache row over the T' indices
-      that `_attend_in_place` reads (full layers: [0, kv_len); sliding layers: the whole ring; negative = empty).
+      sliding layers: k_pos [B, R] int32, the position held at each ring index of each batch row (negative =
+      empty); full layers: None (index = position; `_attend_in_place` reads up to the row's position).
     """
     B, C, _ = x.shape
     D, K = spec.head_dim, spec.num_kv_heads
@@ -259,42 +256,105 @@ def _write_decode(lp, spec: LayerSpec, i: int, x, positions, start, n_valid, cac
     index = jnp.where(positions >= 0, index, -1)
     for name, new in (("k", k), ("v", v), ("k_scale", ks), ("v_scale", vs)):
         getattr(cache, name)[i] = _write_full(getattr(cache, name)[i], new, index, slots)
-    if spec.attention == "sliding":
-        return ring_positions(start + n_valid, T)
-    return jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
+    return ring_positions(start + n_valid, T) if spec.attention == "sliding" else None
 
 
-def _attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, scale: float, dtype) -> jax.Array:
-    """Decode attention of each batch row over its own cache row of layer `src`, read in place.
+def _attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, scale: float, dtype,
+                     kv_len: int) -> jax.Array:
+    """Attention of each batch row over its own cache row of layer `src`, read in place (the row's new K/V are
+    already written).
 
     Args:
-      q: [B, 1, N, D]; q_pos: [B, 1]; k_pos: [B, T'] from `_write_decode` (the row's first T' cache entries).
+      q: [B, C, N, D]; q_pos: [B, C] (-1 = padding).
+      k_pos: sliding layers: [B, R] positions held by each row's ring (`_write_decode`; decode only, C == 1);
+        full layers: None - index = position, and a row reads keys [0, its last valid position] only
+        (`_attend_blocks`), never beyond the static bound kv_len.
       slots: [B] cache rows (None: row b is slot b).
     Returns:
-      [B, 1, N*D], as `attend`.
+      [B, C, N*D], as `attend`.
 
-    A `lax.map` over the batch rows, each a dynamic slice of its cache row (contiguous, not copied) and a small
-    attention. Gathering the batch's rows instead copies them (on XLA CPU a copy costs about 5-10 reads), and
-    attending over every cache row in place wastes the idle rows. One full-attention layer, 8 rows of a 16-slot
-    cache, 2 Zen 4 cores: kv 2048: gather 14.9 ms, all rows 26.6 ms, this 2.1 ms; kv 8192: 51.3 / 20.3 / 11.8 ms.
+    A `lax.map` over the batch rows, each reading dynamic slices of its cache row (contiguous, not copied).
+    Gathering the batch's rows instead copies them (on XLA CPU a copy costs about 5-10 reads), and attending over
+    every cache row in place wastes the idle rows. One full-attention layer, 8 rows of a 16-slot cache at
+    position 1500, 2 Zen 4 cores: kv bucket 2048: gather 14.9 ms, all rows 26.6 ms, one slice per row 2.1 ms;
+    kv bucket 8192: 51.3 / 20.3 / 11.8 ms.
     """
     rows = _batch_rows(slots, q.shape[0])
-    length = k_pos.shape[1]
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
+    if k_pos is None:
+        T = arrays[0].shape[1]
+        block = _key_block(T)
+        bound = min(T, -(-kv_len // block) * block) // block  # blocks within the KV bucket
 
-    def one(args):
+        def full(args):
+            qb, row, qp = args
+            return _attend_blocks(qb, arrays, row, qp, block, bound, window, scale, dtype)
+
+        return lax.map(full, (q, rows, q_pos))
+    length = k_pos.shape[1]
+
+    def ring(args):
         qb, row, qp, kp = args
-
-        def take(a):
-            if a is None:
-                return None
-            return lax.dynamic_slice(a, (row,) + (0,) * (a.ndim - 1), (1, length) + a.shape[2:])
-
-        k, v, ks, vs = map(take, arrays)
+        k, v, ks, vs = (None if a is None else lax.dynamic_slice(a, (row,) + (0,) * (a.ndim - 1),
+                                                                (1, length) + a.shape[2:]) for a in arrays)
         keys, vals = dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype)
         return attend(qb[None], keys, vals, qp[None], kp[None], window, scale)[0]
 
-    return lax.map(one, (q, rows, q_pos, k_pos))
+    return lax.map(ring, (q, rows, q_pos, k_pos))
+
+
+# Keys per block of the full-layer loop: 512 measured as fast as one slice at 2k keys and skips the unused tail.
+KEY_BLOCK = 512
+
+
+def _key_block(T: int) -> int:
+    """Block length for a full-attention cache of T positions: KEY_BLOCK when it divides T, else one block."""
+    return KEY_BLOCK if T % KEY_BLOCK == 0 else T
+
+
+def _attend_blocks(q, arrays, row, q_pos, block: int, bound: int, window, scale: float, dtype) -> jax.Array:
+    """One row's attention over keys [0, last valid q position] of a full-attention cache row, block by block
+    with an online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the
+    FlashAttention recurrence), for as many blocks as the row needs (a dynamic trip count, at most `bound`).
+
+    Args:
+      q: [C, N, D] queries; q_pos: [C] int32 positions (-1 = padding); arrays: the layer's (k, v, k_scale,
+        v_scale) cache arrays [S, T, K, D] (scales [S, T, K] or None); row: int32 cache row.
+      block: keys per block (divides T); bound: static maximum number of blocks.
+    Returns:
+      [C, N*D] in q.dtype: softmax(q kᵀ · scale + causal mask) v over the row's keys at positions <= q_pos
+      (and > q_pos - window). A padding query (no visible key) gets a finite average, as in `attend`.
+    """
+    C, N, D = q.shape
+    K = arrays[0].shape[2]
+    qg = q.reshape(C, K, N // K, D)
+    need = jnp.maximum(jnp.max(q_pos) + 1, 1)
+    blocks = jnp.minimum((need + block - 1) // block, bound)
+
+    def body(b, carry):
+        m, l, acc = carry  # running max and sum [K, G, C]; unnormalized output [K, G, C, D]
+        start = b * block
+        k, v, ks, vs = (None if a is None else lax.dynamic_slice(a, (row, start) + (0,) * (a.ndim - 2),
+                                                                (1, block) + a.shape[2:])[0] for a in arrays)
+        keys, vals = dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype)  # [block, K, D]
+        s = jnp.einsum("ckgd,tkd->kgct", qg, keys, preferred_element_type=jnp.float32) * scale
+        k_pos = start + jnp.arange(block, dtype=jnp.int32)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] >= 0)
+        if window is not None:
+            visible &= q_pos[:, None] - k_pos[None, :] < window
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        fix = jnp.exp(m - m_new)
+        pv = jnp.einsum("kgct,tkd->kgcd", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+        return m_new, l * fix + jnp.sum(p, axis=-1), acc * fix[..., None] + pv
+
+    G = N // K
+    init = (jnp.full((K, G, C), MASK_VALUE, jnp.float32), jnp.zeros((K, G, C), jnp.float32),
+            jnp.zeros((K, G, C, D), jnp.float32))
+    _, l, acc = lax.fori_loop(0, blocks, body, init)
+    out = (acc / l[..., None]).astype(q.dtype)  # [K, G, C, D]
+    return out.transpose(2, 0, 1, 3).reshape(C, N * D)
 
 
 def _after_value(x: jax.Array, anchor: jax.Array) -> jax.Array:
