@@ -228,9 +228,10 @@ class ConstraintDriver:
     """Drives a request's grammar from the gateway: the first mask goes with Prefill; then, for every token the
     worker streams back, the matcher advances and the next step's instruction goes out on the Decode stream — a
     run of forced tokens when the grammar allows exactly one continuation for at least FORCED_RUN_MIN tokens
-    (the worker appends them in one compute step; shorter runs go token by token as one-token masks, so the row
-    stays in the batched decode step), then the mask for the token after them. The worker needs a mask only at sampling, so building it overlaps the
-    worker's forward pass. Once the grammar is complete the mask allows only the stop ids.
+    (the worker computes them in compute steps, one per chunk; shorter runs go token by token as one-token
+    masks, so the row stays in the batched decode step), then the mask for the token after them. The worker
+    needs a mask only at sampling, so building it overlaps the worker's forward pass. Once the grammar is
+    complete the mask allows only the stop ids.
     """
 
     def __init__(self, constraint, metrics=None):

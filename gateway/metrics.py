@@ -32,8 +32,8 @@ class GatewayMetrics:
                                           "with a mask or forced).", registry=r)
         self.forced_tokens = Counter(p + "forced_tokens", "Tokens the grammar determined (the only allowed "
                                      "continuation), sent as one-token masks or in forced runs.", registry=r)
-        self.forced_runs = Counter(p + "forced_runs", "Runs of forced tokens sent to the worker (one compute step "
-                                   "each).", registry=r)
+        self.forced_runs = Counter(p + "forced_runs", "Runs of forced tokens sent to the worker (computed in one "
+                                   "compute step per chunk).", registry=r)
         self.forced_run_tokens = Counter(p + "forced_run_tokens", "Tokens in forced runs.", registry=r)
 
     def exposition(self) -> tuple[bytes, str]:

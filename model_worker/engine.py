@@ -224,6 +224,7 @@ class Engine:
         self.batch_buckets = ecfg.batch_buckets()
         self._programs: dict[tuple[str, int, int, int], jax.stages.Compiled] = {}
         self.calls: collections.Counter = collections.Counter()  # program key -> times run
+        self._pad_only_tail = jax.default_backend() == "cpu"  # chunk_size's policy
 
     # ----- the grid -------------------------------------------------------------------------------------------
     def grid(self) -> list[tuple[str, int, int, int]]:
@@ -292,20 +293,21 @@ class Engine:
         return next(b for b in self.batch_buckets if rows <= b)
 
     def chunk_size(self, remaining: int) -> int:
-        """Chunk length for `remaining` tokens: the largest chunk they fill, else (the tail) the smallest that holds
-        them.
+        """Chunk length for `remaining` tokens.
 
-        So only a prompt's last chunk is padded, by less than the smallest chunk: 600 tokens with chunks (64, 512)
-        run as 512 + 64 + 64 (24 pads), not 512 + 512 (424 pads). On a 2-core CPU a chunk costs about the same per
-        token at every size (kv 2048: 64 -> 2.3 ms/token, 256 -> 1.9, 512 -> 2.2; kv 8192: 3.1 / 2.8 / 3.2), so a
-        padded token costs as much as a real one: a 235-token turn took one 512 chunk (1.1 s at kv 2048) before,
-        four 64 chunks (0.6 s) now.
+        CPU: the largest chunk they fill, else (the tail) the smallest that holds them, so only a prompt's last
+        chunk is padded, by less than the smallest chunk: 600 tokens with chunks (64, 512) run as 512 + 64 + 64
+        (40 pads), not 512 + 512 (424 pads). On a 2-core CPU a chunk costs about the same per token at every size
+        (kv 2048: 64 -> 2.3 ms/token, 256 -> 1.9, 512 -> 2.2; kv 8192: 3.1 / 2.8 / 3.2), so a padded token costs
+        as much as a real one: a 235-token turn took one 512 chunk (1.1 s at kv 2048) before, four 64 chunks
+        (0.6 s) now. Other platforms: the smallest chunk that holds them, else the largest (an accelerator reads
+        all weights per chunk and pads nearly for free, so fewer, larger chunks win; not measured here).
         """
         chunks = sorted(self.ecfg.prefill_chunks)
         filled = [c for c in chunks if c <= remaining]
-        if filled:
+        if filled and self._pad_only_tail:
             return filled[-1]
-        return next(c for c in chunks if c >= remaining)
+        return next((c for c in chunks if c >= remaining), chunks[-1])
 
     def _forward(self, key, tokens, positions, slots, logit_rows) -> jax.Array:
         self.calls[key] += 1

@@ -175,22 +175,24 @@ def _attention_block(
     start: jax.Array,
     n_valid: jax.Array,
     cache: KVCache,
-    shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]],
+    shared: dict[int, tuple],
     slots: jax.Array | None,
     kv_len: int,
     cfg: ModelConfig,
     deferred: list,
 ) -> jax.Array:
-    """Self-attention of one layer; updates `cache` (full layers), `shared` and `deferred` (sliding-ring writes,
-    applied after the last layer by `_write_rings`) in place (they are local to the trace)."""
+    """Self-attention of one layer; updates `cache`, `shared` and `deferred` in place (they are local to the
+    trace). Full layers, and every layer in decode (C == 1), write their K/V into the cache first and read it in
+    place (`_attend_in_place`); sliding layers in a chunk (C > 1) attend over their gathered ring plus the chunk
+    and defer the ring write to `_write_rings`, after the last layer."""
     B, C, _ = x.shape
     D, K = spec.head_dim, spec.num_kv_heads
     eps = cfg.rms_norm_eps
     q = linear(x, lp.q).reshape(B, C, cfg.num_heads, D)
     q = rope(rms_norm(q, lp.q_norm, eps), positions, spec)
     window = cfg.sliding_window if spec.attention == "sliding" else None
-    in_place = C == 1 and cache.k[spec.kv_source] is not None  # decode: every row reads its own cache row
-    if spec.kv_source == i and in_place:
+    decode = C == 1 and cache.k[spec.kv_source] is not None  # every row reads its own cache row in place
+    if spec.kv_source == i and decode:
         shared[i] = (None, None, _write_decode(lp, spec, i, x, positions, start, n_valid, cache, slots, cfg), True)
     elif spec.kv_source == i:
         k_raw = linear(x, lp.k).reshape(B, C, K, D)
@@ -233,7 +235,8 @@ def _batch_rows(slots: jax.Array | None, B: int) -> jax.Array:
 def _write_decode(lp, spec: LayerSpec, i: int, x, positions, start, n_valid, cache: KVCache, slots,
                   cfg) -> jax.Array | None:
     """Decode (one token per row): layer i's K/V written into the cache in place (ring index position % R for
-    sliding layers, which is safe because the ring is longer than the window), before any read.
+    sliding layers), before any read. Safe for R >= window: position p evicts p - R, which the strict window
+    mask (q - W < k) hides anyway.
 
     Returns:
       sliding layers: k_pos [B, R] int32, the position held at each ring index of each batch row (negative =
@@ -283,8 +286,8 @@ def _attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, s
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
     if k_pos is None:
         T = arrays[0].shape[1]
-        block = _key_block(T)
-        bound = min(T, -(-kv_len // block) * block) // block  # blocks within the KV bucket
+        block = min(KEY_BLOCK, T)
+        bound = -(-min(kv_len, T) // block)  # blocks within the KV bucket
 
         def full(args):
             qb, row, qp = args
@@ -307,11 +310,6 @@ def _attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, s
 KEY_BLOCK = 512
 
 
-def _key_block(T: int) -> int:
-    """Block length for a full-attention cache of T positions: KEY_BLOCK when it divides T, else one block."""
-    return KEY_BLOCK if T % KEY_BLOCK == 0 else T
-
-
 def _attend_blocks(q, arrays, row, q_pos, block: int, bound: int, window, scale: float, dtype) -> jax.Array:
     """One row's attention over keys [0, last valid q position] of a full-attention cache row, block by block
     with an online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the
@@ -320,26 +318,29 @@ def _attend_blocks(q, arrays, row, q_pos, block: int, bound: int, window, scale:
     Args:
       q: [C, N, D] queries; q_pos: [C] int32 positions (-1 = padding); arrays: the layer's (k, v, k_scale,
         v_scale) cache arrays [S, T, K, D] (scales [S, T, K] or None); row: int32 cache row.
-      block: keys per block (divides T); bound: static maximum number of blocks.
+      block: keys per block (<= T); bound: static maximum number of blocks. Block b covers positions
+        [b * block, (b + 1) * block); when T is not a multiple of `block`, the last block's slice is moved back
+        to end at T and its keys below b * block (already counted) are masked.
     Returns:
       [C, N*D] in q.dtype: softmax(q kᵀ · scale + causal mask) v over the row's keys at positions <= q_pos
       (and > q_pos - window). A padding query (no visible key) gets a finite average, as in `attend`.
     """
     C, N, D = q.shape
-    K = arrays[0].shape[2]
+    T, K = arrays[0].shape[1:3]
     qg = q.reshape(C, K, N // K, D)
     need = jnp.maximum(jnp.max(q_pos) + 1, 1)
     blocks = jnp.minimum((need + block - 1) // block, bound)
 
     def body(b, carry):
         m, l, acc = carry  # running max and sum [K, G, C]; unnormalized output [K, G, C, D]
-        start = b * block
+        first = b * block
+        start = jnp.minimum(first, T - block)  # the last block of a T that `block` does not divide
         k, v, ks, vs = (None if a is None else lax.dynamic_slice(a, (row, start) + (0,) * (a.ndim - 2),
                                                                 (1, block) + a.shape[2:])[0] for a in arrays)
         keys, vals = dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype)  # [block, K, D]
         s = jnp.einsum("ckgd,tkd->kgct", qg, keys, preferred_element_type=jnp.float32) * scale
         k_pos = start + jnp.arange(block, dtype=jnp.int32)
-        visible = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] >= 0)
+        visible = (k_pos[None, :] >= first) & (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] >= 0)
         if window is not None:
             visible &= q_pos[:, None] - k_pos[None, :] < window
         s = jnp.where(visible, s, MASK_VALUE)
@@ -365,7 +366,8 @@ def _after_value(x: jax.Array, anchor: jax.Array) -> jax.Array:
 
 
 def _write_rings(cache: KVCache, deferred: list, anchor, positions, start, n_valid, slots) -> None:
-    """Apply the sliding layers' ring updates once every layer has read the rings.
+    """Apply the sliding layers' ring updates of a chunk (C > 1; decode writes its rings at once, before the reads,
+    in `_write_decode`) once every layer has read the rings.
 
     Writing a ring while a later read of the same buffer is still pending (the read is fused into the attention
     that consumes it, or a KV-shared layer reads it later) makes XLA copy the whole cache array instead of updating
@@ -463,7 +465,7 @@ def forward(
     x = embed_rows(params.embed, tokens, dtype) * jnp.asarray(cfg.embed_scale, dtype)
     pli = per_layer_inputs(params, tokens, x, cfg) if cfg.ple_dim else None
     cache = KVCache(k=list(cache.k), v=list(cache.v), k_scale=list(cache.k_scale), v_scale=list(cache.v_scale))
-    shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+    shared: dict[int, tuple] = {}  # kv_source layer -> (keys | None, values | None, k_pos | None, in place)
     deferred: list = []
     all_positions = positions
     # KV-shared layers write no cache, so only the rows whose logits are wanted need to pass through them

@@ -20,9 +20,9 @@ S, T, K, N, D = 3, 2048, 2, 4, 16
 TOL = 2e-5
 
 
-def _cache(rng, int8: bool):
-    k = rng.standard_normal((S, T, K, D), dtype=np.float32)
-    v = rng.standard_normal((S, T, K, D), dtype=np.float32)
+def _cache(rng, int8: bool, length: int = T):
+    k = rng.standard_normal((S, length, K, D), dtype=np.float32)
+    v = rng.standard_normal((S, length, K, D), dtype=np.float32)
     if not int8:
         return KVCache(k=[jnp.asarray(k)], v=[jnp.asarray(v)], k_scale=[None], v_scale=[None])
     (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k)), quantize_kv(jnp.asarray(v))
@@ -33,7 +33,8 @@ def _reference(q, cache, slots, q_pos, window, scale):
     """One-shot attention over each row's gathered cache row (keys at index = position)."""
     keys = model.dequantize_kv(jnp.take(cache.k[0], slots, axis=0), _take(cache.k_scale[0], slots), jnp.float32)
     vals = model.dequantize_kv(jnp.take(cache.v[0], slots, axis=0), _take(cache.v_scale[0], slots), jnp.float32)
-    k_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (len(slots), T))
+    length = keys.shape[1]
+    k_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (len(slots), length))
     return attend(q, keys, vals, q_pos, k_pos, window, scale)
 
 
@@ -59,7 +60,7 @@ def test_blocked_full_layer_attention_equals_one_shot(int8, window):
         valid = np.asarray(q_pos)[:, 0] >= 0
         np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=TOL, rtol=TOL)
         assert np.isfinite(np.asarray(got)).all()
-    # a chunk of 4 tokens crossing a block boundary, with a padded tail, in a 1024-position KV bucket
+    # a chunk of 4 tokens crossing a block boundary, with a padded tail, in a 1536-position KV bucket
     q = jnp.asarray(rng.standard_normal((1, 6, N, D), dtype=np.float32))
     q_pos = jnp.asarray([[1021, 1022, 1023, 1024, -1, -1]], jnp.int32)
     got = model._attend_in_place(q, cache, 0, slots[:1], q_pos, None, window, scale, jnp.float32, 1536)
@@ -67,7 +68,20 @@ def test_blocked_full_layer_attention_equals_one_shot(int8, window):
     np.testing.assert_allclose(np.asarray(got)[0, :4], np.asarray(want)[0, :4], atol=TOL, rtol=TOL)
 
 
-def test_blocked_loop_reads_only_the_blocks_a_row_needs(monkeypatch):
+def test_cache_length_not_a_multiple_of_the_block():
+    """T = 2000 with 512-key blocks: the last block's slice is moved back to end at T and its already-counted keys
+    are masked, so rows near the end (and in the middle) still match `attend`."""
+    rng = np.random.default_rng(3)
+    cache = _cache(rng, False, 2000)
+    slots = jnp.asarray([0, 1, 2], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 1, N, D), dtype=np.float32))
+    q_pos = jnp.asarray([[1999], [1600], [1490]], jnp.int32)
+    got = model._attend_in_place(q, cache, 0, slots, q_pos, None, None, 0.25, jnp.float32, 2000)
+    want = _reference(q, cache, slots, q_pos, None, 0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
+
+
+def test_blocked_loop_reads_only_the_blocks_a_row_needs():
     """Keys past a row's position are never read: poisoning them with NaN leaves the output finite and equal."""
     rng = np.random.default_rng(1)
     cache = _cache(rng, False)
