@@ -309,6 +309,7 @@ class Engine:
             return filled[-1]
         return next((c for c in chunks if c >= remaining), chunks[-1])
 
+    # ----- running programs -----------------------------------------------------------------------------------
     def _forward(self, key, tokens, positions, slots, logit_rows) -> jax.Array:
         self.calls[key] += 1
         logits, self.cache = self._programs[key](self.params, self.cache, tokens, positions, slots, logit_rows)

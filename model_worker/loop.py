@@ -48,7 +48,8 @@ class EngineLoop:
         computed in an iteration that also decodes running streams (bounds the pause a long new prompt causes in
         them; default: the smallest chunk); a lone prompt uses the largest chunks it fills (`Engine.chunk_size`).
         metrics: an optional WorkerMetrics to update; mask_wait: seconds a step waits, after dispatching its
-        forward pass, for the token masks of its constrained rows (a row whose mask is later is recomputed at a later step)."""
+        forward pass, for the token masks of its constrained rows (a row whose mask is later is recomputed at a
+        later step)."""
         self.engine = engine
         self.mask_wait = mask_wait
         self.token_budget = token_budget or min(engine.ecfg.prefill_chunks)

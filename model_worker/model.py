@@ -186,35 +186,20 @@ def _attention_block(
     place (`_attend_in_place`); sliding layers in a chunk (C > 1) attend over their gathered ring plus the chunk
     and defer the ring write to `_write_rings`, after the last layer."""
     B, C, _ = x.shape
-    D, K = spec.head_dim, spec.num_kv_heads
     eps = cfg.rms_norm_eps
-    q = linear(x, lp.q).reshape(B, C, cfg.num_heads, D)
+    q = linear(x, lp.q).reshape(B, C, cfg.num_heads, spec.head_dim)
     q = rope(rms_norm(q, lp.q_norm, eps), positions, spec)
     window = cfg.sliding_window if spec.attention == "sliding" else None
-    decode = C == 1 and cache.k[spec.kv_source] is not None  # every row reads its own cache row in place
-    if spec.kv_source == i and decode:
-        shared[i] = (None, None, _write_decode(lp, spec, i, x, positions, start, n_valid, cache, slots, cfg), True)
-    elif spec.kv_source == i:
-        k_raw = linear(x, lp.k).reshape(B, C, K, D)
-        k = rope(rms_norm(k_raw, lp.k_norm, eps), positions, spec)
-        v = k_raw if spec.k_eq_v else linear(x, lp.v).reshape(B, C, K, D)
-        if cfg.v_norm:
-            v = rms_norm(v, None, eps)
-        dtype = x.dtype
-        if cache.k_scale[i] is not None:  # int8 storage: the chunk attends to what the cache will hold
-            (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
-        else:
-            ks = vs = None
-        if spec.attention == "full":  # written first, then read in place up to the last valid position
-            cache.k[i] = _write_full(cache.k[i], k, positions, slots)
-            cache.v[i] = _write_full(cache.v[i], v, positions, slots)
-            cache.k_scale[i] = _write_full(cache.k_scale[i], ks, positions, slots)
-            cache.v_scale[i] = _write_full(cache.v_scale[i], vs, positions, slots)
-            shared[i] = (None, None, None, True)
-        else:
+    if spec.kv_source == i:
+        k, v, ks, vs = _project_kv(lp, spec, x, positions, cache.k_scale[i] is not None, cfg)
+        if spec.attention == "full" or C == 1:  # written first, then read in place (`_attend_in_place`)
+            k_pos = _write_in_place(cache, i, spec, (k, v, ks, vs), positions, start, n_valid, slots)
+            shared[i] = (None, None, k_pos, True)
+        else:  # a chunk on a sliding layer: its ring (gathered) plus the chunk; the ring write waits for every read
             ring = [_rows(a, slots) for a in (cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i])]
-            keys = jnp.concatenate([dequantize_kv(ring[0], ring[2], dtype), dequantize_kv(k, ks, dtype)], axis=1)
-            vals = jnp.concatenate([dequantize_kv(ring[1], ring[3], dtype), dequantize_kv(v, vs, dtype)], axis=1)
+            dt = x.dtype
+            keys = jnp.concatenate([dequantize_kv(ring[0], ring[2], dt), dequantize_kv(k, ks, dt)], axis=1)
+            vals = jnp.concatenate([dequantize_kv(ring[1], ring[3], dt), dequantize_kv(v, vs, dt)], axis=1)
             k_pos = jnp.concatenate([ring_positions(start, ring[0].shape[1]), positions], axis=1)
             deferred.append((i, ring, (k, v, ks, vs)))
             shared[i] = (keys, vals, k_pos, False)
@@ -232,16 +217,10 @@ def _batch_rows(slots: jax.Array | None, B: int) -> jax.Array:
     return jnp.arange(B, dtype=jnp.int32) if slots is None else slots
 
 
-def _write_decode(lp, spec: LayerSpec, i: int, x, positions, start, n_valid, cache: KVCache, slots,
-                  cfg) -> jax.Array | None:
-    """Decode (one token per row): layer i's K/V written into the cache in place (ring index position % R for
-    sliding layers), before any read. Safe for R >= window: position p evicts p - R, which the strict window
-    mask (q - W < k) hides anyway.
-
-    Returns:
-      sliding layers: k_pos [B, R] int32, the position held at each ring index of each batch row (negative =
-      empty); full layers: None (index = position; `_attend_in_place` reads up to the row's position).
-    """
+def _project_kv(lp, spec: LayerSpec, x, positions, int8: bool, cfg):
+    """K and V of a chunk x [B, C, H]: k = rope(k_norm(x Wk)), v = x Wv (= the raw k when `k_eq_v`; RMS-normed
+    without weight when `cfg.v_norm`), each [B, C, K, D]; with `int8`, quantized as the cache will hold them (the
+    chunk attends to that). Returns (k, v, k_scale, v_scale), scales [B, C, K] float32 or None."""
     B, C, _ = x.shape
     D, K = spec.head_dim, spec.num_kv_heads
     eps = cfg.rms_norm_eps
@@ -250,15 +229,25 @@ def _write_decode(lp, spec: LayerSpec, i: int, x, positions, start, n_valid, cac
     v = k_raw if spec.k_eq_v else linear(x, lp.v).reshape(B, C, K, D)
     if cfg.v_norm:
         v = rms_norm(v, None, eps)
-    if cache.k_scale[i] is not None:
-        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
-    else:
-        ks = vs = None
+    if not int8:
+        return k, v, None, None
+    (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+    return k, v, ks, vs
+
+
+def _write_in_place(cache: KVCache, i: int, spec: LayerSpec, new: tuple, positions, start, n_valid, slots):
+    """Write a chunk's (k, v, k_scale, v_scale) into layer i's cache rows before any read: full layers at index =
+    position; sliding layers (decode only, C == 1) at ring index position % R. Safe for R >= window: position p
+    evicts p - R, which the strict window mask (q - W < k) hides anyway. Padding (position -1) writes nothing.
+
+    Returns:
+      sliding layers: k_pos [B, R] int32, the position held at each ring index of each batch row (negative =
+      empty); full layers: None (index = position; `_attend_in_place` reads up to the row's position).
+    """
     T = cache.k[i].shape[1]
-    index = positions % T if spec.attention == "sliding" else positions
-    index = jnp.where(positions >= 0, index, -1)
-    for name, new in (("k", k), ("v", v), ("k_scale", ks), ("v_scale", vs)):
-        getattr(cache, name)[i] = _write_full(getattr(cache, name)[i], new, index, slots)
+    index = jnp.where(positions >= 0, positions % T, -1) if spec.attention == "sliding" else positions
+    for name, value in zip(("k", "v", "k_scale", "v_scale"), new):
+        getattr(cache, name)[i] = _write_full(getattr(cache, name)[i], value, index, slots)
     return ring_positions(start + n_valid, T) if spec.attention == "sliding" else None
 
 
@@ -269,7 +258,7 @@ def _attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, s
 
     Args:
       q: [B, C, N, D]; q_pos: [B, C] (-1 = padding).
-      k_pos: sliding layers: [B, R] positions held by each row's ring (`_write_decode`; decode only, C == 1);
+      k_pos: sliding layers: [B, R] positions held by each row's ring (`_write_in_place`; decode only, C == 1);
         full layers: None - index = position, and a row reads keys [0, its last valid position] only
         (`_attend_blocks`), never beyond the static bound kv_len.
       slots: [B] cache rows (None: row b is slot b).
@@ -367,7 +356,7 @@ def _after_value(x: jax.Array, anchor: jax.Array) -> jax.Array:
 
 def _write_rings(cache: KVCache, deferred: list, anchor, positions, start, n_valid, slots) -> None:
     """Apply the sliding layers' ring updates of a chunk (C > 1; decode writes its rings at once, before the reads,
-    in `_write_decode`) once every layer has read the rings.
+    in `_write_in_place`) once every layer has read the rings.
 
     Writing a ring while a later read of the same buffer is still pending (the read is fused into the attention
     that consumes it, or a KV-shared layer reads it later) makes XLA copy the whole cache array instead of updating
