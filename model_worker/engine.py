@@ -7,6 +7,8 @@ Every model program is one jitted `step` = forward + sample, with the KV cache a
   * compute (batch 1, C tokens of one slot, KV bucket L) -> ("compute", 1, C, L): prompt chunks and forced-token
     runs (several tokens per slot in one step)
   * decode  (B slots, one token each, KV bucket L)        -> ("decode", B, 1, L), B in the batch buckets
+  * mixed   (one slot's chunk of C tokens + a decode batch)-> ("mixed", B, C, L), C the smallest chunk: a
+    prompt chunk and the running streams' next tokens in one pass over the weights (`model.forward_batches`)
   * sample  (B rows of logits)                            -> ("sample", B, 0, 0): penalties, masks, sampling
   * greedy  (B rows, all plain greedy, no reset)          -> ("greedy", B, 0, 0): mask + argmax only
   * copy    (one slot's KV and penalty rows to another)   -> ("copy", 1, 0, 0): prefix reuse, `n` > 1
@@ -37,7 +39,7 @@ import numpy as np
 
 from model_worker.config import ModelConfig
 from model_worker.kv_cache import KVCache
-from model_worker.model import forward
+from model_worker.model import Batch, forward, forward_batches
 from model_worker.params import Params
 from model_worker.sampling import (
     PenaltyState,
@@ -139,12 +141,25 @@ def _forward_chunk(params, cache, pstate, tokens, positions, slots, logit_rows, 
     """`_forward` for a compute chunk, which also records its input tokens in the row's penalty history (cleared
     first when `reset`): a chunk's tokens are committed whatever happens to the sample after it."""
     logits, cache = forward(params, tokens, positions, cache, slots, cfg, kv_len, logit_rows)
+    return logits, cache, _record_chunk(pstate, tokens, positions, slots, is_output, reset)
+
+
+def _forward_mixed(params, cache, pstate, tokens, positions, slots, logit_rows, is_output, reset, d_tokens,
+                   d_positions, d_slots, d_logit_rows, *, cfg, kv_len):
+    """A compute chunk (as `_forward_chunk`) and a decode batch (as `_forward`) in one forward pass
+    (`forward_batches`). Returns (chunk logits [1, V], decode logits [B, V], cache, pstate)."""
+    batches = (Batch(tokens, positions, slots, logit_rows), Batch(d_tokens, d_positions, d_slots, d_logit_rows))
+    (logits, d_logits), cache = forward_batches(params, batches, cache, cfg, kv_len)
+    return logits, d_logits, cache, _record_chunk(pstate, tokens, positions, slots, is_output, reset)
+
+
+def _record_chunk(pstate, tokens, positions, slots, is_output, reset):
+    """A chunk's tokens [B, C] recorded in its rows' penalty history (cleared first where `reset` [B])."""
     rows = jax.tree_util.tree_map(lambda a: jnp.take(a, slots, axis=0), pstate)
     rows = jax.tree_util.tree_map(
         lambda a: jnp.where(reset.reshape((-1,) + (1,) * (a.ndim - 1)), 0, a).astype(a.dtype), rows)
     rows = _record_inputs(rows, tokens, positions, is_output)
-    pstate = jax.tree_util.tree_map(lambda a, r: a.at[slots].set(r), pstate, rows)
-    return logits, cache, pstate
+    return jax.tree_util.tree_map(lambda a, r: a.at[slots].set(r), pstate, rows)
 
 
 def _sample_greedy(pstate, logits, tokens, positions, slots, is_output, active, sampling):
@@ -192,6 +207,52 @@ class Pending:
     rows: int
 
 
+@dataclasses.dataclass
+class _ChunkInputs:
+    """Host arrays of one compute chunk (batch 1, `chunk` tokens, the first `n` valid)."""
+
+    chunk: int
+    n: int
+    tokens: np.ndarray  # [1, chunk] int32
+    positions: np.ndarray  # [1, chunk] int32, -1 = padding
+    slots: np.ndarray  # [1] int32
+    is_output: np.ndarray  # [1, chunk] bool
+    reset: bool
+
+    @staticmethod
+    def make(chunk: int, slot: int, token_ids: list[int], start: int, is_output: list[bool], reset: bool):
+        n = min(chunk, len(token_ids))
+        tokens = np.zeros((1, chunk), np.int32)
+        tokens[0, :n] = token_ids[:n]
+        positions = np.full((1, chunk), -1, np.int32)
+        positions[0, :n] = np.arange(start, start + n)
+        outputs = np.zeros((1, chunk), bool)
+        outputs[0, :n] = is_output[:n]
+        return _ChunkInputs(chunk, n, tokens, positions, np.array([slot], np.int32), outputs, reset)
+
+    def arrays(self) -> tuple:
+        """The chunk program's inputs after (params, cache, pstate)."""
+        return (self.tokens, self.positions, self.slots, np.array([self.n - 1], np.int32), self.is_output,
+                np.array([self.reset]))
+
+    def pending(self, logits: jax.Array) -> Pending:
+        """The chunk's last-token logits awaiting sampling (the chunk recorded its own inputs)."""
+        none = np.full((1, 1), -1, np.int32)
+        return Pending(logits, self.slots, self.tokens[:, :1], none, self.is_output[:, :1], 1)
+
+
+@dataclasses.dataclass
+class _DecodeInputs:
+    """Host arrays of one decode batch padded to its bucket (`rows` real rows first) and its KV bucket."""
+
+    slots: np.ndarray  # [B] int32
+    tokens: np.ndarray  # [B, 1] int32
+    positions: np.ndarray  # [B, 1] int32, -1 = idle
+    is_output: np.ndarray  # [B, 1] bool
+    rows: int
+    kv_len: int
+
+
 def _copy(cache, pstate, src, dst):
     """Copy slot src's KV rows and penalty rows to slot dst (src, dst: int32 scalars)."""
     move = lambda a: None if a is None else a.at[dst].set(a[src])
@@ -225,12 +286,14 @@ class Engine:
         self._programs: dict[tuple[str, int, int, int], jax.stages.Compiled] = {}
         self.calls: collections.Counter = collections.Counter()  # program key -> times run
         self._pad_only_tail = jax.default_backend() == "cpu"  # chunk_size's policy
+        self.mixed_chunk = min(ecfg.prefill_chunks)  # the chunk of a mixed step (`dispatch_mixed`)
 
     # ----- the grid -------------------------------------------------------------------------------------------
     def grid(self) -> list[tuple[str, int, int, int]]:
         """Every program key (kind, batch, tokens per row, kv_len)."""
         keys = [("compute", 1, c, L) for c in self.ecfg.prefill_chunks for L in self.kv_buckets]
         keys += [("decode", b, 1, L) for b in self.batch_buckets for L in self.kv_buckets]
+        keys += [("mixed", b, self.mixed_chunk, L) for b in self.batch_buckets for L in self.kv_buckets]
         keys += [(kind, b, 0, 0) for kind in ("sample", "greedy") for b in sorted(set(self.batch_buckets) | {1})]
         return keys + [("copy", 1, 0, 0)]
 
@@ -254,6 +317,13 @@ class Engine:
                          donate_argnames=("cache", "pstate"))
             return fn.lower(self.params, self.cache, self.pstate, *args, np.zeros((batch, chunk), bool),
                             np.zeros(batch, bool))
+        if kind == "mixed":
+            fn = jax.jit(functools.partial(_forward_mixed, cfg=self.cfg, kv_len=kv_len),
+                         donate_argnames=("cache", "pstate"))
+            chunk_args = (np.zeros((1, chunk), np.int32), np.full((1, chunk), -1, np.int32), np.zeros(1, np.int32),
+                          np.zeros(1, np.int32), np.zeros((1, chunk), bool), np.zeros(1, bool))
+            return fn.lower(self.params, self.cache, self.pstate, *chunk_args, *[a[:, :1] if a.ndim == 2 else a
+                                                                                for a in args])
         fn = jax.jit(functools.partial(_forward, cfg=self.cfg, kv_len=kv_len), donate_argnames=("cache",))
         return fn.lower(self.params, self.cache, *args)
 
@@ -329,22 +399,11 @@ class Engine:
         Returns:
           (the pending logits of the last token consumed, number of tokens consumed).
         """
-        chunk = self.chunk_size(len(token_ids))
-        n = min(chunk, len(token_ids))
-        tokens = np.zeros((1, chunk), np.int32)
-        tokens[0, :n] = token_ids[:n]
-        positions = np.full((1, chunk), -1, np.int32)
-        positions[0, :n] = np.arange(start, start + n)
-        outputs = np.zeros((1, chunk), bool)
-        outputs[0, :n] = is_output[:n]
-        slots = np.array([slot], np.int32)
-        key = ("compute", 1, chunk, self.kv_bucket(start + n))
+        c = _ChunkInputs.make(self.chunk_size(len(token_ids)), slot, token_ids, start, is_output, reset)
+        key = ("compute", 1, c.chunk, self.kv_bucket(start + c.n))
         self.calls[key] += 1
-        logits, self.cache, self.pstate = self._programs[key](
-            self.params, self.cache, self.pstate, tokens, positions, slots, np.array([n - 1], np.int32), outputs,
-            np.array([reset]))
-        none = np.full((1, 1), -1, np.int32)  # the chunk recorded its own inputs
-        return Pending(logits, slots, tokens[:, :1], none, outputs[:, :1], 1), n
+        logits, self.cache, self.pstate = self._programs[key](self.params, self.cache, self.pstate, *c.arrays())
+        return c.pending(logits), c.n
 
     def dispatch_decode(self, slots: list[int], tokens: list[int], positions: list[int], is_output: list[bool]) -> Pending:
         """Dispatch one decode step for the given slots (one token each), in the smallest batch bucket.
@@ -355,19 +414,51 @@ class Engine:
           is_output: whether each input token is a generated token (False for a forked sequence's last prompt
             token).
         """
+        d = self._decode_inputs(slots, tokens, positions, is_output)
+        logits = self._forward(("decode", d.slots.shape[0], 1, d.kv_len), d.tokens, d.positions, d.slots,
+                               np.zeros(d.slots.shape[0], np.int32))
+        return Pending(logits, d.slots, d.tokens, d.positions, d.is_output, d.rows)
+
+    def dispatch_mixed(
+        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], reset: bool,
+        slots: list[int], tokens: list[int], positions: list[int], decode_is_output: list[bool],
+    ) -> tuple[Pending, int, Pending]:
+        """One chunk of a slot's pending tokens (as `dispatch_compute`) and a decode step of other slots (as
+        `dispatch_decode`) in one forward pass when the chunk is `mixed_chunk` long (a "mixed" program: the
+        decode rows ride on the chunk's matrix products, the weights are read once); otherwise the two programs
+        one after the other. `slot` must not be among `slots`.
+
+        Returns:
+          (the chunk's pending logits, tokens consumed, the decode step's pending logits).
+        """
+        chunk = self.chunk_size(len(token_ids))
+        if chunk != self.mixed_chunk:
+            pending, n = self.dispatch_compute(slot, token_ids, start, is_output, reset)
+            return pending, n, self.dispatch_decode(slots, tokens, positions, decode_is_output)
+        c = _ChunkInputs.make(chunk, slot, token_ids, start, is_output, reset)
+        d = self._decode_inputs(slots, tokens, positions, decode_is_output, exclude=slot)
+        key = ("mixed", d.slots.shape[0], chunk, max(self.kv_bucket(start + c.n), d.kv_len))
+        self.calls[key] += 1
+        logits, d_logits, self.cache, self.pstate = self._programs[key](
+            self.params, self.cache, self.pstate, *c.arrays(), d.tokens, d.positions, d.slots,
+            np.zeros(d.slots.shape[0], np.int32))
+        return c.pending(logits), c.n, Pending(d_logits, d.slots, d.tokens, d.positions, d.is_output, d.rows)
+
+    def _decode_inputs(self, slots, tokens, positions, is_output, exclude: int | None = None) -> _DecodeInputs:
+        """A decode batch padded to its bucket with idle slots (position -1: they write nothing and their outputs
+        are ignored); `exclude` (a mixed step's chunk slot) only when no other slot is left."""
         n = len(slots)
         batch = self.batch_bucket(n)
-        idle = [s for s in range(self.ecfg.num_slots) if s not in set(slots)][: batch - n]
-        all_slots = np.array(list(slots) + idle, np.int32)
+        idle = [s for s in range(self.ecfg.num_slots) if s not in set(slots) and s != exclude]
+        idle = (idle + ([] if exclude is None else [exclude]))[: batch - n]
         tok = np.zeros((batch, 1), np.int32)
         tok[:n, 0] = tokens
         pos = np.full((batch, 1), -1, np.int32)
         pos[:n, 0] = positions
         outs = np.zeros((batch, 1), bool)
         outs[:n, 0] = is_output
-        kv_len = self.kv_bucket(max(positions) + 1)
-        logits = self._forward(("decode", batch, 1, kv_len), tok, pos, all_slots, np.zeros(batch, np.int32))
-        return Pending(logits, all_slots, tok[:, :1], pos[:, :1], outs[:, :1], n)
+        return _DecodeInputs(np.array(list(slots) + idle, np.int32), tok, pos, outs, n,
+                             self.kv_bucket(max(positions) + 1))
 
     def sample(self, pending: Pending, sampling: SamplingArrays, reset: list[bool], active: list[bool]) -> HostOutput:
         """Sample the pending logits (blocks until the forward pass and the sampling are done).

@@ -110,13 +110,20 @@ class EngineLoop:
         for src, dst in work.copies:
             self.engine.copy_slot(src, dst)
             self.steps["copy"] += 1
-        computing = None
-        if work.compute is not None:
-            computing = self._dispatch_compute(work.compute, budget=self.token_budget if work.decode else None)
-        decoding = self.engine.dispatch_decode(
-            [s.slot for s in work.decode], [s.tokens[-1] for s in work.decode],
-            [s.num_computed for s in work.decode], [s.num_computed >= len(s.prompt) for s in work.decode],
-        ) if work.decode else None
+        computing = decoding = None
+        decode_args = ([s.slot for s in work.decode], [s.tokens[-1] for s in work.decode],
+                       [s.num_computed for s in work.decode], [s.num_computed >= len(s.prompt) for s in work.decode])
+        if work.compute is not None and work.decode:  # one mixed pass: a budget-sized chunk + the decode rows
+            seq, todo = work.compute, self._compute_todo(work.compute, self.token_budget)
+            pending, n, decoding = self.engine.dispatch_mixed(seq.slot, todo, seq.num_computed,
+                                                              seq.is_output(seq.num_computed, len(todo)), seq.reset,
+                                                              *decode_args)
+            seq.reset = False
+            computing = (pending, n)
+        elif work.compute is not None:
+            computing = self._dispatch_compute(work.compute)
+        elif work.decode:
+            decoding = self.engine.dispatch_decode(*decode_args)
         if decoding is not None:
             self._await_constraints(work.decode)
         if computing is not None:
@@ -194,19 +201,23 @@ class EngineLoop:
             seq.sink(TokenEvent(applied, [0.0] * len(applied), seq.finish, forced=[True] * len(applied),
                                 top=[([], [])] * len(applied)))
 
-    def _dispatch_compute(self, seq: Sequence, budget: int | None = None):
-        """Dispatch the next chunk of a sequence's pending tokens; returns (pending, tokens consumed)."""
+    def _dispatch_compute(self, seq: Sequence):
+        """Dispatch the next chunk of a sequence's pending tokens alone; returns (pending, tokens consumed)."""
+        start, todo = seq.num_computed, self._compute_todo(seq)
+        pending, n = self.engine.dispatch_compute(seq.slot, todo, start, seq.is_output(start, len(todo)), seq.reset)
+        seq.reset = False
+        return pending, n
+
+    @staticmethod
+    def _compute_todo(seq: Sequence, budget: int | None = None) -> list[int]:
+        """The pending tokens a compute chunk may take (at most `budget`; the engine takes one chunk of them)."""
         start = seq.num_computed
         todo = seq.tokens[start:]
         if not seq.ready():
             todo = todo[:-1]  # leave the last token until its mask arrives
         if seq.snapshot_at is not None and start < seq.snapshot_at:
             todo = todo[: seq.snapshot_at - start]  # stop exactly at the shared prefix, to pin a copy
-        if budget is not None:
-            todo = todo[:budget]
-        pending, n = self.engine.dispatch_compute(seq.slot, todo, start, seq.is_output(start, len(todo)), seq.reset)
-        seq.reset = False
-        return pending, n
+        return todo if budget is None else todo[:budget]
 
     def _finish_compute(self, seq: Sequence, pending, n: int) -> None:
         seq.num_computed += n

@@ -15,7 +15,9 @@ RoPE uses the half-split ("rotate_half", NeoX) pairing: dim j pairs with j + D/2
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -170,46 +172,83 @@ def _attention_block(
     lp: LayerParams,
     spec: LayerSpec,
     i: int,
-    x: jax.Array,
-    positions: jax.Array,
-    start: jax.Array,
-    n_valid: jax.Array,
+    hs: list[jax.Array],
+    streams: list[_Stream],
     cache: KVCache,
-    shared: dict[int, tuple],
-    slots: jax.Array | None,
     kv_len: int,
     cfg: ModelConfig,
-    deferred: list,
-) -> jax.Array:
-    """Self-attention of one layer; updates `cache`, `shared` and `deferred` in place (they are local to the
-    trace). Full layers, and every layer in decode (C == 1), write their K/V into the cache first and read it in
-    place (`_attend_in_place`); sliding layers in a chunk (C > 1) attend over their gathered ring plus the chunk
-    and defer the ring write to `_write_rings`, after the last layer."""
-    B, C, _ = x.shape
-    eps = cfg.rms_norm_eps
-    q = linear(x, lp.q).reshape(B, C, cfg.num_heads, spec.head_dim)
-    q = rope(rms_norm(q, lp.q_norm, eps), positions, spec)
-    window = cfg.sliding_window if spec.attention == "sliding" else None
+) -> list[jax.Array]:
+    """Self-attention of one layer for every stream; updates `cache` and each stream's `shared` and `deferred`
+    in place (they are local to the trace).
+
+    The projections (Wq, Wk, Wv, Wo) run once over the rows of all streams (`_joint`); each stream attends over
+    its own cache rows. Full layers, and every layer in decode (C == 1), write their K/V into the cache first and
+    read it in place (`_attend_in_place`); sliding layers in a chunk (C > 1) attend over their gathered ring plus
+    the chunk and defer the ring write to `_write_rings`, after the last layer.
+
+    Args:
+      hs: per stream, the normed hidden states [B, C, H].
+    Returns:
+      per stream, the attention output after Wo, [B, C, H].
+    """
+    qs = _joint(lambda h: linear(h, lp.q), hs)
+    new = [None] * len(streams)
     if spec.kv_source == i:
-        k, v, ks, vs = _project_kv(lp, spec, x, positions, cache.k_scale[i] is not None, cfg)
-        if spec.attention == "full" or C == 1:  # written first, then read in place (`_attend_in_place`)
-            k_pos = _write_in_place(cache, i, spec, (k, v, ks, vs), positions, start, n_valid, slots)
-            shared[i] = (None, None, k_pos, True)
-        else:  # a chunk on a sliding layer: its ring (gathered) plus the chunk; the ring write waits for every read
-            ring = [_rows(a, slots) for a in (cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i])]
-            dt = x.dtype
-            keys = jnp.concatenate([dequantize_kv(ring[0], ring[2], dt), dequantize_kv(k, ks, dt)], axis=1)
-            vals = jnp.concatenate([dequantize_kv(ring[1], ring[3], dt), dequantize_kv(v, vs, dt)], axis=1)
-            k_pos = jnp.concatenate([ring_positions(start, ring[0].shape[1]), positions], axis=1)
-            deferred.append((i, ring, (k, v, ks, vs)))
-            shared[i] = (keys, vals, k_pos, False)
-    keys, vals, k_pos, in_place = shared[spec.kv_source]
-    if in_place:
-        out = _attend_in_place(q, cache, spec.kv_source, slots, positions, k_pos, window, cfg.attn_scale, x.dtype,
-                               kv_len)
-    else:
-        out = attend(q, keys, vals, positions, k_pos, window, cfg.attn_scale)
-    return linear(out, lp.o)
+        k_raws = _joint(lambda h: linear(h, lp.k), hs)
+        v_raws = k_raws if spec.k_eq_v else _joint(lambda h: linear(h, lp.v), hs)
+        int8 = cache.k_scale[i] is not None
+        new = [_kv_from_raw(lp, spec, k, v, st.positions, int8, cfg) for k, v, st in zip(k_raws, v_raws, streams)]
+        for st, kv in zip(streams, new):
+            if spec.attention == "sliding" and st.chunk > 1:
+                _gather_ring(cache, i, kv, st, hs[0].dtype)
+    window = cfg.sliding_window if spec.attention == "sliding" else None
+    outs = [None] * len(streams)
+
+    def attention(s: int) -> jax.Array:
+        q, st = qs[s], streams[s]
+        q = q.reshape(q.shape[:2] + (cfg.num_heads, spec.head_dim))
+        q = rope(rms_norm(q, lp.q_norm, cfg.rms_norm_eps), st.positions, spec)
+        keys, vals, k_pos, in_place = st.shared[spec.kv_source]
+        if in_place:
+            return _attend_in_place(q, cache, spec.kv_source, st.slots, st.positions, k_pos, window, cfg.attn_scale,
+                                    q.dtype, kv_len)
+        return attend(q, keys, vals, st.positions, k_pos, window, cfg.attn_scale)
+
+    # Order within the layer (it matters with several streams): streams over gathered rings attend; then every
+    # in-place write, made to wait for those outputs (which consumed every read of the rings); then every in-place
+    # read, of the fully written buffer (each stream reads only its own rows). A write to a buffer while a read of
+    # it is still pending makes XLA copy the whole array (on XLA CPU an optimization barrier after the gather does
+    # not order it: the barrier is expanded away and the gather fused into its readers).
+    gathered = [s for s, st in enumerate(streams) if _reads_gathered(st, spec.kv_source)]
+    for s in gathered:
+        outs[s] = attention(s)
+    in_place = [s for s in range(len(streams)) if s not in gathered]
+    if spec.kv_source == i:
+        for s in in_place:
+            kv, st = new[s], streams[s]
+            for g in gathered:
+                kv = tuple(None if a is None else _after_value(a, outs[g]) for a in kv)
+            k_pos = _write_in_place(cache, i, spec, kv, st.positions, st.start, st.n_valid, st.slots)
+            st.shared[i] = (None, None, k_pos, True)
+    for s in in_place:
+        outs[s] = attention(s)
+    return _joint(lambda o: linear(o, lp.o), outs)
+
+
+def _reads_gathered(st: _Stream, src: int) -> bool:
+    """Whether the stream attends over layer src's gathered ring (not over the cache in place)."""
+    return src in st.shared and not st.shared[src][3]
+
+
+def _gather_ring(cache: KVCache, i: int, kv: tuple, st: _Stream, dtype) -> None:
+    """A sliding-layer chunk (C > 1): its rows' rings, gathered before anything writes layer i, plus the chunk's
+    own K/V `kv` become the keys it attends over (`st.shared[i]`); the ring write is deferred to `_write_rings`."""
+    ring = [_rows(a, st.slots) for a in (cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i])]
+    keys = jnp.concatenate([dequantize_kv(ring[0], ring[2], dtype), dequantize_kv(kv[0], kv[2], dtype)], axis=1)
+    vals = jnp.concatenate([dequantize_kv(ring[1], ring[3], dtype), dequantize_kv(kv[1], kv[3], dtype)], axis=1)
+    k_pos = jnp.concatenate([ring_positions(st.start, ring[0].shape[1]), st.positions], axis=1)
+    st.deferred.append((i, ring, kv))
+    st.shared[i] = (keys, vals, k_pos, False)
 
 
 def _batch_rows(slots: jax.Array | None, B: int) -> jax.Array:
@@ -217,16 +256,17 @@ def _batch_rows(slots: jax.Array | None, B: int) -> jax.Array:
     return jnp.arange(B, dtype=jnp.int32) if slots is None else slots
 
 
-def _project_kv(lp, spec: LayerSpec, x, positions, int8: bool, cfg):
-    """K and V of a chunk x [B, C, H]: k = rope(k_norm(x Wk)), v = x Wv (= the raw k when `k_eq_v`; RMS-normed
-    without weight when `cfg.v_norm`), each [B, C, K, D]; with `int8`, quantized as the cache will hold them (the
-    chunk attends to that). Returns (k, v, k_scale, v_scale), scales [B, C, K] float32 or None."""
-    B, C, _ = x.shape
+def _kv_from_raw(lp, spec: LayerSpec, k_raw, v_raw, positions, int8: bool, cfg):
+    """K and V of a chunk from its projections x Wk and x Wv (k_raw, v_raw [B, C, K*D]; v_raw is k_raw when
+    `k_eq_v`): k = rope(k_norm(k_raw)), v = v_raw (RMS-normed without weight when `cfg.v_norm`), each [B, C, K, D];
+    with `int8`, quantized as the cache will hold them (the chunk attends to that). Returns (k, v, k_scale,
+    v_scale), scales [B, C, K] float32 or None."""
+    B, C = k_raw.shape[:2]
     D, K = spec.head_dim, spec.num_kv_heads
     eps = cfg.rms_norm_eps
-    k_raw = linear(x, lp.k).reshape(B, C, K, D)
+    k_raw = k_raw.reshape(B, C, K, D)
     k = rope(rms_norm(k_raw, lp.k_norm, eps), positions, spec)
-    v = k_raw if spec.k_eq_v else linear(x, lp.v).reshape(B, C, K, D)
+    v = v_raw.reshape(B, C, K, D)
     if cfg.v_norm:
         v = rms_norm(v, None, eps)
     if not int8:
@@ -422,6 +462,68 @@ def lm_head(x: jax.Array, embed: jax.Array | Int8Weight) -> jax.Array:
     return jnp.einsum("...h,vh->...v", x, embed, preferred_element_type=jnp.float32)
 
 
+class Batch(NamedTuple):
+    """One batch of a forward pass: C tokens for each of B cache rows (prefill: B=1, C=chunk; decode: C=1).
+
+    Attributes:
+      tokens: [B, C] int32 token ids (padding ids are ignored).
+      positions: [B, C] int32 logical positions; valid tokens first with consecutive positions, padding = -1.
+      slots: [B] int32 cache rows (distinct), or None for "rows 0..B-1 are slots 0..B-1".
+      logit_rows: [B] int32 index of the chunk position whose logits to return per row, or None for all.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    slots: jax.Array | None = None
+    logit_rows: jax.Array | None = None
+
+
+@dataclasses.dataclass
+class _Stream:
+    """Trace-time bookkeeping of one Batch inside `forward_batches` (plain Python, not a pytree).
+
+    positions: [B, C] (cut to [B, 1] at the first KV-shared layer when logits of one row each are wanted);
+    start, n_valid: [B] int32; shared: kv_source layer -> (keys | None, values | None, k_pos | None, in place);
+    deferred: sliding-ring writes for `_write_rings`.
+    """
+
+    batch: Batch
+    positions: jax.Array
+    start: jax.Array
+    n_valid: jax.Array
+    shared: dict = dataclasses.field(default_factory=dict)
+    deferred: list = dataclasses.field(default_factory=list)
+
+    @property
+    def slots(self) -> jax.Array | None:
+        return self.batch.slots
+
+    @property
+    def chunk(self) -> int:
+        return self.positions.shape[1]
+
+    @staticmethod
+    def of(batch: Batch) -> _Stream:
+        n_valid = jnp.sum(batch.positions >= 0, axis=1).astype(jnp.int32)
+        start = jnp.where(n_valid > 0, batch.positions[:, 0], 0)
+        return _Stream(batch, batch.positions, start, n_valid)
+
+
+def _joint(fn, xs: list[jax.Array]) -> list[jax.Array]:
+    """fn applied once to the rows of every stream: xs are [B_s, C_s, H] arrays, fn maps [R, H] -> [R, H'] row by
+    row; returns [B_s, C_s, H'] per stream. One stream passes straight through (no concatenation); several
+    share one weight read, and their small batches ride on one larger matrix product."""
+    if len(xs) == 1:
+        return [fn(xs[0])]
+    y = fn(jnp.concatenate([x.reshape(-1, x.shape[-1]) for x in xs]))
+    out, at = [], 0
+    for x in xs:
+        n = x.shape[0] * x.shape[1]
+        out.append(y[at:at + n].reshape(x.shape[:2] + y.shape[1:]))
+        at += n
+    return out
+
+
 def forward(
     params: Params,
     tokens: jax.Array,
@@ -432,57 +534,87 @@ def forward(
     kv_len: int,
     logit_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Run the decoder over a chunk of tokens for a batch of cache rows.
+    """Run the decoder over a chunk of tokens for a batch of cache rows (`forward_batches` with one Batch).
 
     Args:
       params: weights.
-      tokens: [B, C] int32 token ids (padding ids are ignored).
-      positions: [B, C] int32 logical positions; valid tokens first with consecutive positions, padding = -1.
-        A full-attention layer must have kv_len > every valid position.
+      tokens, positions, slots, logit_rows: as in `Batch`.
       cache: the KV cache (S rows); donated by callers.
-      slots: [B] int32 cache rows of the batch rows (distinct), or None for "rows 0..B-1 are slots 0..B-1".
       cfg: static model config.
-      kv_len: static; full-attention layers read cache positions [0, kv_len).
-      logit_rows: [B] int32 index of the chunk position whose logits to return per row, or None for all.
+      kv_len: static; full-attention layers read cache positions [0, kv_len). A full-attention layer must have
+        kv_len > every valid position.
     Returns:
       logits: [B, V] float32 (or [B, C, V] when logit_rows is None); the updated cache.
     """
+    logits, cache = forward_batches(params, (Batch(tokens, positions, slots, logit_rows),), cache, cfg, kv_len)
+    return logits[0], cache
+
+
+def forward_batches(
+    params: Params, batches: tuple[Batch, ...], cache: KVCache, cfg: ModelConfig, kv_len: int
+) -> tuple[list[jax.Array], KVCache]:
+    """Run the decoder over several batches in one pass, e.g. a prompt chunk of one slot and a decode step of
+    others (a "mixed" step, as vLLM's chunked prefill and Sarathi-Serve's stall-free batching do).
+
+    Every weight is read once for all batches: the linear layers, the MLP and the LM head run on the
+    concatenated rows (`_joint`), so B decode rows ride on a C-token chunk's matrix products instead of running
+    a second pass over the weights; each batch attends over its own cache rows. The result equals running the
+    batches one after another, each with `forward` (to float32 summation order).
+
+    Args:
+      params: weights.
+      batches: Batch tuples; the slots of their valid rows must be distinct across all batches (a row whose
+        positions are all -1 writes nothing and may name any slot). Either every batch has logit_rows, or none
+        has.
+      cache: the KV cache (S rows); donated by callers.
+      cfg: static model config.
+      kv_len: static; full-attention layers read cache positions [0, kv_len); must exceed every valid position.
+    Returns:
+      per batch, logits [B, V] float32 (or [B, C, V] when logit_rows is None); the updated cache.
+    """
     dtype = params.final_norm.dtype  # the activation dtype (the embedding may be stored as Int8Weight)
     eps = cfg.rms_norm_eps
-    n_valid = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
-    start = jnp.where(n_valid > 0, positions[:, 0], 0)
-    x = embed_rows(params.embed, tokens, dtype) * jnp.asarray(cfg.embed_scale, dtype)
-    pli = per_layer_inputs(params, tokens, x, cfg) if cfg.ple_dim else None
+    streams = [_Stream.of(b) for b in batches]
+    xs = [embed_rows(params.embed, b.tokens, dtype) * jnp.asarray(cfg.embed_scale, dtype) for b in batches]
+    plis = [per_layer_inputs(params, b.tokens, x, cfg) if cfg.ple_dim else None for b, x in zip(batches, xs)]
     cache = KVCache(k=list(cache.k), v=list(cache.v), k_scale=list(cache.k_scale), v_scale=list(cache.v_scale))
-    shared: dict[int, tuple] = {}  # kv_source layer -> (keys | None, values | None, k_pos | None, in place)
-    deferred: list = []
-    all_positions = positions
     # KV-shared layers write no cache, so only the rows whose logits are wanted need to pass through them
     # (transformers Gemma4TextModel._maybe_slice_kv_shared_inputs): prefill computes them for one token.
-    cut = cfg.first_shared_layer if logit_rows is not None else cfg.num_layers
+    pick_rows = batches[0].logit_rows is not None
+    cut = cfg.first_shared_layer if pick_rows else cfg.num_layers
     for i, (lp, spec) in enumerate(zip(params.layers, cfg.layers)):
         if i == cut:
-            pick = lambda a: jnp.take_along_axis(a, logit_rows.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)
-            x, positions = pick(x), pick(positions)
-            pli = pick(pli) if pli is not None else None
-        a = _attention_block(
-            lp, spec, i, rms_norm(x, lp.input_norm, eps), positions, start, n_valid, cache, shared, slots, kv_len,
-            cfg, deferred,
-        )
-        x = x + rms_norm(a, lp.post_attn_norm, eps)
-        x = x + rms_norm(_mlp(lp, rms_norm(x, lp.pre_ffw_norm, eps)), lp.post_ffw_norm, eps)
-        if pli is not None:
-            x = x + _ple_block(lp, x, pli[:, :, i], eps)
+            for s, st in enumerate(streams):
+                rows = st.batch.logit_rows
+                pick = lambda a: jnp.take_along_axis(a, rows.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)
+                xs[s], st.positions = pick(xs[s]), pick(st.positions)
+                plis[s] = pick(plis[s]) if plis[s] is not None else None
+        hs = [rms_norm(x, lp.input_norm, eps) for x in xs]
+        attn = _attention_block(lp, spec, i, hs, streams, cache, kv_len, cfg)
+        xs = [x + rms_norm(a, lp.post_attn_norm, eps) for x, a in zip(xs, attn)]
+        ffw = _joint(lambda h: _mlp(lp, h), [rms_norm(x, lp.pre_ffw_norm, eps) for x in xs])
+        xs = [x + rms_norm(f, lp.post_ffw_norm, eps) for x, f in zip(xs, ffw)]
+        if cfg.ple_dim:
+            xs = [x + _ple_block(lp, x, pli[:, :, i], eps) for x, pli in zip(xs, plis)]
         if cfg.layer_scalar:
-            x = x * lp.layer_scalar.astype(x.dtype)
-    _write_rings(cache, deferred, x, all_positions, start, n_valid, slots)
-    if logit_rows is not None:
-        x = x[:, 0] if cut < cfg.num_layers else jnp.take_along_axis(x, logit_rows[:, None, None], axis=1)[:, 0]
-    x = rms_norm(x, params.final_norm, eps)
-    logits = lm_head(x, params.embed)
+            xs = [x * lp.layer_scalar.astype(x.dtype) for x in xs]
+    for st in streams:  # any stream's final state depends on every stream's reads (the shared projections)
+        b = st.batch
+        _write_rings(cache, st.deferred, xs[0], b.positions, st.start, st.n_valid, b.slots)
+    if pick_rows:
+        xs = [x[:, 0] if cut < cfg.num_layers else jnp.take_along_axis(x, st.batch.logit_rows[:, None, None],
+                                                                       axis=1)[:, 0] for x, st in zip(xs, streams)]
+    xs = [x[:, None] if x.ndim == 2 else x for x in xs]  # [B, 1 or C, H] for `_joint`
+    logits = _joint(lambda h: _logits(params, h, cfg), xs)
+    return [lg[:, 0] if pick_rows else lg for lg in logits], cache
+
+
+def _logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm, tied LM head and optional soft cap: x [..., H] -> logits float32 [..., V]."""
+    logits = lm_head(rms_norm(x, params.final_norm, cfg.rms_norm_eps), params.embed)
     if cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
-    return logits, cache
+    return logits
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kv_len"), donate_argnames=("cache",))

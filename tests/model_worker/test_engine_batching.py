@@ -259,38 +259,39 @@ def test_shared_system_prompt_is_snapshotted_and_reused(engine):
 
 
 def test_long_prompt_is_chunked_while_running_streams_keep_decoding(engine):
-    """A 100-token prompt arriving while another sequence decodes is computed in budget-sized chunks, with a decode
-    step of the running sequence after every chunk (bounded inter-token latency), and gives the same result as
-    when computed alone in large chunks."""
+    """A 100-token prompt arriving while another sequence decodes is computed in budget-sized chunks, each in one
+    mixed pass with a decode step of the running sequence (bounded inter-token latency), and gives the same result
+    as when computed alone in large chunks."""
     rng = np.random.default_rng(13)
     long_prompt = rng.integers(0, 512, 100).tolist()
     loop = EngineLoop(engine, token_budget=8)
     order = []
-    original = loop._dispatch_compute
-
-    def compute(seq, budget=None):
-        order.append(("compute", seq.request_id, budget))
-        return original(seq, budget)
-
-    loop._dispatch_compute = compute
-    decode = loop._finish_decode
+    finish_compute, finish_decode = loop._finish_compute, loop._finish_decode
+    loop._finish_compute = lambda seq, p, n: (order.append(("compute", seq.request_id, n)),
+                                              finish_compute(seq, p, n))
     loop._finish_decode = lambda seqs, p: (order.append(("decode", tuple(s.request_id for s in seqs))),
-                                           decode(seqs, p))
+                                           finish_decode(seqs, p))
+    mixed_before = sum(n for key, n in engine.calls.items() if key[0] == "mixed")
     loop.start()
     try:
         runner, runner_sink = make("runner", [1, 2, 3], 60)
         loop.submit(runner)
-        while len(runner_sink.tokens) < 3:
+        deadline = time.monotonic() + 60
+        while len(runner_sink.tokens) < 3 and not runner_sink.done.is_set():
+            assert time.monotonic() < deadline, "the runner produced no tokens"
             time.sleep(0.01)
         seq, sink = make("long", long_prompt, 5)
         loop.submit(seq)
         assert sink.done.wait(60) and runner_sink.done.wait(60)
     finally:
         loop.stop()
+    assert runner_sink.finish == Finish.LENGTH and sink.finish == Finish.LENGTH
     at = [i for i, o in enumerate(order) if o[0] == "compute" and o[1] == "long"]
-    assert len(at) == -(-100 // 8) and all(order[i][2] == 8 for i in at)
+    assert len(at) == -(-100 // 8) and all(order[i][2] == 8 for i in at[:-1]) and order[at[-1]][2] == 100 % 8
     for a, b in zip(at, at[1:]):
         assert any(o[0] == "decode" and "runner" in o[1] for o in order[a:b]), "a chunk without a decode step"
+    mixed = sum(n for key, n in engine.calls.items() if key[0] == "mixed") - mixed_before
+    assert mixed >= len(at) - 1  # every chunk while the runner decodes ran as a mixed step
     assert_same(sink, run_fresh(engine, "cold", long_prompt, 5))
 
 

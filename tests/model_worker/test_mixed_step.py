@@ -1,0 +1,119 @@
+"""A mixed step (`model.forward_batches`: one slot's prompt chunk and other slots' decode tokens in one pass over
+the weights) against the same two batches run one after the other with `forward`, which the numerics tests pin
+to transformers. The tiny Gemma 4 models cover sliding and full layers, KV sharing of both types, PLE and
+k_eq_v; chunks cross the sliding window, so ring state and the ordering of ring reads and writes matter."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_worker import model
+from model_worker.hf_loader import load_checkpoint
+from model_worker.kv_cache import KVCache
+from model_worker.params import to_device
+from tests.gemma4_tiny import CONFIGS, write_checkpoint
+
+TOL = 2e-4  # float32 summation-order noise between batch shapes (as in test_gemma4_numerics)
+SLOTS, LEN, CHUNK = 4, 128, 16
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    write_checkpoint(CONFIGS[request.param], out)
+    cfg, flat = load_checkpoint(out, jnp.float32)
+    return cfg, to_device(cfg, flat, jnp.float32)
+
+
+def _chunk(ids, start, slot):
+    """A Batch of one slot: `ids` at positions start.. padded to CHUNK, logits of its last token."""
+    toks = np.zeros((1, CHUNK), np.int32)
+    toks[0, :len(ids)] = ids
+    pos = np.full((1, CHUNK), -1, np.int32)
+    pos[0, :len(ids)] = np.arange(start, start + len(ids))
+    return model.Batch(jnp.asarray(toks), jnp.asarray(pos), jnp.asarray([slot], jnp.int32),
+                       jnp.asarray([len(ids) - 1], jnp.int32))
+
+
+def _decode(tokens, positions, slots):
+    """A decode Batch (one token per row; position -1 = an idle row)."""
+    col = lambda v: jnp.asarray(np.asarray(v, np.int32)[:, None])
+    return model.Batch(col(tokens), col(positions), jnp.asarray(slots, jnp.int32),
+                       jnp.zeros(len(slots), jnp.int32))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["f32-kv", "int8-kv"])
+def test_mixed_step_equals_the_two_batches_run_apart(tiny, int8):
+    """Slots 1-3 hold prompts of 21, 37 and 11 tokens (longer and shorter than the window, 8); slot 0 has taken
+    one 16-token chunk. Then, three times: slot 0's next chunk (16, 16, then 5 tokens, crossing the window) and a
+    decode step of slots 1-3 padded with an idle row, in one mixed pass or as two passes. The logits of both
+    batches and the whole cache afterwards agree, including the idle row being the chunk's own slot."""
+    cfg, params = tiny
+    rng = np.random.default_rng(0)
+    fwd = jax.jit(functools.partial(model.forward, cfg=cfg, kv_len=LEN))
+    mixed = jax.jit(functools.partial(model.forward_batches, cfg=cfg, kv_len=LEN))
+
+    cache = KVCache.zeros(cfg, SLOTS, LEN, jnp.float32, int8=int8, slack=4)
+    lengths = {1: 21, 2: 37, 3: 11}
+    for slot, n in lengths.items():
+        ids = rng.integers(0, cfg.vocab_size, n).tolist()
+        for s in range(0, n, CHUNK):
+            b = _chunk(ids[s:s + CHUNK], s, slot)
+            _, cache = fwd(params, b.tokens, b.positions, cache, b.slots, logit_rows=b.logit_rows)
+    prompt = rng.integers(0, cfg.vocab_size, 53).tolist()
+    b = _chunk(prompt[:16], 0, 0)
+    _, cache = fwd(params, b.tokens, b.positions, cache, b.slots, logit_rows=b.logit_rows)
+
+    apart = jax.tree.map(jnp.copy, cache)
+    together = cache
+    pos = dict(lengths)
+    for step, (s, e) in enumerate([(16, 32), (32, 48), (48, 53)]):
+        chunk = _chunk(prompt[s:e], s, 0)
+        toks = rng.integers(0, cfg.vocab_size, 3).tolist()
+        idle = 0 if step == 0 else 3  # the chunk's slot as the idle padding row, then an ordinary one
+        rows = [1, 2, 3] if step == 0 else [1, 2]
+        dec = _decode(toks[:len(rows)] + [0], [pos[r] for r in rows] + [-1], rows + [idle])
+
+        c_want, apart = fwd(params, chunk.tokens, chunk.positions, apart, chunk.slots, logit_rows=chunk.logit_rows)
+        d_want, apart = fwd(params, dec.tokens, dec.positions, apart, dec.slots, logit_rows=dec.logit_rows)
+        (c_got, d_got), together = mixed(params, (chunk, dec), together)
+
+        np.testing.assert_allclose(np.asarray(c_got), np.asarray(c_want), atol=TOL, rtol=0)
+        n = len(rows)
+        np.testing.assert_allclose(np.asarray(d_got)[:n], np.asarray(d_want)[:n], atol=TOL, rtol=0)
+        for r in rows:
+            pos[r] += 1
+    for name in ("k", "v", "k_scale", "v_scale"):
+        for i, (a, b) in enumerate(zip(getattr(apart, name), getattr(together, name))):
+            if a is None:
+                continue
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            if int8 and name in ("k", "v"):  # int8 codes: one step apart at most, where a value sits on a boundary
+                assert np.abs(a - b).max() <= 1 and np.mean(a != b) < 1e-3, (name, i)
+            else:
+                np.testing.assert_allclose(a, b, atol=TOL, rtol=1e-5, err_msg=f"{name}[{i}]")
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["f32-kv", "int8-kv"])
+def test_mixed_program_updates_the_cache_in_place(tiny, int8):
+    """The compiled mixed program holds no copy of a KV cache array: its gathered-ring reads, in-place writes and
+    in-place reads are ordered so that XLA can update the donated cache in place (in another order it copied
+    every cache array of the model, each step)."""
+    from model_worker.engine import Engine, EngineConfig
+
+    cfg, params = tiny
+    engine = Engine(cfg, params, EngineConfig(num_slots=4, max_model_len=LEN, prefill_chunks=(8, 32),
+                                              kv_bucket_factor=16, prefix_slack=4, kv_int8=int8))
+    arrays = [a for group in (engine.cache.k, engine.cache.v, engine.cache.k_scale, engine.cache.v_scale)
+              for a in group if a is not None]
+    hlo_type = {"float32": "f32", "int8": "s8"}
+    cache_shapes = {f"{hlo_type[str(a.dtype)]}[{','.join(map(str, a.shape))}]" for a in arrays}
+    text = engine._lower(("mixed", 2, 8, LEN)).compile().as_text()
+    copied = [shape for shape in re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", text) if shape in cache_shapes]
+    assert not copied, f"the mixed program copies cache arrays: {copied}"
