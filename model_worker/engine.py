@@ -7,8 +7,9 @@ Every model program is one jitted `step` = forward + sample, with the KV cache a
   * compute (batch 1, C tokens of one slot, KV bucket L) -> ("compute", 1, C, L): prompt chunks and forced-token
     runs (several tokens per slot in one step)
   * decode  (B slots, one token each, KV bucket L)        -> ("decode", B, 1, L), B in the batch buckets
-  * mixed   (one slot's chunk of C tokens + a decode batch)-> ("mixed", B, C, L), C the smallest chunk: a
-    prompt chunk and the running streams' next tokens in one pass over the weights (`model.forward_batches`)
+  * mixed   (one slot's chunk of C tokens + a decode batch)-> ("mixed", B, C, max_model_len), C the smallest
+    chunk: a prompt chunk and the running streams' next tokens in one pass over the weights
+    (`model.forward_batches`); one KV bucket only, the largest (see `Engine.grid`)
   * sample  (B rows of logits)                            -> ("sample", B, 0, 0): penalties, masks, sampling
   * greedy  (B rows, all plain greedy, no reset)          -> ("greedy", B, 0, 0): mask + argmax only
   * copy    (one slot's KV and penalty rows to another)   -> ("copy", 1, 0, 0): prefix reuse, `n` > 1
@@ -293,7 +294,11 @@ class Engine:
         """Every program key (kind, batch, tokens per row, kv_len)."""
         keys = [("compute", 1, c, L) for c in self.ecfg.prefill_chunks for L in self.kv_buckets]
         keys += [("decode", b, 1, L) for b in self.batch_buckets for L in self.kv_buckets]
-        keys += [("mixed", b, self.mixed_chunk, L) for b in self.batch_buckets for L in self.kv_buckets]
+        # The full-attention layers read only the key blocks each row's position needs (`model._attend_blocks`), so
+        # the KV bucket is just the bound of that loop: a B=8 mixed step at positions 1000-1400 took 201.7 ms in the
+        # 8192 bucket and 212.4 ms in the 2048 one (medians, alternating). Mixed programs, the slowest to compile
+        # (~8 s each here), therefore exist for the largest bucket only.
+        keys += [("mixed", b, self.mixed_chunk, self.kv_buckets[-1]) for b in self.batch_buckets]
         keys += [(kind, b, 0, 0) for kind in ("sample", "greedy") for b in sorted(set(self.batch_buckets) | {1})]
         return keys + [("copy", 1, 0, 0)]
 
@@ -437,7 +442,8 @@ class Engine:
             return pending, n, self.dispatch_decode(slots, tokens, positions, decode_is_output)
         c = _ChunkInputs.make(chunk, slot, token_ids, start, is_output, reset)
         d = self._decode_inputs(slots, tokens, positions, decode_is_output, exclude=slot)
-        key = ("mixed", d.slots.shape[0], chunk, max(self.kv_bucket(start + c.n), d.kv_len))
+        self.kv_bucket(start + c.n)  # raises ValueError beyond max_model_len, as dispatch_compute does
+        key = ("mixed", d.slots.shape[0], chunk, self.kv_buckets[-1])
         self.calls[key] += 1
         logits, d_logits, self.cache, self.pstate = self._programs[key](
             self.params, self.cache, self.pstate, *c.arrays(), d.tokens, d.positions, d.slots,
