@@ -148,7 +148,15 @@ def _forward_chunk(params, cache, pstate, tokens, positions, slots, logit_rows, 
 def _forward_mixed(params, cache, pstate, tokens, positions, slots, logit_rows, is_output, reset, d_tokens,
                    d_positions, d_slots, d_logit_rows, *, cfg, kv_len):
     """A compute chunk (as `_forward_chunk`) and a decode batch (as `_forward`) in one forward pass
-    (`forward_batches`). Returns (chunk logits [1, V], decode logits [B, V], cache, pstate)."""
+    (`forward_batches`).
+
+    Args:
+      tokens, positions, is_output: the chunk's [1, C] int32 / int32 (-1 = padding) / bool; slots, logit_rows,
+        reset: [1] int32 / int32 / bool.
+      d_tokens, d_positions: the decode batch's [B, 1] int32 (-1 = idle row); d_slots, d_logit_rows: [B] int32.
+    Returns:
+      (chunk logits [1, V] float32, decode logits [B, V] float32, cache, pstate).
+    """
     batches = (Batch(tokens, positions, slots, logit_rows), Batch(d_tokens, d_positions, d_slots, d_logit_rows))
     (logits, d_logits), cache = forward_batches(params, batches, cache, cfg, kv_len)
     return logits, d_logits, cache, _record_chunk(pstate, tokens, positions, slots, is_output, reset)
@@ -210,7 +218,7 @@ class Pending:
 
 @dataclasses.dataclass
 class _ChunkInputs:
-    """Host arrays of one compute chunk (batch 1, `chunk` tokens, the first `n` valid)."""
+    """Host arrays of one compute chunk (batch 1, `chunk` tokens, the first `n` valid); `make` builds them."""
 
     chunk: int
     n: int
@@ -222,6 +230,7 @@ class _ChunkInputs:
 
     @staticmethod
     def make(chunk: int, slot: int, token_ids: list[int], start: int, is_output: list[bool], reset: bool):
+        """The first min(chunk, len(token_ids)) tokens at positions start.., padded to `chunk`."""
         n = min(chunk, len(token_ids))
         tokens = np.zeros((1, chunk), np.int32)
         tokens[0, :n] = token_ids[:n]
@@ -252,6 +261,14 @@ class _DecodeInputs:
     is_output: np.ndarray  # [B, 1] bool
     rows: int
     kv_len: int
+
+    def arrays(self) -> tuple:
+        """The forward inputs (tokens, positions, slots, logit_rows [B] = 0)."""
+        return self.tokens, self.positions, self.slots, np.zeros(self.slots.shape[0], np.int32)
+
+    def pending(self, logits: jax.Array) -> Pending:
+        """The batch's logits [B, V] awaiting sampling."""
+        return Pending(logits, self.slots, self.tokens, self.positions, self.is_output, self.rows)
 
 
 def _copy(cache, pstate, src, dst):
@@ -298,7 +315,9 @@ class Engine:
         # the KV bucket is just the bound of that loop: a B=8 mixed step at positions 1000-1400 took 201.7 ms in the
         # 8192 bucket and 212.4 ms in the 2048 one (medians, alternating). Mixed programs, the slowest to compile
         # (~8 s each here), therefore exist for the largest bucket only.
-        keys += [("mixed", b, self.mixed_chunk, self.kv_buckets[-1]) for b in self.batch_buckets]
+        # (None with one slot: a mixed step needs a decoding slot besides the chunk's.)
+        if self.ecfg.num_slots > 1:
+            keys += [("mixed", b, self.mixed_chunk, self.kv_buckets[-1]) for b in self.batch_buckets]
         keys += [(kind, b, 0, 0) for kind in ("sample", "greedy") for b in sorted(set(self.batch_buckets) | {1})]
         return keys + [("copy", 1, 0, 0)]
 
@@ -315,7 +334,8 @@ class Engine:
                             np.zeros((batch, 1), np.int32), np.full((batch, 1), -1, np.int32),
                             np.arange(batch, dtype=np.int32), flags, *reset, np.zeros(batch, bool),
                             SamplingArrays.defaults(batch, self.cfg.vocab_size))
-        args = (np.zeros((batch, chunk), np.int32), np.full((batch, chunk), -1, np.int32),
+        rows = 1 if kind == "mixed" else chunk  # a mixed program's decode batch: one token per row
+        args = (np.zeros((batch, rows), np.int32), np.full((batch, rows), -1, np.int32),
                 np.arange(batch, dtype=np.int32), np.zeros(batch, np.int32))
         if kind == "compute":
             fn = jax.jit(functools.partial(_forward_chunk, cfg=self.cfg, kv_len=kv_len),
@@ -327,8 +347,7 @@ class Engine:
                          donate_argnames=("cache", "pstate"))
             chunk_args = (np.zeros((1, chunk), np.int32), np.full((1, chunk), -1, np.int32), np.zeros(1, np.int32),
                           np.zeros(1, np.int32), np.zeros((1, chunk), bool), np.zeros(1, bool))
-            return fn.lower(self.params, self.cache, self.pstate, *chunk_args, *[a[:, :1] if a.ndim == 2 else a
-                                                                                for a in args])
+            return fn.lower(self.params, self.cache, self.pstate, *chunk_args, *args)
         fn = jax.jit(functools.partial(_forward, cfg=self.cfg, kv_len=kv_len), donate_argnames=("cache",))
         return fn.lower(self.params, self.cache, *args)
 
@@ -420,9 +439,7 @@ class Engine:
             token).
         """
         d = self._decode_inputs(slots, tokens, positions, is_output)
-        logits = self._forward(("decode", d.slots.shape[0], 1, d.kv_len), d.tokens, d.positions, d.slots,
-                               np.zeros(d.slots.shape[0], np.int32))
-        return Pending(logits, d.slots, d.tokens, d.positions, d.is_output, d.rows)
+        return d.pending(self._forward(("decode", d.slots.shape[0], 1, d.kv_len), *d.arrays()))
 
     def dispatch_mixed(
         self, slot: int, token_ids: list[int], start: int, is_output: list[bool], reset: bool,
@@ -431,11 +448,18 @@ class Engine:
         """One chunk of a slot's pending tokens (as `dispatch_compute`) and a decode step of other slots (as
         `dispatch_decode`) in one forward pass when the chunk is `mixed_chunk` long (a "mixed" program: the
         decode rows ride on the chunk's matrix products, the weights are read once); otherwise the two programs
-        one after the other. `slot` must not be among `slots`.
+        one after the other.
 
+        Args:
+          slot, token_ids, start, is_output, reset: the chunk, as in `dispatch_compute`.
+          slots, tokens, positions, decode_is_output: the decode step, as in `dispatch_decode`.
         Returns:
           (the chunk's pending logits, tokens consumed, the decode step's pending logits).
+        Raises:
+          ValueError: `slot` is among `slots`; a position beyond max_model_len.
         """
+        if slot in slots:
+            raise ValueError(f"slot {slot} cannot take a chunk and decode in the same step")
         chunk = self.chunk_size(len(token_ids))
         if chunk != self.mixed_chunk:
             pending, n = self.dispatch_compute(slot, token_ids, start, is_output, reset)
@@ -446,9 +470,8 @@ class Engine:
         key = ("mixed", d.slots.shape[0], chunk, self.kv_buckets[-1])
         self.calls[key] += 1
         logits, d_logits, self.cache, self.pstate = self._programs[key](
-            self.params, self.cache, self.pstate, *c.arrays(), d.tokens, d.positions, d.slots,
-            np.zeros(d.slots.shape[0], np.int32))
-        return c.pending(logits), c.n, Pending(d_logits, d.slots, d.tokens, d.positions, d.is_output, d.rows)
+            self.params, self.cache, self.pstate, *c.arrays(), *d.arrays())
+        return c.pending(logits), c.n, d.pending(d_logits)
 
     def _decode_inputs(self, slots, tokens, positions, is_output, exclude: int | None = None) -> _DecodeInputs:
         """A decode batch padded to its bucket with idle slots (position -1: they write nothing and their outputs
@@ -470,7 +493,7 @@ class Engine:
         """Sample the pending logits (blocks until the forward pass and the sampling are done).
 
         Args:
-          pending: from dispatch_compute / dispatch_decode.
+          pending: from dispatch_compute / dispatch_decode / dispatch_mixed.
           sampling: settings with `pending.rows` rows.
           reset: per row, clear its penalty history first (a fresh sequence).
           active: per row, whether to commit (False: the row's mask did not arrive; it will be recomputed).

@@ -60,7 +60,9 @@ class EngineLoop:
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.steps = {"compute": 0, "decode": 0, "copy": 0, "computed_tokens": 0}
+        # compute chunks, decode steps, slot copies; "mixed": iterations with both a chunk and a decode step (one
+        # pass when the chunk is the smallest, `Engine.dispatch_mixed`), also counted in "compute" and "decode"
+        self.steps = {"compute": 0, "decode": 0, "mixed": 0, "copy": 0, "computed_tokens": 0}
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -114,12 +116,9 @@ class EngineLoop:
         decode_args = ([s.slot for s in work.decode], [s.tokens[-1] for s in work.decode],
                        [s.num_computed for s in work.decode], [s.num_computed >= len(s.prompt) for s in work.decode])
         if work.compute is not None and work.decode:  # one mixed pass: a budget-sized chunk + the decode rows
-            seq, todo = work.compute, self._compute_todo(work.compute, self.token_budget)
-            pending, n, decoding = self.engine.dispatch_mixed(seq.slot, todo, seq.num_computed,
-                                                              seq.is_output(seq.num_computed, len(todo)), seq.reset,
-                                                              *decode_args)
-            seq.reset = False
+            pending, n, decoding = self._dispatch_compute(work.compute, self.token_budget, decode_args)
             computing = (pending, n)
+            self.steps["mixed"] += 1
         elif work.compute is not None:
             computing = self._dispatch_compute(work.compute)
         elif work.decode:
@@ -201,23 +200,23 @@ class EngineLoop:
             seq.sink(TokenEvent(applied, [0.0] * len(applied), seq.finish, forced=[True] * len(applied),
                                 top=[([], [])] * len(applied)))
 
-    def _dispatch_compute(self, seq: Sequence):
-        """Dispatch the next chunk of a sequence's pending tokens alone; returns (pending, tokens consumed)."""
-        start, todo = seq.num_computed, self._compute_todo(seq)
-        pending, n = self.engine.dispatch_compute(seq.slot, todo, start, seq.is_output(start, len(todo)), seq.reset)
-        seq.reset = False
-        return pending, n
-
-    @staticmethod
-    def _compute_todo(seq: Sequence, budget: int | None = None) -> list[int]:
-        """The pending tokens a compute chunk may take (at most `budget`; the engine takes one chunk of them)."""
+    def _dispatch_compute(self, seq: Sequence, budget: int | None = None, decode_args: tuple | None = None):
+        """Dispatch the next chunk of a sequence's pending tokens (at most `budget`), alone or, given the decode
+        step's arguments (`Engine.dispatch_decode`'s), in one mixed pass with it. Returns (pending, tokens
+        consumed), plus the decode step's pending logits when mixed."""
         start = seq.num_computed
         todo = seq.tokens[start:]
         if not seq.ready():
             todo = todo[:-1]  # leave the last token until its mask arrives
         if seq.snapshot_at is not None and start < seq.snapshot_at:
             todo = todo[: seq.snapshot_at - start]  # stop exactly at the shared prefix, to pin a copy
-        return todo if budget is None else todo[:budget]
+        if budget is not None:
+            todo = todo[:budget]
+        chunk = (seq.slot, todo, start, seq.is_output(start, len(todo)), seq.reset)
+        out = self.engine.dispatch_compute(*chunk) if decode_args is None else self.engine.dispatch_mixed(
+            *chunk, *decode_args)
+        seq.reset = False
+        return out
 
     def _finish_compute(self, seq: Sequence, pending, n: int) -> None:
         seq.num_computed += n

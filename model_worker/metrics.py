@@ -43,7 +43,8 @@ class WorkerMetrics:
         self.cached_tokens = Counter(p + "prompt_tokens_cached", "Prompt tokens whose KV was reused.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
         self.computed_tokens = Counter(p + "computed_tokens", "Tokens run through the model.", registry=r)
-        self.steps = Counter(p + "engine_steps", "Engine programs run.", ["kind"], registry=r)
+        self.steps = Counter(p + "engine_steps", "Engine steps: compute chunks, decode steps, slot copies; mixed: "
+                             "iterations with both a chunk and a decode step (also counted in those).", ["kind"], registry=r)
         self.rejected = Counter(p + "requests_rejected", "Requests refused because the queue was full.", registry=r)
         self.compilations = Counter(p + "compilations", "XLA compilations (after warm-up this must stay flat).",
                                     registry=r)
@@ -70,7 +71,7 @@ class WorkerMetrics:
             self.prefix_queries.inc(sched.cache.queries - seen["queries"])
             self.prefix_hits.inc(sched.cache.hits - seen["hits"])
             seen["queries"], seen["hits"] = sched.cache.queries, sched.cache.hits
-            for kind in ("compute", "decode", "copy"):
+            for kind in ("compute", "decode", "mixed", "copy"):
                 self.steps.labels(kind).inc(loop.steps[kind] - seen["steps"].get(kind, 0))
                 seen["steps"][kind] = loop.steps[kind]
             self.computed_tokens.inc(loop.steps["computed_tokens"] - seen["computed"])

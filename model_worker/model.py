@@ -1,7 +1,8 @@
 """The Gemma text decoder as one pure function: `forward(params, tokens, positions, cache, slots, cfg, ...)`.
 
 A call processes a chunk of C tokens for each of B cache rows (prefill: B=1, C=chunk; decode: B=slots, C=1) and
-returns the logits and the updated cache. Padding is marked by position -1: padded tokens write nothing to the
+returns the logits and the updated cache; `forward_batches` runs several such batches (a prompt chunk and a decode
+step) in one pass over the weights. Padding is marked by position -1: padded tokens write nothing to the
 cache and their outputs are ignored. Valid tokens come first in every row, with consecutive positions.
 
 Math (Gemma 3: transformers `models/gemma3/modeling_gemma3.py`; Gemma 4: ../shared/docs/gemma4-architecture.md):
@@ -215,10 +216,12 @@ def _attention_block(
         return attend(q, keys, vals, st.positions, k_pos, window, cfg.attn_scale)
 
     # Order within the layer (it matters with several streams): streams over gathered rings attend; then every
-    # in-place write, made to wait for those outputs (which consumed every read of the rings); then every in-place
-    # read, of the fully written buffer (each stream reads only its own rows). A write to a buffer while a read of
-    # it is still pending makes XLA copy the whole array (on XLA CPU an optimization barrier after the gather does
-    # not order it: the barrier is expanded away and the gather fused into its readers).
+    # in-place write, made to wait for those outputs (which consumed this layer's reads of the rings); then every
+    # in-place read, of the fully written buffer (each stream reads only its own rows). A write to a buffer while a
+    # read of it is still pending makes XLA copy the whole array (on XLA CPU an optimization barrier after the
+    # gather does not order it: the barrier is expanded away and the gather fused into its readers). Gemma 4's
+    # KV-shared layers read a gathered ring again later; XLA CPU then keeps the gathered rows rather than copying
+    # the cache (test_mixed_step checks the compiled program; other backends are unchecked).
     gathered = [s for s, st in enumerate(streams) if _reads_gathered(st, spec.kv_source)]
     for s in gathered:
         outs[s] = attention(s)
@@ -242,7 +245,13 @@ def _reads_gathered(st: _Stream, src: int) -> bool:
 
 def _gather_ring(cache: KVCache, i: int, kv: tuple, st: _Stream, dtype) -> None:
     """A sliding-layer chunk (C > 1): its rows' rings, gathered before anything writes layer i, plus the chunk's
-    own K/V `kv` become the keys it attends over (`st.shared[i]`); the ring write is deferred to `_write_rings`."""
+    own K/V become the keys it attends over (`st.shared[i]`: keys, values [B, R + C, K, D] in `dtype`, their
+    positions [B, R + C]); the ring write is deferred to `_write_rings`.
+
+    Args:
+      kv: the chunk's (k, v, k_scale, v_scale) from `_kv_from_raw`: [B, C, K, D] (int8 with int8 KV), scales
+        [B, C, K] float32 or None.
+    """
     ring = [_rows(a, st.slots) for a in (cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i])]
     keys = jnp.concatenate([dequantize_kv(ring[0], ring[2], dtype), dequantize_kv(kv[0], kv[2], dtype)], axis=1)
     vals = jnp.concatenate([dequantize_kv(ring[1], ring[3], dtype), dequantize_kv(kv[1], kv[3], dtype)], axis=1)
@@ -504,6 +513,7 @@ class _Stream:
 
     @staticmethod
     def of(batch: Batch) -> _Stream:
+        """The stream of a Batch: start = its first position ([B] int32, 0 for an all-padding row), n_valid."""
         n_valid = jnp.sum(batch.positions >= 0, axis=1).astype(jnp.int32)
         start = jnp.where(n_valid > 0, batch.positions[:, 0], 0)
         return _Stream(batch, batch.positions, start, n_valid)
@@ -556,9 +566,10 @@ def forward_batches(
     """Run the decoder over several batches in one pass, e.g. a prompt chunk of one slot and a decode step of
     others (a "mixed" step, as vLLM's chunked prefill and Sarathi-Serve's stall-free batching do).
 
-    Every weight is read once for all batches: the linear layers, the MLP and the LM head run on the
-    concatenated rows (`_joint`), so B decode rows ride on a C-token chunk's matrix products instead of running
-    a second pass over the weights; each batch attends over its own cache rows. The result equals running the
+    The attention projections, the MLP and the LM head run once on the concatenated rows of all batches
+    (`_joint`), so B decode rows ride on a C-token chunk's matrix products instead of a second pass over those
+    weights; each batch attends over its own cache rows. (Gemma 4's per-layer-input branch, a small part of the
+    weights, still runs per batch.) The result equals running the
     batches one after another, each with `forward` (to float32 summation order).
 
     Args:
@@ -571,7 +582,11 @@ def forward_batches(
       kv_len: static; full-attention layers read cache positions [0, kv_len); must exceed every valid position.
     Returns:
       per batch, logits [B, V] float32 (or [B, C, V] when logit_rows is None); the updated cache.
+    Raises:
+      ValueError: some batches have logit_rows and others do not.
     """
+    if len({b.logit_rows is None for b in batches}) != 1:
+        raise ValueError("forward_batches: either every batch has logit_rows or none has")
     dtype = params.final_norm.dtype  # the activation dtype (the embedding may be stored as Int8Weight)
     eps = cfg.rms_norm_eps
     streams = [_Stream.of(b) for b in batches]

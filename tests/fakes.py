@@ -2,7 +2,7 @@
 
 FakeEngine: the next token is always (previous token + 1) % vocab, so a prompt ending in t generates t+1, t+2, ...
 (or, with a mask, the smallest allowed token >= that). It has the Engine interface the EngineLoop uses (ecfg,
-cfg.vocab_size, compute, decode, copy_slot) and counts its calls.
+cfg.vocab_size, dispatch_compute / dispatch_decode / dispatch_mixed, sample, copy_slot) and counts its calls.
 """
 
 from __future__ import annotations
@@ -68,6 +68,12 @@ class FakeEngine:
             threading.Event().wait(self.step_delay)
         self.calls["decode"] += 1
         return types.SimpleNamespace(last=list(tokens), logprob=-0.25)
+
+    def dispatch_mixed(self, slot, token_ids, start, is_output, reset, slots, tokens, positions, decode_is_output):
+        assert slot not in slots, "a mixed step's chunk slot is also decoding"
+        self.calls["mixed"] = self.calls.get("mixed", 0) + 1
+        pending, n = self.dispatch_compute(slot, token_ids, start, is_output, reset)
+        return pending, n, self.dispatch_decode(slots, tokens, positions, decode_is_output)
 
     def sample(self, pending, sampling, reset, active):
         return self._out([self._next(t, sampling, r) for r, t in enumerate(pending.last)], pending.logprob)

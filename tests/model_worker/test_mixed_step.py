@@ -20,7 +20,7 @@ from model_worker.params import to_device
 from tests.gemma4_tiny import CONFIGS, write_checkpoint
 
 TOL = 2e-4  # float32 summation-order noise between batch shapes (as in test_gemma4_numerics)
-SLOTS, LEN, CHUNK = 4, 128, 16
+SLOTS, LEN = 4, 128
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -31,11 +31,11 @@ def tiny(request, tmp_path_factory):
     return cfg, to_device(cfg, flat, jnp.float32)
 
 
-def _chunk(ids, start, slot):
-    """A Batch of one slot: `ids` at positions start.. padded to CHUNK, logits of its last token."""
-    toks = np.zeros((1, CHUNK), np.int32)
+def _chunk(ids, start, slot, chunk):
+    """A Batch of one slot: `ids` at positions start.. padded to `chunk`, logits of its last token."""
+    toks = np.zeros((1, chunk), np.int32)
     toks[0, :len(ids)] = ids
-    pos = np.full((1, CHUNK), -1, np.int32)
+    pos = np.full((1, chunk), -1, np.int32)
     pos[0, :len(ids)] = np.arange(start, start + len(ids))
     return model.Batch(jnp.asarray(toks), jnp.asarray(pos), jnp.asarray([slot], jnp.int32),
                        jnp.asarray([len(ids) - 1], jnp.int32))
@@ -48,10 +48,12 @@ def _decode(tokens, positions, slots):
                        jnp.zeros(len(slots), jnp.int32))
 
 
+# Chunks of 8 fit the sliding ring (window 8 + slack 4): ring writes scatter; chunks of 16 rewrite whole rings.
+@pytest.mark.parametrize("chunk", [8, 16])
 @pytest.mark.parametrize("int8", [False, True], ids=["f32-kv", "int8-kv"])
-def test_mixed_step_equals_the_two_batches_run_apart(tiny, int8):
+def test_mixed_step_equals_the_two_batches_run_apart(tiny, int8, chunk):
     """Slots 1-3 hold prompts of 21, 37 and 11 tokens (longer and shorter than the window, 8); slot 0 has taken
-    one 16-token chunk. Then, three times: slot 0's next chunk (16, 16, then 5 tokens, crossing the window) and a
+    one chunk. Then, three times: slot 0's next chunk (full, full, then 5 tokens, crossing the window) and a
     decode step of slots 1-3 padded with an idle row, in one mixed pass or as two passes. The logits of both
     batches and the whole cache afterwards agree, including the idle row being the chunk's own slot."""
     cfg, params = tiny
@@ -63,26 +65,26 @@ def test_mixed_step_equals_the_two_batches_run_apart(tiny, int8):
     lengths = {1: 21, 2: 37, 3: 11}
     for slot, n in lengths.items():
         ids = rng.integers(0, cfg.vocab_size, n).tolist()
-        for s in range(0, n, CHUNK):
-            b = _chunk(ids[s:s + CHUNK], s, slot)
+        for s in range(0, n, chunk):
+            b = _chunk(ids[s:s + chunk], s, slot, chunk)
             _, cache = fwd(params, b.tokens, b.positions, cache, b.slots, logit_rows=b.logit_rows)
-    prompt = rng.integers(0, cfg.vocab_size, 53).tolist()
-    b = _chunk(prompt[:16], 0, 0)
+    prompt = rng.integers(0, cfg.vocab_size, 3 * chunk + 5).tolist()
+    b = _chunk(prompt[:chunk], 0, 0, chunk)
     _, cache = fwd(params, b.tokens, b.positions, cache, b.slots, logit_rows=b.logit_rows)
 
     apart = jax.tree.map(jnp.copy, cache)
     together = cache
     pos = dict(lengths)
-    for step, (s, e) in enumerate([(16, 32), (32, 48), (48, 53)]):
-        chunk = _chunk(prompt[s:e], s, 0)
+    for step, (s, e) in enumerate([(chunk, 2 * chunk), (2 * chunk, 3 * chunk), (3 * chunk, 3 * chunk + 5)]):
+        batch = _chunk(prompt[s:e], s, 0, chunk)
         toks = rng.integers(0, cfg.vocab_size, 3).tolist()
         idle = 0 if step == 0 else 3  # the chunk's slot as the idle padding row, then an ordinary one
         rows = [1, 2, 3] if step == 0 else [1, 2]
         dec = _decode(toks[:len(rows)] + [0], [pos[r] for r in rows] + [-1], rows + [idle])
 
-        c_want, apart = fwd(params, chunk.tokens, chunk.positions, apart, chunk.slots, logit_rows=chunk.logit_rows)
+        c_want, apart = fwd(params, batch.tokens, batch.positions, apart, batch.slots, logit_rows=batch.logit_rows)
         d_want, apart = fwd(params, dec.tokens, dec.positions, apart, dec.slots, logit_rows=dec.logit_rows)
-        (c_got, d_got), together = mixed(params, (chunk, dec), together)
+        (c_got, d_got), together = mixed(params, (batch, dec), together)
 
         np.testing.assert_allclose(np.asarray(c_got), np.asarray(c_want), atol=TOL, rtol=0)
         n = len(rows)
@@ -117,3 +119,13 @@ def test_mixed_program_updates_the_cache_in_place(tiny, int8):
     text = engine._lower(("mixed", 2, 8, LEN)).compile().as_text()
     copied = [shape for shape in re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", text) if shape in cache_shapes]
     assert not copied, f"the mixed program copies cache arrays: {copied}"
+
+
+def test_batches_must_agree_on_logit_rows(tiny):
+    """Logits of one row per batch for some batches and of every token for others is refused, not guessed."""
+    cfg, params = tiny
+    cache = KVCache.zeros(cfg, SLOTS, LEN, jnp.float32, slack=4)
+    chunk = _chunk([1, 2, 3], 0, 0, 8)
+    dec = _decode([5], [0], [1])._replace(logit_rows=None)
+    with pytest.raises(ValueError, match="logit_rows"):
+        model.forward_batches(params, (chunk, dec), cache, cfg, LEN)

@@ -306,3 +306,23 @@ def test_queue_bound_answers_resource_exhausted():
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 1 and codes.count(grpc.StatusCode.OK) == 2
     finally:
         s.close()
+
+
+def test_a_prompt_arriving_during_decode_runs_in_mixed_steps():
+    """A 10-token prompt (three 4-token chunks) arriving while another request decodes is computed in mixed steps
+    (each chunk with the running request's decode step); both streams are exactly right."""
+    engine = FakeEngine(FakeEngineConfig(num_slots=2, max_model_len=MAX_LEN, chunk=4), step_delay=0.01)
+    s = Server(engine)
+    try:
+        assert prefill(s.stub, "p", [100], max_tokens=30).first_token.token_id == 101
+        results = {}
+        runner = threading.Thread(target=lambda: results.__setitem__("p", decode_all(s.stub, "p")[0]))
+        runner.start()
+        first = prefill(s.stub, "q", list(range(200, 210)), max_tokens=3)
+        assert first.first_token.token_id == 210
+        assert decode_all(s.stub, "q")[0] == [211, 212]
+        runner.join(10)
+        assert results["p"] == list(range(102, 131))
+        assert engine.calls.get("mixed", 0) >= 2, engine.calls
+    finally:
+        s.close()
