@@ -66,6 +66,7 @@ def load_engine(prepared, args: argparse.Namespace):
              engine.kv_buckets, ecfg.prefill_chunks)
     seconds = engine.compile_all(lambda n, total, key: log.info("compiled %d/%d %s", n, total, key))
     log.info("compiled %d programs in %.1f s", engine.num_programs, seconds)
+    log.info("ran each forward program once (warm-up) in %.1f s", engine.warm_up())
     per_token, per_seq = engine.kv_bytes()
     info = model_worker_pb2.WorkerInfoResponse(
         model_name=prepared.name,

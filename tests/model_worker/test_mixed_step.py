@@ -129,3 +129,29 @@ def test_batches_must_agree_on_logit_rows(tiny):
     dec = _decode([5], [0], [1])._replace(logit_rows=None)
     with pytest.raises(ValueError, match="logit_rows"):
         model.forward_batches(params, (chunk, dec), cache, cfg, LEN)
+
+
+def test_warm_up_runs_every_forward_program_and_changes_no_state(tiny):
+    """`Engine.warm_up` (run at start-up so that no request pays a program's slow first call) runs the compute,
+    decode and mixed programs on padding only: the KV cache and the penalty history that real tokens left are
+    bit-identical afterwards, and `calls` still counts only real runs."""
+    from model_worker.engine import Engine, EngineConfig
+
+    cfg, params = tiny
+    engine = Engine(cfg, params, EngineConfig(num_slots=4, max_model_len=LEN, prefill_chunks=(8, 32),
+                                              kv_bucket_factor=16, prefix_slack=4))
+    engine.compile_all(keys=[("compute", 1, 8, 8), ("compute", 1, 8, LEN), ("decode", 1, 1, LEN),
+                             ("decode", 2, 1, LEN), ("mixed", 2, 8, LEN)])
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 20).tolist()
+    start = 0
+    while start < len(ids):
+        _, n = engine.dispatch_compute(1, ids[start:], start, [True] * (len(ids) - start))
+        start += n
+    jax.block_until_ready(engine.dispatch_decode([1], [ids[-1]], [20], [True]).logits)
+    before = jax.tree.map(np.asarray, (engine.cache, engine.pstate))
+    calls = dict(engine.calls)
+    assert engine.warm_up() > 0
+    after = jax.tree.map(np.asarray, (engine.cache, engine.pstate))
+    assert np.asarray(before[1].counts).sum() > 0 and np.abs(np.asarray(before[0].k[0])).sum() > 0
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+    assert dict(engine.calls) == calls
