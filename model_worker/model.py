@@ -569,8 +569,8 @@ def forward_batches(
     The attention projections, the MLP and the LM head run once on the concatenated rows of all batches
     (`_joint`), so B decode rows ride on a C-token chunk's matrix products instead of a second pass over those
     weights; each batch attends over its own cache rows. (Gemma 4's per-layer-input branch, a small part of the
-    weights, still runs per batch.) The result equals running the
-    batches one after another, each with `forward` (to float32 summation order).
+    weights, still runs per batch.) The result equals running the batches one after another, each with
+    `forward` (to float32 summation order).
 
     Args:
       params: weights.
@@ -616,10 +616,8 @@ def forward_batches(
     for st in streams:  # any stream's final state depends on every stream's reads (the shared projections)
         b = st.batch
         _write_rings(cache, st.deferred, xs[0], b.positions, st.start, st.n_valid, b.slots)
-    if pick_rows:
-        xs = [x[:, 0] if cut < cfg.num_layers else jnp.take_along_axis(x, st.batch.logit_rows[:, None, None],
-                                                                       axis=1)[:, 0] for x, st in zip(xs, streams)]
-    xs = [x[:, None] if x.ndim == 2 else x for x in xs]  # [B, 1 or C, H] for `_joint`
+    if pick_rows and cut == cfg.num_layers:  # not cut yet: keep each row's logit position, [B, 1, H]
+        xs = [jnp.take_along_axis(x, st.batch.logit_rows[:, None, None], axis=1) for x, st in zip(xs, streams)]
     logits = _joint(lambda h: _logits(params, h, cfg), xs)
     return [lg[:, 0] if pick_rows else lg for lg in logits], cache
 
