@@ -32,9 +32,10 @@ from model_worker.engine import Engine, EngineConfig, enable_compilation_cache  
 from model_worker.sampling import SamplingArrays  # noqa: E402
 
 
-def load(model: str, dtype: str, cache_dir: pathlib.Path):
-    """(config, params) for the embedded model, a .gguf, or a checkpoint directory."""
-    from model_worker.params import to_device
+def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "float32"):
+    """(config, params) for the embedded model, a .gguf, or a checkpoint directory, at the worker's
+    `--matmul-precision` `precision` ("float32" or "bfloat16", see `params.with_bf16_matmuls`)."""
+    from model_worker.params import to_device, with_bf16_matmuls
 
     prepared = prepare(model, cache_dir)
     if prepared.kind == "checkpoint":
@@ -48,7 +49,10 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path):
 
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))
-    return cfg, to_device(cfg, flat, jnp.dtype(dtype))
+    params = to_device(cfg, flat, jnp.dtype(dtype))
+    if precision == "bfloat16":
+        params = with_bf16_matmuls(params)
+    return cfg, params
 
 
 def measure_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -89,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--matmul-precision", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-int8", action="store_true")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--kv", type=int, nargs="+", default=[512, 2048, 8192])
@@ -99,7 +104,7 @@ def main() -> None:
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))
-    cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir))
+    cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir), args.matmul_precision)
     slots = max(args.batches)
     kv_buckets = sorted(set(args.kv))
     ecfg = EngineConfig(num_slots=slots, max_model_len=max(kv_buckets), prefill_chunks=(min(kv_buckets),),

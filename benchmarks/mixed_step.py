@@ -56,6 +56,7 @@ def variants(engine: Engine, batch: int, chunk: int, position: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
+    parser.add_argument("--matmul-precision", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--position", type=int, default=1500)
@@ -67,7 +68,7 @@ def main() -> None:
     backend = jax.default_backend()
     dtype = "float32" if backend == "cpu" else "bfloat16"
     enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))
-    cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir))
+    cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir), args.matmul_precision)
     ecfg = EngineConfig(num_slots=max(args.batches) + 1, max_model_len=args.max_model_len,
                         prefill_chunks=(args.chunk,), dtype=dtype)
     engine = Engine(cfg, params, ecfg)
@@ -77,7 +78,7 @@ def main() -> None:
                                                for k in (("decode", b, 1, L), ("mixed", b, args.chunk,
                                                                                  engine.kv_buckets[-1]))]
     compile_s = engine.compile_all(keys=keys)
-    print(f"{cfg.name} on {backend} ({dtype}); chunk {args.chunk} at position {args.position}, KV bucket {L}; "
+    print(f"{cfg.name} on {backend} ({dtype}, {args.matmul_precision} matmul precision); chunk {args.chunk} at position {args.position}, KV bucket {L}; "
           f"{len(keys)} programs compiled in {compile_s:.0f} s; medians of {args.iterations}, ms")
     print(f"{'batch':>5} {'chunk':>7} {'decode':>7} {'both':>7} {'mixed':>7} {'mixed/both':>10}")
     rows = []

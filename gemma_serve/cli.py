@@ -97,6 +97,15 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         help="dtype of activations, KV and dense weights (int8 GGUF blocks and int4 stay packed); auto = float32 on "
         "CPU, bfloat16 on TPU/GPU (default: %(default)s)",
     )
+    p.add_argument(
+        "--matmul-precision",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="precision of the layer projections' products: bfloat16 rounds their weights once and each input row "
+        "to bfloat16 and sums in float32 (as TPUs and GPU servers do), ~1.4x faster prompt chunks on CPU, with "
+        "logits within ~0.1-0.6 of float32 and greedy outputs that may differ under different batching; float32 "
+        "multiplies the exact weights (with float32 activations) (default: %(default)s)",
+    )
 
 
 def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:

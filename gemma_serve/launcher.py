@@ -40,6 +40,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     base = [sys.executable, "-m", "gemma_serve.cli"]
     common = ["--model", args.model, "--cache-dir", args.cache_dir, "--host", args.host, "--log-level", args.log_level]
     engine = ["--max-model-len", str(args.max_model_len), "--num-slots", str(args.num_slots), "--dtype", args.dtype,
+              "--matmul-precision", args.matmul_precision,
               "--kv-cache-dtype", args.kv_cache_dtype, "--max-waiting", str(args.max_waiting),
               "--prefix-slack", str(args.prefix_slack)]
     if args.prefill_token_budget:

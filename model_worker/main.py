@@ -34,7 +34,7 @@ def load_engine(prepared, args: argparse.Namespace):
 
     from model_worker.config import config_from_dict
     from model_worker.engine import Engine, EngineConfig, enable_compilation_cache
-    from model_worker.params import to_device
+    from model_worker.params import to_device, with_bf16_matmuls
 
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
@@ -50,7 +50,10 @@ def load_engine(prepared, args: argparse.Namespace):
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))
     params = to_device(cfg, flat, jnp.dtype(dtype))
-    log.info("weights loaded in %.1f s (%.2f GiB on the device)", time.perf_counter() - t0, params.nbytes() / 2**30)
+    if args.matmul_precision == "bfloat16":
+        params = with_bf16_matmuls(params)
+    log.info("weights loaded in %.1f s (%.2f GiB on the device; %s matmul precision)", time.perf_counter() - t0,
+             params.nbytes() / 2**30, args.matmul_precision)
     ecfg = EngineConfig(
         num_slots=args.num_slots,
         max_model_len=args.max_model_len,

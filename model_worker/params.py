@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_worker.config import ModelConfig
-from model_worker.quant import Int4Weight, Int8Weight, int8_from_flat
+from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight, int8_from_flat
 
 
 @jax.tree_util.register_dataclass
@@ -44,7 +44,7 @@ class LayerParams:
       ple_post_norm: [H] RMSNorm after the per-layer projection, else None.
       layer_scalar: [1] multiplier of the residual stream at the end of the layer (Gemma 4), else None.
 
-    Any Linear weight may instead be an `Int4Weight` or `Int8Weight` ([out, in]; see quant.py).
+    Any Linear weight may instead be an `Int4Weight`, `Int8Weight` or `Bf16Weight` ([out, in]; see quant.py).
     """
 
     input_norm: jax.Array
@@ -145,6 +145,8 @@ def logical_shape(x, name: str = "") -> tuple[int, ...]:
         return x.shape if name in _TABLES else x.shape[::-1]
     if isinstance(x, Int4Weight):
         return (x.in_features, x.out_features)
+    if isinstance(x, Bf16Weight):
+        return x.shape[::-1]
     return tuple(x.shape)
 
 
@@ -202,3 +204,25 @@ def _place(v, dtype: jnp.dtype):
         return Int8Weight(q=jnp.asarray(v.q, jnp.int8), scale=jnp.asarray(v.scale, jnp.float32), offset=offset,
                           group_size=v.group_size)
     return jnp.asarray(v, dtype=dtype)
+
+
+
+# The LayerParams fields that are Linear weights (the rest are norm vectors and scalars).
+_LINEARS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_proj")
+
+
+def with_bf16_matmuls(params: Params) -> Params:
+    """`params` with bfloat16 matmul precision in every layer projection (`quant.bf16_linear`): each dense float
+    or `Int8Weight` Linear weight becomes a `Bf16Weight`, its values rounded once to bfloat16. For the embedded
+    Gemma 3 270M's int8 projections that is 0.19 GiB instead of 0.10 GiB, and prompt chunks run ~1.4x faster on
+    CPU.
+
+    The embedding (also the tied LM head, which sees only a few rows per step), the model-level PLE projection and
+    Int4Weight projections are left as they are.
+    """
+    def convert(lp: LayerParams) -> LayerParams:
+        linears = {n: getattr(lp, n) for n in _LINEARS}
+        return dataclasses.replace(lp, **{n: Bf16Weight.of(w) for n, w in linears.items()
+                                          if w is not None and not isinstance(w, Int4Weight)})
+
+    return dataclasses.replace(params, layers=[convert(lp) for lp in params.layers])

@@ -114,6 +114,38 @@ class Int8Weight:
         return _dequant_int8(take(self.q), take(self.scale), take(self.offset), self.group_size, dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Bf16Weight:
+    """A Linear weight rounded once to bfloat16, for bfloat16 matmul precision under float32 activations (see
+    `bf16_linear`; `params.with_bf16_matmuls` makes them).
+
+    Attributes:
+      w: bfloat16 [N, K], Hugging Face [out, in] orientation like `Int8Weight` (each value the float32 weight
+        rounded to nearest-even bfloat16).
+    """
+
+    w: jax.Array
+
+    @staticmethod
+    def of(weight: jax.Array | Int8Weight) -> Bf16Weight:
+        """Round a dense [K, N] ([in, out]) float weight or an `Int8Weight` [N, K] (its exact float32 values) to
+        bfloat16 [N, K]."""
+        if isinstance(weight, Int8Weight):
+            return Bf16Weight(_dequant_int8(weight.q, weight.scale, weight.offset, weight.group_size, jnp.bfloat16))
+        return Bf16Weight(jnp.asarray(weight).T.astype(jnp.bfloat16))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K)."""
+        return tuple(self.w.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes: 2 N K."""
+        return int(self.w.nbytes)
+
+
 def _dequant_int8(q: jax.Array, scale: jax.Array, offset: jax.Array | None, group_size: int, dtype) -> jax.Array:
     """int8 [..., K], float32 [..., K/G] (x2) -> [..., K] q * s (+ o) in `dtype` (q * s exact, one rounding)."""
     groups = q.reshape(*q.shape[:-1], -1, group_size).astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
@@ -384,13 +416,48 @@ def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BY
     return y.reshape(*lead, n)
 
 
-def linear(x: jax.Array, w: jax.Array | Int4Weight | Int8Weight) -> jax.Array:
-    """y = x W for a dense weight stored [in, out], or x Wᵀ for an Int4Weight / Int8Weight stored [out, in] (HF
-    layout).
+def bf16_linear(x: jax.Array, w: Bf16Weight, block_bytes: int = 2 * CPU_BLOCK_BYTES) -> jax.Array:
+    """y = x Wᵀ at bfloat16 matmul precision: y[n] = Σ_k bf16(x[k]) · W[n, k], products and sums in float32
+    (what jax's `Precision.DEFAULT` means on TPU, and how GPU servers run bf16 checkpoints).
+
+    Args:
+      x: [..., K] activations (float32, or bfloat16).
+      w: Bf16Weight [N, K].
+      block_bytes: converted float32 bytes per row block in the one-row path.
+    Returns:
+      [..., N] in x.dtype. Both paths below compute the same products, so a row's result differs between them only
+      by float32 summation order (it does not depend on how many rows it is batched with).
+    Raises:
+      ValueError: x's last axis is not K.
+
+    Paths: with M >= 2 rows of x, one bfloat16 GEMM with float32 accumulation; with one row (a B=1 decode step) XLA
+    CPU's bfloat16 matrix-vector product is 3-4x slower than float32, so row blocks of W are converted to float32
+    (exactly) inside a `lax.map`, as `int8_linear` dequantizes. Measured on the 2-core Zen 4 CPU, the embedded
+    model's 90 projections in its forward (one run, `benchmarks/mixed_step.py --matmul-precision`): a 64-token chunk
+    takes ~110 ms of forward against ~150 ms on its int8 weights (float32 GEMMs after dequantization); a B=8 decode
+    step ~90 against ~100 ms; a B=1 step 28 against 31 ms.
+    """
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"bf16_linear: x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    xb = x.reshape(-1, k).astype(jnp.bfloat16)
+    if xb.shape[0] == 1:
+        up = lambda b: b.astype(jnp.float32)
+        y = _blocked(xb.astype(jnp.float32), [w.w], n, k, up, _matmul_t, block_bytes)
+    else:
+        y = lax.dot_general(xb, w.w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype).reshape(*lead, n)
+
+
+def linear(x: jax.Array, w: jax.Array | Int4Weight | Int8Weight | Bf16Weight) -> jax.Array:
+    """y = x W for a dense weight stored [in, out], or x Wᵀ for an Int4Weight / Int8Weight / Bf16Weight stored
+    [out, in] (HF layout).
 
     Args:
       x: [..., K] activations.
-      w: dense [K, N] array, or Int4Weight / Int8Weight with K inputs (`int4_linear` impl "auto", `int8_linear`).
+      w: dense [K, N] array, or Int4Weight / Int8Weight / Bf16Weight with K inputs (`int4_linear` impl "auto",
+        `int8_linear`, `bf16_linear`).
     Returns:
       [..., N] in x.dtype.
     """
@@ -398,4 +465,6 @@ def linear(x: jax.Array, w: jax.Array | Int4Weight | Int8Weight) -> jax.Array:
         return int4_linear(x, w)
     if isinstance(w, Int8Weight):
         return int8_linear(x, w)
+    if isinstance(w, Bf16Weight):
+        return bf16_linear(x, w)
     return x @ w

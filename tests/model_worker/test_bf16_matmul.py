@@ -1,0 +1,109 @@
+"""bfloat16 matmul precision (`quant.Bf16Weight`, `bf16_linear`, `params.with_bf16_matmuls`) against an
+independent float64 reference on operands rounded by `ml_dtypes` (the bfloat16 numpy type jax itself uses).
+
+Exactness: bfloat16 has 8 significant bits, so the product of two bfloat16 values (16 bits) is exact in float32,
+and y = Σ_k bf16(x_k) · bf16(W_nk) differs from its float64 value only by float32 summation:
+|y - y_exact| <= (K + 2) * 2^-24 * (|bf16(x)| @ |bf16(W)|ᵀ) (the same rigorous bound as test_int8). The bound is
+small enough to fail when either operand is not rounded (checked below), and it holds for both paths of
+`bf16_linear` (one row: float32 row blocks; several rows: a bfloat16 GEMM), whatever the batch a row is in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from model_worker.config import GEMMA3_270M, gemma3_layers
+from model_worker.params import random_flat, to_device, with_bf16_matmuls
+from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight, bf16_linear, linear
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """Round to nearest-even bfloat16, back as float64."""
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _within_bound(y: np.ndarray, x: np.ndarray, w_nk: np.ndarray) -> tuple[bool, float]:
+    """(y meets the float32 summation bound around bf16(x) @ bf16(W)ᵀ, the largest error / bound)."""
+    xr, wr = _bf16(x), _bf16(w_nk)
+    exact = xr @ wr.T
+    bound = (x.shape[-1] + 2) * 2.0**-24 * (np.abs(xr) @ np.abs(wr).T)
+    ratio = float(np.max(np.abs(y - exact) / np.maximum(bound, 1e-30)))
+    return ratio <= 1.0, ratio
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 64])
+@pytest.mark.parametrize("n,k", [(96, 64), (1000, 640)])
+def test_bf16_linear_rounds_both_operands_and_sums_in_float32(rows, n, k):
+    rng = np.random.default_rng(rows + n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w_kn = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    weight = Bf16Weight.of(jnp.asarray(w_kn))
+    assert weight.shape == (n, k) and weight.w.dtype == jnp.bfloat16
+    # a small block size gives the one-row path several row blocks, the last one padded (1000 = 3 * 336 - 8)
+    y = np.asarray(jax.jit(lambda x, w: bf16_linear(x, w, block_bytes=336 * k * 4))(x, weight), np.float64)
+    assert y.shape == (rows, n) and y.dtype == np.float64
+    ok, ratio = _within_bound(y, x, w_kn.T)
+    assert ok, f"error / bound = {ratio:.2f}"
+    # the same rows through `linear`, and inside a larger batch: the row's result does not depend on its batch
+    again = np.asarray(jax.jit(linear)(np.concatenate([x, x[::-1]]), weight))[:rows]
+    assert _within_bound(again, x, w_kn.T)[0]
+
+
+def test_the_bound_catches_an_unrounded_operand():
+    """Exact float32 operands (no rounding) miss bf16(x) @ bf16(W)ᵀ by far more than the bound: the tests above
+    would fail if either rounding were skipped."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 640)).astype(np.float32)
+    w = (rng.standard_normal((256, 640)) * 0.05).astype(np.float32)
+    for xs, ws in ((x, _bf16(w)), (_bf16(x), w)):
+        ok, ratio = _within_bound(np.asarray(xs, np.float64) @ np.asarray(ws, np.float64).T, x, w)
+        assert not ok and ratio > 2, ratio
+
+
+def test_an_int8_weight_rounds_its_exact_values_once():
+    rng = np.random.default_rng(2)
+    q = rng.integers(-128, 128, (48, 64), dtype=np.int8)
+    scale = rng.uniform(1e-3, 2e-2, (48, 2)).astype(np.float32)
+    offset = rng.uniform(-0.1, 0.1, (48, 2)).astype(np.float32)
+    exact = (q.reshape(48, 2, 32) * scale[..., None] + offset[..., None]).reshape(48, 64)
+    weight = Bf16Weight.of(Int8Weight(jnp.asarray(q), jnp.asarray(scale), jnp.asarray(offset), 32))
+    assert np.array_equal(np.asarray(weight.w, np.float64), _bf16(exact))
+
+
+def test_with_bf16_matmuls_converts_the_layer_projections_only():
+    cfg = dataclasses.replace(GEMMA3_270M, vocab_size=512, hidden_size=256, num_heads=2, embed_scale=16.0,
+                              layers=gemma3_layers(2, 128, 1, 512, 1e6, pattern=2), sliding_window=8)
+    params = to_device(cfg, random_flat(cfg), jnp.float32)
+    converted = with_bf16_matmuls(params)
+    names = ("q", "k", "v", "o", "gate", "up", "down")
+    for before, after in zip(params.layers, converted.layers):
+        for name in names:
+            w, b = getattr(before, name), getattr(after, name)
+            assert isinstance(b, Bf16Weight) and b.shape == w.shape[::-1]
+            assert np.array_equal(np.asarray(b.w, np.float64), _bf16(np.asarray(w).T))
+        assert after.input_norm is before.input_norm and after.q_norm is before.q_norm
+    assert converted.embed is params.embed and converted.final_norm is params.final_norm
+    linear_bytes = sum(getattr(lp, n).nbytes for lp in params.layers for n in names)
+    assert params.nbytes() - converted.nbytes() == linear_bytes // 2  # float32 -> bfloat16
+    int4 = Int4Weight(jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1), jnp.bfloat16), None, 8, 8)
+    kept = with_bf16_matmuls(dataclasses.replace(params, layers=[dataclasses.replace(params.layers[0], up=int4)]))
+    assert kept.layers[0].up is int4
+
+
+def test_the_flag_reaches_the_worker():
+    """`gemma-serve up --matmul-precision bfloat16` passes the flag to the worker process, whose parser takes it;
+    the default is float32 (exact products)."""
+    from gemma_serve.cli import build_parser
+    from gemma_serve.launcher import service_commands
+
+    parser = build_parser()
+    worker = service_commands(parser.parse_args(["up", "--matmul-precision", "bfloat16"]))["worker"]
+    args = parser.parse_args(worker[worker.index("worker"):])
+    assert args.command == "worker" and args.matmul_precision == "bfloat16"
+    assert parser.parse_args(["worker"]).matmul_precision == "float32"
