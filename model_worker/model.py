@@ -27,7 +27,7 @@ from jax import lax
 from model_worker.config import LayerSpec, ModelConfig
 from model_worker.kv_cache import KVCache
 from model_worker.params import LayerParams, Params
-from model_worker.quant import Int8Weight, int8_linear, linear, zero_from
+from model_worker.quant import Bf16Weight, Int8Weight, bf16_linear, int8_linear, linear, zero_from
 
 # Finite "minus infinity": a fully masked row (a padded query) then gives a uniform softmax instead of NaN.
 MASK_VALUE = -1e30
@@ -464,8 +464,11 @@ def embed_rows(embed: jax.Array | Int8Weight, tokens: jax.Array, dtype: jnp.dtyp
     return jnp.take(embed, tokens, axis=0).astype(dtype)
 
 
-def lm_head(x: jax.Array, embed: jax.Array | Int8Weight) -> jax.Array:
-    """Tied LM head: x [..., H] -> logits float32 [..., V] = x · embedᵀ (Gemma ties the head to the embedding)."""
+def lm_head(x: jax.Array, embed: jax.Array | Int8Weight | Bf16Weight) -> jax.Array:
+    """Tied LM head: x [..., H] -> logits float32 [..., V] = x · embedᵀ (Gemma ties the head to the embedding;
+    a `Bf16Weight` is its bfloat16 copy, `Params.lm_head`)."""
+    if isinstance(embed, Bf16Weight):
+        return bf16_linear(x, embed, out_dtype=jnp.float32)
     if isinstance(embed, Int8Weight):
         return int8_linear(x, embed, out_dtype=jnp.float32)
     return jnp.einsum("...h,vh->...v", x, embed, preferred_element_type=jnp.float32)
@@ -624,7 +627,8 @@ def forward_batches(
 
 def _logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm, tied LM head and optional soft cap: x [..., H] -> logits float32 [..., V]."""
-    logits = lm_head(rms_norm(x, params.final_norm, cfg.rms_norm_eps), params.embed)
+    head = params.embed if params.lm_head is None else params.lm_head
+    logits = lm_head(rms_norm(x, params.final_norm, cfg.rms_norm_eps), head)
     if cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits

@@ -22,6 +22,10 @@ group (`model_worker.gguf_int8` builds it from Q8_0, Q5_0, Q6_K and Q4_K blocks 
 bit). The embedded Gemma 3's weights are all of these types: held as int8 they take 0.30 GiB instead of 1.0 GiB of
 float32, with the same values. `int8_linear` dequantizes row blocks on CPU like int4 (timings there), and the
 embedding lookup dequantizes only the looked-up rows.
+
+`Bf16Weight` is a projection rounded once to bfloat16, for the worker's opt-in bfloat16 matmul precision
+(`--matmul-precision bfloat16`, `bf16_linear`): on CPU a bfloat16 GEMM with float32 sums is ~1.5-1.9x faster than
+the float32 GEMM after int8 dequantization once a matmul has more than a few rows (prompt chunks).
 """
 
 from __future__ import annotations
@@ -416,26 +420,31 @@ def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BY
     return y.reshape(*lead, n)
 
 
-def bf16_linear(x: jax.Array, w: Bf16Weight, block_bytes: int = 2 * CPU_BLOCK_BYTES) -> jax.Array:
+def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
     """y = x Wᵀ at bfloat16 matmul precision: y[n] = Σ_k bf16(x[k]) · W[n, k], products and sums in float32
     (what jax's `Precision.DEFAULT` means on TPU, and how GPU servers run bf16 checkpoints).
 
     Args:
       x: [..., K] activations (float32, or bfloat16).
       w: Bf16Weight [N, K].
-      block_bytes: converted float32 bytes per row block in the one-row path.
+      out_dtype: dtype of y, default x's (the LM head asks for float32).
     Returns:
-      [..., N] in x.dtype. Both paths below compute the same products, so a row's result differs between them only
-      by float32 summation order (it does not depend on how many rows it is batched with).
+      [..., N]. Both paths below compute the same products, so a row's result differs between them only by float32
+      summation order (it does not depend on how many rows it is batched with). Through a whole model that is no
+      longer so: rounding to bfloat16 is discontinuous, so summation-order noise upstream flips the rounding of
+      some inputs downstream, and logits of different batch shapes differ by bfloat16-sized amounts (~0.1), as on
+      any bfloat16 server.
     Raises:
       ValueError: x's last axis is not K.
 
-    Paths: with M >= 2 rows of x, one bfloat16 GEMM with float32 accumulation; with one row (a B=1 decode step) XLA
-    CPU's bfloat16 matrix-vector product is 3-4x slower than float32, so row blocks of W are converted to float32
-    (exactly) inside a `lax.map`, as `int8_linear` dequantizes. Measured on the 2-core Zen 4 CPU, the embedded
-    model's 90 projections in its forward (one run, `benchmarks/mixed_step.py --matmul-precision`): a 64-token chunk
-    takes ~110 ms of forward against ~150 ms on its int8 weights (float32 GEMMs after dequantization); a B=8 decode
-    step ~90 against ~100 ms; a B=1 step 28 against 31 ms.
+    Paths: with M >= 2 rows of x, one bfloat16 GEMM with float32 accumulation. With one row (a B=1 decode step),
+    XLA CPU's bfloat16 matrix-vector product is 10-30x slower than float32, so the whole weight is converted to
+    float32 (exactly) in front of a float32 product, which XLA fuses into its matrix-vector loop (no float32 copy
+    is made; row blocks under `lax.map`, as `int8_linear` uses, stop that fusion: 16 ms instead of 0.5 for a
+    6144 x 1536 weight). Measured on the 2-core Zen 4 CPU, ms: one row, 6144 x 1536: 0.54 (resident float32:
+    1.64); 262144 x 640 (the embedded model's LM head): 11.2 (int8: 8.6); 8 rows of that head: 31 (int8: 42). In the
+    embedded model's forward (`benchmarks/mixed_step.py --matmul-precision`, one run): a 64-token chunk ~110 ms
+    against ~150 ms with float32 products on its int8 weights; a B=8 decode step ~90 against ~100 ms.
     """
     n, k = w.shape
     if x.shape[-1] != k:
@@ -443,11 +452,10 @@ def bf16_linear(x: jax.Array, w: Bf16Weight, block_bytes: int = 2 * CPU_BLOCK_BY
     lead = x.shape[:-1]
     xb = x.reshape(-1, k).astype(jnp.bfloat16)
     if xb.shape[0] == 1:
-        up = lambda b: b.astype(jnp.float32)
-        y = _blocked(xb.astype(jnp.float32), [w.w], n, k, up, _matmul_t, block_bytes)
+        y = _matmul_t(xb.astype(jnp.float32), w.w.astype(jnp.float32))
     else:
         y = lax.dot_general(xb, w.w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype).reshape(*lead, n)
+    return y.astype(out_dtype or x.dtype).reshape(*lead, n)
 
 
 def linear(x: jax.Array, w: jax.Array | Int4Weight | Int8Weight | Bf16Weight) -> jax.Array:

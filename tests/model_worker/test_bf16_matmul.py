@@ -45,8 +45,7 @@ def test_bf16_linear_rounds_both_operands_and_sums_in_float32(rows, n, k):
     w_kn = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
     weight = Bf16Weight.of(jnp.asarray(w_kn))
     assert weight.shape == (n, k) and weight.w.dtype == jnp.bfloat16
-    # a small block size gives the one-row path several row blocks, the last one padded (1000 = 3 * 336 - 8)
-    y = np.asarray(jax.jit(lambda x, w: bf16_linear(x, w, block_bytes=336 * k * 4))(x, weight), np.float64)
+    y = np.asarray(jax.jit(bf16_linear)(x, weight), np.float64)
     assert y.shape == (rows, n) and y.dtype == np.float64
     ok, ratio = _within_bound(y, x, w_kn.T)
     assert ok, f"error / bound = {ratio:.2f}"
@@ -76,7 +75,7 @@ def test_an_int8_weight_rounds_its_exact_values_once():
     assert np.array_equal(np.asarray(weight.w, np.float64), _bf16(exact))
 
 
-def test_with_bf16_matmuls_converts_the_layer_projections_only():
+def test_with_bf16_matmuls_converts_the_projections_and_adds_a_head_copy():
     cfg = dataclasses.replace(GEMMA3_270M, vocab_size=512, hidden_size=256, num_heads=2, embed_scale=16.0,
                               layers=gemma3_layers(2, 128, 1, 512, 1e6, pattern=2), sliding_window=8)
     params = to_device(cfg, random_flat(cfg), jnp.float32)
@@ -89,8 +88,10 @@ def test_with_bf16_matmuls_converts_the_layer_projections_only():
             assert np.array_equal(np.asarray(b.w, np.float64), _bf16(np.asarray(w).T))
         assert after.input_norm is before.input_norm and after.q_norm is before.q_norm
     assert converted.embed is params.embed and converted.final_norm is params.final_norm
+    assert params.lm_head is None and converted.lm_head.shape == params.embed.shape  # tied head: [V, H]
+    assert np.array_equal(np.asarray(converted.lm_head.w, np.float64), _bf16(np.asarray(params.embed)))
     linear_bytes = sum(getattr(lp, n).nbytes for lp in params.layers for n in names)
-    assert params.nbytes() - converted.nbytes() == linear_bytes // 2  # float32 -> bfloat16
+    assert converted.nbytes() - params.nbytes() == params.embed.nbytes // 2 - linear_bytes // 2  # f32 -> bf16
     int4 = Int4Weight(jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1), jnp.bfloat16), None, 8, 8)
     kept = with_bf16_matmuls(dataclasses.replace(params, layers=[dataclasses.replace(params.layers[0], up=int4)]))
     assert kept.layers[0].up is int4
