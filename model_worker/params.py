@@ -148,8 +148,6 @@ def logical_shape(x, name: str = "") -> tuple[int, ...]:
         return x.shape if name in _TABLES else x.shape[::-1]
     if isinstance(x, Int4Weight):
         return (x.in_features, x.out_features)
-    if isinstance(x, Bf16Weight):
-        return x.shape[::-1]
     return tuple(x.shape)
 
 
@@ -207,7 +205,6 @@ def _place(v, dtype: jnp.dtype):
         return Int8Weight(q=jnp.asarray(v.q, jnp.int8), scale=jnp.asarray(v.scale, jnp.float32), offset=offset,
                           group_size=v.group_size)
     return jnp.asarray(v, dtype=dtype)
-
 
 
 # The LayerParams fields that are Linear weights (the rest are norm vectors and scalars).
