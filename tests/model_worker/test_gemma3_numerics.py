@@ -53,11 +53,19 @@ def chunked_logits(cfg, params, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:
     return np.concatenate(out), cache
 
 
+_HF_LOGITS: dict[bytes, np.ndarray] = {}
+
+
 def hf_logits(hf_model, ids: np.ndarray) -> np.ndarray:
+    """transformers' logits [T, V] float32 for `ids`, computed once per sequence in this module (the float32 and
+    bfloat16 prompt tests share LONG's, ~15 s)."""
     import torch
 
-    with torch.no_grad():
-        return hf_model(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
+    key = np.asarray(ids, np.int64).tobytes()
+    if key not in _HF_LOGITS:
+        with torch.no_grad():
+            _HF_LOGITS[key] = hf_model(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
+    return _HF_LOGITS[key]
 
 
 @pytest.mark.parametrize("text", [SHORT, LONG], ids=["short", "longer-than-window"])
