@@ -78,8 +78,9 @@ def main() -> None:
                                                for k in (("decode", b, 1, L), ("mixed", b, args.chunk,
                                                                                  engine.kv_buckets[-1]))]
     compile_s = engine.compile_all(keys=keys)
-    print(f"{cfg.name} on {backend} ({dtype}, {args.matmul_precision} matmul precision); chunk {args.chunk} at position {args.position}, KV bucket {L}; "
-          f"{len(keys)} programs compiled in {compile_s:.0f} s; medians of {args.iterations}, ms")
+    print(f"{cfg.name} on {backend} ({dtype}, {args.matmul_precision} matmul precision); chunk {args.chunk} at "
+          f"position {args.position}, KV bucket {L}; {len(keys)} programs compiled in {compile_s:.0f} s; medians of "
+          f"{args.iterations}, ms")
     print(f"{'batch':>5} {'chunk':>7} {'decode':>7} {'both':>7} {'mixed':>7} {'mixed/both':>10}")
     rows = []
     for b in engine.batch_buckets:

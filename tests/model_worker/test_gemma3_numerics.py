@@ -115,9 +115,10 @@ def gemma3_bf16(gemma3):
 
 # bfloat16 matmul precision against the float32 reference. Rounding each projection's operands to bfloat16
 # (relative error 2^-9 each, 126 projections) moves logits by much more than summation order. Measured against our
-# float32 model on LONG (948 positions, logits up to ~115): max |Δlogit| 0.53, mean 0.033, mean KL divergence of
-# the next-token distributions 1.2e-5, same argmax everywhere; 8 cached decode steps: max 0.17, mean 0.03. Over two
-# more texts (411 positions) the argmax differed once, where the top-2 gap was 0.06. The bounds leave ~3-4x
+# float32 model (itself within 3.4e-4 of transformers) on LONG (948 positions, logits up to ~115): max |Δlogit|
+# 0.53, mean 0.033, mean KL divergence of the next-token distributions 1.2e-5, same argmax everywhere; 8 cached
+# decode steps: max 0.17, mean 0.03. A prototype (without the LM-head copy) on two more texts (411 positions):
+# the argmax differed once, where the top-2 gap was 0.06. The bounds leave ~3-4x
 # headroom; a real error (a wrong weight, orientation, scale or accumulation dtype) moves logits by O(1) or more.
 # (The unit tests in test_bf16_matmul.py pin the rounding itself, with a bound that fails when it is skipped.)
 BF16_MAX, BF16_MEAN, BF16_KL, BF16_GAP = 2.0, 0.1, 1e-4, 0.5
@@ -143,8 +144,10 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def _decode_steps(cfg, params, ids: np.ndarray, feed: list[int] | None, steps: int = 8) -> np.ndarray:
-    """Logits [steps, V] of cached decode steps after a chunked prefill of `ids`, feeding `feed` (or the argmax)."""
+def _decode_steps(cfg, params, ids: np.ndarray, feed: list[int] | None, steps: int = 8
+                  ) -> tuple[np.ndarray, list[int]]:
+    """(logits [steps, V] of cached decode steps after a chunked prefill of `ids`, the steps + 1 tokens fed), feeding
+    `feed` (or each step's argmax)."""
     logits, cache = chunked_logits(cfg, params, ids)
     seq, out = list(ids) + [int(logits[-1].argmax()) if feed is None else feed[0]], []
     for i in range(steps):
