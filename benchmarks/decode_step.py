@@ -116,7 +116,10 @@ def main() -> None:
     compile_s = engine.compile_all(keys=keys)
     bandwidth = measure_bandwidth()
     weights = engine.weight_bytes()
-    print(f"{cfg.name} on {backend} ({dtype}{', int8 KV' if args.kv_int8 else ''}): weights "
+    if params.lm_head is not None:  # a step reads the head copy; of the embedding only the looked-up rows
+        weights -= params.embed.nbytes
+    print(f"{cfg.name} on {backend} ({dtype}, {args.matmul_precision} matmul precision"
+          f"{', int8 KV' if args.kv_int8 else ''}): weights read per step "
           f"{weights / 2**30:.2f} GiB; measured bandwidth {bandwidth / 1e9:.1f} GB/s; {len(keys)} programs "
           f"compiled in {compile_s:.0f} s")
     print(f"{'batch':>5} {'kv_len':>6} {'step ms':>8} {'tok/s':>8} {'MB/step':>8} {'bw':>5} {'vs B=1':>7}")
@@ -134,6 +137,7 @@ def main() -> None:
                   f"{row['bandwidth_fraction']:>5.0%} {row['vs_batch1']:>6.2f}x")
     if args.json:
         args.json.write_text(json.dumps(dict(model=cfg.name, backend=backend, dtype=dtype, weights=weights,
+                                             matmul_precision=args.matmul_precision,
                                              bandwidth=bandwidth, rows=rows), indent=1))
 
 

@@ -50,8 +50,11 @@ def load_engine(prepared, args: argparse.Namespace):
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))
     params = to_device(cfg, flat, jnp.dtype(dtype))
-    if args.matmul_precision == "bfloat16":
+    if args.matmul_precision == "bfloat16" and dtype == "float32":
         params = with_bf16_matmuls(params)
+    elif args.matmul_precision == "bfloat16":
+        log.info("--matmul-precision bfloat16 changes nothing with %s activations (their products already have "
+                 "bfloat16 operands)", dtype)
     log.info("weights loaded in %.1f s (%.2f GiB on the device; %s matmul precision)", time.perf_counter() - t0,
              params.nbytes() / 2**30, args.matmul_precision)
     ecfg = EngineConfig(

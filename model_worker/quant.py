@@ -121,8 +121,8 @@ class Int8Weight:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Bf16Weight:
-    """A Linear weight rounded once to bfloat16, for bfloat16 matmul precision under float32 activations (see
-    `bf16_linear`; `params.with_bf16_matmuls` makes them).
+    """A Linear weight rounded once to bfloat16, for bfloat16 matmul precision (see `bf16_linear`;
+    `params.with_bf16_matmuls` makes them for the worker's `--matmul-precision bfloat16`).
 
     Attributes:
       w: bfloat16 [N, K], Hugging Face [out, in] orientation like `Int8Weight` (each value the float32 weight
@@ -134,9 +134,16 @@ class Bf16Weight:
     @staticmethod
     def of(weight: jax.Array | Int8Weight) -> Bf16Weight:
         """Round a dense [K, N] ([in, out]) float weight or an `Int8Weight` [N, K] (its exact float32 values) to
-        bfloat16 [N, K]."""
+        bfloat16 [N, K].
+
+        Raises:
+          TypeError: any other weight type (an Int4Weight, a Bf16Weight), or a dense weight that is not 2-D.
+        """
         if isinstance(weight, Int8Weight):
             return Bf16Weight(_dequant_int8(weight.q, weight.scale, weight.offset, weight.group_size, jnp.bfloat16))
+        if not isinstance(weight, (jax.Array, np.ndarray)) or weight.ndim != 2:
+            raise TypeError(f"Bf16Weight.of: expected a 2-D dense weight or an Int8Weight, got {type(weight).__name__}"
+                            f"{'' if not hasattr(weight, 'shape') else ' of shape ' + str(tuple(weight.shape))}")
         return Bf16Weight(jnp.asarray(weight).T.astype(jnp.bfloat16))
 
     @property
@@ -437,24 +444,28 @@ def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
     Raises:
       ValueError: x's last axis is not K.
 
-    Paths: with M >= 2 rows of x, one bfloat16 GEMM with float32 accumulation. With one row (a B=1 decode step),
-    XLA CPU's bfloat16 matrix-vector product is 10-30x slower than float32, so the whole weight is converted to
-    float32 (exactly) in front of a float32 product, which XLA fuses into its matrix-vector loop (no float32 copy
-    is made; row blocks under `lax.map`, as `int8_linear` uses, stop that fusion: 16 ms instead of 0.5 for a
-    6144 x 1536 weight). Measured on the 2-core Zen 4 CPU, ms: one row, 6144 x 1536: 0.54 (resident float32:
-    1.64); 262144 x 640 (the embedded model's LM head): 11.2 (int8: 8.6); 8 rows of that head: 31 (int8: 42). In the
-    embedded model's forward (`benchmarks/mixed_step.py --matmul-precision`, one run): a 64-token chunk ~110 ms
-    against ~150 ms with float32 products on its int8 weights; a B=8 decode step ~90 against ~100 ms.
+    Paths: one bfloat16 GEMM with float32 accumulation, except for a single row of x on CPU (a B=1 decode step):
+    there XLA's bfloat16 matrix-vector product is 10-30x slower than float32, so the whole weight is converted to
+    float32 (exactly) in front of a float32 product, which XLA CPU fuses into its matrix-vector loop (no float32
+    copy is made; row blocks under `lax.map`, as `int8_linear` uses, stop that fusion: 16 ms instead of 0.5 for a
+    6144 x 1536 weight). Other platforms always take the GEMM (not measured: no accelerator was available).
+    Measured on the 2-core Zen 4 CPU, ms: one row, 6144 x 1536: 0.54 (resident float32: 1.64); 262144 x 640 (the
+    embedded model's LM head): 11.2 (int8: 8.6); 2 / 4 / 8 / 16 rows of that head: 24 / 27 / 31 / 41 (int8: 25 /
+    27 / 42 / 58); the 90 layer projections as a GEMM at 2-4 rows ~28-29 (one-row bfloat16 product: 91). In the
+    embedded model's decode forward (alternating A/B, kv 2048): B=8 77.4 ms against 98.9 with float32 products on
+    its int8 weights, B=1 27.5 against 25.5; a 64-token chunk ~1.2-1.5x faster (`benchmarks/mixed_step.py`).
     """
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"bf16_linear: x has {x.shape[-1]} features, weight expects {k}")
     lead = x.shape[:-1]
     xb = x.reshape(-1, k).astype(jnp.bfloat16)
+    gemm = lambda xb, wb: lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     if xb.shape[0] == 1:
-        y = _matmul_t(xb.astype(jnp.float32), w.w.astype(jnp.float32))
+        one_row = lambda xb, wb: _matmul_t(xb.astype(jnp.float32), wb.astype(jnp.float32))
+        y = lax.platform_dependent(xb, w.w, cpu=one_row, default=gemm)
     else:
-        y = lax.dot_general(xb, w.w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        y = gemm(xb, w.w)
     return y.astype(out_dtype or x.dtype).reshape(*lead, n)
 
 

@@ -53,19 +53,28 @@ def chunked_logits(cfg, params, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:
     return np.concatenate(out), cache
 
 
-_HF_LOGITS: dict[bytes, np.ndarray] = {}
+_HF_LOGITS: dict[bytes, np.ndarray] = {}  # LONG's reference logits (~1 GB), shared by the two prompt tests
 
 
-def hf_logits(hf_model, ids: np.ndarray) -> np.ndarray:
-    """transformers' logits [T, V] float32 for `ids`, computed once per sequence in this module (the float32 and
-    bfloat16 prompt tests share LONG's, ~15 s)."""
+@pytest.fixture(scope="module", autouse=True)
+def _free_reference_logits():
+    yield
+    _HF_LOGITS.clear()
+
+
+def hf_logits(hf_model, ids: np.ndarray, keep: bool = False) -> np.ndarray:
+    """transformers' logits [T, V] float32 for `ids`; with `keep`, computed once per sequence in this module (the
+    float32 and bfloat16 prompt tests share LONG's, ~15 s)."""
     import torch
 
     key = np.asarray(ids, np.int64).tobytes()
-    if key not in _HF_LOGITS:
-        with torch.no_grad():
-            _HF_LOGITS[key] = hf_model(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
-    return _HF_LOGITS[key]
+    if key in _HF_LOGITS:
+        return _HF_LOGITS[key]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
+    if keep:
+        _HF_LOGITS[key] = logits
+    return logits
 
 
 @pytest.mark.parametrize("text", [SHORT, LONG], ids=["short", "longer-than-window"])
@@ -75,7 +84,7 @@ def test_prompt_logits_match_transformers(gemma3, hf_gemma3, text_tokenizer, tex
     if text is LONG:
         assert len(ids) > cfg.sliding_window + CHUNK // 2, "the long prompt must exceed the sliding window"
     ours, _ = chunked_logits(cfg, params, ids)
-    ref = hf_logits(hf_gemma3, ids)
+    ref = hf_logits(hf_gemma3, ids, keep=text is LONG)
     diff = np.abs(ours - ref).max()
     assert diff < TOL, f"max |Δlogit| {diff:.2e} over {len(ids)} positions"
     assert np.array_equal(ours.argmax(-1), ref.argmax(-1)) or _ties_only(ours, ref)
@@ -128,7 +137,7 @@ def test_bf16_matmul_prompt_logits_stay_close_to_transformers(gemma3_bf16, hf_ge
     cfg, params = gemma3_bf16
     ids = _ids(text_tokenizer, LONG)
     ours, _ = chunked_logits(cfg, params, ids)
-    ref = hf_logits(hf_gemma3, ids)
+    ref = hf_logits(hf_gemma3, ids, keep=True)
     diff = np.abs(ours - ref)
     assert diff.max() < BF16_MAX and diff.mean() < BF16_MEAN, (diff.max(), diff.mean())
     log_p, log_q = _log_softmax(ref), _log_softmax(ours)
