@@ -73,8 +73,7 @@ class Params:
 
     Attributes:
       embed: [V, H] token embedding, also the tied LM head (logits = h @ embed.T) unless `lm_head` is set; an
-        `Int8Weight` [V, H] when a
-        GGUF stores it block-quantized (kept exactly, about 1 byte per value).
+        `Int8Weight` [V, H] when a GGUF stores it block-quantized (kept exactly, about 1 byte per value).
       final_norm: [H] RMSNorm after the last layer.
       layers: one `LayerParams` per layer.
       ple_embed: [V_ple, L*P] per-layer token embeddings (Gemma 4 PLE), layer-major columns, else None.
@@ -235,9 +234,7 @@ def with_bf16_matmuls(params: Params) -> Params:
         return dataclasses.replace(lp, **{n: Bf16Weight.of(w) for n, w in linears.items()
                                           if w is not None and not isinstance(w, (Int4Weight, Bf16Weight))})
 
-    embed = params.embed
-    head = params.lm_head
-    if head is None:
-        head = Bf16Weight.of(embed) if isinstance(embed, Int8Weight) else Bf16Weight(jnp.asarray(embed).astype(
-            jnp.bfloat16))
+    head, embed = params.lm_head, params.embed
+    if head is None:  # the table [V, H] is already the head's [out, in]
+        head = Bf16Weight.of(embed) if isinstance(embed, Int8Weight) else Bf16Weight(embed.astype(jnp.bfloat16))
     return dataclasses.replace(params, layers=[convert(lp) for lp in params.layers], lm_head=head)
