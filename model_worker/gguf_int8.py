@@ -79,14 +79,16 @@ def int8_from_gguf(raw: np.ndarray, qtype, dense: np.ndarray) -> Int8Weight | No
     if k % block_values or raw.size != n * (k // block_values) * block_bytes:
         return None
     scale, offset, g = _group_floats(raw.reshape(n, k // block_values, block_bytes), qtype)
-    groups = dense.reshape(n, k // g, g)
-    shifted = groups - (offset[..., None] if offset is not None else 0.0)
-    s = np.broadcast_to(scale[..., None], groups.shape)
-    # A zero scale (e.g. a Q6_K sub-scale of 0) loses q but keeps the sign of the product: q = -1 when that sign
-    # differs from the scale's, else 0, so q * s is the same signed zero.
-    zero_q = np.where(np.signbit(groups) != np.signbit(s), -1.0, 0.0) if offset is None else 0.0
+    groups = np.asarray(dense, np.float32).reshape(n, k // g, g)
+    shifted = groups - offset[..., None] if offset is not None else groups
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(s != 0, np.rint(shifted / s), zero_q)
+        q = np.rint(shifted / scale[..., None])  # float32 throughout: the embedding has 168M values
+    zero = scale == 0
+    if zero.any():
+        # A zero scale (e.g. a Q6_K sub-scale of 0) loses q but keeps the sign of the product: q = -1 when that
+        # sign differs from the scale's, else 0, so q * s is the same signed zero (with an offset: q = 0).
+        flips = np.signbit(groups[zero]) != np.signbit(scale[zero])[:, None] if offset is None else False
+        q[zero] = np.where(flips, -1.0, 0.0)
     if q.size and (q.min() < -128 or q.max() > 127):
         return None
     q = q.astype(np.int8)

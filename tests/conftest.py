@@ -2,6 +2,9 @@
 
 The cache lives in `<repo>/.cache/test` (or $GEMMA_SERVE_TEST_CACHE): prepared weights, the tokenizer and JAX's
 persistent compilation cache survive between runs on the same clone; a fresh clone (CI) builds them once.
+
+Order: the end-to-end tests (tests/e2e) run last, and the real stacks they need are launched by the session's
+first test, so their workers compile while the unit tests run (tests/e2e/stacks.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,60 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CACHE = pathlib.Path(os.environ.get("GEMMA_SERVE_TEST_CACHE", REPO / ".cache" / "test"))
+_STACKS_NEEDED = pytest.StashKey[list]()
+
+
+def pytest_configure(config):
+    """Share one `gguf.GGUFReader` per file in this session. gguf-py parses a GGUF's metadata in Python (the
+    262,144-token vocabulary of the embedded model takes ~15 s), and the references read it again and again:
+    transformers twice per model load (config, then weights), its tokenizer, our converter and the tokenizer
+    tests. A reader is read-only over a memory map, so every reader of the same file gets the same object."""
+    import gguf
+
+    reader_class = gguf.GGUFReader
+    if getattr(reader_class, "_shared_per_file", False):
+        return
+    readers: dict[str, object] = {}
+    init = reader_class.__init__
+
+    def new(cls, path, mode="r"):
+        key = os.path.realpath(path)
+        if mode != "r":
+            return object.__new__(cls)
+        if key not in readers:
+            readers[key] = object.__new__(cls)
+        return readers[key]
+
+    def shared_init(self, path, mode="r"):
+        if not getattr(self, "_initialized", False):
+            init(self, path, mode)
+            self._initialized = True
+
+    reader_class.__new__ = new
+    reader_class.__init__ = shared_init
+    reader_class._shared_per_file = True
+
+
+def pytest_collection_modifyitems(config, items):
+    """End-to-end tests last (a stable sort: each group keeps its order); note which stacks they need."""
+    from tests.e2e.stacks import SPECS
+
+    items.sort(key=lambda item: "e2e" in pathlib.Path(str(item.fspath)).parts)
+    config.stash[_STACKS_NEEDED] = [name for name in SPECS if any(name in item.fixturenames for item in items)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launch_stacks_early(request, tmp_path_factory):
+    """Launch the stacks the selected e2e tests need (without waiting for them), and stop them at the end."""
+    from tests.e2e import stacks
+
+    needed = request.config.stash.get(_STACKS_NEEDED, [])
+    if needed:
+        cache, prep = request.getfixturevalue("cache_dir"), request.getfixturevalue("prepared")
+        for name in needed:
+            stacks.launch(name, cache, prep, tmp_path_factory)
+    yield
+    stacks.stop_all()
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.clients import Backends
-from tests.e2e.conftest import free_ports
+from tests.e2e.stacks import free_ports
 
 
 def test_backends_down_give_503_not_500():

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from gateway.app import create_app
 from gateway.clients import Backends, ModelFacts
 from gateway.errors import from_rpc_error
-from tests.e2e.conftest import free_ports
+from tests.e2e.stacks import free_ports
 
 
 def test_resource_exhausted_is_429_with_retry_after():

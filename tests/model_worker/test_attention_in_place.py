@@ -7,6 +7,8 @@ loop only changes the summation order (an online softmax), so results agree to f
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,6 +115,8 @@ def test_forward_with_many_key_blocks_equals_one_block(monkeypatch, tmp_path):
 
     def run(block):
         monkeypatch.setattr(model, "KEY_BLOCK", block)
+        # jitted after the patch, so the trace reads this block size (eager dispatch took ~25 s)
+        forward = jax.jit(functools.partial(model.forward, cfg=cfg, kv_len=128))
         cache = KVCache.zeros(cfg, 2, 128, jnp.float32, slack=4)
         out = []
         for start in range(0, 48, 16):  # prefill in 16-token chunks (the last one padded)
@@ -121,13 +125,13 @@ def test_forward_with_many_key_blocks_equals_one_block(monkeypatch, tmp_path):
             toks[0, :len(ids)] = ids
             pos = np.full((1, 16), -1, np.int32)
             pos[0, :len(ids)] = np.arange(start, start + len(ids))
-            logits, cache = model.forward(params, jnp.asarray(toks), jnp.asarray(pos), cache, jnp.asarray([1]),
-                                          cfg, 128, jnp.asarray([len(ids) - 1]))
+            logits, cache = forward(params, jnp.asarray(toks), jnp.asarray(pos), cache, jnp.asarray([1]),
+                                    logit_rows=jnp.asarray([len(ids) - 1]))
         out.append(np.asarray(logits))
         token = int(np.argmax(out[-1][0]))
         for p in range(45, 60):  # decode
-            logits, cache = model.forward(params, jnp.asarray([[token], [0]]), jnp.asarray([[p], [-1]]), cache,
-                                          jnp.asarray([1, 0]), cfg, 128, jnp.asarray([0, 0]))
+            logits, cache = forward(params, jnp.asarray([[token], [0]]), jnp.asarray([[p], [-1]]), cache,
+                                    jnp.asarray([1, 0]), logit_rows=jnp.asarray([0, 0]))
             out.append(np.asarray(logits)[:1])
             token = int(np.argmax(out[-1][0]))
         return np.concatenate(out)

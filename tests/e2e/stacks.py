@@ -1,0 +1,164 @@
+"""The real stacks the end-to-end tests drive: `gemma-serve up` (three processes) on free ports, one per family of
+e2e modules, each compiling only the programs its tests use.
+
+A stack's worker spends most of its start-up compiling (about a minute for the embedded model on 2 cores), mostly
+on one core. So the stacks a test session needs are launched early (`launch_early`, from the session's first
+test) and compile while the unit tests run — the e2e tests run last (tests/conftest.py) — and each e2e fixture
+only waits until its stack is healthy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+GEMMA4_TEMPLATE = REPO / "tests" / "tokenizer_svc" / "data" / "gemma4_chat_template.jinja"
+MAX_MODEL_LEN = 1024  # the embedded stack's --max-model-len (test_openai_api.MAX_MODEL_LEN)
+FUZZ_MAX_TOKENS = 4   # the fuzz stack's --max-tokens-cap
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1."""
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclasses.dataclass
+class Stack:
+    """A `gemma-serve up` process, its addresses and (for a checkpoint stack) its reference model."""
+
+    proc: subprocess.Popen
+    ports: dict[str, int]
+    log_path: pathlib.Path
+    started: float
+    reference: object = None
+    startup_s: float = 0.0
+    healthy: bool = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc_addr(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout: float = 900) -> "Stack":
+        """Block until /health is 200 (fails the test on exit or timeout)."""
+        deadline = time.monotonic() + timeout
+        while not self.healthy:
+            if self.proc.poll() is not None:
+                pytest.fail(f"gemma-serve up exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        self.healthy, self.startup_s = True, time.monotonic() - self.started
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"stack not healthy in time:\n{self.log()[-5000:]}")
+            time.sleep(0.5)
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM and wait; a stack that does not stop within 60 s fails the session."""
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail("gemma-serve up did not stop within 60 s of SIGTERM")
+
+
+def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str]) -> Stack:
+    """Launch `gemma-serve up` on free ports with `extra` flags; returns at once (see Stack.wait_healthy)."""
+    http, grpc_port, tok, worker, metrics = free_ports(5)
+    cmd = [
+        sys.executable, "-m", "gemma_serve.cli", "up", "--cache-dir", str(cache_dir),
+        "--http-port", str(http), "--gateway-grpc-port", str(grpc_port), "--tokenizer-port", str(tok),
+        "--worker-port", str(worker), "--worker-metrics-port", str(metrics), *extra,
+    ]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    ports = {"http": http, "grpc": grpc_port, "tokenizer": tok, "worker": worker, "metrics": metrics}
+    return Stack(proc, ports, log_path, time.monotonic())
+
+
+def _embedded(cache_dir, prepared, tmp) -> Stack:
+    """The embedded Gemma 3 270M: max_model_len 1024, 4 slots (the OpenAI API, sampling, tools, agent tests)."""
+    return start_stack(cache_dir, tmp("stack") / "stack.log",
+                       ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4"])
+
+
+def _gemma4(cache_dir, prepared, tmp) -> Stack:
+    """A tiny random Gemma 4 checkpoint directory (KV sharing, PLE, double-wide MLP, window 8, the full
+    262,144-token vocabulary, the Gemma 4 test tokenizer and the official chat template), max_model_len 512,
+    2 slots; its transformers model is the stack's `reference`."""
+    from tests.gemma4_tiny import SHARED, write_checkpoint
+    from tests.gemma4_tokenizer import write_gemma4_test_tokenizer
+
+    ckpt = tmp("gemma-4-tiny")
+    model = write_checkpoint({**SHARED, "vocab_size": 262_144, "vocab_size_per_layer_input": 262_144}, ckpt)
+    write_gemma4_test_tokenizer(ckpt, prepared.dir / "tokenizer.json")
+    shutil.copy(GEMMA4_TEMPLATE, ckpt / "chat_template.jinja")
+    s = start_stack(cache_dir, tmp("g4log") / "stack.log",
+                    ["--model", str(ckpt), "--max-model-len", "512", "--num-slots", "2", "--prefill-chunks", "32"])
+    s.reference = model
+    return s
+
+
+def _fuzz(cache_dir, prepared, tmp) -> Stack:
+    """The embedded model with the smallest grid (one slot, 64-token chunks, one 512 KV bucket: 5 programs) and
+    `--max-tokens-cap 4`, for the fuzzer and the hostile-input tests: every answer is short, whatever was asked."""
+    return start_stack(cache_dir, tmp("fuzz") / "stack.log",
+                       ["--max-model-len", "512", "--num-slots", "1", "--prefill-chunks", "64",
+                        "--max-tokens-cap", str(FUZZ_MAX_TOKENS)])
+
+
+#: Stack fixture name -> launcher(cache_dir, prepared, mktemp) -> Stack.
+SPECS = {"stack": _embedded, "gemma4_stack": _gemma4, "fuzz_stack": _fuzz}
+_LAUNCHED: dict[str, Stack] = {}
+
+
+def launch(name: str, cache_dir, prepared, tmp_path_factory) -> Stack:
+    """The session's stack `name`, launched now unless already running."""
+    if name not in _LAUNCHED:
+        _LAUNCHED[name] = SPECS[name](cache_dir, prepared, lambda prefix: tmp_path_factory.mktemp(prefix))
+    return _LAUNCHED[name]
+
+
+def launched() -> dict[str, Stack]:
+    """The stacks launched in this session."""
+    return dict(_LAUNCHED)
+
+
+def stop_all() -> None:
+    """Stop every launched stack (end of session)."""
+    for s in _LAUNCHED.values():
+        s.stop()
