@@ -1,8 +1,12 @@
-"""The OpenAI-compatible REST API: routes only; the work is in completions.py and generate.py.
+"""The OpenAI-compatible REST API: routes only; planning is in planner.py, running in completions.py and
+generate.py, the rules every request obeys (request ids, body and connection limits, JSON checks, a 500 that
+keeps the connection) in http_guard.py.
 
-Errors are OpenAI-shaped (`{"error": {message, type, param, code}}`): 400 for bad values, 404 for an unknown
-model, 429 when the worker's queue is full, 503 while a backend is down or loading, and a generic 500 body (never
-a stack trace) for anything unexpected. A client that disconnects aborts its generation on the worker.
+Errors are OpenAI-shaped (`{"error": {message, type, param, code}}`) on every path, unknown routes and methods
+included: 400 for bad values, 404 for an unknown model or route, 405 for a wrong method, 413 for a body over the
+limit, 429 when the worker's queue is full, 503 while a backend is down or loading (or beyond the connection
+limit), and a generic 500 naming the request id (never internals) for our own bugs. A client that disconnects
+aborts its generation on the worker.
 """
 
 from __future__ import annotations
@@ -11,29 +15,23 @@ import asyncio
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.chat_plan import constraint_factory, plan_chat
 from gateway.clients import Backends
-from gateway.completions import (
-    ResponseIds,
-    chat_prompt,
-    remember_answer,
-    check_model,
-    choice_jobs,
-    completion_prompts,
-    run_choices,
-    usage_dict,
-    validate_fields,
-)
-from gateway.logprobs import CompletionLogprobs, chat_content, visible
+from gateway.completions import ResponseIds, remember_answer, run_choices, usage_dict
 from gateway.errors import ApiError
-from gateway.generate import resolve_max_tokens
+from gateway.http_guard import RequestGuard
+from gateway.limits import Limits
+from gateway.logprobs import CompletionLogprobs, chat_content, visible
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.openapi import openapi_schema
+from gateway.planner import Plan, plan_chat_completion, plan_completion
 from protos import tokenizer_pb2
 
 log = logging.getLogger("gemma_serve.gateway")
@@ -67,7 +65,7 @@ async def _cancel_on_disconnect(request: Request, coro):
         watcher.cancel()
         return work.result()
     work.cancel()
-    log.info("client disconnected; request cancelled")
+    log.info("client disconnected; request %s cancelled", request.state.request_id)
     return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled", "param": None,
                                    "code": None}}, status_code=499)
 
@@ -84,35 +82,44 @@ async def _primed(agen: AsyncIterator) -> AsyncIterator:
     return rest()
 
 
-def create_app(backends: Backends) -> FastAPI:
-    """The FastAPI application over `backends`."""
+_STREAM_RESPONSES = {200: {"description": "The completion, or with `stream: true` a stream of server-sent events "
+                                          "(`data: {chunk}` lines, then `data: [DONE]`).",
+                           "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def create_app(backends: Backends, limits: Limits | None = None,
+               open_connections: Callable[[], int] | None = None):
+    """The ASGI application over `backends`: the FastAPI routes wrapped in RequestGuard (and CORS when
+    `limits.cors_origins` names origins).
+
+    Args:
+      limits: the gateway's limits (default: Limits()).
+      open_connections: the HTTP server's open connection count, for `limits.max_connections` (None: unchecked).
+    """
+    limits = limits or Limits()
     app = FastAPI(title="gemma-serve", description="OpenAI-compatible API of gemma-serve")
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path != "/metrics":
-            backends.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
-
-    @app.get("/metrics")
-    async def metrics():
-        body, content_type = backends.metrics.exposition()
-        return Response(body, media_type=content_type)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
+                   f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+        err = ApiError(exc.status_code, message, code={404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         err = _validation_error(exc)
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error on %s", request.url.path)
-        return JSONResponse(ApiError(500, "internal server error", code="internal_error").body(), status_code=500)
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = backends.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/health")
     async def health():
@@ -130,52 +137,49 @@ def create_app(backends: Backends) -> FastAPI:
                       "max_model_len": facts.max_model_len}],
         }
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_STREAM_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
-        return await _cancel_on_disconnect(request, _completions(backends, body)) if not body.stream else \
-            await _completions(backends, body)
+        work = _completions(backends, limits, body)
+        return await (work if body.stream else _cancel_on_disconnect(request, work))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_STREAM_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await _cancel_on_disconnect(request, _chat(backends, body)) if not body.stream else \
-            await _chat(backends, body)
+        work = _chat(backends, limits, body)
+        return await (work if body.stream else _cancel_on_disconnect(request, work))
 
-    return app
+    app.openapi = lambda: openapi_schema(app, backends)
+    asgi = app
+    if limits.cors_origins:
+        asgi = CORSMiddleware(asgi, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],
+                              allow_headers=["*"], expose_headers=["X-Request-Id"])
+    count = lambda route, status: backends.metrics.requests.labels(route, str(status)).inc()  # noqa: E731
+    guard = RequestGuard(asgi, limits, open_connections, count)
+    guard.fastapi = app  # the routes, for tests and the OpenAPI schema
+    return guard
 
 
 # ----- /v1/completions -----------------------------------------------------------------------------------------
-async def _completions(backends: Backends, req: CompletionRequest):
-    validate_fields(req, req.max_tokens)
-    model = check_model(backends, req.model)
-    if req.suffix:
-        raise ApiError(400, "suffix is not supported", param="suffix")
-    if req.best_of not in (None, 1, req.n):
-        raise ApiError(400, "best_of other than n is not supported", param="best_of")
-    prompts = await completion_prompts(backends, req)
-    max_len = backends.ready_facts().max_model_len
-    jobs = []
-    for p, (ids, _) in enumerate(prompts):
-        resolve_max_tokens(len(ids), req.max_tokens, max_len)
-        jobs += choice_jobs(ids, req, req.max_tokens, req.n, p * req.n, top_logprobs=req.logprobs or 0)
-    echoes = [await _echo_text(backends, ids, text) if req.echo else "" for ids, text in prompts]
-    prompt_tokens = sum(len(ids) for ids, _ in prompts)
-    ids = ResponseIds("cmpl", model)
+async def _completions(backends: Backends, limits: Limits, req: CompletionRequest):
+    ids = ResponseIds("cmpl", "")
+    plan = await plan_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_")
+    ids.model = plan.model
+    echoes = [await _echo_text(backends, p_ids, text) if req.echo else "" for p_ids, text in plan.prompts]
     if req.stream:
-        stream = await _primed(run_choices(backends, jobs))
-        return StreamingResponse(_completion_chunks(backends, ids, stream, req, echoes, prompt_tokens),
+        stream = await _primed(run_choices(backends, plan.jobs))
+        return StreamingResponse(_completion_chunks(backends, ids, stream, req, echoes, plan.prompt_tokens),
                                  media_type="text/event-stream")
-    got = await _collect(run_choices(backends, jobs), len(jobs))
+    got = await _collect(run_choices(backends, plan.jobs), len(plan.jobs))
     facts = backends.ready_facts()
     choices = []
-    for i in range(len(jobs)):
+    for i in range(len(plan.jobs)):
         echo = echoes[i // req.n]
         lp = None
         if req.logprobs is not None:
             lp = CompletionLogprobs(facts, req.logprobs, len(echo)).chunk(
                 visible(facts, got.tokens[i], req.skip_special_tokens))
         choices.append({"index": i, "text": echo + got.texts[i], "logprobs": lp, "finish_reason": got.finishes[i]})
-    cached = sum(got.cached(p * req.n) for p in range(len(prompts)))
-    usage = usage_dict(prompt_tokens, got.completion_tokens, cached)
+    cached = sum(got.cached(p * req.n) for p in range(len(plan.prompts)))
+    usage = usage_dict(plan.prompt_tokens, got.completion_tokens, cached)
     return {**ids.head("text_completion"), "choices": choices, "usage": usage}
 
 
@@ -251,46 +255,29 @@ async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: 
 
 
 # ----- /v1/chat/completions ------------------------------------------------------------------------------------
-async def _chat(backends: Backends, req: ChatCompletionRequest):
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    validate_fields(req, max_tokens, param)
-    model = check_model(backends, req.model)
-    if req.top_logprobs and not req.logprobs:
-        raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-    facts = backends.ready_facts()
-    plan = plan_chat(req, facts)
-    prompt = await chat_prompt(backends, req, plan.template_kwargs)
-    resolve_max_tokens(len(prompt), max_tokens, facts.max_model_len, param)
-    jobs = choice_jobs(prompt, req, max_tokens, req.n, top_logprobs=req.top_logprobs or 0,
-                       constraint=await constraint_factory(backends, plan))
-    for _, _, params, _ in jobs:
-        params.stop_token_ids = sorted(set(params.stop_token_ids) | set(plan.request_stop_ids(facts)))
-        for tid in plan.banned_ids:
-            params.sampling.logit_bias[tid] = -100.0
-    ids = ResponseIds("chatcmpl", model)
-    routes = [plan.route(facts, req.stop_list(), f"call_{ids.id[-12:]}_{i}_") for i in range(len(jobs))]
+async def _chat(backends: Backends, limits: Limits, req: ChatCompletionRequest):
+    ids = ResponseIds("chatcmpl", "")
+    plan = await plan_chat_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_")
+    ids.model = plan.model
     if req.stream:
-        stream = await _primed(run_choices(backends, jobs))
-        return StreamingResponse(_chat_chunks(backends, ids, stream, req, len(prompt), routes),
-                                 media_type="text/event-stream")
-    got = await _collect(run_choices(backends, jobs), len(jobs), routes)
+        stream = await _primed(run_choices(backends, plan.jobs))
+        return StreamingResponse(_chat_chunks(backends, ids, stream, req, plan), media_type="text/event-stream")
+    got = await _collect(run_choices(backends, plan.jobs), len(plan.jobs), plan.routes)
+    facts = backends.ready_facts()
     choices = []
-    for i, route in enumerate(routes):
+    for i, route in enumerate(plan.routes):
         lp = None
         if req.logprobs:
             lp = {"content": chat_content(facts, visible(facts, got.tokens[i], req.skip_special_tokens),
                                           req.top_logprobs or 0)}
-        if route.plain():
-            remember_answer(backends, route.content, got.last[i], got.tokens[i])
+        remember_answer(backends, plan.scope, route, got.last[i], got.tokens[i], plan.jobs[i].params.stop_token_ids)
         choices.append({"index": i, "message": route.message(), "logprobs": lp,
                         "finish_reason": route.finish_reason(got.finishes[i])})
-    usage = usage_dict(len(prompt), got.completion_tokens, got.cached(0))
+    usage = usage_dict(plan.prompt_tokens, got.completion_tokens, got.cached(0))
     return {**ids.head("chat.completion"), "choices": choices, "usage": usage}
 
 
-async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCompletionRequest,
-                       prompt_tokens: int, routes: list):
+async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCompletionRequest, plan: Plan):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
     head = ids.head("chat.completion.chunk")
@@ -305,7 +292,7 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
 
     try:
         async for index, delta in stream:
-            route = routes[index]
+            route = plan.routes[index]
             if index not in started:
                 started.add(index)
                 yield chunk(index, {"role": "assistant", "content": ""})
@@ -324,11 +311,11 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
             if delta.finish_reason:
                 completion_tokens += delta.usage.completion_tokens
                 cached += delta.usage.cached_tokens if index == 0 else 0
-                if route.plain():
-                    remember_answer(backends, route.content, delta, tokens[index])
+                remember_answer(backends, plan.scope, route, delta, tokens[index],
+                                plan.jobs[index].params.stop_token_ids)
                 yield chunk(index, {}, route.finish_reason(delta.finish_reason))
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens, cached)})
+            yield _sse({**head, "choices": [], "usage": usage_dict(plan.prompt_tokens, completion_tokens, cached)})
     except ApiError as err:
         yield _sse(err.body())
     yield "data: [DONE]\n\n"

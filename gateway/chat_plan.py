@@ -41,6 +41,7 @@ class ChatPlan:
       stop_ids: extra stop token ids: the tool grammar's end tokens (Gemma 4 calls end with `<|tool_response>`).
       banned_ids: token ids the answer may not contain (logit bias -inf).
       template_kwargs: options for the chat template (enable_thinking derived from reasoning_effort).
+      param: the request field the grammar comes from ("response_format" or "tools"), named in errors.
     """
 
     grammar: str | None = None
@@ -51,6 +52,7 @@ class ChatPlan:
     stop_ids: list[int] = dataclasses.field(default_factory=list)
     banned_ids: list[int] = dataclasses.field(default_factory=list)
     template_kwargs: dict = dataclasses.field(default_factory=dict)
+    param: str = "response_format"
 
     def request_stop_ids(self, facts: ModelFacts) -> list[int]:
         """Stop ids to add to the request: the plan's, and under a grammar also the model's own (a constraint
@@ -100,6 +102,7 @@ def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
     except tc.ToolSchemaError as err:
         raise ApiError(400, err.message, param="tools", code="unsupported_schema") from None
     plan.grammar_ends = True
+    plan.param = "tools"
     plan.tool_format = "gemma4" if arch == "gemma4" else "gemma3"
     # The grammar's end tokens always stop generation, whatever the checkpoint's generation_config says.
     plan.stop_ids = [tc.GEMMA4_TOOL_RESPONSE, tc.GEMMA4_TURN_END] if arch == "gemma4" else [tc.GEMMA3_END_OF_TURN]

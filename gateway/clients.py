@@ -35,6 +35,13 @@ class ModelFacts:
     tokenizer_json: str = ""
     architecture: str = "gemma3"
     eos_id: int = 1
+    max_waiting: int = 64
+    max_token_bytes: int = 64
+
+    def __post_init__(self):
+        # The longest token's bytes bound how much text max_model_len tokens can spell (planner's size check).
+        if self.token_bytes:
+            self.max_token_bytes = max(len(b) for b in self.token_bytes)
 
 
 class Backends:
@@ -140,6 +147,7 @@ class Backends:
             tokenizer_json=vocab.tokenizer_json,
             architecture=info.architecture or "gemma3",
             eos_id=tinfo.eos_token_id,
+            max_waiting=info.max_waiting,
         )
 
     def ready_facts(self) -> ModelFacts:

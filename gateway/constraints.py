@@ -57,7 +57,6 @@ validates):
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import sys
@@ -67,6 +66,9 @@ from typing import Any
 import jsonschema
 import llguidance
 import numpy as np
+
+from gateway import patterns
+from gateway.lru import ByteLRU, text_size
 
 __all__ = [
     "ANNOTATION_KEYWORDS",
@@ -292,13 +294,22 @@ def _static_check(schema: Any, where: str) -> None:
     if not isinstance(schema, dict):
         raise SchemaError(f"{where}: the schema must be a JSON object, got {type(schema).__name__}", None, "")
     cls = _validator_class(schema, where)
-    # (a) malformed: validate against the draft's meta-schema (its FORMAT_CHECKER also compiles `pattern`s).
-    err = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER)
-                                           .iter_errors(schema))
+    # (a) malformed: validate against the draft's meta-schema. Its format checker compiles every `pattern` as
+    # `format: regex` - in llguidance's dialect, within its budget (gateway/patterns.py), never with Python's `re`.
+    meta, formats = patterns.validator_class(cls)
+    err = jsonschema.exceptions.best_match(meta(cls.META_SCHEMA, format_checker=formats).iter_errors(schema))
     if err is not None:
         path = list(err.absolute_path)
         keyword = str(path[-1]) if path and isinstance(path[-1], str) else None
         holder = _ptr(path[:-1]) if keyword is not None else _ptr(path)
+        if err.validator == "format" and err.validator_value == "regex" and isinstance(err.instance, str):
+            try:
+                patterns.check(err.instance)
+            except patterns.PatternError as bad:
+                if bad.kind != "malformed":  # a regex, but not one llguidance can enforce
+                    shown = f"keyword '{keyword}'" if keyword else "a regex"
+                    raise SchemaError(f"{where}: {shown} at {_where(holder)} cannot be enforced: {bad}", keyword,
+                                      holder) from None
         shown = f"keyword '{keyword}' at {_where(holder)}" if keyword else f"the schema at {_where(holder)}"
         raise SchemaError(f"{where}: malformed schema: {shown}: {err.message}", keyword, holder)
     # (b) every keyword enforced or an annotation.
@@ -375,10 +386,19 @@ def _llg_error_keyword(msg: str) -> str | None:
 # Grammar cache
 # ------------------------------------------------------------------------------------------------------------
 
-_CACHE_SIZE = 256
-#: Largest schema accepted, in characters of compact JSON (llguidance has its own grammar-size limits too).
+#: Largest schema accepted, in characters of compact JSON (the gateway's MAX_SCHEMA_BYTES is checked first).
 MAX_SCHEMA_CHARS = 1 << 20
-_cache: collections.OrderedDict[str, str] = collections.OrderedDict()
+#: llguidance's budgets for a client grammar (its defaults, with error messages that do not echo the grammar):
+#: lexer fuel to build it (~50k/ms) and per token (~14k/ms), Earley items per token (~20k/ms) and per grammar row,
+#: lexer states, grammar symbols. A grammar that needs more is an error; see `Constraint`.
+LIMITS = llguidance.LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                                   step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+                                   verbose_errors=False)
+#: Estimated bytes of grammar text kept (compiled grammars by schema, matcher templates by grammar).
+GRAMMAR_CACHE_BYTES = 64 << 20
+#: Estimated bytes of a compiled matcher beyond its grammar text (lexer and parser tables).
+_MATCHER_OVERHEAD = 64 << 10
+_cache: ByteLRU[str, str] = ByteLRU(GRAMMAR_CACHE_BYTES, lambda key, grammar: text_size(key, grammar))
 _cache_lock = threading.Lock()
 _stats = {"hits": 0, "misses": 0, "compiles": 0}
 
@@ -403,7 +423,7 @@ def _compile(schema: dict, where: str) -> str:
     with _cache_lock:
         _stats["compiles"] += 1
     grammar = llguidance.LLMatcher.grammar_from_json_schema(_rewrite_formats(schema), overrides=_LLG_OPTIONS)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=LIMITS)
     if error:
         first = " ".join(error.split())[:400]
         keyword = _llg_error_keyword(first)
@@ -433,19 +453,12 @@ def grammar_for_json_schema(schema: dict, *, where: str = "response_format.json_
         overlapping `oneOf` branches, a `pattern` with look-around or back-references).
     """
     key = _schema_key(schema, where)
+    grammar = _cache.get(key)
     with _cache_lock:
-        grammar = _cache.get(key)
-        if grammar is not None:
-            _cache.move_to_end(key)
-            _stats["hits"] += 1
-            return grammar
-        _stats["misses"] += 1
-    grammar = _compile(schema, where)  # outside the lock: big schemas take tens of ms
-    with _cache_lock:
-        _cache[key] = grammar
-        _cache.move_to_end(key)
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
+        _stats["hits" if grammar is not None else "misses"] += 1
+    if grammar is None:
+        grammar = _compile(schema, where)  # outside the lock: big schemas take tens of ms
+        _cache.put(key, grammar)
     return grammar
 
 
@@ -500,16 +513,17 @@ def grammar_for_response_format(response_format: dict | None) -> str | None:
 
 
 def grammar_cache_info() -> dict[str, int]:
-    """{"hits", "misses", "compiles", "size"}: counters since start (or clear_grammar_cache)."""
+    """{"hits", "misses", "compiles", "size", "bytes"}: counters since start (or clear_grammar_cache), entries and
+    their estimated bytes."""
     with _cache_lock:
-        return dict(_stats, size=len(_cache))
+        return dict(_stats, size=len(_cache), bytes=_cache.nbytes)
 
 
 def clear_grammar_cache() -> None:
     """Empty the grammar cache, the matcher templates and the counters (tests)."""
+    _cache.clear()
+    _templates.clear()
     with _cache_lock:
-        _cache.clear()
-        _templates.clear()
         _stats.update(hits=0, misses=0, compiles=0)
 
 
@@ -519,24 +533,26 @@ def clear_grammar_cache() -> None:
 
 # Compiled matchers in their initial state, keyed by (tokenizer id, grammar); a request gets a deep_copy
 # (~0.01-0.2 ms instead of a 0.3-20 ms compile). The tokenizer is held in the entry so its id stays unique.
-_templates: collections.OrderedDict[tuple[int, str], tuple[Any, Any]] = collections.OrderedDict()
+_templates: ByteLRU[tuple[int, str], tuple[Any, Any]] = ByteLRU(
+    GRAMMAR_CACHE_BYTES, lambda key, entry: text_size(key[1]) + _MATCHER_OVERHEAD)
 
 
 def _matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
     key = (id(tokenizer), grammar)
-    with _cache_lock:
-        entry = _templates.get(key)
-        if entry is not None and entry[0] is tokenizer:
-            _templates.move_to_end(key)
-            return entry[1].deep_copy()
-    template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    entry = _templates.get(key)
+    if entry is not None and entry[0] is tokenizer:
+        return entry[1].deep_copy()
+    template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
     if template.is_error():
-        raise ConstraintError(f"the grammar does not compile: {template.get_error().strip().splitlines()[0]}")
-    with _cache_lock:
-        _templates[key] = (tokenizer, template)
-        while len(_templates) > _CACHE_SIZE:
-            _templates.popitem(last=False)
-        return template.deep_copy()
+        raise ConstraintError(f"the grammar does not compile: {_first_line(template.get_error())}")
+    _templates.put(key, (tokenizer, template))
+    return template.deep_copy()
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error, first line only (later lines describe parser state)."""
+    lines = error.strip().splitlines()
+    return lines[0][:400] if lines else "unknown error"
 
 
 class Constraint:
@@ -611,7 +627,7 @@ class Constraint:
         m = self._m
         m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         if m.is_error():
-            raise ConstraintError(f"grammar error: {m.get_error().strip().splitlines()[0]}")
+            raise ConstraintError(f"grammar error: {_first_line(m.get_error())}")
         words = self._words.byteswap() if sys.byteorder == "big" else self._words
         out = self._out
         out[: self._words.nbytes] = words.view(np.uint8)
@@ -678,7 +694,7 @@ class Constraint:
             raise ConstraintError(f"token {t} is not allowed here")
         if self._m.try_consume_tokens([t]) != 1:
             if self._m.is_error():
-                raise ConstraintError(f"grammar error: {self._m.get_error().strip().splitlines()[0]}")
+                raise ConstraintError(f"grammar error: {_first_line(self._m.get_error())}")
             raise ConstraintError(f"token {t} ({self._tok.dbg_tokens([t])}) is not allowed here")
         self._tokens.append(t)
         if t in self._stop_set:

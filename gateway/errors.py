@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+
+log = logging.getLogger("gemma_serve.gateway")
 
 _HTTP_OF_GRPC = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -17,15 +21,20 @@ _HTTP_OF_GRPC = {
 }
 _TYPE_OF_HTTP = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
     409: "invalid_request_error",
     429: "rate_limit_error",
     499: "cancelled",
     503: "service_unavailable",
     504: "timeout",
 }
-_GRPC_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+_GRPC_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                 413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE,
+                 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class ApiError(Exception):
@@ -54,14 +63,20 @@ class ApiError(Exception):
 
 
 def from_rpc_error(err: grpc.aio.AioRpcError, backend: str) -> ApiError:
-    """Translate a backend's gRPC error. Unavailable backends become 503 naming the backend."""
+    """Translate a backend's gRPC error. Unavailable backends become 503 naming the backend; a full worker queue
+    429 with Retry-After; a message over gRPC's size limit 413 (no retry can fix it); a backend's own failure a
+    500 that does not quote it (it is logged here)."""
     code = err.code()
     status = _HTTP_OF_GRPC.get(code, 500)
+    details = err.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE:
-        return ApiError(503, f"the {backend} is unavailable: {err.details()}", code="backend_unavailable")
+        return ApiError(503, f"the {backend} is unavailable: {details}", code="backend_unavailable")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        return ApiError(413, f"the request is too large for the {backend}", code="request_too_large")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ApiError(429, f"the server is overloaded: {err.details()}; retry shortly", code="overloaded",
+        return ApiError(429, f"the server is overloaded: {details}; retry shortly", code="overloaded",
                         headers={"Retry-After": "1"})
     if status == 500:
-        return ApiError(500, f"the {backend} failed: {err.details()}", code="backend_error")
-    return ApiError(status, err.details() or code.name)
+        log.error("the %s failed: %s %s", backend, code.name, details)
+        return ApiError(500, f"the {backend} failed", code="backend_error")
+    return ApiError(status, details or code.name)

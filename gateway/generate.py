@@ -9,6 +9,7 @@ disconnect, cancellation) aborts the request on the worker.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -18,6 +19,7 @@ from typing import AsyncIterator
 import grpc
 
 from gateway.clients import Backends
+from gateway.constraints import ConstraintError
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.errors import ApiError, from_rpc_error
 from protos import common_pb2, model_worker_pb2
@@ -45,6 +47,10 @@ class GenParams:
       share_prompt_with: request id of a sibling choice with the same prompt whose KV to reuse (n > 1).
       constraint: a grammar matcher for this generation (gateway/constraints.py `Constraint`: mask(), advance(),
         forced(), done()), or None.
+      initial_mask: the constraint's mask of token 0, computed when the request was planned (None: compute it
+        here).
+      constraint_param: the request field the grammar comes from ("response_format" or "tools"), named in errors.
+      cache_salt: the prefix-cache scope on the worker (see PrefillRequest.cache_salt).
     """
 
     sampling: common_pb2.SamplingParams
@@ -56,6 +62,9 @@ class GenParams:
     allowed_token_ids: list[int] | None = None
     share_prompt_with: str | None = None
     constraint: object | None = None
+    initial_mask: bytes | None = None
+    constraint_param: str = "response_format"
+    cache_salt: str = ""
 
 
 @dataclasses.dataclass
@@ -167,14 +176,33 @@ async def generate(
             max_tokens=max_tokens, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos
         ),
         share_prompt_with=params.share_prompt_with or "",
+        cache_salt=params.cache_salt,
     )
     if params.allowed_token_ids is not None:
         prefill.allowed_tokens.allowed = allowed_mask_bytes(params.allowed_token_ids, facts.vocab_size)
-    driver = ConstraintDriver(params.constraint, backends.metrics) if params.constraint is not None else None
-    if driver is not None:
+    driver = None
+    if params.constraint is not None:
+        driver = ConstraintDriver(params.constraint, backends.metrics, params.constraint_param)
         prefill.constrained = True
-        prefill.initial_mask.allowed = driver.initial_mask()
-    reply = await backends.call("model worker", backends.worker.Prefill(prefill))
+        prefill.initial_mask.allowed = params.initial_mask if params.initial_mask is not None else \
+            await asyncio.to_thread(driver.initial_mask)
+    metrics = backends.metrics
+    metrics.waiting.inc()
+    try:
+        reply = await backends.call("model worker", backends.worker.Prefill(prefill))
+    finally:
+        metrics.waiting.dec()
+    metrics.running.inc()
+    try:
+        async for delta in _decode(backends, rid, reply, stream, clock, driver):
+            yield delta
+    finally:
+        metrics.running.dec()
+
+
+async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillResponse, stream: _Stream,
+                  clock: _Clock, driver: ConstraintDriver | None) -> AsyncIterator[Delta]:
+    """The rest of a generation after its Prefill reply: the Decode stream, the constraint's masks, the deltas."""
     prompt_tokens = reply.usage.prompt_tokens
     stream.cached = reply.usage.cached_tokens
     delta = clock.tick(stream.feed([reply.first_token]))
@@ -188,13 +216,14 @@ async def generate(
     try:
         await call.write(model_worker_pb2.DecodeRequest(request_id=rid))
         if driver is not None:
-            for message in driver.on_tokens([reply.first_token]):
+            for message in await asyncio.to_thread(driver.on_tokens, [reply.first_token]):
                 await call.write(message)
         if delta.text or delta.token_ids:
             yield delta
         async for msg in call:
             if driver is not None and msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-                for message in driver.on_tokens(list(msg.tokens)):
+                # Off the event loop: a mask costs up to llguidance's per-token budget (~15 ms).
+                for message in await asyncio.to_thread(driver.on_tokens, list(msg.tokens)):
                     await call.write(message)
             delta = clock.tick(stream.feed(msg.tokens))
             if stream.stops.stopped:
@@ -234,10 +263,12 @@ class ConstraintDriver:
     complete the mask allows only the stop ids.
     """
 
-    def __init__(self, constraint, metrics=None):
-        """Args: constraint: the request's grammar state; metrics: GatewayMetrics to count tokens in, or None."""
+    def __init__(self, constraint, metrics=None, param: str = "response_format"):
+        """Args: constraint: the request's grammar state; metrics: GatewayMetrics to count tokens in, or None;
+        param: the request field the grammar comes from (named when the grammar exceeds its budget)."""
         self.c = constraint
         self.metrics = metrics
+        self.param = param
         self.received = 0  # tokens received from the worker (= index of the next one)
         self.sent_for = 0  # step for which the next mask has been sent
         self.forced_pending = 0
@@ -251,8 +282,16 @@ class ConstraintDriver:
         """Advance over received tokens; returns the Decode-stream messages to send next.
 
         Raises:
-          ApiError: 500 if the worker produced a token the grammar does not allow.
+          ApiError: 500 if the worker produced a token the grammar does not allow; 400 naming the request field
+            when the grammar needs more than llguidance's budget for the next mask.
         """
+        try:
+            return self._on_tokens(tokens)
+        except ConstraintError as err:
+            raise ApiError(400, f"{self.param}: the grammar exceeded its budget while generating: {err}",
+                           param=self.param, code="grammar_budget_exceeded") from None
+
+    def _on_tokens(self, tokens: list[common_pb2.GeneratedToken]) -> list[model_worker_pb2.DecodeRequest]:
         for t in tokens:
             self.received += 1
             if t.forced and self.forced_pending:
@@ -261,6 +300,8 @@ class ConstraintDriver:
             try:
                 self.c.advance(t.token_id)
             except ValueError as err:
+                if "grammar error" in str(err):
+                    raise
                 raise ApiError(500, f"the model produced a token the grammar forbids: {err}", code="constraint") from None
         if self.received <= self.sent_for:
             return []

@@ -1,129 +1,158 @@
-"""The gateway's gRPC `Generate`: the same validation, templating, stop strings, detokenization, constraints
-(response_format, tools) and output routing (reasoning, tool calls) as REST."""
+"""The gateway's gRPC `Generate`: the request becomes the same pydantic request model the REST routes validate
+(`request_model`), then goes through the same planner (gateway/planner.py) — so every check and limit, template,
+stop string, constraint (response_format, tools) and output route (reasoning, tool calls) is REST's by
+construction. Errors are gRPC statuses: INVALID_ARGUMENT for what REST answers 400, NOT_FOUND, RESOURCE_EXHAUSTED
+(the worker's queue, or a message over the size limit), UNAVAILABLE, DEADLINE_EXCEEDED, and INTERNAL with a generic
+message (never internals) for our own bugs.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import types
+import logging
 import uuid
 
+import grpc
+import pydantic
+
 from gateway.chat_output import ChatRoute
-from gateway.chat_plan import ChatPlan, constraint_factory, plan_chat
 from gateway.clients import Backends
 from gateway.completions import run_choices
 from gateway.errors import ApiError
-from gateway.generate import GenParams
-from protos import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
+from gateway.limits import Limits, json_field
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.planner import plan_chat_completion, plan_completion
+from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
 
+log = logging.getLogger("gemma_serve.gateway")
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_ABORT, "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS}
+
+
+def _sampling_fields(sp: common_pb2.SamplingParams) -> dict:
+    """SamplingParams -> OpenAI fields (proto3 zeros mean "unset": top_p 0 or 1, top_k 0, repetition 0 -> 1)."""
+    out: dict = {"temperature": sp.temperature}
+    if sp.top_p not in (0.0, 1.0):
+        out["top_p"] = sp.top_p
+    for name in ("top_k", "min_p", "presence_penalty", "frequency_penalty"):
+        if getattr(sp, name):
+            out[name] = getattr(sp, name)
+    if sp.repetition_penalty not in (0.0, 1.0):
+        out["repetition_penalty"] = sp.repetition_penalty
+    if sp.HasField("seed"):
+        out["seed"] = sp.seed
+    if sp.logit_bias:
+        out["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
+    return out
+
+
+def _message(m) -> dict:
+    """A tokenizer ChatMessage proto -> the OpenAI message dict (its generated_token_ids are not a client's to
+    set: exact history comes only from the gateway's own answer history)."""
+    msg: dict = {"role": m.role}
+    if m.HasField("content"):
+        msg["content"] = m.content
+    elif m.content_parts:
+        msg["content"] = [{"type": p.type, "text": p.text} for p in m.content_parts]
+    if m.name:
+        msg["name"] = m.name
+    if m.tool_call_id:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:
+        msg["reasoning_content"] = m.reasoning_content
+    if m.tool_calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                           "arguments": c.arguments_json}}
+                             for c in m.tool_calls]
+    return msg
+
+
+def request_model(request: gateway_pb2.GenerateRequest) -> CompletionRequest | ChatCompletionRequest:
+    """The REST request model equivalent to a GenerateRequest (text and token inputs are completions, chat input
+    a chat completion). Logprobs of the chosen tokens are always returned; `sampling.top_logprobs` asks for
+    alternatives.
+
+    Raises:
+      ApiError: 400 for a missing input, JSON fields that are not acceptable JSON, or values the request models
+        refuse (named as REST names them).
+    """
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise ApiError(400, "one of text, chat or tokens is required", param="input")
+    body: dict = {
+        **_sampling_fields(request.sampling),
+        "n": request.n or 1,
+        "stop": list(request.stop),
+        "stop_token_ids": list(request.stop_token_ids),
+        "skip_special_tokens": not request.include_special_tokens,
+        "response_format": json_field(request.response_format_json, "response_format_json"),
+    }
+    if request.max_tokens:
+        body["max_tokens"] = request.max_tokens
+    if request.allowed_token_ids:
+        body["allowed_token_ids"] = list(request.allowed_token_ids)
+    if request.cache_salt:
+        body["cache_salt"] = request.cache_salt
+    if kind == "chat":
+        chat = request.chat
+        body["messages"] = [_message(m) for m in chat.messages]
+        body["tools"] = json_field(chat.tools_json, "chat.tools_json")
+        body["tool_choice"] = json_field(chat.tool_choice_json, "chat.tool_choice_json")
+        body["parallel_tool_calls"] = not chat.no_parallel_tool_calls
+        body["chat_template_kwargs"] = json_field(chat.template_kwargs_json, "chat.template_kwargs_json")
+        body["reasoning_effort"] = chat.reasoning_effort or None
+        body["logprobs"] = True
+        body["top_logprobs"] = request.sampling.top_logprobs
+        return _validated(ChatCompletionRequest, body)
+    body["prompt"] = request.text if kind == "text" else list(request.tokens.token_ids)
+    body["logprobs"] = request.sampling.top_logprobs
+    return _validated(CompletionRequest, body)
+
+
+def _validated(model, body: dict):
+    """`model` validated from `body`, stripped of unset (None) fields.
+
+    Raises:
+      ApiError: 400 naming the first invalid field.
+    """
+    try:
+        return model.model_validate({k: v for k, v in body.items() if v is not None})
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise ApiError(400, f"{param or 'request'}: {first.get('msg', 'invalid value')}", param=param,
+                       code="invalid_value") from None
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Generate over the shared Backends."""
 
-    def __init__(self, backends: Backends):
+    def __init__(self, backends: Backends, limits: Limits | None = None):
         self.backends = backends
-
-    async def _prompt(self, request: gateway_pb2.GenerateRequest, template_kwargs: dict) -> list[int]:
-        b = self.backends
-        kind = request.WhichOneof("input")
-        if kind == "text":
-            reply = await b.call("tokenizer service", b.tokenizer.Encode(
-                tokenizer_pb2.EncodeRequest(text=request.text, add_bos=True, parse_special=True)))
-            return list(reply.token_ids)
-        if kind == "chat":
-            reply = await b.call("tokenizer service", b.tokenizer.ApplyChatTemplate(tokenizer_pb2.ChatTemplateRequest(
-                messages=request.chat.messages, add_generation_prompt=True, tools_json=request.chat.tools_json,
-                template_kwargs_json=json.dumps(template_kwargs) if template_kwargs else "")))
-            return list(reply.token_ids)
-        if kind == "tokens":
-            ids = list(request.tokens.token_ids)
-            vocab = b.ready_facts().vocab_size
-            if not ids or any(not 0 <= t < vocab for t in ids):
-                raise ApiError(400, f"token ids must be non-empty and in [0, {vocab})")
-            return ids
-        raise ApiError(400, "one of text, chat or tokens is required")
-
-    def _params(self, request: gateway_pb2.GenerateRequest) -> GenParams:
-        if request.max_tokens < 0:
-            raise ApiError(400, f"max_tokens must be >= 0, got {request.max_tokens}")
-        if len(request.stop) > 4 or any(not s for s in request.stop):
-            raise ApiError(400, "at most 4 non-empty stop strings are allowed")
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling)
-        sampling.logprobs = True
-        return GenParams(
-            sampling=sampling,
-            max_tokens=request.max_tokens or None,
-            stop=list(request.stop),
-            stop_token_ids=list(request.stop_token_ids),
-            skip_special_tokens=not request.include_special_tokens,
-            allowed_token_ids=list(request.allowed_token_ids) or None,
-        )
-
-    def _jobs(self, request, prompt: list[int]) -> list:
-        """(index, prompt, params, request id) per choice; choices 1.. share choice 0's prompt KV."""
-        n = request.n or 1
-        if not 1 <= n <= 16:
-            raise ApiError(400, f"n must be in [1, 16], got {n}")
-        base = self._params(request)
-        rid0 = request.request_id or f"gen-{uuid.uuid4().hex}"
-        jobs = []
-        for j in range(n):
-            sampling = common_pb2.SamplingParams()
-            sampling.CopyFrom(base.sampling)
-            if j and sampling.HasField("seed"):
-                sampling.seed = (sampling.seed + j) & 0xFFFFFFFFFFFFFFFF
-            params = dataclasses.replace(base, sampling=sampling, share_prompt_with=rid0 if j else None)
-            jobs.append((j, prompt, params, rid0 if j == 0 else f"{rid0}-{j}"))
-        return jobs
-
-    def _plan(self, request: gateway_pb2.GenerateRequest) -> ChatPlan:
-        """The chat plan (response_format, tools, thinking) of a request; text and token inputs get only
-        response_format.
-
-        Raises:
-          ApiError: 400 for malformed JSON fields or what plan_chat refuses.
-        """
-        chat = request.chat if request.WhichOneof("input") == "chat" else gateway_pb2.ChatInput()
-        fields = types.SimpleNamespace(
-            response_format=_json(request.response_format_json, "response_format_json"),
-            tools=_json(chat.tools_json, "chat.tools_json"),
-            tool_choice=_json(chat.tool_choice_json, "chat.tool_choice_json"),
-            parallel_tool_calls=not chat.no_parallel_tool_calls,
-            chat_template_kwargs=_json(chat.template_kwargs_json, "chat.template_kwargs_json"),
-            reasoning_effort=chat.reasoning_effort or None,
-        )
-        if fields.tools is not None and not isinstance(fields.tools, list):
-            raise ApiError(400, "chat.tools_json must be a JSON array", param="chat.tools_json")
-        if fields.chat_template_kwargs is not None and not isinstance(fields.chat_template_kwargs, dict):
-            raise ApiError(400, "chat.template_kwargs_json must be a JSON object", param="chat.template_kwargs_json")
-        plan = plan_chat(fields, self.backends.ready_facts())
-        if request.WhichOneof("input") != "chat":
-            plan.channels = False  # raw prompts: text as generated
-        return plan
+        self.limits = limits or Limits()
 
     async def Generate(self, request, context):
+        rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         try:
-            plan = self._plan(request)
-            prompt = await self._prompt(request, plan.template_kwargs)
-            jobs = self._jobs(request, prompt)
-            factory = await constraint_factory(self.backends, plan)
-            facts = self.backends.ready_facts()
-            rid = jobs[0][3]
-            routes = []
-            for index, _, params, _ in jobs:
-                params.constraint = factory() if factory is not None else None
-                params.stop_token_ids = sorted(set(params.stop_token_ids) | set(plan.request_stop_ids(facts)))
-                for tid in plan.banned_ids:
-                    params.sampling.logit_bias[tid] = -100.0
-                routes.append(plan.route(facts, params.stop, f"call_{rid[-12:]}_{index}_"))
-            async for index, delta in run_choices(self.backends, jobs):
-                yield _reply(routes[index], index, delta)
+            if request is _UNDECODABLE:
+                raise ApiError(400, "the request is not a valid GenerateRequest (invalid UTF-8 in a string field, or "
+                                    "malformed bytes)")
+            req = request_model(request)
+            prefix = f"call_{rid[-12:]}_"
+            if isinstance(req, ChatCompletionRequest):
+                plan = await plan_chat_completion(self.backends, req, self.limits, call_prefix=prefix,
+                                                  request_id=rid)
+            else:
+                plan = await plan_completion(self.backends, req, self.limits, call_prefix=prefix, request_id=rid)
+            async for index, delta in run_choices(self.backends, plan.jobs):
+                yield _reply(plan.routes[index], index, delta)
         except ApiError as err:
             await context.abort(err.grpc_code(), err.message)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # noqa: BLE001 - our bug: log it, answer INTERNAL without internals
+            log.exception("Generate %s failed", rid)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (request id {rid})")
 
 
 def _reply(route: ChatRoute, index: int, delta) -> gateway_pb2.GenerateResponse:
@@ -146,15 +175,22 @@ def _reply(route: ChatRoute, index: int, delta) -> gateway_pb2.GenerateResponse:
     return reply
 
 
-def _json(text: str, param: str):
-    """Parse an optional JSON text field (empty -> None).
+_UNDECODABLE = gateway_pb2.GenerateRequest()  # stands for a request whose bytes do not parse
 
-    Raises:
-      ApiError: 400 naming the field when it is not valid JSON.
-    """
-    if not text:
-        return None
+
+def _deserialize(data: bytes) -> gateway_pb2.GenerateRequest:
+    """Parse a GenerateRequest; bytes that do not parse (invalid UTF-8 in a string field) become _UNDECODABLE,
+    answered INVALID_ARGUMENT by Generate instead of gRPC's own INTERNAL."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ApiError(400, f"{param} is not valid JSON: {err}", param=param) from None
+        return gateway_pb2.GenerateRequest.FromString(data)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError, whatever the implementation
+        return _UNDECODABLE
+
+
+def add_to_server(servicer: GatewayServicer, server) -> None:
+    """Register Generate on a grpc.aio server, parsing requests with `_deserialize`."""
+    handler = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=_deserialize,
+        response_serializer=gateway_pb2.GenerateResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("gemma_serve.v1.Gateway",
+                                                                          {"Generate": handler}),))

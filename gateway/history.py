@@ -4,35 +4,50 @@ the model produced it.
 Agents resend the whole conversation every turn, the model's earlier answers included. Re-tokenizing an answer's
 text rarely gives back the same tokens (templates trim it; text can split differently), and then the new prompt
 departs from the KV the worker kept right where the answer starts, so the answer is recomputed every turn. The
-gateway remembers, for each answer it returned whole (no stop string cut it), the text -> token ids, and passes the
-ids with any assistant message whose content is exactly that text (`ChatMessage.generated_token_ids`).
+gateway remembers, for each answer it returned whole (no stop string cut it), its generated token ids under the
+answer as the client sees it — its `content` and its `tool_calls` (name and arguments text), so tool turns are
+found too — and passes the ids with any assistant message that carries exactly that answer
+(`ChatMessage.generated_token_ids`).
+
+Safety. Entries are scoped: a request finds only answers remembered under its own scope (its `cache_salt`), so
+one tenant can never plant token ids under a text another tenant later sends. The tokenizer service uses the ids
+only when their control tokens are exactly those the template itself renders for that message (tokenizer_svc
+`chat_template.Segment.fallback`), so ids with a control token forced by `logit_bias` never forge a turn.
+Memory is bounded by bytes (`ByteLRU`), not entries.
 """
 
 from __future__ import annotations
 
-import collections
+import json
+
+from gateway.lru import ByteLRU, text_size
+
+#: Estimated bytes of remembered answers (keys and ids).
+HISTORY_BYTES = 64 << 20
+
+
+def answer_key(content: str | None, tool_calls: list[tuple[str, str]] = ()) -> str:
+    """The lookup key of an assistant answer: its content (None for a tool-call answer without text) and its
+    calls' (name, arguments text), exactly as returned to the client."""
+    return json.dumps([content, [list(c) for c in tool_calls]], ensure_ascii=False, separators=(",", ":"))
 
 
 class AnswerHistory:
-    """An LRU map from answer text to the token ids the model generated for it."""
+    """An LRU map from (scope, answer key) to the token ids the model generated for that answer."""
 
-    def __init__(self, capacity: int = 4096):
-        """Args: capacity: answers remembered (least recently used forgotten first)."""
-        self.capacity = capacity
-        self._map: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+    def __init__(self, budget: int = HISTORY_BYTES):
+        """Args: budget: estimated bytes of entries kept (least recently used forgotten first)."""
+        self._map: ByteLRU[tuple[str, str], tuple[int, ...]] = ByteLRU(
+            budget, lambda key, ids: text_size(key[0], key[1]) + 8 * len(ids))
 
-    def remember(self, text: str, token_ids: list[int]) -> None:
-        """Record an answer returned in full."""
-        if not text or not token_ids:
-            return
-        self._map[text] = tuple(token_ids)
-        self._map.move_to_end(text)
-        while len(self._map) > self.capacity:
-            self._map.popitem(last=False)
+    def remember(self, scope: str, key: str, token_ids: list[int]) -> None:
+        """Record an answer returned in full (`key` from `answer_key`)."""
+        if key and token_ids:
+            self._map.put((scope, key), tuple(token_ids))
 
-    def lookup(self, text: str) -> tuple[int, ...] | None:
-        """The generated ids of an answer with exactly this text, or None."""
-        ids = self._map.get(text)
-        if ids is not None:
-            self._map.move_to_end(text)
-        return ids
+    def lookup(self, scope: str, key: str) -> tuple[int, ...] | None:
+        """The generated ids of exactly this answer within `scope`, or None."""
+        return self._map.get((scope, key))
+
+    def __len__(self) -> int:
+        return len(self._map)

@@ -12,9 +12,9 @@ import grpc
 import uvicorn
 
 from gateway.app import create_app
-from gateway.clients import GRPC_OPTIONS, Backends
-from gateway.grpc_service import GatewayServicer
-from protos import gateway_pb2_grpc
+from gateway.clients import Backends
+from gateway.grpc_service import GatewayServicer, add_to_server
+from gateway.limits import Limits
 
 log = logging.getLogger("gemma_serve.gateway")
 
@@ -29,15 +29,22 @@ class _Server(uvicorn.Server):
 
 async def serve(args: argparse.Namespace) -> int:
     """Run the gateway until SIGTERM/SIGINT. Returns the exit code."""
+    limits = Limits.from_args(args)
     backends = Backends(args.tokenizer_addr, args.worker_addr, args.served_model_name)
     ready = asyncio.ensure_future(backends.wait_ready())
-    grpc_server = grpc.aio.server(options=GRPC_OPTIONS)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(backends), grpc_server)
+    # Generate requests over the body limit are refused by gRPC itself (RESOURCE_EXHAUSTED) before parsing.
+    grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", limits.max_body_bytes),
+                                           ("grpc.max_send_message_length", 64 << 20)])
+    add_to_server(GatewayServicer(backends, limits), grpc_server)
     grpc_server.add_insecure_port(f"{args.host}:{args.gateway_grpc_port}")
     await grpc_server.start()
-    config = uvicorn.Config(create_app(backends), host=args.host, port=args.http_port, log_level="warning",
-                            timeout_graceful_shutdown=5)
+    holder: list[_Server] = []
+    app = create_app(backends, limits, open_connections=lambda: len(holder[0].server_state.connections))
+    # uvicorn's own connection limit answers plain text; it is only a backstop far above ours (RequestGuard).
+    config = uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
+                            timeout_graceful_shutdown=5, limit_concurrency=2 * limits.max_connections + 64)
     server = _Server(config)
+    holder.append(server)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -1,14 +1,15 @@
 """Prometheus metrics of the gateway (client-facing latencies), served at GET /metrics.
 
 Time to first token, inter-token latency and end-to-end latency are measured per generation as the client sees
-them (from the request reaching the gateway), plus request counts by endpoint and HTTP status, and constrained
-decoding's token counts (constrained, forced, forced runs: forced tokens / generated tokens is the share of the
+them (from the request reaching the gateway), plus request counts by route template (`/v1/chat/completions`;
+`unmatched` for any unknown path, so junk URLs add no series) and HTTP status, the generations waiting for their
+first token and running (one per choice), and constrained decoding's token counts (constrained, forced, forced runs: forced tokens / generated tokens is the share of the
 answer the grammar wrote without the model).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
@@ -26,7 +27,11 @@ class GatewayMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Request arrival to the last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter(p + "requests", "HTTP requests by path and status.", ["path", "status"], registry=r)
+        self.requests = Counter(p + "requests", "HTTP requests by route template (path label; 'unmatched' for "
+                                "unknown paths) and status.", ["path", "status"], registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Generations (one per choice) sent to the model worker and "
+                             "waiting for their first token.", registry=r)
+        self.running = Gauge(p + "num_requests_running", "Generations (one per choice) streaming tokens.", registry=r)
         self.tokens = Counter(p + "generation_tokens", "Tokens generated for clients.", registry=r)
         self.constrained_tokens = Counter(p + "constrained_tokens", "Tokens generated under a grammar (sampled "
                                           "with a mask or forced).", registry=r)

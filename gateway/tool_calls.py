@@ -110,15 +110,18 @@ conversation.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import json
 import math
 import re
-import threading
 from collections.abc import Callable
 from typing import Any
+
+import llguidance
+
+from gateway import patterns
+from gateway.lru import ByteLRU, text_size
 
 # Gemma 4 control-token ids (formats.md §4.2; identical across sizes).
 GEMMA4_EOS = 1
@@ -591,9 +594,9 @@ class _Gemma4Schema:
         if not isinstance(pattern, str):
             raise self.error("pattern", path, "expected a string")
         try:
-            re.compile(pattern)
-        except re.error as err:
-            raise self.error("pattern", path, f"invalid regex ({err})") from None
+            patterns.check(pattern)
+        except patterns.PatternError as err:
+            raise self.error("pattern", path, err.reason) from None
         body, start, end = pattern, False, False
         if body.startswith("^"):
             body, start = body[1:], True
@@ -601,6 +604,8 @@ class _Gemma4Schema:
             body, end = body[:-1], True
         if re.search(r"(?<!\\)[\^$]", body.replace("[^", "[")):
             raise self.error("pattern", path, "^ and $ are supported only at the ends of the pattern")
+        # ECMA semantics, as llguidance's JSON compiler gives `pattern`: \d and \w are ASCII.
+        body = llguidance.regex_to_lark(body, "dw").replace("\\/", "/")
         regex = ("" if start else "(?s:.*)") + f"(?:{body})" + ("" if end else "(?s:.*)")
         problem = _regex_problem(regex)
         if problem:
@@ -742,16 +747,17 @@ def escaped_at(text: str, index: int) -> bool:
     return n % 2 == 1
 
 
-_REGEX_PROBLEMS: dict[str, str] = {}
+_REGEX_PROBLEMS: ByteLRU[str, str] = ByteLRU(4 << 20, text_size)
 
 
 def _regex_problem(regex: str) -> str:
-    """'' if llguidance compiles `regex` as a terminal, else its error message (cached)."""
-    if regex not in _REGEX_PROBLEMS:
-        import llguidance
-
-        _REGEX_PROBLEMS[regex] = llguidance.LLMatcher.validate_grammar(f"start: T\nT: {_lark_regex(regex)}\n")
-    return _REGEX_PROBLEMS[regex]
+    """'' if llguidance compiles `regex` as a terminal within its budget, else its error message (cached)."""
+    problem = _REGEX_PROBLEMS.get(regex)
+    if problem is None:
+        problem = llguidance.LLMatcher.validate_grammar(f"start: T\nT: {_lark_regex(regex)}\n",
+                                                        limits=patterns.LIMITS)
+        _REGEX_PROBLEMS.put(regex, problem)
+    return problem
 
 
 class _Gemma4Grammar:
@@ -804,9 +810,9 @@ class _Gemma4Grammar:
 
 # ----------------------------------------------------------------------------------------------- grammars
 
-_CACHE: collections.OrderedDict[str, str | None] = collections.OrderedDict()
-_CACHE_LOCK = threading.Lock()
-_CACHE_SIZE = 256
+#: Tool grammars by a hash of (format, tools, tool_choice, parallel), charged by the grammar's length.
+_CACHE: ByteLRU[str, str] = ByteLRU(32 << 20, lambda key, grammar: text_size(key, grammar))
+_NO_GRAMMAR = ""  # cached "no grammar" (tool_choice none)
 
 
 # Most tool calls in one answer (see the module docstring).
@@ -816,16 +822,11 @@ MAX_PARALLEL_CALLS = 16
 def _cached(kind: str, tools: list[dict], tool_choice: Any, parallel: bool, build: Callable[[], str | None]):
     key = hashlib.sha256(json.dumps([kind, tools, tool_choice, bool(parallel)], separators=(",", ":"),
                                     ensure_ascii=False, default=repr).encode()).hexdigest()
-    with _CACHE_LOCK:
-        if key in _CACHE:
-            _CACHE.move_to_end(key)
-            return _CACHE[key]
-    grammar = build()
-    with _CACHE_LOCK:
-        _CACHE[key] = grammar
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    return grammar
+    grammar = _CACHE.get(key)
+    if grammar is None:
+        grammar = build() or _NO_GRAMMAR
+        _CACHE.put(key, grammar)
+    return grammar or None
 
 
 def gemma4_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: bool = True) -> str | None:
@@ -985,11 +986,9 @@ def _nullable_node(schema: dict, out: dict) -> dict:
 
 
 def _validator(schema: Any):
-    import jsonschema
-
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator) \
-        if isinstance(schema, dict) else jsonschema.Draft202012Validator
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)  # the draft's own formats (FormatChecker() mixes drafts)
+    """A validator of `schema` with its draft's own formats (FormatChecker() mixes drafts) whose `pattern`
+    checks run in llguidance's linear-time dialect (gateway/patterns.py), never Python's `re`."""
+    return patterns.validator_for(schema)
 
 
 def validate_tool_arguments(tools: list[dict], name: str, arguments: str) -> dict:

@@ -116,6 +116,9 @@ def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:
     p.add_argument(
         "--served-model-name", default=None, help="model id reported by /v1/models (default: the model's own name)"
     )
+    from gateway.limits import add_flags
+
+    add_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

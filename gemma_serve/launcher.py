@@ -21,6 +21,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.limits import limit_args
 from gemma_serve.models import prepare
 
 log = logging.getLogger("gemma_serve.up")
@@ -50,6 +51,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                "--tokenizer-addr", f"{args.host}:{args.tokenizer_port}", "--worker-addr", f"{args.host}:{args.worker_port}"]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
+    gateway += limit_args(args)
     return {
         "tokenizer": base + ["tokenizer", *common, "--tokenizer-port", str(args.tokenizer_port)],
         "worker": base + ["worker", *common, "--worker-port", str(args.worker_port), "--worker-metrics-port",

@@ -245,7 +245,7 @@ class EngineLoop:
         target = self.scheduler.cache.snapshot_slot(seq.slot)
         if target is not None and seq.num_computed == seq.snapshot_at:
             self.engine.copy_slot(seq.slot, target)
-            self.scheduler.cache.pin(target, seq.prompt[: seq.snapshot_at])
+            self.scheduler.cache.pin(target, seq.prompt[: seq.snapshot_at], seq.cache_salt)
             self.steps["copy"] += 1
         seq.snapshot_at = None
 

@@ -87,6 +87,7 @@ def load_engine(prepared, args: argparse.Namespace):
         default_stop_token_ids=list(cfg.stop_token_ids),
         num_compiled_programs=engine.num_programs,
         backend=backend,
+        max_waiting=ecfg.max_waiting if ecfg.max_waiting is not None else 2**31 - 1,
     )
     return engine, info
 

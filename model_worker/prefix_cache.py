@@ -16,6 +16,10 @@ Shared prompts (a system prompt common to many conversations): when a prompt sha
 slot whose ring cannot serve that split, the sequence computes its prompt and, exactly when it has computed the
 shared part, the engine copies its slot into a spare one that is *pinned* as a snapshot of that prefix; later
 conversations copy from the snapshot. At most `max_snapshots` are pinned (LRU among them).
+
+Scopes: every slot's KV carries the `cache_salt` of the request that computed it, and a prompt is matched only
+against slots of its own salt, so a prefix hit (and the `cached_tokens` a client sees) never reveals what a
+request with another salt computed (vLLM's `cache_salt`). Eviction ignores salts.
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ class SlotEntry:
       owner: the running sequence using the slot, or None.
       last_used: clock value of the last admission or release (LRU).
       pinned: a shared-prefix snapshot, evicted only after unpinned slots.
+      salt: the cache_salt of the requests whose KV the slot holds (only prompts with this salt reuse it).
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     owner: Sequence | None = None
     last_used: int = 0
     pinned: bool = False
+    salt: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +90,11 @@ class PrefixCache:
         """Whether some slot has no running sequence."""
         return any(e.owner is None for e in self.entries)
 
-    def _usable(self, slot: int, prompt: list[int]) -> tuple[int, int]:
-        """(exact reusable prefix length, plain common prefix length) of `prompt` against a slot."""
+    def _usable(self, slot: int, prompt: list[int], salt: str) -> tuple[int, int]:
+        """(exact reusable prefix length, plain common prefix length) of `prompt` against a slot; (0, 0) for a
+        slot of another salt."""
+        if self.entries[slot].salt != salt:
+            return 0, 0
         history = self.history(slot)
         lcp = min(common_prefix(history, prompt), len(prompt) - 1)
         exact = lcp if lcp >= len(history) - self.slack - 1 else 0
@@ -98,7 +107,7 @@ class PrefixCache:
         best, best_usable, share = None, 0, 0
         if reuse:
             for slot in range(len(self.entries)):
-                exact, lcp = self._usable(slot, seq.prompt)
+                exact, lcp = self._usable(slot, seq.prompt, seq.cache_salt)
                 if exact > best_usable or (exact == best_usable and exact and self._takeover_ok(slot)):
                     best, best_usable = slot, exact
                 if not exact and lcp >= self.min_share:
@@ -117,7 +126,7 @@ class PrefixCache:
         if share > best_usable + self.min_share and self.max_snapshots:
             seq.snapshot_at = share
         e = self.entries[target]
-        e.owner, e.pinned, e.tokens, e.last_used = seq, False, [], self.clock
+        e.owner, e.pinned, e.tokens, e.last_used, e.salt = seq, False, [], self.clock, seq.cache_salt
         return Placement(slot=target, copy_from=source, cached=best_usable)
 
     def _takeover_ok(self, slot: int) -> bool:
@@ -150,11 +159,11 @@ class PrefixCache:
             slot = self.victim(exclude=source)
         return slot
 
-    def pin(self, slot: int, tokens: list[int]) -> None:
-        """Mark a slot as a snapshot holding `tokens`."""
+    def pin(self, slot: int, tokens: list[int], salt: str = "") -> None:
+        """Mark a slot as a snapshot holding `tokens`, computed under `salt`."""
         self.clock += 1
         e = self.entries[slot]
-        e.tokens, e.owner, e.pinned, e.last_used = list(tokens), None, True, self.clock
+        e.tokens, e.owner, e.pinned, e.last_used, e.salt = list(tokens), None, True, self.clock, salt
 
     def cached_slots(self) -> int:
         """Slots holding a finished sequence's or a snapshot's KV."""

@@ -115,6 +115,7 @@ class Sequence:
       arrived_at, admitted_at, last_token_at: time.monotonic() stamps for the latency metrics.
       missed: the last step ran this (constrained) sequence but its mask came too late; it waits for the mask
         before it joins a step again.
+      cache_salt: prefix-cache scope: the prompt reuses only KV computed under the same salt (PrefixCache).
     """
 
     request_id: str
@@ -140,6 +141,7 @@ class Sequence:
     admitted_at: float | None = None
     last_token_at: float | None = None
     missed: bool = False
+    cache_salt: str = ""
 
     @property
     def tokens(self) -> list[int]:

@@ -235,6 +235,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             sink=lambda ev: None,
             constrained=request.constrained,
             fork_of=request.share_prompt_with or None,
+            cache_salt=request.cache_salt,
         )
         if request.HasField("initial_mask"):
             seq.masks[0] = mask_from_pb(request.initial_mask, info.vocab_size)

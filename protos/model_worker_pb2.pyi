@@ -12,7 +12,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "num_slots", "dtype", "weight_bytes", "kv_bytes_per_token", "kv_bytes_per_sequence", "default_stop_token_ids", "num_compiled_programs", "backend")
+    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "num_slots", "dtype", "weight_bytes", "kv_bytes_per_token", "kv_bytes_per_sequence", "default_stop_token_ids", "num_compiled_programs", "backend", "max_waiting")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class WorkerInfoResponse(_message.Message):
     DEFAULT_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPILED_PROGRAMS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -37,10 +38,11 @@ class WorkerInfoResponse(_message.Message):
     default_stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_compiled_programs: int
     backend: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_bytes_per_sequence: _Optional[int] = ..., default_stop_token_ids: _Optional[_Iterable[int]] = ..., num_compiled_programs: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    max_waiting: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_bytes_per_sequence: _Optional[int] = ..., default_stop_token_ids: _Optional[_Iterable[int]] = ..., num_compiled_programs: _Optional[int] = ..., backend: _Optional[str] = ..., max_waiting: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask", "constrained", "share_prompt_with", "allowed_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask", "constrained", "share_prompt_with", "allowed_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +51,7 @@ class PrefillRequest(_message.Message):
     CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
     SHARE_PROMPT_WITH_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -57,7 +60,8 @@ class PrefillRequest(_message.Message):
     constrained: bool
     share_prompt_with: str
     allowed_tokens: _common_pb2.TokenMask
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingParams, _Mapping]] = ..., initial_mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., constrained: _Optional[bool] = ..., share_prompt_with: _Optional[str] = ..., allowed_tokens: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingParams, _Mapping]] = ..., initial_mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., constrained: _Optional[bool] = ..., share_prompt_with: _Optional[str] = ..., allowed_tokens: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token", "finish_reason", "usage")

@@ -42,11 +42,18 @@ class TemplateError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """A piece of a rendered prompt: a control token (by spelling), plain text, or exact token ids (an assistant
-    message's generated tokens, rendered verbatim)."""
+    message's generated tokens, rendered verbatim).
+
+    An ids segment carries `fallback`: the segments the template renders for the same part of the message. The
+    ids are used only when their control tokens are exactly the fallback's (in order) — ids a client got by
+    forcing a control token (say with logit_bias) never forge a turn; `tokenize_segments` renders the fallback
+    instead.
+    """
 
     text: str
     control: bool = False
     ids: tuple[int, ...] | None = None
+    fallback: tuple["Segment", ...] = ()
 
 
 @dataclasses.dataclass
@@ -154,7 +161,7 @@ def gemma3_tool_calls_text(calls: list[tuple[str, str, str]], where: str) -> str
 def _gemma3_turns(body: list[Message], offset: int) -> list[tuple[str, int, list]]:
     """Messages -> (role, index of the first message, content pieces) turns. Tool results answering a call
     message form one user turn ("Tool result for NAME (ID):\n{content}" blocks), and a user message right after
-    them joins that turn; a piece is text or a tuple of generated ids."""
+    them joins that turn; a piece is text or a Segment of generated ids (its fallback: the text)."""
     turns: list[tuple[str, int, list]] = []
     calls: list[tuple[str, str, str]] = []
     for n, m in enumerate(body):
@@ -185,15 +192,16 @@ def _gemma3_turns(body: list[Message], offset: int) -> list[tuple[str, int, list
             continue
         if m.role == "assistant":
             calls = list(m.tool_calls)
-            if m.generated_ids:
-                turns.append(("assistant", i, [tuple(m.generated_ids)]))
-            elif m.tool_calls:
+            if m.tool_calls:
                 has_text = m.content is not None and m.content.strip() or m.parts
                 text = _text_of(m, i, trim=True) if has_text else ""
-                turns.append(("assistant", i, [(text + "\n\n" if text else "") +
-                                               gemma3_tool_calls_text(m.tool_calls, f"messages[{i}]")]))
+                text = (text + "\n\n" if text else "") + gemma3_tool_calls_text(m.tool_calls, f"messages[{i}]")
             else:
-                turns.append(("assistant", i, [_text_of(m, i, trim=True)]))
+                text = _text_of(m, i, trim=True)
+            if m.generated_ids:
+                turns.append(("assistant", i, [Segment("", ids=tuple(m.generated_ids), fallback=(Segment(text),))]))
+            else:
+                turns.append(("assistant", i, [text]))
         else:
             turns.append((m.role, i, [_text_of(m, i, trim=True)]))
     return turns
@@ -242,7 +250,7 @@ def render_gemma3(
         head = ("model" if role == "assistant" else "user") + "\n" + (prefix if n == 0 else "")
         content = [Segment(head)]
         for piece in pieces:
-            content.append(Segment("", ids=piece) if isinstance(piece, tuple) else Segment(piece))
+            content.append(piece if isinstance(piece, Segment) else Segment(piece))
         segs += [_control("<start_of_turn>"), *content, _control("<end_of_turn>"), Segment("\n")]
     if add_generation_prompt:
         segs += [_control("<start_of_turn>"), Segment("model\n")]
@@ -547,15 +555,22 @@ def render_gemma4(
             segs += [_control("<|turn>"), Segment(f"{role}\n")]
         if m.reasoning and (n > last_user or (preserve_thinking and m.tool_calls)):
             segs += [_control("<|channel>"), Segment(f"thought\n{m.reasoning}\n"), _control("<channel|>")]
-        calls = []
+        calls, call_segs = [], []
         for c, (call_id, name, arguments_json) in enumerate(m.tool_calls):
             args = parse_tool_arguments(arguments_json, f"messages[{i}].tool_calls[{c}]")
             calls.append((call_id, name))
-            segs += [_control("<|tool_call>"), Segment(f"call:{name}{{")]
+            call_segs += [_control("<|tool_call>"), Segment(f"call:{name}{{")]
             for a, (key, value) in enumerate(_dictsort(args)):
-                segs += [Segment(("," if a else "") + f"{key}:")] + _fmt_argument(value, escape_keys=False)
-            segs += [Segment("}"), _control("<tool_call|>")]
+                call_segs += [Segment(("," if a else "") + f"{key}:")] + _fmt_argument(value, escape_keys=False)
+            call_segs += [Segment("}"), _control("<tool_call|>")]
             prev_type = "tool_call"
+        # An answer's generated ids stand for what the model wrote: its calls (a tool-call answer) or its text.
+        generated = tuple(m.generated_ids) if role == "model" else ()
+        ids_for_calls = bool(generated and calls and not (m.content or "").strip() and not m.parts)
+        if ids_for_calls:
+            segs.append(Segment("", ids=generated, fallback=tuple(call_segs)))
+        else:
+            segs += call_segs
         has_results = False
         if calls:
             k = n + 1
@@ -577,11 +592,11 @@ def render_gemma4(
                 consumed.add(k)
                 has_results, prev_type = True, "tool_response"
                 k += 1
-        if role == "model" and m.generated_ids:
-            text = "x"  # non-empty: the turn is closed as for any answer
-            segs.append(Segment("", ids=tuple(m.generated_ids)))
+        text = _gemma4_text(m, i, model=role == "model")
+        if generated and not calls:
+            segs.append(Segment("", ids=generated, fallback=(Segment(text),)))
+            text = text or "x"  # non-empty: the turn is closed as for any answer
         else:
-            text = _gemma4_text(m, i, model=role == "model")
             segs.append(Segment(text))
         continues_into_next = role == "model" and next_role[n] == "assistant" and (not calls or has_results)
         if prev_type == "tool_call" and not has_results:
@@ -692,11 +707,13 @@ class JinjaTemplate:
     a mapping). If the rendered prompt does not start with BOS, BOS is prepended (exactly one BOS).
     """
 
-    def __init__(self, source: str, control_tokens: Iterable[str], special_tokens: dict[str, str] | None = None):
+    def __init__(self, source: str, control_tokens: Iterable[str], special_tokens: dict[str, str] | None = None,
+                 special_ids: Iterable[int] = ()):
         """Args:
           source: the template text.
           control_tokens: spellings of the tokenizer's control (special) tokens.
           special_tokens: template variables such as {"bos_token": "<bos>", "eos_token": "<eos>"}.
+          special_ids: the control tokens' ids (generated ids containing one are not rendered verbatim).
 
         Raises:
           TemplateError: the template does not parse.
@@ -713,6 +730,7 @@ class JinjaTemplate:
         self._pattern = re.compile(_trie_regex(tokens)) if tokens else None
         self._splitter = re.compile(f"({self._pattern.pattern})") if tokens else None
         self.special_tokens = dict(special_tokens or {})
+        self.special_ids = frozenset(special_ids)
 
     @classmethod
     def for_tokenizer(cls, source: str, tokenizer: TextTokenizer) -> JinjaTemplate:
@@ -727,7 +745,8 @@ class JinjaTemplate:
         unk = tokenizer.tok.token_to_id("<unk>")
         if unk is not None:
             special["unk_token"] = "<unk>"
-        return cls(source, [c for c in controls if c is not None], {k: v for k, v in special.items() if v})
+        return cls(source, [c for c in controls if c is not None], {k: v for k, v in special.items() if v},
+                   tokenizer.special_ids)
 
     @classmethod
     def from_file(cls, path: pathlib.Path, tokenizer: TextTokenizer) -> JinjaTemplate:
@@ -821,7 +840,9 @@ class JinjaTemplate:
         if not messages:
             raise TemplateError("messages must contain at least one message")
         chat = [_message_dict(m, i) for i, m in enumerate(messages)]
-        generated = {i: tuple(m.generated_ids) for i, m in enumerate(messages) if m.role == "assistant" and m.generated_ids}
+        # A message's content holds data only, never a control token: ids with one are not used (see Segment).
+        generated = {i: tuple(m.generated_ids) for i, m in enumerate(messages)
+                     if m.role == "assistant" and m.generated_ids and not self.special_ids & set(m.generated_ids)}
         options = dict(options or {})
         for reserved in ("messages", "tools", "add_generation_prompt", "documents"):
             if reserved in options:
@@ -886,6 +907,7 @@ def tokenize_segments(segments: list[Segment], tokenizer: TextTokenizer) -> tupl
     Raises:
       TemplateError: a control token of the template is missing from the vocabulary.
     """
+    segments = _resolve_generated(segments, tokenizer)
     ids: list[int] = []
     pending = ""
     for seg in segments + [Segment("", control=True)]:
@@ -903,6 +925,19 @@ def tokenize_segments(segments: list[Segment], tokenizer: TextTokenizer) -> tupl
             except KeyError:
                 raise TemplateError(f"the vocabulary has no control token {seg.text!r}") from None
     return ids, "".join(s.text if s.ids is None else tokenizer.decode(list(s.ids), False) for s in segments)
+
+
+def _resolve_generated(segments: list[Segment], tokenizer: TextTokenizer) -> list[Segment]:
+    """Each ids segment stays when its control tokens are exactly its fallback's, else becomes the fallback."""
+    out: list[Segment] = []
+    for seg in segments:
+        if seg.ids is None:
+            out.append(seg)
+            continue
+        expected = [tokenizer.token_id(f.text) for f in seg.fallback if f.control and f.text]
+        actual = [t for t in seg.ids if t in tokenizer.special_ids]
+        out += [seg] if actual == expected else list(seg.fallback)
+    return out
 
 
 TEMPLATES: dict[str, Renderer] = {"gemma3": render_gemma3, "gemma4": render_gemma4}

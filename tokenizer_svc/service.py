@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 import grpc
 
@@ -11,6 +13,7 @@ from tokenizer_svc.chat_template import TEMPLATES, Message, Renderer, TemplateEr
 from tokenizer_svc.tokenizer import TextTokenizer
 
 SERVICE_NAME = "gemma_serve.v1.Tokenizer"
+log = logging.getLogger("gemma_serve.tokenizer")
 
 
 def tools_from_json(text: str) -> list[dict]:
@@ -100,7 +103,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def Encode(self, request, context):
         await self._ready(context)
-        ids = self.tok.encode(request.text, parse_special=request.parse_special, add_bos=request.add_bos)
+        # Off the event loop, which also answers health checks: a long text takes a while to encode.
+        ids = await asyncio.to_thread(self.tok.encode, request.text, parse_special=request.parse_special,
+                                      add_bos=request.add_bos)
         return tokenizer_pb2.EncodeResponse(token_ids=ids)
 
     async def Decode(self, request, context):
@@ -114,14 +119,28 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     async def ApplyChatTemplate(self, request, context):
         await self._ready(context)
         try:
-            tools = tools_from_json(request.tools_json)
-            options = options_from_json(request.template_kwargs_json)
-            messages = [message_from_pb(m) for m in request.messages]
-            segments = self.render(messages, request.add_generation_prompt, tools, options)
-            ids, text = tokenize_segments(segments, self.tok)
+            ids, text = await asyncio.to_thread(self._render, request)
         except TemplateError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except RecursionError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the conversation's JSON (tools, tool-call "
+                                "arguments or template options) is nested too deeply")
+        except Exception:  # noqa: BLE001 - our bug: log it, never send internals
+            log.exception("ApplyChatTemplate failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "the chat template failed on this conversation")
         return tokenizer_pb2.ChatTemplateResponse(token_ids=ids, text=text)
+
+    def _render(self, request) -> tuple[list[int], str]:
+        """Render and tokenize a ChatTemplateRequest (on a worker thread). Raises TemplateError."""
+        tools = tools_from_json(request.tools_json)
+        options = options_from_json(request.template_kwargs_json)
+        messages = [message_from_pb(m) for m in request.messages]
+        segments = self.render(messages, request.add_generation_prompt, tools, options)
+        try:
+            return tokenize_segments(segments, self.tok)
+        except UnicodeEncodeError:
+            raise TemplateError("the conversation contains text that is not valid Unicode (a lone surrogate)") \
+                from None
 
     async def GetVocab(self, request, context):
         t = await self._ready(context)

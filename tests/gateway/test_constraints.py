@@ -705,8 +705,10 @@ def test_grammar_cache_compiles_once(monkeypatch, llg_tok, vocab_size):
         with pytest.raises(C.SchemaError):
             C.check_schema({"type": "integer", "enum": ["a"]})
     assert C.grammar_cache_info()["size"] == 1
-    # LRU eviction
-    monkeypatch.setattr(C, "_CACHE_SIZE", 2)
+    # LRU eviction by bytes: a budget that holds two of these (equal-sized) grammars
+    C.clear_grammar_cache()
+    C.grammar_for_json_schema({"const": 9})
+    monkeypatch.setattr(C._cache, "budget", int(2.5 * C.grammar_cache_info()["bytes"]))
     C.clear_grammar_cache()
     for i in range(3):
         C.grammar_for_json_schema({"const": i})

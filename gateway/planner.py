@@ -1,0 +1,393 @@
+"""One request planner for the REST API and gRPC `Generate`: a validated request in, everything needed to run and
+answer it out — prompts as token ids, one job per choice (GenParams, request id), grammars, output routes.
+
+Both APIs go through here (gRPC `Generate` first turns its message into the same pydantic request models the REST
+routes validate, `gateway/grpc_request.py`), so every limit and check holds on both by construction. Order of
+checks: what needs no backend (types and ranges, stop strings, max_tokens against the cap, message and tool
+counts, choices against the worker's queue), then the model name, the chat plan (schemas and tool grammars,
+compiled off the event loop under llguidance's budgets), the prompt's size before it is tokenized, the tokens,
+the context length, and last the grammar's first mask (so a grammar over its budget is a 400, not a failure
+mid-generation). Everything raises `ApiError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import types
+import uuid
+
+from gateway.chat_output import ChatRoute
+from gateway.chat_plan import ChatPlan, constraint_factory, plan_chat
+from gateway.clients import Backends, ModelFacts
+from gateway.constraints import ConstraintError
+from gateway.errors import ApiError
+from gateway.generate import GenParams, resolve_max_tokens
+from gateway.history import answer_key
+from gateway.limits import MAX_JSON_DEPTH, MAX_SCHEMA_BYTES, JsonError, Limits, check_field, json_depth, parse_json
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from protos import common_pb2, tokenizer_pb2
+
+#: Grammar compilation (schema checks, llguidance compile, first masks) runs here, off the event loop; two
+#: threads, so a client's costly schema (bounded by MAX_SCHEMA_BYTES and llguidance's budgets) takes at most two
+#: of the gateway's cores from the rest.
+_COMPILE_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+
+
+@dataclasses.dataclass
+class Job:
+    """One choice to generate: its index in the response, prompt ids, parameters and worker request id."""
+
+    index: int
+    prompt: list[int]
+    params: GenParams
+    request_id: str
+
+
+@dataclasses.dataclass
+class Plan:
+    """A planned request.
+
+    Attributes:
+      model: the served model id (the response's `model`).
+      prompts: (token ids, text) per prompt; text is "" for a prompt given as ids.
+      n: choices per prompt.
+      jobs: one per choice, prompt-major (prompt p's choices are jobs p*n .. p*n+n-1).
+      chat: the chat plan (grammar, tool format, thinking), also for a completion with `response_format`.
+      routes: one ChatRoute per job (chat answers; gRPC routes every input through them).
+      scope: the answer-history scope (`cache_salt`).
+    """
+
+    model: str
+    prompts: list[tuple[list[int], str]]
+    n: int
+    jobs: list[Job]
+    chat: ChatPlan
+    routes: list[ChatRoute]
+    scope: str
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the request (each prompt counted once, whatever n)."""
+        return sum(len(ids) for ids, _ in self.prompts)
+
+
+# ----------------------------------------------------------------------------------------------- entry points
+
+
+async def plan_completion(backends: Backends, req: CompletionRequest, limits: Limits, *, call_prefix: str,
+                          request_id: str | None = None) -> Plan:
+    """Plan a `/v1/completions` request (or a gRPC `text`/`tokens` input).
+
+    Args:
+      call_prefix: prefix of tool-call ids (unused without tools; routes are still made for gRPC).
+      request_id: the worker request id of choice 0 of the first prompt (default: a new one).
+    """
+    check_request(req, req.max_tokens, "max_tokens", limits)
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    if req.best_of not in (None, 1, req.n):
+        raise ApiError(400, "best_of other than n is not supported", param="best_of")
+    texts = _prompt_items(req.prompt)
+    _check_choices(len(texts) * req.n, backends.ready_facts())
+    model = check_model(backends, req.model)
+    fields = types.SimpleNamespace(response_format=req.response_format, tools=None, tool_choice=None,
+                                   parallel_tool_calls=None, chat_template_kwargs=None, reasoning_effort=None)
+    chat = await _chat_plan(backends, fields)
+    chat.channels = False  # raw prompts: the text as generated
+    prompts = [await _completion_prompt(backends, item) for item in texts]
+    return await _finish(backends, req, limits, model, prompts, req.max_tokens, "max_tokens", req.logprobs or 0,
+                         chat, call_prefix, request_id)
+
+
+async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, limits: Limits, *,
+                               call_prefix: str, request_id: str | None = None) -> Plan:
+    """Plan a `/v1/chat/completions` request (or a gRPC `chat` input)."""
+    max_tokens, param = req.completion_limit()
+    check_request(req, max_tokens, param, limits)
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    if len(req.messages) > limits.max_messages:
+        raise ApiError(400, f"at most {limits.max_messages} messages are allowed, got {len(req.messages)}",
+                       param="messages")
+    if req.tools is not None and len(req.tools) > limits.max_tools:
+        raise ApiError(400, f"at most {limits.max_tools} tools are allowed, got {len(req.tools)}", param="tools")
+    _check_choices(req.n, backends.ready_facts())
+    _check_tool_call_arguments(req)
+    model = check_model(backends, req.model)
+    chat = await _chat_plan(backends, req)
+    prompt = await _chat_prompt(backends, req, chat.template_kwargs)
+    return await _finish(backends, req, limits, model, [(prompt, "")], max_tokens, param, req.top_logprobs or 0,
+                         chat, call_prefix, request_id)
+
+
+# --------------------------------------------------------------------------------------------- common checks
+
+
+def check_request(req: SamplingFields, max_tokens: int | None, param: str, limits: Limits) -> None:
+    """Checks that need no backend (done first, so bad input is a 400 even while a backend is down).
+
+    Raises:
+      ApiError: 400 for bad stop strings or a max_tokens below 1 or above the cap.
+    """
+    stops = req.stop_list()
+    if len(stops) > 4:
+        raise ApiError(400, f"at most 4 stop sequences are allowed, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop sequences must not be empty", param="stop")
+    size = sum(len(s.encode("utf-8")) for s in stops)
+    if size > limits.max_stop_bytes:
+        raise ApiError(400, f"the stop sequences have {size} bytes together; at most {limits.max_stop_bytes} are "
+                            "allowed", param="stop")
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"{param} must be at least 1, got {max_tokens}", param=param)
+    cap = limits.max_tokens_cap
+    if max_tokens is not None and cap is not None and max_tokens > cap:
+        raise ApiError(400, f"{param} must be at most {cap} on this server, got {max_tokens}", param=param)
+
+
+def check_model(backends: Backends, model: str | None) -> str:
+    """The served model id; a request naming another model is a 404 (as vLLM does).
+
+    Raises:
+      ApiError: 404 unknown model; 503 not ready.
+    """
+    name = backends.ready_facts().name
+    if model is not None and model != name:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{name}`.", param="model",
+                       code="model_not_found")
+    return name
+
+
+def _check_choices(count: int, facts: ModelFacts) -> None:
+    """A request's generations (prompts x n) must fit the worker's waiting queue at once: more could never be
+    admitted, so a 429 would invite retries that cannot succeed."""
+    cap = max(facts.max_waiting, 1)
+    if count > cap:
+        raise ApiError(400, f"this request asks for {count} generations (prompts x n); at most {cap} are allowed "
+                            "per request on this server", param="n")
+
+
+def _check_tool_call_arguments(req: ChatCompletionRequest) -> None:
+    """Tool-call `arguments` sent back are JSON text inside the body: bound their nesting, and refuse text no
+    tokenizer can encode. Malformed JSON is left to the chat template, which names the problem."""
+    for i, m in enumerate(req.messages):
+        for j, call in enumerate(m.tool_calls or []):
+            param = f"messages[{i}].tool_calls[{j}].function.arguments"
+            text = call.function.arguments
+            if json_depth(text) > MAX_JSON_DEPTH:
+                raise ApiError(400, f"{param}: JSON nested deeper than {MAX_JSON_DEPTH} levels", param=param)
+            try:
+                parse_json(text)
+            except JsonError as err:
+                if not err.syntax:
+                    raise ApiError(400, f"{param}: {err}", param=param) from None
+
+
+def _prompt_items(prompt) -> list:
+    """A completion's `prompt` as a list of prompts (strings or id lists).
+
+    Raises:
+      ApiError: 400 for an empty prompt.
+    """
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    return items
+
+
+# --------------------------------------------------------------------------------------------------- prompts
+
+
+def _check_prompt_bytes(size: int, facts: ModelFacts, param: str) -> None:
+    """Refuse, before tokenizing, text that cannot fit: no token spells more than `facts.max_token_bytes` bytes,
+    so text of more than max_model_len x that many bytes has more than max_model_len tokens."""
+    bound = facts.max_model_len * max(facts.max_token_bytes, 1)
+    if size > bound:
+        raise ApiError(400, f"This model's maximum context length is {facts.max_model_len} tokens; your prompt has "
+                            f"{size} bytes of text, more than any {facts.max_model_len} tokens can spell "
+                            f"({bound} bytes). Please shorten the prompt.", param=param,
+                       code="context_length_exceeded")
+
+
+async def _completion_prompt(backends: Backends, item) -> tuple[list[int], str]:
+    """One completion prompt as (ids, text): text gets BOS and control-token parsing; ids are checked."""
+    facts = backends.ready_facts()
+    if isinstance(item, str):
+        _check_prompt_bytes(len(item.encode("utf-8")), facts, "prompt")
+        reply = await backends.call("tokenizer service", backends.tokenizer.Encode(
+            tokenizer_pb2.EncodeRequest(text=item, add_bos=True, parse_special=True)))
+        return list(reply.token_ids), item
+    if not item:
+        raise ApiError(400, "prompt token lists must not be empty", param="prompt")
+    bad = [t for t in item if not 0 <= t < facts.vocab_size]
+    if bad:
+        raise ApiError(400, f"prompt token id {bad[0]} is out of range [0, {facts.vocab_size})", param="prompt")
+    return list(item), ""
+
+
+def message_to_pb(m, answers=None, scope: str = "") -> tokenizer_pb2.ChatMessage:
+    """OpenAI ChatMessage -> tokenizer proto; an assistant answer we generated (looked up by its content and tool
+    calls in `answers`, within `scope`) carries its exact token ids."""
+    pb = tokenizer_pb2.ChatMessage(role=m.role, name=m.name or "", tool_call_id=m.tool_call_id or "",
+                                   reasoning_content=m.reasoning_content or "")
+    if isinstance(m.content, str):
+        pb.content = m.content
+    elif m.content is not None:
+        pb.content_parts.extend(tokenizer_pb2.ContentPart(type=p.type, text=p.text or "") for p in m.content)
+    calls = [(call.function.name, call.function.arguments) for call in m.tool_calls or []]
+    for call in m.tool_calls or []:
+        pb.tool_calls.append(tokenizer_pb2.ToolCall(id=call.id, name=call.function.name,
+                                                    arguments_json=call.function.arguments))
+    if answers is not None and m.role == "assistant" and (m.content is None or isinstance(m.content, str)):
+        exact = answers.lookup(scope, answer_key(m.content, calls))
+        if exact:
+            pb.generated_token_ids.extend(exact)
+    return pb
+
+
+async def _chat_prompt(backends: Backends, req: ChatCompletionRequest, template_kwargs: dict) -> list[int]:
+    """Render the conversation (and `req.tools`) with the model's chat template.
+
+    Raises:
+      ApiError: 400 when the text cannot fit max_model_len, or the template cannot render it (the tokenizer
+        service names the problem).
+    """
+    facts = backends.ready_facts()
+    _check_prompt_bytes(sum(_text_bytes(m) for m in req.messages), facts, "messages")
+    request = tokenizer_pb2.ChatTemplateRequest(
+        messages=[message_to_pb(m, backends.answers, req.cache_salt or "") for m in req.messages],
+        add_generation_prompt=True,
+        tools_json=json.dumps(req.tools) if req.tools else "",
+        template_kwargs_json=json.dumps(template_kwargs) if template_kwargs else "",
+    )
+    reply = await backends.call("tokenizer service", backends.tokenizer.ApplyChatTemplate(request))
+    return list(reply.token_ids)
+
+
+def _text_bytes(m) -> int:
+    """Bytes of a message's text that certainly become prompt tokens (templates trim content)."""
+    if isinstance(m.content, str):
+        return len(m.content.strip().encode("utf-8"))
+    return sum(len((p.text or "").strip().encode("utf-8")) for p in m.content or [])
+
+
+# ---------------------------------------------------------------------------------------------- grammar, jobs
+
+
+async def _chat_plan(backends: Backends, req) -> ChatPlan:
+    """The chat plan of a request (its schema and tools checked for size and depth, then compiled off the
+    event loop)."""
+    if req.response_format is not None:
+        check_field(req.response_format, "response_format", MAX_SCHEMA_BYTES)
+    if req.tools:
+        check_field(req.tools, "tools", MAX_SCHEMA_BYTES)
+    facts = backends.ready_facts()
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_COMPILE_POOL, plan_chat, req, facts)
+
+
+async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model: str,
+                  prompts: list[tuple[list[int], str]], max_tokens: int | None, param: str, top_logprobs: int,
+                  chat: ChatPlan, call_prefix: str, request_id: str | None) -> Plan:
+    """Check lengths, then build every job (with its constraint and first mask) and route."""
+    facts = backends.ready_facts()
+    for ids, _ in prompts:
+        resolve_max_tokens(len(ids), max_tokens, facts.max_model_len, param)
+    factory = await constraint_factory(backends, chat)
+    jobs: list[Job] = []
+    for p, (ids, _) in enumerate(prompts):
+        rid0 = request_id if request_id and p == 0 else f"gen-{uuid.uuid4().hex}"
+        for j in range(req.n):
+            params = gen_params(req, max_tokens, j, top_logprobs, share_prompt_with=rid0 if j else None)
+            if max_tokens is None and limits.max_tokens_cap is not None:
+                params.max_tokens = min(limits.max_tokens_cap, facts.max_model_len - len(ids))
+            params.stop_token_ids = sorted(set(params.stop_token_ids) | set(chat.request_stop_ids(facts)))
+            for tid in chat.banned_ids:
+                params.sampling.logit_bias[tid] = -100.0
+            params.cache_salt = req.cache_salt or ""
+            jobs.append(Job(p * req.n + j, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
+    if factory is not None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(_COMPILE_POOL, _attach_constraints, jobs, factory, chat.param)
+    routes = [chat.route(facts, req.stop_list(), f"{call_prefix}{job.index}_") for job in jobs]
+    return Plan(model, prompts, req.n, jobs, chat, routes, req.cache_salt or "")
+
+
+def _attach_constraints(jobs: list[Job], factory, param: str) -> None:
+    """Give each job a fresh constraint and its first mask (compiling the matcher on first use).
+
+    Raises:
+      ApiError: 400 naming `param` when the grammar exceeds llguidance's budget or does not compile.
+    """
+    for job in jobs:
+        try:
+            constraint = factory()
+            job.params.initial_mask = constraint.mask()
+        except (ConstraintError, ValueError) as err:
+            raise ApiError(400, f"{param}: the grammar cannot be used: {err}", param=param,
+                           code="unsupported_schema") from None
+        job.params.constraint = constraint
+        job.params.constraint_param = param
+
+
+# ------------------------------------------------------------------------------------------ sampling params
+
+
+def sampling_from_request(req: SamplingFields) -> common_pb2.SamplingParams:
+    """OpenAI sampling fields -> worker SamplingParams (OpenAI defaults: temperature 1, top_p 1).
+
+    Raises:
+      ApiError: 400 for a logit_bias key that is not a token id.
+    """
+    sp = common_pb2.SamplingParams(
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=max(req.top_k or 0, 0),
+        min_p=float(req.min_p or 0.0),
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=float(req.repetition_penalty or 1.0),
+    )
+    for key, bias in (req.logit_bias or {}).items():
+        token = int(key) if key.isdecimal() and len(key) <= 10 else -1
+        if not 0 <= token < 2**31:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key[:20]!r}", param="logit_bias")
+        sp.logit_bias[token] = float(bias)
+    if req.seed is not None:
+        sp.seed = req.seed & 0xFFFFFFFFFFFFFFFF
+    return sp
+
+
+def gen_params(req: SamplingFields, max_tokens: int | None, choice: int, top_logprobs: int = 0,
+               share_prompt_with: str | None = None) -> GenParams:
+    """GenParams for choice number `choice` (a seeded request gives choice i the seed + i).
+
+    Args:
+      top_logprobs: alternatives per token to return (logprobs are always computed by the worker).
+      share_prompt_with: request id of choice 0 when this choice shares its prompt (n > 1).
+    Raises:
+      ApiError: 400 for a bad logit_bias.
+    """
+    sp = sampling_from_request(req)
+    sp.logprobs = True
+    sp.top_logprobs = top_logprobs
+    if sp.HasField("seed"):
+        sp.seed = (sp.seed + choice) & 0xFFFFFFFFFFFFFFFF
+    return GenParams(
+        sampling=sp,
+        max_tokens=max_tokens,
+        stop=req.stop_list(),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+        allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
+        share_prompt_with=share_prompt_with,
+    )
