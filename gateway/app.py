@@ -111,6 +111,14 @@ def create_app(backends: Backends, limits: Limits | None = None,
             exc.status_code))
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        # Starlette's outermost layer answers with this, then re-raises to RequestGuard, which logs the bug and
+        # keeps the connection (the server would close it).
+        rid = request.state.request_id
+        err = ApiError(500, f"internal server error (request id {rid})", code="internal_error")
+        return JSONResponse(err.body(), status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         err = _validation_error(exc)
@@ -147,7 +155,7 @@ def create_app(backends: Backends, limits: Limits | None = None,
         work = _chat(backends, limits, body)
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
-    app.openapi = lambda: openapi_schema(app, backends)
+    app.openapi = lambda: openapi_schema(app, backends, limits)
     asgi = app
     if limits.cors_origins:
         asgi = CORSMiddleware(asgi, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],

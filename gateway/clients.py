@@ -59,21 +59,25 @@ class Backends:
         self._channels: tuple[grpc.aio.Channel, grpc.aio.Channel] | None = None
 
     async def grammar_tokenizer(self):
-        """The llguidance tokenizer of the served vocabulary, built once (2-5 s, off the event loop). Its EOS is
+        """The llguidance tokenizer of the served vocabulary, built once when the backends become ready (2-5 s). Its EOS is
         the tokenizer's eos only: other stop ids (end of turn, `<|tool_response>`) are handled by Constraint,
         and tool grammars reference them as tokens.
 
         Raises:
           ApiError: 503 while the backends are not ready.
         """
+        facts = self.ready_facts()
+        if self._lltokenizer is None:
+            await self._build_grammar_tokenizer(facts)
+        return self._lltokenizer
+
+    async def _build_grammar_tokenizer(self, facts: ModelFacts) -> None:
         from gateway.constraints import build_tokenizer
 
-        facts = self.ready_facts()
         async with self._lltokenizer_lock:
             if self._lltokenizer is None:
                 self._lltokenizer = await asyncio.to_thread(
                     build_tokenizer, facts.tokenizer_json, facts.vocab_size, [facts.eos_id])
-        return self._lltokenizer
 
     def _connect(self) -> tuple[grpc.aio.Channel, grpc.aio.Channel]:
         """Create the channels on first use, inside the running event loop (grpc.aio binds them to it)."""
@@ -123,7 +127,11 @@ class Backends:
             statuses = await self.health()
             if all(s == "SERVING" for s in statuses.values()):
                 try:
-                    self.facts = await self._fetch_facts()
+                    facts = await self._fetch_facts()
+                    # Built before the gateway reports ready: llguidance holds the GIL for the whole build (~2 s
+                    # for 262,144 tokens), which would stall the event loop inside the first constrained request.
+                    await self._build_grammar_tokenizer(facts)
+                    self.facts = facts
                     log.info("backends ready: %s, max_model_len %d", self.facts.name, self.facts.max_model_len)
                     return
                 except (grpc.aio.AioRpcError, ApiError) as err:

@@ -87,8 +87,7 @@ def request_model(request: gateway_pb2.GenerateRequest) -> CompletionRequest | C
         "skip_special_tokens": not request.include_special_tokens,
         "response_format": json_field(request.response_format_json, "response_format_json"),
     }
-    if request.max_tokens:
-        body["max_tokens"] = request.max_tokens
+    limit = {"max_tokens": request.max_tokens or None}  # 0: "up to max_model_len" (REST's null)
     if request.allowed_token_ids:
         body["allowed_token_ids"] = list(request.allowed_token_ids)
     if request.cache_salt:
@@ -103,20 +102,20 @@ def request_model(request: gateway_pb2.GenerateRequest) -> CompletionRequest | C
         body["reasoning_effort"] = chat.reasoning_effort or None
         body["logprobs"] = True
         body["top_logprobs"] = request.sampling.top_logprobs
-        return _validated(ChatCompletionRequest, body)
+        return _validated(ChatCompletionRequest, body, limit)
     body["prompt"] = request.text if kind == "text" else list(request.tokens.token_ids)
     body["logprobs"] = request.sampling.top_logprobs
-    return _validated(CompletionRequest, body)
+    return _validated(CompletionRequest, body, limit)
 
 
-def _validated(model, body: dict):
-    """`model` validated from `body`, stripped of unset (None) fields.
+def _validated(model, body: dict, explicit: dict):
+    """`model` validated from `body` without its None fields, plus the `explicit` fields even when None.
 
     Raises:
       ApiError: 400 naming the first invalid field.
     """
     try:
-        return model.model_validate({k: v for k, v in body.items() if v is not None})
+        return model.model_validate({**{k: v for k, v in body.items() if v is not None}, **explicit})
     except pydantic.ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None

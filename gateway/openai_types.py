@@ -1,6 +1,7 @@
 """Pydantic models of the OpenAI request bodies we accept. Unknown fields are ignored.
 
-Types are strict where the API is: `max_tokens: 3.5` or `"3"` is a 400, not a silent conversion. Range checks
+Types are strict where the API is: `max_tokens: 3.5` or `"3"` is a 400, not a silent conversion (3.0 is the integer
+3, as JSON Schema reads it). Range checks
 that OpenAI documents (temperature 0..2, top_p 0..1, penalties -2..2, logit_bias -100..100) are enforced here, and
 every integer the protos carry is bounded to what they can hold (int32 token ids and counts, a 64-bit seed), every
 float is finite, and names (`model`, `user`, `cache_salt`, message `name`, `tool_call_id`) are short — so no value
@@ -10,17 +11,31 @@ against the vocabulary) or a limit flag happen in gateway/planner.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gateway.limits import MAX_NAME_CHARS
 
-Number = Union[StrictInt, StrictFloat]
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integers include 3.0: an integral float is taken as the integer (3.5 and "3" stay errors)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def int_in(lo: int, hi: int):
+    """An integer in [lo, hi]: strict, except that an integral float (3.0) is that integer, as in JSON Schema.
+    (The bounds sit inside the type, so the JSON schema carries them as minimum/maximum.)"""
+    return Annotated[StrictInt, Field(ge=lo, le=hi), BeforeValidator(_integral)]
+
+
+#: A number (int or float, never a bool or a string).
+Number = StrictFloat
 #: A protobuf int32: larger values cannot reach the worker.
-Int32 = Annotated[StrictInt, Field(ge=-(2**31), le=2**31 - 1)]
+Int32 = int_in(-(2**31), 2**31 - 1)
 #: A token id as the protos carry it (int32, non-negative); the vocabulary bound is checked with the model.
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+TokenId = int_in(0, 2**31 - 1)
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 
 
@@ -41,24 +56,27 @@ class SamplingFields(_Body):
     model: Name | None = None
     temperature: Number | None = Field(default=None, ge=0, le=2)
     top_p: Number | None = Field(default=None, gt=0, le=1)
-    top_k: Int32 | None = Field(default=None, ge=-1)
+    #: Up to the worker's MAX_TOP_K (its top-k runs lax.top_k over a fixed 1024).
+    top_k: int_in(-1, 1024) | None = None
     min_p: Number | None = Field(default=None, ge=0, lt=1)
-    n: StrictInt = Field(default=1, ge=1, le=16)
+    n: int_in(1, 16) = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    #: At most 4 non-empty stop sequences (OpenAI); their total bytes are bounded by --max-stop-bytes.
+    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=4)] | None = None
+    seed: int_in(-(2**63), 2**64 - 1) | None = None
     presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: Number | None = Field(default=None, gt=0, le=1e6)
-    logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = None
+    #: At most the worker's MAX_LOGIT_BIAS (300) entries.
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = Field(default=None, max_length=300)
     user: Name | None = None
     response_format: dict[str, Any] | None = None
     # vLLM-compatible extensions.
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     stop_token_ids: list[TokenId] | None = None
-    allowed_token_ids: list[TokenId] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     #: Isolates this request's cached prefixes and remembered answers from requests with another salt (vLLM).
     cache_salt: Name | None = None
 
@@ -71,18 +89,26 @@ class SamplingFields(_Body):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Int32 | None = 16
+    prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    #: OpenAI's default is 16 when the field is absent (`completion_limit`); null means "whatever fits".
+    max_tokens: Int32 | None = None
     echo: StrictBool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    logprobs: int_in(0, 20) | None = None
     suffix: StrictStr | None = None
-    best_of: StrictInt | None = Field(default=None, ge=1, le=16)
+    best_of: int_in(1, 16) | None = None
+
+    def completion_limit(self, cap: int | None = None) -> int | None:
+        """The answer's token limit: max_tokens as sent; when absent, OpenAI's default of 16 (at most `cap`)."""
+        if "max_tokens" in self.model_fields_set:
+            return self.max_tokens
+        return 16 if cap is None else min(16, cap)
 
 
 class ContentPart(_Body):
-    """One part of list-form message content."""
+    """One part of list-form message content (text only: the served models read no images)."""
 
-    type: StrictStr
+    type: Literal["text"]
     text: StrictStr | None = None
 
 
@@ -119,12 +145,12 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int_in(0, 20) | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: StrictStr | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def completion_limit(self) -> tuple[int | None, str]:
         """(the answer's token limit, the field that set it): `max_completion_tokens` wins over `max_tokens`."""

@@ -85,20 +85,22 @@ async def plan_completion(backends: Backends, req: CompletionRequest, limits: Li
       call_prefix: prefix of tool-call ids (unused without tools; routes are still made for gRPC).
       request_id: the worker request id of choice 0 of the first prompt (default: a new one).
     """
-    check_request(req, req.max_tokens, "max_tokens", limits)
+    max_tokens = req.completion_limit(limits.max_tokens_cap)
+    check_request(req, max_tokens, "max_tokens", limits)
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, 1, req.n):
         raise ApiError(400, "best_of other than n is not supported", param="best_of")
     texts = _prompt_items(req.prompt)
     _check_choices(len(texts) * req.n, backends.ready_facts())
+    _check_token_ids(req, backends.ready_facts())
     model = check_model(backends, req.model)
     fields = types.SimpleNamespace(response_format=req.response_format, tools=None, tool_choice=None,
                                    parallel_tool_calls=None, chat_template_kwargs=None, reasoning_effort=None)
     chat = await _chat_plan(backends, fields)
     chat.channels = False  # raw prompts: the text as generated
     prompts = [await _completion_prompt(backends, item) for item in texts]
-    return await _finish(backends, req, limits, model, prompts, req.max_tokens, "max_tokens", req.logprobs or 0,
+    return await _finish(backends, req, limits, model, prompts, max_tokens, "max_tokens", req.logprobs or 0,
                          chat, call_prefix, request_id)
 
 
@@ -115,6 +117,7 @@ async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, l
     if req.tools is not None and len(req.tools) > limits.max_tools:
         raise ApiError(400, f"at most {limits.max_tools} tools are allowed, got {len(req.tools)}", param="tools")
     _check_choices(req.n, backends.ready_facts())
+    _check_token_ids(req, backends.ready_facts())
     _check_tool_call_arguments(req)
     model = check_model(backends, req.model)
     chat = await _chat_plan(backends, req)
@@ -159,6 +162,23 @@ def check_model(backends: Backends, model: str | None) -> str:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves `{name}`.", param="model",
                        code="model_not_found")
     return name
+
+
+def _check_token_ids(req: SamplingFields, facts: ModelFacts) -> None:
+    """Token ids a request names must be in the vocabulary.
+
+    Raises:
+      ApiError: 400 naming the field.
+    """
+    vocab = facts.vocab_size
+    for param, ids in (("stop_token_ids", req.stop_token_ids), ("allowed_token_ids", req.allowed_token_ids)):
+        bad = [t for t in ids or [] if t >= vocab]
+        if bad:
+            raise ApiError(400, f"{param}: token id {bad[0]} is out of range [0, {vocab})", param=param)
+    for key in req.logit_bias or {}:
+        if not (key.isdecimal() and len(key) <= 10 and int(key) < vocab):
+            raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab}), got {key[:20]!r}",
+                           param="logit_bias")
 
 
 def _check_choices(count: int, facts: ModelFacts) -> None:

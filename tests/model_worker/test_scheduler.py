@@ -166,3 +166,26 @@ def test_running_or_pinned_prefix_is_copied_not_taken():
     work = s.schedule()
     assert work.copies == [(2, b.slot)] and b.slot != 2 and b.cached_tokens == 32
     assert s.cache.entries[2].pinned
+
+
+def test_prefix_reuse_stays_within_a_cache_salt():
+    """A prompt reuses only KV computed under its own cache_salt: another tenant's identical prompt computes it
+    again (so its cached_tokens reveal nothing), and snapshots keep the salt they were computed under."""
+    s = Scheduler(num_slots=3, max_model_len=1000, slack=4)
+    a = Sequence("a", list(range(1, 41)), SamplingSpec(), 1, frozenset(), lambda ev: None, cache_salt="tenant-a")
+    s.add(a)
+    s.schedule()
+    _run(s, a, 1)
+    s.finish(a)
+    for rid, salt, cached in [("b", "tenant-b", 0), ("c", "", 0), ("d", "tenant-a", 40)]:
+        seq_ = Sequence(rid, list(range(1, 41)) + [7], SamplingSpec(), 1, frozenset(), lambda ev: None,
+                        cache_salt=salt)
+        s.add(seq_)
+        s.schedule()
+        assert seq_.cached_tokens == cached, (rid, seq_.cached_tokens)
+        s.abort(rid)
+        s.schedule()
+    s.cache.pin(2, list(range(1, 33)), salt="tenant-b")
+    e = Sequence("e", list(range(1, 33)) + [5], SamplingSpec(), 1, frozenset(), lambda ev: None, cache_salt="x")
+    s.add(e)
+    assert s.schedule().copies == [] and e.cached_tokens == 0

@@ -247,7 +247,7 @@ def test_masks_and_forced_tokens_over_the_decode_stream(server, engine):
     engine.gate.clear()  # the next step's mask is there when the forced run arrives
     requests.put(model_worker_pb2.DecodeRequest(step=5, mask=common_pb2.TokenMask(allowed=mask_bytes([998]))))
     requests.put(model_worker_pb2.DecodeRequest(step=2, forced=model_worker_pb2.ForcedTokens(token_ids=[300, 301, 302])))
-    time.sleep(0.2)
+    time.sleep(1.0)  # both reach the engine loop before the gate opens (0.2 s was too short on a loaded machine)
     engine.gate.set()
     got, last = [], None
     for last in stream:

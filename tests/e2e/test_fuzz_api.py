@@ -1,0 +1,77 @@
+"""schemathesis against the live gateway's own OpenAPI document (the fuzz stack: one slot, --max-tokens-cap 4):
+requests generated from the schema — valid ones, then invalid ones — never get a 5xx, every error is an OpenAI
+error object, every stream ends with `[DONE]` and no internal error, and at least 30% of all generated requests
+were valid and answered 200, so the run does not pass on rejections alone.
+
+schemathesis generates the requests (`APIOperation.as_strategy`); hypothesis runs a bounded number of examples
+per operation (EXAMPLES), derandomized so every run sends the same requests. (schemathesis's own pytest plugin
+does not run under pytest 9's node ids, so hypothesis drives the strategies directly.)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+pytestmark = pytest.mark.slow
+EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 25}
+STATUSES: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+REASONS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+
+@pytest.fixture(scope="module")
+def operations(fuzz_stack):
+    schema = schemathesis.openapi.from_url(fuzz_stack.base_url + "/openapi.json")
+    ops = [result.ok() for result in schema.get_all_operations()]
+    return {f"{op.method.upper()} {op.path}": op for op in ops}
+
+
+def _check(case, base_url: str, session: requests.Session, mode: str) -> None:
+    response = case.call(base_url=base_url, session=session, timeout=120)
+    STATUSES[mode][response.status_code] += 1
+    where = (case.method, case.path, repr(case.body)[:300], response.text[:300])
+    assert response.status_code < 500, where
+    assert response.headers.get("x-request-id"), where
+    if response.status_code >= 400:
+        err = response.json()["error"]
+        REASONS[mode][(case.path, err["param"], err["message"][:60])] += 1
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], where
+    elif "text/event-stream" in response.headers.get("content-type", ""):
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", where
+        for event in events[:-1]:
+            assert json.loads(event).get("error", {}).get("type") != "internal_error", where
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
+@pytest.mark.parametrize("operation", ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"])
+def test_generated_requests_never_fail_the_server(fuzz_stack, operations, operation, mode):
+    op = operations[operation]
+    if mode == GenerationMode.NEGATIVE and op.method.upper() == "GET":
+        pytest.skip("an operation without parameters has no invalid request")
+    with requests.Session() as session:
+
+        @settings(max_examples=EXAMPLES[mode], deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=op.as_strategy(generation_mode=mode))
+        def run(case):
+            _check(case, fuzz_stack.base_url, session, mode.value)
+
+        run()
+
+
+def test_a_third_of_generated_requests_were_answered(fuzz_stack):
+    """Runs after the fuzzing above (file order): of every generated request, valid or not, at least 30% were
+    valid and served (200)."""
+    seen = STATUSES["positive"] + STATUSES["negative"]
+    if not STATUSES["positive"]:
+        pytest.skip("the fuzzing tests did not run in this session")
+    total = sum(seen.values())
+    assert seen[200] >= 0.3 * total, ({mode: dict(c) for mode, c in STATUSES.items()},
+                                      "\n".join(map(str, REASONS["positive"].most_common(25))))
