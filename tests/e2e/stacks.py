@@ -95,6 +95,13 @@ class Stack:
             pytest.fail("gemma-serve up did not stop within 60 s of SIGTERM")
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the test process dies, even killed (its launcher then stops the services)."""
+    from gemma_serve.launcher import _die_with_parent as die
+
+    die()
+
+
 def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str]) -> Stack:
     """Launch `gemma-serve up` on free ports with `extra` flags; returns at once (see Stack.wait_healthy)."""
     http, grpc_port, tok, worker, metrics = free_ports(5)
@@ -104,7 +111,7 @@ def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str
         "--worker-port", str(worker), "--worker-metrics-port", str(metrics), *extra,
     ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=_die_with_parent,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     ports = {"http": http, "grpc": grpc_port, "tokenizer": tok, "worker": worker, "metrics": metrics}
     return Stack(proc, ports, log_path, time.monotonic())
