@@ -29,7 +29,7 @@ from gateway.errors import ApiError
 from gateway.http_guard import RequestGuard
 from gateway.limits import Limits
 from gateway.logprobs import CompletionLogprobs, chat_content, visible
-from gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest, error_param
 from gateway.openapi import openapi_schema
 from gateway.planner import Plan, plan_chat_completion, plan_completion
 from protos import tokenizer_pb2
@@ -39,8 +39,7 @@ log = logging.getLogger("gemma_serve.gateway")
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", []) if p != "body"]
-    param = ".".join(loc) or None
+    param = error_param(tuple(first.get("loc", ())))
     return ApiError(400, f"{param or 'request'}: {first.get('msg', 'invalid value')}", param=param,
                     code="invalid_value")
 

@@ -20,7 +20,7 @@ from gateway.clients import Backends
 from gateway.completions import run_choices
 from gateway.errors import ApiError
 from gateway.limits import Limits, json_field
-from gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest, error_param
 from gateway.planner import plan_chat_completion, plan_completion
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -118,7 +118,7 @@ def _validated(model, body: dict, explicit: dict):
         return model.model_validate({**{k: v for k, v in body.items() if v is not None}, **explicit})
     except pydantic.ValidationError as err:
         first = err.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        param = error_param(tuple(first.get("loc", ())))
         raise ApiError(400, f"{param or 'request'}: {first.get('msg', 'invalid value')}", param=param,
                        code="invalid_value") from None
 

@@ -11,6 +11,7 @@ against the vocabulary) or a limit flag happen in gateway/planner.py.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -22,6 +23,17 @@ from gateway.limits import MAX_NAME_CHARS
 def _integral(value: Any) -> Any:
     """JSON Schema's integers include 3.0: an integral float is taken as the integer (3.5 and "3" stay errors)."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+_UNION_TAG = re.compile(r"^(?:constrained-\w+|function-\w+|(?:list|dict|tuple|set)\[.*\]|str|int|float|bool|"
+                        r"json-or-python\[.*\])$")
+
+
+def error_param(loc: tuple) -> str | None:
+    """The request field a pydantic error location names, dotted ("messages.0.role", "stop_token_ids.1"): the
+    union-member tags pydantic puts in locations (`constrained-str`, `list[int]`, ...) are left out."""
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and _UNION_TAG.match(p))]
+    return ".".join(parts) or None
 
 
 def int_in(lo: int, hi: int):
@@ -63,7 +75,8 @@ class SamplingFields(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     #: At most 4 non-empty stop sequences (OpenAI); their total bytes are bounded by --max-stop-bytes.
-    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=4)] | None = None
+    stop: (Annotated[StrictStr, Field(min_length=1)]
+           | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=4)] | None) = None
     seed: int_in(-(2**63), 2**64 - 1) | None = None
     presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
@@ -95,8 +108,10 @@ class CompletionRequest(SamplingFields):
     max_tokens: Int32 | None = None
     echo: StrictBool = False
     logprobs: int_in(0, 20) | None = None
-    suffix: StrictStr | None = None
-    best_of: int_in(1, 16) | None = None
+    #: Not supported: a non-empty suffix is a 400 (the schema says so: at most 0 characters).
+    suffix: StrictStr | None = Field(default=None, json_schema_extra={"maxLength": 0})
+    #: Only 1 or n (one answer per choice); the schema advertises 1.
+    best_of: int_in(1, 16) | None = Field(default=None, json_schema_extra={"maximum": 1})
 
     def completion_limit(self, cap: int | None = None) -> int | None:
         """The answer's token limit: max_tokens as sent; when absent, OpenAI's default of 16 (at most `cap`)."""

@@ -3,8 +3,13 @@
 
 - Errors are documented as they are sent: the OpenAI error object for 400, 404, 413, 429 and 503 (FastAPI's
   default 422 is never sent: validation failures are 400).
-- `model` is the one served model id once the backends are ready (any other is a 404); token ids are below the
-  vocabulary size; `max_tokens` is at least 1 and at most `--max-tokens-cap` when one is set.
+- Once the backends are ready, what the served model decides: `model` is its id (any other is a 404), token ids
+  and logit_bias keys are below its vocabulary size, prompt lists fit the worker's queue, reasoning_effort turns
+  thinking on only for a model that has it; `max_tokens` is at least 1 and at most `--max-tokens-cap`.
+- Chat messages per role as OpenAI documents them (content required except on an assistant's tool-call message),
+  a conversation starting with a user message (after at most one system message), tools as OpenAI's tool
+  objects. What a schema cannot say (roles alternating later on, a tool message following its call) is checked
+  by the chat template, and a 400 names it.
 - Streamed answers are `text/event-stream` (declared on the routes).
 """
 
@@ -76,12 +81,58 @@ def _message_schemas(schemas: dict) -> None:
                 "properties": {"role": {"type": "string", "enum": names}, "name": props["name"], **fields}}
 
     calls = {"type": "array", "minItems": 1, "items": props["tool_calls"]["anyOf"][0]["items"]}
+    schemas["SystemMessage"] = role(["system", "developer"], ["content"], content=text)
+    schemas["UserMessage"] = role(["user"], ["content"], content=text)
     schemas["ChatMessage"] = {"title": "ChatMessage", "oneOf": [
-        role(["system", "developer", "user"], ["content"], content=text),
+        {"$ref": "#/components/schemas/SystemMessage"}, {"$ref": "#/components/schemas/UserMessage"},
         role(["assistant"], ["content"], content=text, reasoning_content=props["reasoning_content"]),
         role(["assistant"], ["tool_calls"], content={"type": "null"}, tool_calls=calls),
         role(["tool"], ["content", "tool_call_id"], content=text, tool_call_id={"type": "string", "maxLength": 256}),
     ]}
+    # A conversation starts with a user message, after at most one system (or developer) message.
+    message = {"$ref": "#/components/schemas/ChatMessage"}
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    chat["messages"] = {"title": "Messages", "anyOf": [
+        {"type": "array", "minItems": 1, "prefixItems": [{"$ref": "#/components/schemas/UserMessage"}],
+         "items": message},
+        {"type": "array", "minItems": 2, "prefixItems": [{"$ref": "#/components/schemas/SystemMessage"},
+                                                        {"$ref": "#/components/schemas/UserMessage"}],
+         "items": message}]}
+    chat["tool_choice"] = {"title": "Tool Choice", "anyOf": [
+        {"type": "string", "enum": ["none", "auto", "required"]},
+        {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+        {"type": "null"}]}
+    # OpenAI's tool object; its `parameters` JSON Schema is checked when the request is planned.
+    chat["tools"] = {"title": "Tools", "anyOf": [{"type": "array", "items": {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_.\\-]{1,64}$"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"}}}}}}, {"type": "null"}]}
+
+
+def _model_facts(schemas: dict, facts) -> None:
+    """What depends on the served model: its id, token ids below its vocabulary, logit_bias keys that are token
+    ids, prompt lists within the worker's queue, and reasoning_effort only where the model can think."""
+    from gateway.tool_calls import int_range_regex
+
+    _bound_token_ids(schemas, facts.vocab_size)
+    completion = schemas["CompletionRequest"]["properties"]
+    for option in completion["prompt"]["anyOf"]:  # several prompts: strings, or token-id lists
+        if option.get("type") == "array" and option["items"].get("type") in ("string", "array"):
+            option["maxItems"] = max(facts.max_waiting, 1)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name]["properties"]
+        props["model"] = {"anyOf": [{"type": "string", "enum": [facts.name]}, {"type": "null"}], "title": "Model",
+                          "description": "The served model id (any other is a 404)."}
+        bias = props["logit_bias"]["anyOf"][0]
+        bias["propertyNames"] = {"pattern": f"^{int_range_regex(0, facts.vocab_size - 1)}$"}
+    if facts.architecture != "gemma4":  # no thinking mode: only the efforts that turn it off
+        effort = schemas["ChatCompletionRequest"]["properties"]["reasoning_effort"]
+        effort["anyOf"][0]["enum"] = ["none", "minimal"]
 
 
 def openapi_schema(app, backends, limits) -> dict:
@@ -102,12 +153,6 @@ def openapi_schema(app, backends, limits) -> dict:
     facts = backends.facts
     if facts is None:
         return schema  # not cached: the model id is not known yet
-    _bound_token_ids(schema["components"]["schemas"], facts.vocab_size)
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        model = schema["components"]["schemas"].get(name, {}).get("properties", {}).get("model")
-        if model is not None:
-            model.clear()
-            model.update({"anyOf": [{"type": "string", "enum": [facts.name]}, {"type": "null"}],
-                          "title": "Model", "description": "The served model id (any other is a 404)."})
+    _model_facts(schema["components"]["schemas"], facts)
     app.openapi_schema = schema
     return schema

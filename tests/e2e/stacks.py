@@ -118,9 +118,10 @@ def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str
 
 
 def _embedded(cache_dir, prepared, tmp) -> Stack:
-    """The embedded Gemma 3 270M: max_model_len 1024, 4 slots (the OpenAI API, sampling, tools, agent tests)."""
+    """The embedded Gemma 3 270M: max_model_len 1024, 4 slots, 64-token chunks only (the OpenAI API, sampling,
+    tools, agent tests; 17 programs: the chunk-size policy is the worker's unit tests' business)."""
     return start_stack(cache_dir, tmp("stack") / "stack.log",
-                       ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4"])
+                       ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64"])
 
 
 def _gemma4(cache_dir, prepared, tmp) -> Stack:

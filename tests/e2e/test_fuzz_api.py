@@ -1,7 +1,7 @@
 """schemathesis against the live gateway's own OpenAPI document (the fuzz stack: one slot, --max-tokens-cap 4):
 requests generated from the schema — valid ones, then invalid ones — never get a 5xx, every error is an OpenAI
-error object, every stream ends with `[DONE]` and no internal error, and at least 30% of the requests generated as
-valid were answered 200, so the run does not pass on rejections alone.
+error object, every stream ends with `[DONE]` and no internal error, and at least 30% of all the generated requests
+were valid and answered 200, so the run does not pass on rejections alone.
 
 schemathesis generates the requests (`APIOperation.as_strategy`); hypothesis runs a bounded number of examples
 per operation (EXAMPLES), derandomized. (schemathesis's own pytest plugin
@@ -70,12 +70,13 @@ def test_generated_requests_never_fail_the_server(fuzz_stack, operations, operat
 
 
 def test_a_third_of_generated_requests_were_answered(fuzz_stack):
-    """Runs after the fuzzing above (file order): of the requests generated as valid by the schema, at least 30%
-    were served (200): the run does not pass on rejections alone. (The rest were refused for what a schema cannot
-    say: a conversation's role order, a tool message without its call, best_of, a logit_bias key that is not a
-    token id.)"""
-    seen = STATUSES["positive"]
-    if not seen:
+    """Runs after the fuzzing above (file order): of all the requests generated (valid and invalid), at least 30%
+    were valid and served (200): the run does not pass on rejections alone. (Valid-looking requests are refused
+    for what a schema cannot say: the order of a conversation's roles after its first user message, a tool
+    message without its call, top_logprobs without logprobs.)"""
+    if not STATUSES["positive"]:
         pytest.skip("the fuzzing tests did not run in this session")
-    assert seen[200] >= 0.3 * sum(seen.values()), (
-        {key: dict(c) for key, c in PER_OP.items()}, "\n".join(map(str, REASONS["positive"].most_common(25))))
+    seen = STATUSES["positive"] + STATUSES["negative"]
+    report = {key: dict(c) for key, c in PER_OP.items()}
+    print(report, *REASONS["positive"].most_common(25), sep="\n")
+    assert seen[200] >= 0.3 * sum(seen.values()), report

@@ -290,6 +290,12 @@ def test_openapi_document_is_true_to_the_routes():
     op = doc["paths"]["/v1/chat/completions"]["post"]
     assert "text/event-stream" in op["responses"]["200"]["content"]
     assert {"400", "404", "413", "429", "503"} <= set(op["responses"]) and "422" not in op["responses"]
-    roles = doc["components"]["schemas"]["ChatMessage"]["oneOf"]
-    assert {r for branch in roles for r in branch["properties"]["role"]["enum"]} == {
+    schemas = doc["components"]["schemas"]
+    branches = [schemas[b["$ref"].rsplit("/", 1)[1]] if "$ref" in b else b for b in schemas["ChatMessage"]["oneOf"]]
+    assert {r for branch in branches for r in branch["properties"]["role"]["enum"]} == {
         "system", "developer", "user", "assistant", "tool"}
+    first = [option["prefixItems"][-1]["$ref"] for option in schemas["ChatCompletionRequest"]["properties"][
+        "messages"]["anyOf"]]
+    assert first == ["#/components/schemas/UserMessage"] * 2  # a conversation starts with the user
+    reasoning = schemas["ChatCompletionRequest"]["properties"]["reasoning_effort"]["anyOf"][0]["enum"]
+    assert reasoning == ["none", "minimal"]  # the served model (Gemma 3) cannot think

