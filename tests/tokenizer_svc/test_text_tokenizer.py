@@ -33,3 +33,36 @@ def test_missing_bos_is_a_clear_error(prepared, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|no_such_bos|>"}))
     with pytest.raises(ValueError, match="no_such_bos"):
         TextTokenizer.from_tokenizer_json(tmp_path)
+
+
+def test_long_texts_encode_alike_and_leave_the_gil_free(text_tokenizer):
+    """Above LONG_TEXT characters `encode` switches to the GIL-releasing batch call: the ids are the plain call's,
+    and a thread of the same process keeps running meanwhile (so the service's event loop answers health checks;
+    `encode` holds the GIL for ~0.5 s per 900 KB)."""
+    import threading
+    import time
+
+    from tokenizer_svc.tokenizer import LONG_TEXT
+
+    text = "The quick brown fox, <start_of_turn> jumps over 🌍 the lazy dog.\n" * 40_000  # 2.6 MB
+    assert len(text) > LONG_TEXT
+    for parse_special in (True, False):
+        raw = (text_tokenizer.tok if parse_special else text_tokenizer.plain).encode(text, add_special_tokens=False)
+        assert text_tokenizer.encode(text, parse_special=parse_special) == raw.ids
+    gaps, done = [0.0], threading.Event()
+
+    def tick():
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.002)
+            now = time.monotonic()
+            gaps[0], last = max(gaps[0], now - last), now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    t0 = time.monotonic()
+    text_tokenizer.encode(text)
+    took = time.monotonic() - t0
+    done.set()
+    ticker.join()
+    assert gaps[0] < max(0.25, took / 4), (gaps[0], took)
