@@ -28,12 +28,12 @@ def stack(cache_dir, prepared, tmp_path_factory) -> Stack:
 
 @pytest.fixture(scope="session")
 def gemma4_stack(cache_dir, prepared, tmp_path_factory):
-    """The tiny Gemma 4 checkpoint's stack (max_model_len 512, 2 slots); yields (stack, transformers model)."""
+    """The tiny Gemma 4 checkpoint's stack (max_model_len 512, one slot); yields (stack, transformers model)."""
     s = _ready("gemma4_stack", cache_dir, prepared, tmp_path_factory)
     return s, s.reference
 
 
 @pytest.fixture(scope="session")
 def fuzz_stack(cache_dir, prepared, tmp_path_factory) -> Stack:
-    """The embedded model on the smallest grid with --max-tokens-cap 4 (fuzzing and hostile input)."""
+    """A gateway with --max-tokens-cap 4 in front of the embedded stack's backends (fuzzing and hostile input)."""
     return _ready("fuzz_stack", cache_dir, prepared, tmp_path_factory)

@@ -127,7 +127,8 @@ def _embedded(cache_dir, prepared, tmp) -> Stack:
 def _gemma4(cache_dir, prepared, tmp) -> Stack:
     """A tiny random Gemma 4 checkpoint directory (KV sharing, PLE, double-wide MLP, window 8, the full
     262,144-token vocabulary, the Gemma 4 test tokenizer and the official chat template), max_model_len 512,
-    2 slots; its transformers model is the stack's `reference`."""
+    one slot (9 programs: its tests send one request at a time); its transformers model is the stack's
+    `reference`."""
     from tests.gemma4_tiny import SHARED, write_checkpoint
     from tests.gemma4_tokenizer import write_gemma4_test_tokenizer
 
@@ -136,17 +137,26 @@ def _gemma4(cache_dir, prepared, tmp) -> Stack:
     write_gemma4_test_tokenizer(ckpt, prepared.dir / "tokenizer.json")
     shutil.copy(GEMMA4_TEMPLATE, ckpt / "chat_template.jinja")
     s = start_stack(cache_dir, tmp("g4log") / "stack.log",
-                    ["--model", str(ckpt), "--max-model-len", "512", "--num-slots", "2", "--prefill-chunks", "32"])
+                    ["--model", str(ckpt), "--max-model-len", "512", "--num-slots", "1", "--prefill-chunks", "32"])
     s.reference = model
     return s
 
 
-def _fuzz(cache_dir, prepared, tmp) -> Stack:
-    """The embedded model with the smallest grid (one slot, 64-token chunks, one 512 KV bucket: 5 programs) and
-    `--max-tokens-cap 4`, for the fuzzer and the hostile-input tests: every answer is short, whatever was asked."""
-    return start_stack(cache_dir, tmp("fuzz") / "stack.log",
-                       ["--max-model-len", "512", "--num-slots", "1", "--prefill-chunks", "64",
-                        "--max-tokens-cap", str(FUZZ_MAX_TOKENS)])
+def _fuzz(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:
+    """A second gateway with `--max-tokens-cap 4` in front of the embedded stack's tokenizer service and worker (no
+    compilation of its own: the three processes are separate), for the fuzzer and the hostile-input tests: every
+    answer is short, whatever was asked."""
+    backend = launch("stack", cache_dir, prepared, tmp_path_factory)
+    http, grpc_port = free_ports(2)
+    cmd = [sys.executable, "-m", "gemma_serve.cli", "gateway", "--cache-dir", str(cache_dir),
+           "--http-port", str(http), "--gateway-grpc-port", str(grpc_port),
+           "--tokenizer-addr", f"127.0.0.1:{backend.ports['tokenizer']}",
+           "--worker-addr", f"127.0.0.1:{backend.ports['worker']}", "--max-tokens-cap", str(FUZZ_MAX_TOKENS)]
+    log_path = tmp("fuzz") / "gateway.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=_die_with_parent,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return Stack(proc, {**backend.ports, "http": http, "grpc": grpc_port}, log_path, time.monotonic())
 
 
 #: Stack fixture name -> launcher(cache_dir, prepared, mktemp) -> Stack.
@@ -157,7 +167,10 @@ _LAUNCHED: dict[str, Stack] = {}
 def launch(name: str, cache_dir, prepared, tmp_path_factory) -> Stack:
     """The session's stack `name`, launched now unless already running."""
     if name not in _LAUNCHED:
-        _LAUNCHED[name] = SPECS[name](cache_dir, prepared, lambda prefix: tmp_path_factory.mktemp(prefix))
+        tmp = lambda prefix: tmp_path_factory.mktemp(prefix)  # noqa: E731
+        spec = SPECS[name]
+        _LAUNCHED[name] = spec(cache_dir, prepared, tmp, tmp_path_factory) if spec is _fuzz else \
+            spec(cache_dir, prepared, tmp)
     return _LAUNCHED[name]
 
 
@@ -167,6 +180,6 @@ def launched() -> dict[str, Stack]:
 
 
 def stop_all() -> None:
-    """Stop every launched stack (end of session)."""
-    for s in _LAUNCHED.values():
+    """Stop every launched stack (end of session), the fuzz gateway before the stack it fronts."""
+    for s in reversed(list(_LAUNCHED.values())):
         s.stop()

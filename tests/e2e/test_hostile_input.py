@@ -1,5 +1,5 @@
-"""Hostile and malformed requests against the real stack (the fuzz stack: the embedded model, one slot,
---max-tokens-cap 4): every one gets a bounded, clear answer — a 4xx OpenAI error object (or the right gRPC
+"""Hostile and malformed requests against the real stack (the fuzz stack: a gateway with --max-tokens-cap 4 in
+front of the embedded model's tokenizer service and worker): every one gets a bounded, clear answer — a 4xx OpenAI error object (or the right gRPC
 status) — on a keep-alive connection that then serves a normal request; the gateway's event loop keeps answering
 /health within a second while a hostile request is being worked on; nothing a client sends reaches Python's
 backtracking `re`."""
@@ -192,9 +192,9 @@ def test_cache_salt_scopes_prefix_hits(http):
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     cached("tenant-a")
-    assert cached("tenant-a") > 0  # the same salt reuses the prefix
+    assert cached("tenant-a") > 10  # the same salt reuses the prefix
     assert cached("tenant-b") == 0  # another salt never sees it
-    assert cached(None) == 0
+    assert cached(None) <= 1  # at most the BOS that every unsalted prompt shares, never tenant-a's prefix
 
 
 def test_gateway_metrics_use_route_templates_and_gauges(fuzz_stack, http):
