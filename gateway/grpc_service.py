@@ -8,7 +8,6 @@ message (never internals) for our own bugs.
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 

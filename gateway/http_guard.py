@@ -106,7 +106,8 @@ class RequestGuard:
             try:
                 parse_json(body)
             except JsonError as err:
-                raise ApiError(400, f"the request body is not acceptable JSON: {err}", code="invalid_json") from None
+                raise ApiError(400, f"the request body is not acceptable JSON: {err}", param=err.param,
+                               code="invalid_json") from None
         sent = False
 
         async def replay():

@@ -111,11 +111,17 @@ class JsonError(ValueError):
 
     Attributes:
       syntax: the text is not JSON at all (as opposed to JSON we refuse: too deep, a surrogate, out of range).
+      pointer: JSON pointer of the refused value ("/messages/0/content"), or "" when unknown.
     """
 
-    def __init__(self, message: str, syntax: bool = False):
+    def __init__(self, message: str, syntax: bool = False, pointer: str = ""):
         super().__init__(message)
-        self.syntax = syntax
+        self.syntax, self.pointer = syntax, pointer
+
+    @property
+    def param(self) -> str | None:
+        """The pointer as a dotted field name ("messages.0.content"), or None."""
+        return ".".join(p.replace("~1", "/").replace("~0", "~") for p in self.pointer.split("/")[1:]) or None
 
 
 def _no_constant(name: str):
@@ -169,15 +175,16 @@ def check_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
             _check_text(node, where)
         elif isinstance(node, float):
             if not math.isfinite(node):
-                raise JsonError(f"{_short(where)}: the number is out of range")
+                raise JsonError(f"{_short(where)}: the number is out of range", pointer=where)
         elif isinstance(node, (dict, list)):
             if depth > max_depth:
-                raise JsonError(f"JSON nested deeper than {max_depth} levels at {_short(where)}")
+                raise JsonError(f"JSON nested deeper than {max_depth} levels at {_short(where)}", pointer=where)
             items = node.items() if isinstance(node, dict) else enumerate(node)
             for key, child in items:
                 if isinstance(key, str):
                     _check_text(key, where)
-                stack.append((child, depth + 1, f"{where}/{key}"))
+                part = str(key).replace("~", "~0").replace("/", "~1")
+                stack.append((child, depth + 1, f"{where}/{part}"))
 
 
 def _short(pointer: str) -> str:
@@ -190,7 +197,7 @@ def _check_text(text: str, where: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
         raise JsonError(f"{_short(where)}: a lone UTF-16 surrogate (U+{ord(text[err.start]):04X}) is not "
-                        f"text") from None
+                        f"text", pointer=where) from None
 
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.S)

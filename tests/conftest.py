@@ -135,3 +135,33 @@ def hf_gemma3(gguf_path):
     )
     model.eval()
     return model
+
+
+# The Gemma 4 test tokenizer (tests/gemma4_tokenizer.py), built once per session: writing it takes ~2 s, loading
+# it ~2.5 s and llguidance's tokenizer of it ~2.5 s, and five test modules plus the Gemma 4 stack use it.
+
+
+@pytest.fixture(scope="session")
+def gemma4_tokenizer_dir(prepared, tmp_path_factory) -> pathlib.Path:
+    """A directory with the Gemma 4 test tokenizer (tokenizer.json, tokenizer_config.json, generation_config)."""
+    from tests.gemma4_tokenizer import write_gemma4_test_tokenizer
+
+    return write_gemma4_test_tokenizer(tmp_path_factory.mktemp("gemma4-tok"), prepared.dir / "tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def gemma4_text_tokenizer(gemma4_tokenizer_dir):
+    """tokenizer_svc.TextTokenizer of the Gemma 4 test tokenizer."""
+    from tokenizer_svc.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_tokenizer_json(gemma4_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma4_lltok(gemma4_tokenizer_dir):
+    """llguidance's tokenizer of the Gemma 4 test tokenizer (262,144 tokens, EOS 1)."""
+    import llguidance
+
+    return llguidance.LLTokenizer((gemma4_tokenizer_dir / "tokenizer.json").read_text(), n_vocab=262_144,
+                                  eos_token=1)
+

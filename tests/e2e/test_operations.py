@@ -3,7 +3,6 @@ slot, and nothing compiles after warm-up."""
 
 from __future__ import annotations
 
-import re
 import time
 
 import httpx

@@ -68,3 +68,17 @@ def test_auto_gives_text_or_valid_calls(client):
             jsonschema.validate(json.loads(call.function.arguments), LOOKUP["function"]["parameters"])
         if choice.message.content:
             assert not choice.message.content.startswith("{")
+
+
+def test_a_tool_turn_sent_back_hits_the_cache(client):
+    """The assistant's tool-call message sent back as returned (content null) renders from the answer's exact ids
+    (remembered under its tool calls), so the next turn reuses the KV through the end of the call."""
+    kw = dict(model="gemma-3-270m", tools=[LOOKUP], parallel_tool_calls=False, temperature=0)
+    first = client.chat.completions.create(messages=MESSAGES, tool_choice="required", max_tokens=100, **kw)
+    assert first.choices[0].finish_reason == "tool_calls"
+    call = first.choices[0].message.tool_calls[0]
+    messages = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                           {"role": "tool", "tool_call_id": call.id, "content": "a cat"}]
+    second = client.chat.completions.create(messages=messages, tool_choice="auto", max_tokens=3, **kw)
+    assert second.usage.prompt_tokens_details.cached_tokens >= \
+        first.usage.prompt_tokens + first.usage.completion_tokens - 1, (first.usage, second.usage)

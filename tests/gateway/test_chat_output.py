@@ -13,14 +13,13 @@ import pytest
 from gateway.chat_output import ChatRoute
 from gateway.chat_plan import plan_chat
 from gateway.clients import ModelFacts
-from gateway.constraints import Constraint, build_tokenizer, grammar_for_json_schema
+from gateway.constraints import Constraint, grammar_for_json_schema
 from gateway.errors import ApiError
 from gateway.generate import Delta
 from gateway.openai_types import ChatCompletionRequest
 from gateway.reasoning import ThoughtFirst
 from gateway.tool_calls import gemma4_tool_grammar
 from protos import common_pb2
-from tests.gemma4_tokenizer import write_gemma4_test_tokenizer
 
 CONTROL = {0, 1, 2, 46, 47, 48, 49, 50, 51, 52, 98, 100, 101, 105, 106}
 N = 262_144
@@ -166,9 +165,8 @@ def test_text_path_passes_generate_text_through():
 
 
 @pytest.fixture(scope="module")
-def g4_lltok(prepared, tmp_path_factory):
-    d = write_gemma4_test_tokenizer(tmp_path_factory.mktemp("g4-chat-tok"), prepared.dir / "tokenizer.json")
-    return build_tokenizer((d / "tokenizer.json").read_text(), N, [1])
+def g4_lltok(gemma4_lltok):
+    return gemma4_lltok  # built as build_tokenizer would (vocabulary N, EOS 1)
 
 
 def bits(mask: bytes) -> np.ndarray:

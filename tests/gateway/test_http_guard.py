@@ -299,3 +299,12 @@ def test_openapi_document_is_true_to_the_routes():
     assert first == ["#/components/schemas/UserMessage"] * 2  # a conversation starts with the user
     reasoning = schemas["ChatCompletionRequest"]["properties"]["reasoning_effort"]["anyOf"][0]["enum"]
     assert reasoning == ["none", "minimal"]  # the served model (Gemma 3) cannot think
+
+
+def test_refused_json_values_name_their_field(client):
+    for body, param in [(b'{"prompt": "a", "model": "\\ud800"}', "model"),
+                        (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages.0.content"),
+                        (b'{"prompt": "a", "logit_bias": {"5": 1e999}}', None)]:
+        err = _error(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
+                     400, param)
+        assert err["code"] == "invalid_json"

@@ -43,7 +43,6 @@ from gateway.tool_parsers import (
     parse_gemma3_tool_calls,
     parse_gemma4_tool_calls,
 )
-from tests.gemma4_tokenizer import write_gemma4_test_tokenizer
 from tokenizer_svc.chat_template import Message, render_gemma3, render_gemma4, tokenize_segments
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -125,18 +124,13 @@ def g3_lltok(prepared) -> llguidance.LLTokenizer:
 
 
 @pytest.fixture(scope="session")
-def g4_tok_dir(prepared, tmp_path_factory) -> pathlib.Path:
-    return write_gemma4_test_tokenizer(tmp_path_factory.mktemp("g4-tool-tok"), prepared.dir / "tokenizer.json")
+def g4_lltok(gemma4_lltok) -> llguidance.LLTokenizer:
+    return gemma4_lltok
 
 
 @pytest.fixture(scope="session")
-def g4_lltok(g4_tok_dir) -> llguidance.LLTokenizer:
-    return llguidance.LLTokenizer((g4_tok_dir / "tokenizer.json").read_text(), n_vocab=N_VOCAB, eos_token=1)
-
-
-@pytest.fixture(scope="session")
-def g4_text_tok(g4_tok_dir) -> TextTokenizer:
-    return TextTokenizer.from_tokenizer_json(g4_tok_dir)
+def g4_text_tok(gemma4_text_tokenizer) -> TextTokenizer:
+    return gemma4_text_tokenizer
 
 
 class Sampler:

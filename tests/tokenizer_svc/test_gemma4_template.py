@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from protos import tokenizer_pb2
-from tests.gemma4_tokenizer import GEMMA4_CONTROL_IDS, write_gemma4_test_tokenizer
+from tests.gemma4_tokenizer import GEMMA4_CONTROL_IDS
 from tokenizer_svc.chat_template import (
     TEMPLATES,
     JinjaTemplate,
@@ -45,14 +45,14 @@ SOURCE = TEMPLATE_PATH.read_text()
 
 
 @pytest.fixture(scope="module")
-def g4dir(prepared, tmp_path_factory) -> pathlib.Path:
+def g4dir(gemma4_tokenizer_dir) -> pathlib.Path:
     """A directory with the Gemma 4 test tokenizer (tokenizer.json, tokenizer_config.json, generation_config)."""
-    return write_gemma4_test_tokenizer(tmp_path_factory.mktemp("gemma4-tok"), prepared.dir / "tokenizer.json")
+    return gemma4_tokenizer_dir
 
 
 @pytest.fixture(scope="module")
-def g4tok(g4dir) -> TextTokenizer:
-    return TextTokenizer.from_tokenizer_json(g4dir)
+def g4tok(gemma4_text_tokenizer) -> TextTokenizer:
+    return gemma4_text_tokenizer
 
 
 @pytest.fixture(scope="module")

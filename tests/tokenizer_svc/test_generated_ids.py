@@ -7,9 +7,7 @@ import pathlib
 
 import pytest
 
-from tests.gemma4_tokenizer import write_gemma4_test_tokenizer
 from tokenizer_svc.chat_template import JinjaTemplate, Message, render_gemma3, render_gemma4, tokenize_segments
-from tokenizer_svc.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.slow
 TEMPLATE = pathlib.Path(__file__).parent / "data" / "gemma4_chat_template.jinja"
@@ -33,10 +31,8 @@ def test_gemma3_renders_generated_ids(text_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def gemma4_tok(prepared, tmp_path_factory):
-    out = tmp_path_factory.mktemp("g4tok")
-    write_gemma4_test_tokenizer(out, prepared.dir / "tokenizer.json")
-    return TextTokenizer.from_tokenizer_json(out)
+def gemma4_tok(gemma4_text_tokenizer):
+    return gemma4_text_tokenizer
 
 
 @pytest.mark.parametrize("kind", ["builtin", "jinja"])
