@@ -3,8 +3,11 @@
 The cache lives in `<repo>/.cache/test` (or $GEMMA_SERVE_TEST_CACHE): prepared weights, the tokenizer and JAX's
 persistent compilation cache survive between runs on the same clone; a fresh clone (CI) builds them once.
 
-Order: the end-to-end tests (tests/e2e) run last, and the real stacks they need are launched by the session's
-first test, so their workers compile while the unit tests run (tests/e2e/stacks.py).
+Order. `make test` runs two pytest-xdist workers (pyproject: `-n 2 --dist loadgroup`): each test module is one
+group, and the end-to-end tests (tests/e2e) are one group, sent first, so one worker launches the real stacks
+(tests/e2e/stacks.py) and drives them while the other runs unit modules; the stacks' compilation overlaps the
+unit tests. Without xdist (`-p no:xdist` or `-n 0`) the e2e tests run last, and the session's first test launches
+their stacks so that they compile while the unit tests run.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CACHE = pathlib.Path(os.environ.get("GEMMA_SERVE_TEST_CACHE", REPO / ".cache" / "test"))
-_STACKS_NEEDED = pytest.StashKey[list]()
+_SERIAL_EARLY_LAUNCH = pytest.StashKey[bool]()
 
 
 def pytest_configure(config):
@@ -55,23 +58,35 @@ def pytest_configure(config):
     reader_class._shared_per_file = True
 
 
-def pytest_collection_modifyitems(config, items):
-    """End-to-end tests last (a stable sort: each group keeps its order); note which stacks they need."""
-    from tests.e2e.stacks import SPECS
+def _is_e2e(item) -> bool:
+    return "e2e" in pathlib.Path(str(item.fspath)).parts
 
-    items.sort(key=lambda item: "e2e" in pathlib.Path(str(item.fspath)).parts)
-    config.stash[_STACKS_NEEDED] = [name for name in SPECS if any(name in item.fixturenames for item in items)]
+
+@pytest.hookimpl(tryfirst=True)  # before xdist turns xdist_group marks into node ids
+def pytest_collection_modifyitems(config, items):
+    """Group and order the tests (see the module docstring); note which stacks the e2e tests need."""
+    from tests.e2e import stacks
+
+    stacks.NEEDED[:] = [name for name in stacks.SPECS if any(name in item.fixturenames for item in items)]
+    if getattr(config.option, "loadgroup", False):  # an xdist worker of `--dist loadgroup`
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group("e2e" if _is_e2e(item) else item.nodeid.split("::")[0]))
+        items.sort(key=lambda item: not _is_e2e(item))  # stable: each module keeps its order
+        config.stash[_SERIAL_EARLY_LAUNCH] = False
+    else:
+        items.sort(key=_is_e2e)
+        config.stash[_SERIAL_EARLY_LAUNCH] = True
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _launch_stacks_early(request, tmp_path_factory):
-    """Launch the stacks the selected e2e tests need (without waiting for them), and stop them at the end."""
+    """Serial runs: launch the stacks the selected e2e tests need at the session's first test (without waiting
+    for them). Either way, stop every stack this process launched at the end."""
     from tests.e2e import stacks
 
-    needed = request.config.stash.get(_STACKS_NEEDED, [])
-    if needed:
+    if request.config.stash.get(_SERIAL_EARLY_LAUNCH, False) and stacks.NEEDED:
         cache, prep = request.getfixturevalue("cache_dir"), request.getfixturevalue("prepared")
-        for name in needed:
+        for name in stacks.NEEDED:
             stacks.launch(name, cache, prep, tmp_path_factory)
     yield
     stacks.stop_all()

@@ -1,5 +1,6 @@
-"""Fixtures of the real stacks (tests/e2e/stacks.py): each waits until its stack, usually launched at the start of
-the session, is healthy; all are stopped (SIGTERM) when the session ends."""
+"""Fixtures of the real stacks (tests/e2e/stacks.py): the first one launches every stack the session's e2e tests
+use (unless the session already did), then each waits until its own stack is healthy; all are stopped (SIGTERM)
+when the session ends."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def _ready(name: str, cache_dir, prepared, tmp_path_factory) -> Stack:
+    stacks.launch_needed(cache_dir, prepared, tmp_path_factory)  # all at once: they compile side by side
     return stacks.launch(name, cache_dir, prepared, tmp_path_factory).wait_healthy()
 
 
 @pytest.fixture(scope="session")
 def stack(cache_dir, prepared, tmp_path_factory) -> Stack:
-    """The embedded model's three services with max_model_len 1024 and 4 slots."""
+    """The embedded model's three services with max_model_len 512 and 4 slots."""
     return _ready("stack", cache_dir, prepared, tmp_path_factory)
 
 

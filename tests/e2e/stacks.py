@@ -24,7 +24,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 GEMMA4_TEMPLATE = REPO / "tests" / "tokenizer_svc" / "data" / "gemma4_chat_template.jinja"
-MAX_MODEL_LEN = 1024  # the embedded stack's --max-model-len (test_openai_api.MAX_MODEL_LEN)
+MAX_MODEL_LEN = 512  # the embedded stack's --max-model-len: one KV bucket (the sliding window)
 FUZZ_MAX_TOKENS = 4   # the fuzz stack's --max-tokens-cap
 
 
@@ -118,8 +118,9 @@ def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str
 
 
 def _embedded(cache_dir, prepared, tmp) -> Stack:
-    """The embedded Gemma 3 270M: max_model_len 1024, 4 slots, 64-token chunks only (the OpenAI API, sampling,
-    tools, agent tests; 17 programs: the chunk-size policy is the worker's unit tests' business)."""
+    """The embedded Gemma 3 270M: max_model_len 512 (= the sliding window: one KV bucket), 4 slots, 64-token chunks
+    only (the OpenAI API, sampling, tools, agent tests; 14 programs: the chunk-size and bucket policies, and
+    conversations beyond the window, are the worker's unit tests' business)."""
     return start_stack(cache_dir, tmp("stack") / "stack.log",
                        ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64"])
 
@@ -162,6 +163,14 @@ def _fuzz(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:
 #: Stack fixture name -> launcher(cache_dir, prepared, mktemp) -> Stack.
 SPECS = {"stack": _embedded, "gemma4_stack": _gemma4, "fuzz_stack": _fuzz}
 _LAUNCHED: dict[str, Stack] = {}
+#: The stacks the session's e2e tests use (set at collection).
+NEEDED: list[str] = []
+
+
+def launch_needed(cache_dir, prepared, tmp_path_factory) -> None:
+    """Launch every stack the session's e2e tests use (so they compile together), without waiting."""
+    for name in NEEDED:
+        launch(name, cache_dir, prepared, tmp_path_factory)
 
 
 def launch(name: str, cache_dir, prepared, tmp_path_factory) -> Stack:

@@ -7,9 +7,9 @@ import numpy as np
 import openai
 import pytest
 
+from tests.e2e.stacks import MAX_MODEL_LEN  # the stack fixture's --max-model-len
 
 pytestmark = pytest.mark.slow
-MAX_MODEL_LEN = 1024  # the stack fixture's --max-model-len
 GREEDY = {"temperature": 0.0}
 
 

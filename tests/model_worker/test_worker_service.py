@@ -234,6 +234,9 @@ def test_masks_and_forced_tokens_over_the_decode_stream(server, engine):
         request_id="k", prompt_token_ids=[10], stopping=common_pb2.StoppingParams(max_tokens=6), constrained=True,
         initial_mask=common_pb2.TokenMask(allowed=mask_bytes([50, 60]))))
     assert first.first_token.token_id == 50  # smallest allowed >= 11
+    deadline = time.monotonic() + 10  # on a loaded machine an earlier test's sequence may still be finishing
+    while set(server.engine_loop.scheduler.by_id) != {"k"} and time.monotonic() < deadline:
+        time.sleep(0.01)
     steps = dict(engine.calls)
     requests = queue.Queue()
     requests.put(model_worker_pb2.DecodeRequest(request_id="k"))

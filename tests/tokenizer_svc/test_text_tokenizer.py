@@ -44,7 +44,7 @@ def test_long_texts_encode_alike_and_leave_the_gil_free(text_tokenizer):
 
     from tokenizer_svc.tokenizer import LONG_TEXT
 
-    text = "The quick brown fox, <start_of_turn> jumps over 🌍 the lazy dog.\n" * 40_000  # 2.6 MB
+    text = "The quick brown fox, <start_of_turn> jumps over 🌍 the lazy dog.\n" * 20_000  # 1.3 MB
     assert len(text) > LONG_TEXT
     for parse_special in (True, False):
         raw = (text_tokenizer.tok if parse_special else text_tokenizer.plain).encode(text, add_special_tokens=False)
