@@ -3,8 +3,9 @@
 The cache lives in `<repo>/.cache/test` (or $GEMMA_SERVE_TEST_CACHE): prepared weights, the tokenizer and JAX's
 persistent compilation cache survive between runs on the same clone; a fresh clone (CI) builds them once.
 
-Order. `make test` runs two pytest-xdist workers (pyproject: `-n 2 --dist loadgroup`): each test module is one
-group, and the end-to-end tests (tests/e2e) are one group, sent first, so one worker launches the real stacks
+Order. `make test` runs two pytest-xdist workers (pyproject: `-n 2 --dist loadscope`): each test module is one
+scope, and the end-to-end tests (tests/e2e) are one scope (`pytest_xdist_make_scheduler` below), sent first, so one
+worker launches the real stacks
 (tests/e2e/stacks.py) and drives them while the other runs unit modules; the stacks' compilation overlaps the
 unit tests. Without xdist (`-p no:xdist` or `-n 0`) the e2e tests run last, and the session's first test launches
 their stacks so that they compile while the unit tests run.
@@ -62,20 +63,37 @@ def _is_e2e(item) -> bool:
     return "e2e" in pathlib.Path(str(item.fspath)).parts
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist turns xdist_group marks into node ids
 def pytest_collection_modifyitems(config, items):
-    """Group and order the tests (see the module docstring); note which stacks the e2e tests need."""
+    """Order the tests (see the module docstring); note which stacks the e2e tests need."""
     from tests.e2e import stacks
 
     stacks.NEEDED[:] = [name for name in stacks.SPECS if any(name in item.fixturenames for item in items)]
-    if getattr(config.option, "loadgroup", False):  # an xdist worker of `--dist loadgroup`
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group("e2e" if _is_e2e(item) else item.nodeid.split("::")[0]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the controller schedules in this (the workers') order
         items.sort(key=lambda item: not _is_e2e(item))  # stable: each module keeps its order
         config.stash[_SERIAL_EARLY_LAUNCH] = False
     else:
         items.sort(key=_is_e2e)
         config.stash[_SERIAL_EARLY_LAUNCH] = True
+
+
+def _test_scope(nodeid: str) -> str:
+    """The xdist scope of a test: its module, except that every e2e test shares one (one worker, one set of
+    stacks)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/e2e" if path.startswith("tests/e2e/") else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load-scope scheduling with `_test_scope` as the scope. (Its `loadgroup` mode cannot serve: it tags
+    node ids through an attribute pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class E2eTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _test_scope(nodeid)
+
+    return E2eTogether(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
