@@ -5,10 +5,9 @@ persistent compilation cache survive between runs on the same clone; a fresh clo
 
 Order. `make test` runs two pytest-xdist workers (pyproject: `-n 2 --dist loadscope`): each test module is one
 scope, and the end-to-end tests (tests/e2e) are one scope (`pytest_xdist_make_scheduler` below), sent first, so one
-worker launches the real stacks
-(tests/e2e/stacks.py) and drives them while the other runs unit modules; the stacks' compilation overlaps the
-unit tests. Without xdist (`-p no:xdist` or `-n 0`) the e2e tests run last, and the session's first test launches
-their stacks so that they compile while the unit tests run.
+worker launches the real stacks (tests/e2e/stacks.py) and drives them while the other runs unit modules; the
+stacks' compilation overlaps the unit tests. Without xdist workers (`-n 0`) the e2e tests run last, and the
+session's first test launches their stacks so that they compile while the unit tests run.
 """
 
 from __future__ import annotations

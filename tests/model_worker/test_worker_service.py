@@ -222,6 +222,18 @@ def test_not_ready_is_unavailable():
         s.close()
 
 
+def wait_quiet(engine, period: float = 0.3, timeout: float = 10) -> dict:
+    """The engine's call counts once they have not changed for `period` seconds (or after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    calls = dict(engine.calls)
+    while time.monotonic() < deadline:
+        time.sleep(period)
+        if dict(engine.calls) == calls:
+            break
+        calls = dict(engine.calls)
+    return calls
+
+
 def mask_bytes(allowed: list[int], vocab: int = 1000) -> bytes:
     bits = np.zeros(vocab, bool)
     bits[allowed] = True
@@ -237,7 +249,7 @@ def test_masks_and_forced_tokens_over_the_decode_stream(server, engine):
     deadline = time.monotonic() + 10  # on a loaded machine an earlier test's sequence may still be finishing
     while set(server.engine_loop.scheduler.by_id) != {"k"} and time.monotonic() < deadline:
         time.sleep(0.01)
-    steps = dict(engine.calls)
+    steps = wait_quiet(engine)  # and a step dispatched for it before it left has finished
     requests = queue.Queue()
     requests.put(model_worker_pb2.DecodeRequest(request_id="k"))
     stream = server.stub.Decode(iter(requests.get, None))
