@@ -23,6 +23,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.auth import ApiKeys
 from gateway.clients import Backends
 from gateway.completions import ResponseIds, remember_answer, run_choices, usage_dict
 from gateway.errors import ApiError
@@ -87,13 +88,14 @@ _STREAM_RESPONSES = {200: {"description": "The completion, or with `stream: true
 
 
 def create_app(backends: Backends, limits: Limits | None = None,
-               open_connections: Callable[[], int] | None = None):
+               open_connections: Callable[[], int] | None = None, keys: ApiKeys | None = None):
     """The ASGI application over `backends`: the FastAPI routes wrapped in RequestGuard (and CORS when
     `limits.cors_origins` names origins).
 
     Args:
       limits: the gateway's limits (default: Limits()).
       open_connections: the HTTP server's open connection count, for `limits.max_connections` (None: unchecked).
+      keys: the API keys every `/v1` route requires (None or empty: the API is open).
     """
     limits = limits or Limits()
     app = FastAPI(title="gemma-serve", description="OpenAI-compatible API of gemma-serve")
@@ -146,29 +148,29 @@ def create_app(backends: Backends, limits: Limits | None = None,
 
     @app.post("/v1/completions", responses=_STREAM_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
-        work = _completions(backends, limits, body)
+        work = _completions(backends, limits, body, request.state.tenant)
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     @app.post("/v1/chat/completions", responses=_STREAM_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        work = _chat(backends, limits, body)
+        work = _chat(backends, limits, body, request.state.tenant)
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
-    app.openapi = lambda: openapi_schema(app, backends, limits)
+    app.openapi = lambda: openapi_schema(app, backends, limits, keyed=bool(keys))
     asgi = app
     if limits.cors_origins:
         asgi = CORSMiddleware(asgi, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],
                               allow_headers=["*"], expose_headers=["X-Request-Id"])
     count = lambda route, status: backends.metrics.requests.labels(route, str(status)).inc()  # noqa: E731
-    guard = RequestGuard(asgi, limits, open_connections, count)
+    guard = RequestGuard(asgi, limits, open_connections, count, keys)
     guard.fastapi = app  # the routes, for tests and the OpenAPI schema
     return guard
 
 
 # ----- /v1/completions -----------------------------------------------------------------------------------------
-async def _completions(backends: Backends, limits: Limits, req: CompletionRequest):
+async def _completions(backends: Backends, limits: Limits, req: CompletionRequest, tenant: str):
     ids = ResponseIds("cmpl", "")
-    plan = await plan_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_")
+    plan = await plan_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_", tenant=tenant)
     ids.model = plan.model
     echoes = [await _echo_text(backends, p_ids, text) if req.echo else "" for p_ids, text in plan.prompts]
     if req.stream:
@@ -262,9 +264,9 @@ async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: 
 
 
 # ----- /v1/chat/completions ------------------------------------------------------------------------------------
-async def _chat(backends: Backends, limits: Limits, req: ChatCompletionRequest):
+async def _chat(backends: Backends, limits: Limits, req: ChatCompletionRequest, tenant: str):
     ids = ResponseIds("chatcmpl", "")
-    plan = await plan_chat_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_")
+    plan = await plan_chat_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_", tenant=tenant)
     ids.model = plan.model
     if req.stream:
         stream = await _primed(run_choices(backends, plan.jobs))

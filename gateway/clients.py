@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.errors import ApiError, from_rpc_error
 from gateway.history import AnswerHistory
 from gateway.metrics import GatewayMetrics
+from gemma_serve.network import InternalTls, aio_channel
 from protos import model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
 log = logging.getLogger("gemma_serve.gateway")
@@ -47,9 +48,12 @@ class ModelFacts:
 class Backends:
     """Channels and stubs for both backends; `facts` is None until they are ready."""
 
-    def __init__(self, tokenizer_addr: str, worker_addr: str, served_model_name: str | None = None):
-        """Args: *_addr: host:port of each backend; served_model_name: overrides the model id in the API."""
+    def __init__(self, tokenizer_addr: str, worker_addr: str, served_model_name: str | None = None,
+                 tls: InternalTls | None = None):
+        """Args: *_addr: host:port of each backend; served_model_name: overrides the model id in the API;
+        tls: mutual TLS for both links (None: plain text, for loopback or a trusted network)."""
         self.tokenizer_addr, self.worker_addr = tokenizer_addr, worker_addr
+        self.tls = tls
         self.served_model_name = served_model_name
         self.facts: ModelFacts | None = None
         self.answers = AnswerHistory()
@@ -83,8 +87,8 @@ class Backends:
         """Create the channels on first use, inside the running event loop (grpc.aio binds them to it)."""
         if self._channels is None:
             self._channels = (
-                grpc.aio.insecure_channel(self.tokenizer_addr, options=GRPC_OPTIONS),
-                grpc.aio.insecure_channel(self.worker_addr, options=GRPC_OPTIONS),
+                aio_channel(self.tokenizer_addr, self.tls, GRPC_OPTIONS),
+                aio_channel(self.worker_addr, self.tls, GRPC_OPTIONS),
             )
             self._tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._channels[0])
             self._worker = model_worker_pb2_grpc.ModelWorkerStub(self._channels[1])

@@ -31,7 +31,8 @@ _TYPE_OF_HTTP = {
     503: "service_unavailable",
     504: "timeout",
 }
-_GRPC_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+_GRPC_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                 404: grpc.StatusCode.NOT_FOUND,
                  413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
                  499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE,
                  504: grpc.StatusCode.DEADLINE_EXCEEDED}

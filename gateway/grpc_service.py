@@ -14,6 +14,7 @@ import uuid
 import grpc
 import pydantic
 
+from gateway.auth import ApiKeys
 from gateway.chat_output import ChatRoute
 from gateway.clients import Backends
 from gateway.completions import run_choices
@@ -125,13 +126,19 @@ def _validated(model, body: dict, explicit: dict):
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Generate over the shared Backends."""
 
-    def __init__(self, backends: Backends, limits: Limits | None = None):
+    def __init__(self, backends: Backends, limits: Limits | None = None, keys: ApiKeys | None = None):
+        """
+        Args:
+          keys: the API keys a call must carry as metadata `authorization: Bearer <key>` (None or empty: open).
+        """
         self.backends = backends
         self.limits = limits or Limits()
+        self.keys = keys or ApiKeys()
 
     async def Generate(self, request, context):
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         try:
+            tenant = self.keys.tenant(_metadata(context, "authorization"))
             if request is _UNDECODABLE:
                 raise ApiError(400, "the request is not a valid GenerateRequest (invalid UTF-8 in a string field, or "
                                     "malformed bytes)")
@@ -139,9 +146,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prefix = f"call_{rid[-12:]}_"
             if isinstance(req, ChatCompletionRequest):
                 plan = await plan_chat_completion(self.backends, req, self.limits, call_prefix=prefix,
-                                                  request_id=rid)
+                                                  request_id=rid, tenant=tenant)
             else:
-                plan = await plan_completion(self.backends, req, self.limits, call_prefix=prefix, request_id=rid)
+                plan = await plan_completion(self.backends, req, self.limits, call_prefix=prefix, request_id=rid,
+                                             tenant=tenant)
             async for index, delta in run_choices(self.backends, plan.jobs):
                 yield _reply(plan.routes[index], index, delta)
         except ApiError as err:
@@ -151,6 +159,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except Exception:  # noqa: BLE001 - our bug: log it, answer INTERNAL without internals
             log.exception("Generate %s failed", rid)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (request id {rid})")
+
+
+def _metadata(context, key: str) -> str | None:
+    """The first value of invocation metadata `key`, or None."""
+    for name, value in context.invocation_metadata() or ():
+        if name == key:
+            return value if isinstance(value, str) else None
+    return None
 
 
 def _reply(route: ChatRoute, index: int, delta) -> gateway_pb2.GenerateResponse:

@@ -9,8 +9,8 @@ answer as the client sees it — its `content` and its `tool_calls` (name and ar
 found too — and passes the ids with any assistant message that carries exactly that answer
 (`ChatMessage.generated_token_ids`).
 
-Safety. Entries are scoped: a request finds only answers remembered under its own scope (its `cache_salt`), so
-one tenant can never plant token ids under a text another tenant later sends. The tokenizer service uses the ids
+Safety. Entries are scoped: a request finds only answers remembered under its own scope (its API key's tenant and
+its `cache_salt`: `history_scope`), so one tenant can never plant token ids under a text another tenant later sends. The tokenizer service uses the ids
 only when their control tokens are exactly those the template itself renders for that message (tokenizer_svc
 `chat_template.Segment.fallback`), so ids with a control token forced by `logit_bias` never forge a turn.
 Memory is bounded by bytes (`ByteLRU`), not entries.
@@ -24,6 +24,12 @@ from gateway.lru import ByteLRU, text_size
 
 #: Estimated bytes of remembered answers (keys and ids).
 HISTORY_BYTES = 64 << 20
+
+
+def history_scope(tenant: str, cache_salt: str | None) -> str:
+    """The answer-history scope of a request: its tenant (gateway/auth.py; "" when the API is open) and its
+    `cache_salt`, joined by a NUL (a tenant is hex, so the first NUL ends it and the pair is unambiguous)."""
+    return f"{tenant}\x00{cache_salt or ''}"
 
 
 def answer_key(content: str | None, tool_calls: list[tuple[str, str]] = ()) -> str:

@@ -2,6 +2,8 @@
 
 - **Request id.** Every response carries `X-Request-Id`: the client's own when it sent a well-formed one (at most
   128 characters of `[A-Za-z0-9._:-]`), else a new one; logs of that request name it.
+- **API keys.** With keys set (gateway/auth.py), every `/v1/...` request needs one (401 before its body is read);
+  the request's tenant goes to the routes as `request.state.tenant`.
 - **Connections.** Beyond `Limits.max_connections` open connections a request gets an OpenAI-shaped 503 with
   `Connection: close` (uvicorn's own limit, kept far above as a backstop, would answer plain text).
 - **Body.** At most `Limits.max_body_bytes`, counted on the bytes as they stream in, so a chunked body without a
@@ -22,12 +24,21 @@ import re
 import uuid
 from typing import Callable
 
+from gateway.auth import ApiKeys
 from gateway.errors import ApiError
 from gateway.limits import JsonError, Limits, parse_json
 
 log = logging.getLogger("gemma_serve.gateway")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+def _header(scope, name: bytes) -> str | None:
+    """The first value of header `name` (lower case), or None."""
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
 
 
 def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
@@ -44,15 +55,17 @@ class RequestGuard:
     """ASGI middleware applying the module docstring's rules around an app."""
 
     def __init__(self, app, limits: Limits, open_connections: Callable[[], int] | None = None,
-                 count: Callable[[str, int], None] | None = None):
+                 count: Callable[[str, int], None] | None = None, keys: ApiKeys | None = None):
         """
         Args:
           app: the ASGI app (the FastAPI routes).
           limits: the gateway's limits.
           open_connections: the server's open connection count (None: not enforced).
           count: called with (route template, status) once per answered request, or None.
+          keys: the accepted API keys (None or empty: the API is open).
         """
         self.app, self.limits = app, limits
+        self.keys = keys or ApiKeys()
         self.open_connections = open_connections
         self.count = count
 
@@ -60,9 +73,13 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         rid = request_id_of(scope.get("headers", []))
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"], state["tenant"] = rid, ""
         response = _Response(send, rid)
         try:
+            path = scope.get("path", "")
+            if self.keys and (path == "/v1" or path.startswith("/v1/")):
+                state["tenant"] = self.keys.tenant(_header(scope, b"authorization"))
             if self.open_connections is not None and self.open_connections() > self.limits.max_connections:
                 raise ApiError(503, f"the server has more than {self.limits.max_connections} open connections; "
                                     f"retry shortly", code="too_many_connections",

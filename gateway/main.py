@@ -12,9 +12,11 @@ import grpc
 import uvicorn
 
 from gateway.app import create_app
+from gateway.auth import ApiKeys
 from gateway.clients import Backends
 from gateway.grpc_service import GatewayServicer, add_to_server
 from gateway.limits import Limits
+from gemma_serve import network
 
 log = logging.getLogger("gemma_serve.gateway")
 
@@ -30,27 +32,40 @@ class _Server(uvicorn.Server):
 async def serve(args: argparse.Namespace) -> int:
     """Run the gateway until SIGTERM/SIGINT. Returns the exit code."""
     limits = Limits.from_args(args)
-    backends = Backends(args.tokenizer_addr, args.worker_addr, args.served_model_name)
+    try:
+        keys = ApiKeys.from_args(args)
+        tls = network.InternalTls.from_args(args)
+        public_tls = network.public_server_credentials(args)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+    backends = Backends(args.tokenizer_addr, args.worker_addr, args.served_model_name, tls)
     ready = asyncio.ensure_future(backends.wait_ready())
     # Generate requests over the body limit are refused by gRPC itself (RESOURCE_EXHAUSTED) before parsing.
     grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", limits.max_body_bytes),
                                            ("grpc.max_send_message_length", 64 << 20)])
-    add_to_server(GatewayServicer(backends, limits), grpc_server)
-    grpc_server.add_insecure_port(f"{args.host}:{args.gateway_grpc_port}")
+    add_to_server(GatewayServicer(backends, limits, keys), grpc_server)
+    address = f"{args.host}:{args.gateway_grpc_port}"
+    if public_tls is None:
+        grpc_server.add_insecure_port(address)
+    else:
+        grpc_server.add_secure_port(address, public_tls)
     await grpc_server.start()
     holder: list[_Server] = []
-    app = create_app(backends, limits, open_connections=lambda: len(holder[0].server_state.connections))
+    app = create_app(backends, limits, open_connections=lambda: len(holder[0].server_state.connections), keys=keys)
     # uvicorn's own connection limit answers plain text; it is only a backstop far above ours (RequestGuard).
     config = uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
-                            timeout_graceful_shutdown=5, limit_concurrency=2 * limits.max_connections + 64)
+                            timeout_graceful_shutdown=5, limit_concurrency=2 * limits.max_connections + 64,
+                            ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
     server = _Server(config)
     holder.append(server)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     http = asyncio.ensure_future(server.serve())
-    log.info("gateway listening on http://%s:%d (gRPC Generate on %s:%d)", args.host, args.http_port, args.host,
-             args.gateway_grpc_port)
+    log.info("gateway listening on %s://%s:%d (gRPC Generate on %s:%d%s; %s)", "https" if public_tls else "http",
+             args.host, args.http_port, args.host, args.gateway_grpc_port, " over TLS" if public_tls else "",
+             f"{len(keys)} API key(s) required on /v1" if keys else "no API key required")
     await asyncio.wait([http, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down")
     server.should_exit = True

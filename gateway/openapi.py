@@ -135,17 +135,24 @@ def _model_facts(schemas: dict, facts) -> None:
         effort["anyOf"][0]["enum"] = ["none", "minimal"]
 
 
-def openapi_schema(app, backends, limits) -> dict:
-    """The OpenAPI document of `app` (cached once the model is known)."""
+def openapi_schema(app, backends, limits, keyed: bool = False) -> dict:
+    """The OpenAPI document of `app` (cached once the model is known); with `keyed`, the `/v1` operations declare
+    bearer authentication and their 401."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
     schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = _ERROR
-    for path in schema.get("paths", {}).values():
+    if keyed:
+        schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+    for route, path in schema.get("paths", {}).items():
         for op in path.values():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
-            for status, text in _ERRORS.items():
+            errors = dict(_ERRORS)
+            if keyed and route.startswith("/v1/"):
+                op["security"] = [{"apiKey": []}]
+                errors["401"] = "missing or wrong API key"
+            for status, text in errors.items():
                 responses[status] = {"description": text, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/Error"}}}}
     _bound_max_tokens(schema["components"]["schemas"], limits.max_tokens_cap)

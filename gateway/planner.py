@@ -25,7 +25,7 @@ from gateway.clients import Backends, ModelFacts
 from gateway.constraints import ConstraintError
 from gateway.errors import ApiError
 from gateway.generate import GenParams, resolve_max_tokens
-from gateway.history import answer_key
+from gateway.history import answer_key, history_scope
 from gateway.limits import MAX_JSON_DEPTH, MAX_SCHEMA_BYTES, JsonError, Limits, check_field, json_depth, parse_json
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from protos import common_pb2, tokenizer_pb2
@@ -57,7 +57,7 @@ class Plan:
       jobs: one per choice, prompt-major (prompt p's choices are jobs p*n .. p*n+n-1).
       chat: the chat plan (grammar, tool format, thinking), also for a completion with `response_format`.
       routes: one ChatRoute per job (chat answers; gRPC routes every input through them).
-      scope: the answer-history scope (`cache_salt`).
+      scope: the answer-history scope (the tenant and `cache_salt`: gateway/history.py `history_scope`).
     """
 
     model: str
@@ -78,12 +78,13 @@ class Plan:
 
 
 async def plan_completion(backends: Backends, req: CompletionRequest, limits: Limits, *, call_prefix: str,
-                          request_id: str | None = None) -> Plan:
+                          request_id: str | None = None, tenant: str = "") -> Plan:
     """Plan a `/v1/completions` request (or a gRPC `text`/`tokens` input).
 
     Args:
       call_prefix: prefix of tool-call ids (unused without tools; routes are still made for gRPC).
       request_id: the worker request id of choice 0 of the first prompt (default: a new one).
+      tenant: the caller's tenant (gateway/auth.py; "" when the API is open): part of the answer-history scope.
     """
     max_tokens = req.completion_limit(limits.max_tokens_cap)
     check_request(req, max_tokens, "max_tokens", limits)
@@ -101,12 +102,12 @@ async def plan_completion(backends: Backends, req: CompletionRequest, limits: Li
     chat.channels = False  # raw prompts: the text as generated
     prompts = [await _completion_prompt(backends, item) for item in texts]
     return await _finish(backends, req, limits, model, prompts, max_tokens, "max_tokens", req.logprobs or 0,
-                         chat, call_prefix, request_id)
+                         chat, call_prefix, request_id, history_scope(tenant, req.cache_salt))
 
 
 async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, limits: Limits, *,
-                               call_prefix: str, request_id: str | None = None) -> Plan:
-    """Plan a `/v1/chat/completions` request (or a gRPC `chat` input)."""
+                               call_prefix: str, request_id: str | None = None, tenant: str = "") -> Plan:
+    """Plan a `/v1/chat/completions` request (or a gRPC `chat` input); arguments as `plan_completion`'s."""
     max_tokens, param = req.completion_limit()
     check_request(req, max_tokens, param, limits)
     if req.top_logprobs and not req.logprobs:
@@ -121,9 +122,10 @@ async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, l
     _check_tool_call_arguments(req)
     model = check_model(backends, req.model)
     chat = await _chat_plan(backends, req)
-    prompt = await _chat_prompt(backends, req, chat.template_kwargs)
+    scope = history_scope(tenant, req.cache_salt)
+    prompt = await _chat_prompt(backends, req, chat.template_kwargs, scope)
     return await _finish(backends, req, limits, model, [(prompt, "")], max_tokens, param, req.top_logprobs or 0,
-                         chat, call_prefix, request_id)
+                         chat, call_prefix, request_id, scope)
 
 
 # --------------------------------------------------------------------------------------------- common checks
@@ -273,8 +275,10 @@ def message_to_pb(m, answers=None, scope: str = "") -> tokenizer_pb2.ChatMessage
     return pb
 
 
-async def _chat_prompt(backends: Backends, req: ChatCompletionRequest, template_kwargs: dict) -> list[int]:
-    """Render the conversation (and `req.tools`) with the model's chat template.
+async def _chat_prompt(backends: Backends, req: ChatCompletionRequest, template_kwargs: dict,
+                       scope: str) -> list[int]:
+    """Render the conversation (and `req.tools`) with the model's chat template (answers sent back carry the
+    exact ids remembered within the answer-history `scope`).
 
     Raises:
       ApiError: 400 when the text cannot fit max_model_len, or the template cannot render it (the tokenizer
@@ -283,7 +287,7 @@ async def _chat_prompt(backends: Backends, req: ChatCompletionRequest, template_
     facts = backends.ready_facts()
     _check_prompt_bytes(sum(_text_bytes(m) for m in req.messages), facts, "messages")
     request = tokenizer_pb2.ChatTemplateRequest(
-        messages=[message_to_pb(m, backends.answers, req.cache_salt or "") for m in req.messages],
+        messages=[message_to_pb(m, backends.answers, scope) for m in req.messages],
         add_generation_prompt=True,
         tools_json=json.dumps(req.tools) if req.tools else "",
         template_kwargs_json=json.dumps(template_kwargs) if template_kwargs else "",
@@ -316,7 +320,7 @@ async def _chat_plan(backends: Backends, req) -> ChatPlan:
 
 async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model: str,
                   prompts: list[tuple[list[int], str]], max_tokens: int | None, param: str, top_logprobs: int,
-                  chat: ChatPlan, call_prefix: str, request_id: str | None) -> Plan:
+                  chat: ChatPlan, call_prefix: str, request_id: str | None, scope: str) -> Plan:
     """Check lengths, then build every job (with its constraint and first mask) and route."""
     facts = backends.ready_facts()
     for ids, _ in prompts:
@@ -338,7 +342,7 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(_COMPILE_POOL, _attach_constraints, jobs, factory, chat.param)
     routes = [chat.route(facts, req.stop_list(), f"{call_prefix}{job.index}_") for job in jobs]
-    return Plan(model, prompts, req.n, jobs, chat, routes, req.cache_salt or "")
+    return Plan(model, prompts, req.n, jobs, chat, routes, scope)
 
 
 def _attach_constraints(jobs: list[Job], factory, param: str) -> None:

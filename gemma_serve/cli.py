@@ -28,8 +28,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="where prepared weights, tokenizers and compiled programs are kept (default: %(default)s; "
         "env GEMMA_SERVE_CACHE)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="interface the services bind to (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+
+
+def _add_host(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--host", default="127.0.0.1", help=f"interface {what} binds to (default: %(default)s)")
 
 
 def _add_ports(p: argparse.ArgumentParser, which: tuple[str, ...]) -> None:
@@ -116,18 +119,28 @@ def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:
     p.add_argument(
         "--served-model-name", default=None, help="model id reported by /v1/models (default: the model's own name)"
     )
-    from gateway.limits import add_flags
+    from gateway import auth, limits
+    from gemma_serve import network
 
-    add_flags(p)
+    auth.add_flags(p)
+    network.add_public_tls_flags(p)
+    limits.add_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `gemma-serve`."""
+    from gemma_serve import network
+
     parser = argparse.ArgumentParser(prog="gemma-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="prepare the model and run all three services until Ctrl-C / SIGTERM")
     _add_common(up)
+    _add_host(up, "the gateway (the public HTTP API and gRPC Generate)")
+    up.add_argument("--internal-host", default="127.0.0.1",
+                    help="interface the model worker, the tokenizer service and the worker's metrics bind to; a "
+                    "non-loopback one needs mutual TLS or --insecure-internal (default: %(default)s)")
+    network.add_internal_flags(up)
     _add_ports(up, tuple(DEFAULT_PORTS))
     _add_engine(up)
     _add_gateway(up, with_addrs=False)
@@ -137,15 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="run the model worker (owns the accelerator, weights and KV cache)")
     _add_common(worker)
+    _add_host(worker, "the worker's gRPC and metrics ports (non-loopback: mutual TLS or --insecure-internal)")
+    network.add_internal_flags(worker)
     _add_ports(worker, ("worker_port", "worker_metrics_port"))
     _add_engine(worker)
 
     tok = sub.add_parser("tokenizer", help="run the tokenizer service (tokenization and chat templates)")
     _add_common(tok)
+    _add_host(tok, "the tokenizer service (non-loopback: mutual TLS or --insecure-internal)")
+    network.add_internal_flags(tok)
     _add_ports(tok, ("tokenizer_port",))
 
     gw = sub.add_parser("gateway", help="run the gateway (OpenAI REST API and gRPC Generate)")
     _add_common(gw)
+    _add_host(gw, "the gateway (the public HTTP API and gRPC Generate)")
+    network.add_internal_flags(gw)
     _add_ports(gw, ("http_port", "gateway_grpc_port"))
     _add_gateway(gw, with_addrs=True)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
 import pathlib
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -21,7 +23,9 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.auth import ApiKeys, child_env
 from gateway.limits import limit_args
+from gemma_serve import network
 from gemma_serve.models import prepare
 
 log = logging.getLogger("gemma_serve.up")
@@ -36,10 +40,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def connect_host(host: str) -> str:
+    """The address to reach a service bound to `host` from this machine (a wildcard bind is reached on
+    loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
 def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The command line of each service, in start order."""
+    """The command line of each service, in start order. (API keys go to the gateway through its environment:
+    `child_env`.)"""
     base = [sys.executable, "-m", "gemma_serve.cli"]
-    common = ["--model", args.model, "--cache-dir", args.cache_dir, "--host", args.host, "--log-level", args.log_level]
+    common = ["--model", args.model, "--cache-dir", args.cache_dir, "--log-level", args.log_level,
+              *network.internal_args(args)]
+    internal = ["--host", args.internal_host]
+    inner = connect_host(args.internal_host)
     engine = ["--max-model-len", str(args.max_model_len), "--num-slots", str(args.num_slots), "--dtype", args.dtype,
               "--matmul-precision", args.matmul_precision,
               "--kv-cache-dtype", args.kv_cache_dtype, "--max-waiting", str(args.max_waiting),
@@ -47,22 +61,26 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if args.prefill_token_budget:
         engine += ["--prefill-token-budget", str(args.prefill_token_budget)]
     engine += ["--prefill-chunks", *map(str, args.prefill_chunks)]
-    gateway = ["--http-port", str(args.http_port), "--gateway-grpc-port", str(args.gateway_grpc_port),
-               "--tokenizer-addr", f"{args.host}:{args.tokenizer_port}", "--worker-addr", f"{args.host}:{args.worker_port}"]
+    gateway = ["--host", args.host, "--http-port", str(args.http_port), "--gateway-grpc-port",
+               str(args.gateway_grpc_port), "--tokenizer-addr", f"{inner}:{args.tokenizer_port}",
+               "--worker-addr", f"{inner}:{args.worker_port}"]
+    for flag in ("ssl_certfile", "ssl_keyfile"):
+        if getattr(args, flag, None):
+            gateway += ["--" + flag.replace("_", "-"), str(pathlib.Path(getattr(args, flag)).resolve())]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     gateway += limit_args(args)
     return {
-        "tokenizer": base + ["tokenizer", *common, "--tokenizer-port", str(args.tokenizer_port)],
-        "worker": base + ["worker", *common, "--worker-port", str(args.worker_port), "--worker-metrics-port",
-                          str(args.worker_metrics_port), *engine],
+        "tokenizer": base + ["tokenizer", *common, *internal, "--tokenizer-port", str(args.tokenizer_port)],
+        "worker": base + ["worker", *common, *internal, "--worker-port", str(args.worker_port),
+                          "--worker-metrics-port", str(args.worker_metrics_port), *engine],
         "gateway": base + ["gateway", *common, *gateway],
     }
 
 
-def _grpc_serving(address: str) -> bool:
+def _grpc_serving(address: str, tls: network.InternalTls | None = None) -> bool:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with network.sync_channel(address, tls) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -70,25 +88,44 @@ def _grpc_serving(address: str) -> bool:
 
 
 def _http_ok(url: str) -> bool:
+    # A local liveness probe of our own child: its certificate may name a public host, so it is not verified.
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(url, timeout=2, context=context) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def public_url(args: argparse.Namespace) -> str:
+    """The gateway's base URL as reached from this machine."""
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    host = connect_host(args.host)
+    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{args.http_port}"
 
 
 class Launcher:
     """Owns the three child processes."""
 
     def __init__(self, args: argparse.Namespace):
+        """
+        Raises:
+          ValueError: for a refused network setting or API key (the message names the flag).
+        """
         self.args = args
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping = False
+        self.tls = network.InternalTls.from_args(args)
+        network.check_internal_host(args.internal_host, self.tls, args.insecure_internal)
+        network.public_server_credentials(args)  # both files given and readable
+        ApiKeys.from_args(args)  # valid keys
+        self.env = child_env(args, os.environ)
 
     def start(self) -> None:
         """Start every service."""
         for name, cmd in service_commands(self.args).items():
-            self.procs[name] = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+            env = self.env if name == "gateway" else {k: v for k, v in self.env.items() if k != "GEMMA_SERVE_API_KEY"}
+            self.procs[name] = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, env=env)
             log.info("started %s (pid %d)", name, self.procs[name].pid)
 
     def dead(self) -> list[str]:
@@ -98,10 +135,11 @@ class Launcher:
     def health(self) -> dict[str, bool]:
         """Whether each service answers healthy."""
         a = self.args
+        inner = connect_host(a.internal_host)
         return {
-            "tokenizer": _grpc_serving(f"{a.host}:{a.tokenizer_port}"),
-            "worker": _grpc_serving(f"{a.host}:{a.worker_port}"),
-            "gateway": _http_ok(f"http://{a.host}:{a.http_port}/health"),
+            "tokenizer": _grpc_serving(f"{inner}:{a.tokenizer_port}", self.tls),
+            "worker": _grpc_serving(f"{inner}:{a.worker_port}", self.tls),
+            "gateway": _http_ok(f"{public_url(a)}/health"),
         }
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -121,12 +159,17 @@ class Launcher:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of `gemma-serve up`. Returns 0 after a clean stop, 1 if a service failed."""
+    """Entry point of `gemma-serve up`. Returns 0 after a clean stop, 1 if a service failed, 2 for refused
+    flags (checked before the model is prepared)."""
     t0 = time.perf_counter()
+    try:
+        launcher = Launcher(args)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
     log.info("checking the prepared files of model %r (built on the first start only)", args.model)
     prepared = prepare(args.model, pathlib.Path(args.cache_dir))
     log.info("model files ready in %s (%.1f s)", prepared.dir, time.perf_counter() - t0)
-    launcher = Launcher(args)
 
     def on_signal(signum, frame):
         launcher.stopping = True
@@ -156,7 +199,7 @@ def _supervise(launcher: Launcher, args: argparse.Namespace, t0: float) -> int:
                 last = status
             if all(status.values()):
                 ready = True
-                url = f"http://{args.host}:{args.http_port}"
+                url = public_url(args)
                 log.info("ready in %.1f s: OpenAI API at %s/v1 (gRPC Generate at %s:%d). Ctrl-C stops.",
                          time.perf_counter() - t0, url, args.host, args.gateway_grpc_port)
                 print(f"gemma-serve is ready: {url}/v1", flush=True)

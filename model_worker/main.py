@@ -14,6 +14,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gemma_serve import network
 from protos import model_worker_pb2, model_worker_pb2_grpc
 
 log = logging.getLogger("gemma_serve.worker")
@@ -99,6 +100,12 @@ async def serve(args: argparse.Namespace) -> int:
     from model_worker.metrics import WorkerMetrics
     from model_worker.service import SERVICE_NAME, WorkerServicer
 
+    try:
+        tls = network.InternalTls.from_args(args)
+        network.check_internal_host(args.host, tls, args.insecure_internal, "--host")
+    except network.NetworkConfigError as err:
+        log.error("%s", err)
+        return 2
     metrics = WorkerMetrics()
     metrics.serve(args.worker_metrics_port, args.host)
 
@@ -110,7 +117,7 @@ async def serve(args: argparse.Namespace) -> int:
     model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{args.host}:{args.worker_port}"
-    server.add_insecure_port(address)
+    network.add_server_port(server, address, tls)
     await server.start()
     log.info("model worker listening on %s (NOT_SERVING until compiled)", address)
 

@@ -12,6 +12,7 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gemma_serve import network
 from protos import tokenizer_pb2_grpc
 
 log = logging.getLogger("gemma_serve.tokenizer")
@@ -60,6 +61,12 @@ async def serve(args: argparse.Namespace) -> int:
     """Run the tokenizer service until SIGTERM/SIGINT. Returns the exit code."""
     from tokenizer_svc.service import SERVICE_NAME, TokenizerServicer
 
+    try:
+        tls = network.InternalTls.from_args(args)
+        network.check_internal_host(args.host, tls, args.insecure_internal, "--host")
+    except network.NetworkConfigError as err:
+        log.error("%s", err)
+        return 2
     server = grpc.aio.server(options=GRPC_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
@@ -68,7 +75,7 @@ async def serve(args: argparse.Namespace) -> int:
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{args.host}:{args.tokenizer_port}"
-    server.add_insecure_port(address)
+    network.add_server_port(server, address, tls)
     await server.start()
     log.info("tokenizer service listening on %s (NOT_SERVING until loaded)", address)
     stop = asyncio.Event()

@@ -39,3 +39,10 @@ def gemma4_stack(cache_dir, prepared, tmp_path_factory):
 def fuzz_stack(cache_dir, prepared, tmp_path_factory) -> Stack:
     """A gateway with --max-tokens-cap 4 in front of the embedded stack's backends (fuzzing and hostile input)."""
     return _ready("fuzz_stack", cache_dir, prepared, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def auth_stack(cache_dir, prepared, tmp_path_factory) -> Stack:
+    """A gateway with API keys (stacks.API_KEYS) and TLS on its public ports (the test CA: `auth_stack.ca`) in
+    front of the embedded stack's backends."""
+    return _ready("auth_stack", cache_dir, prepared, tmp_path_factory)

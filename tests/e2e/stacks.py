@@ -41,9 +41,49 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+@dataclasses.dataclass(frozen=True)
+class Pki:
+    """A throwaway CA (made with trustme) and one certificate it signed for 127.0.0.1 and localhost, as PEM files:
+    every process of a TLS stack presents it and trusts the CA."""
+
+    ca: pathlib.Path
+    cert: pathlib.Path
+    key: pathlib.Path
+
+    def internal_flags(self) -> list[str]:
+        """`gemma-serve` flags for mutual TLS on the internal links."""
+        return ["--internal-tls-cert", str(self.cert), "--internal-tls-key", str(self.key),
+                "--internal-tls-ca", str(self.ca)]
+
+    def public_flags(self) -> list[str]:
+        """`gemma-serve` flags for TLS on the gateway's public ports."""
+        return ["--ssl-certfile", str(self.cert), "--ssl-keyfile", str(self.key)]
+
+
+_PKI: list[Pki] = []
+
+
+def pki(tmp) -> Pki:
+    """The session's test CA and certificate (made on first use)."""
+    if not _PKI:
+        import trustme
+
+        d = tmp("pki")
+        ca = trustme.CA()
+        leaf = ca.issue_cert("127.0.0.1", "localhost")
+        ca.cert_pem.write_to_path(str(d / "ca.pem"))
+        leaf.private_key_pem.write_to_path(str(d / "key.pem"))
+        leaf.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
+        for pem in leaf.cert_chain_pems[1:]:
+            pem.write_to_path(str(d / "cert.pem"), append=True)
+        _PKI.append(Pki(d / "ca.pem", d / "cert.pem", d / "key.pem"))
+    return _PKI[0]
+
+
 @dataclasses.dataclass
 class Stack:
-    """A `gemma-serve up` process, its addresses and (for a checkpoint stack) its reference model."""
+    """A `gemma-serve up` process (or a gateway in front of another stack's backends), its addresses and (for a
+    checkpoint stack) its reference model. `ca` is set when its public ports speak TLS."""
 
     proc: subprocess.Popen
     ports: dict[str, int]
@@ -52,10 +92,17 @@ class Stack:
     reference: object = None
     startup_s: float = 0.0
     healthy: bool = False
+    ca: pathlib.Path | None = None
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['http']}"
+        return f"{'https' if self.ca else 'http'}://127.0.0.1:{self.ports['http']}"
+
+    def ssl_context(self):
+        """An SSL context trusting the stack's CA (None for a plain-HTTP stack)."""
+        import ssl
+
+        return ssl.create_default_context(cafile=str(self.ca)) if self.ca else None
 
     @property
     def grpc_addr(self) -> str:
@@ -71,7 +118,7 @@ class Stack:
             if self.proc.poll() is not None:
                 pytest.fail(f"gemma-serve up exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
             try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2, context=self.ssl_context()) as resp:
                     if resp.status == 200:
                         self.healthy, self.startup_s = True, time.monotonic() - self.started
                         break
@@ -117,15 +164,17 @@ def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str
     return Stack(proc, ports, log_path, time.monotonic())
 
 
-def _embedded(cache_dir, prepared, tmp) -> Stack:
+def _embedded(cache_dir, prepared, tmp, factory) -> Stack:
     """The embedded Gemma 3 270M: max_model_len 512 (= the sliding window: one KV bucket), 4 slots, 64-token chunks
     only (the OpenAI API, sampling, tools, agent tests; 14 programs: the chunk-size and bucket policies, and
-    conversations beyond the window, are the worker's unit tests' business)."""
+    conversations beyond the window, are the worker's unit tests' business). Its internal links use mutual TLS
+    with the test CA, so every e2e test through it crosses them."""
     return start_stack(cache_dir, tmp("stack") / "stack.log",
-                       ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64"])
+                       ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64",
+                        *pki(tmp).internal_flags()])
 
 
-def _gemma4(cache_dir, prepared, tmp) -> Stack:
+def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:
     """A tiny random Gemma 4 checkpoint directory (KV sharing, PLE, double-wide MLP, window 8, the full
     262,144-token vocabulary, the Gemma 4 test tokenizer and the official chat template), max_model_len 512,
     one slot (9 programs: its tests send one request at a time); its transformers model is the stack's
@@ -143,25 +192,47 @@ def _gemma4(cache_dir, prepared, tmp) -> Stack:
     return s
 
 
-def _fuzz(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:
-    """A second gateway with `--max-tokens-cap 4` in front of the embedded stack's tokenizer service and worker (no
-    compilation of its own: the three processes are separate), for the fuzzer and the hostile-input tests: every
-    answer is short, whatever was asked."""
-    backend = launch("stack", cache_dir, prepared, tmp_path_factory)
+def front_gateway(backend: Stack, cache_dir, tmp, name: str, extra: list[str], env: dict | None = None,
+                  ca: pathlib.Path | None = None) -> Stack:
+    """Start a second gateway in front of `backend`'s tokenizer service and worker (over mutual TLS with the test
+    CA: no compilation of its own), with `extra` flags; returns at once (see Stack.wait_healthy)."""
     http, grpc_port = free_ports(2)
     cmd = [sys.executable, "-m", "gemma_serve.cli", "gateway", "--cache-dir", str(cache_dir),
            "--http-port", str(http), "--gateway-grpc-port", str(grpc_port),
            "--tokenizer-addr", f"127.0.0.1:{backend.ports['tokenizer']}",
-           "--worker-addr", f"127.0.0.1:{backend.ports['worker']}", "--max-tokens-cap", str(FUZZ_MAX_TOKENS)]
-    log_path = tmp("fuzz") / "gateway.log"
+           "--worker-addr", f"127.0.0.1:{backend.ports['worker']}", *pki(tmp).internal_flags(), *extra]
+    log_path = tmp(name) / "gateway.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=_die_with_parent,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return Stack(proc, {**backend.ports, "http": http, "grpc": grpc_port}, log_path, time.monotonic())
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return Stack(proc, {**backend.ports, "http": http, "grpc": grpc_port}, log_path, time.monotonic(), ca=ca)
+
+
+def _fuzz(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:
+    """A gateway with `--max-tokens-cap 4` in front of the embedded stack's backends, for the fuzzer and the
+    hostile-input tests: every answer is short, whatever was asked."""
+    backend = launch("stack", cache_dir, prepared, tmp_path_factory)
+    return front_gateway(backend, cache_dir, tmp, "fuzz", ["--max-tokens-cap", str(FUZZ_MAX_TOKENS)])
+
+
+#: The auth stack's API keys: one per way of giving keys (flag, file, environment).
+API_KEYS = {"flag": "key-from-flag", "file": "key-from-file", "env": "key-from-env"}
+
+
+def _auth(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:
+    """A gateway with API keys (one from each source) and TLS on its public ports, in front of the embedded stack's
+    backends."""
+    backend = launch("stack", cache_dir, prepared, tmp_path_factory)
+    keys = tmp("keys") / "keys.txt"
+    keys.write_text(f"# one key per line\n\n{API_KEYS['file']}\n")
+    p = pki(tmp)
+    return front_gateway(backend, cache_dir, tmp, "auth", ["--api-key", API_KEYS["flag"], "--api-key-file", str(keys),
+                                                *p.public_flags()],
+                         env={"GEMMA_SERVE_API_KEY": API_KEYS["env"]}, ca=p.ca)
 
 
 #: Stack fixture name -> launcher(cache_dir, prepared, mktemp) -> Stack.
-SPECS = {"stack": _embedded, "gemma4_stack": _gemma4, "fuzz_stack": _fuzz}
+SPECS = {"stack": _embedded, "gemma4_stack": _gemma4, "fuzz_stack": _fuzz, "auth_stack": _auth}
 _LAUNCHED: dict[str, Stack] = {}
 #: The stacks the session's e2e tests use (set at collection).
 NEEDED: list[str] = []
@@ -177,9 +248,7 @@ def launch(name: str, cache_dir, prepared, tmp_path_factory) -> Stack:
     """The session's stack `name`, launched now unless already running."""
     if name not in _LAUNCHED:
         tmp = lambda prefix: tmp_path_factory.mktemp(prefix)  # noqa: E731
-        spec = SPECS[name]
-        _LAUNCHED[name] = spec(cache_dir, prepared, tmp, tmp_path_factory) if spec is _fuzz else \
-            spec(cache_dir, prepared, tmp)
+        _LAUNCHED[name] = SPECS[name](cache_dir, prepared, tmp, tmp_path_factory)
     return _LAUNCHED[name]
 
 
@@ -189,6 +258,6 @@ def launched() -> dict[str, Stack]:
 
 
 def stop_all() -> None:
-    """Stop every launched stack (end of session), the fuzz gateway before the stack it fronts."""
+    """Stop every launched stack (end of session), the front gateways before the stack they front."""
     for s in reversed(list(_LAUNCHED.values())):
         s.stop()

@@ -1,0 +1,171 @@
+"""Where the services listen, and TLS on their links.
+
+The internal services (model worker, tokenizer service, the worker's metrics) trust every caller: anyone who
+reaches the worker can `Prefill`, `Abort` another client's request or attach to its `Decode` stream. So they bind
+127.0.0.1 unless told otherwise (`--internal-host` on `up`, `--host` on `worker` / `tokenizer`), and a
+non-loopback internal address is refused unless the internal links use mutual TLS (`--internal-tls-cert`,
+`--internal-tls-key`, `--internal-tls-ca`: every service presents the certificate and accepts only peers whose
+certificate the CA signed) or `--insecure-internal` says the network itself is trusted.
+
+The public ports (the gateway's HTTP API and gRPC `Generate`) take `--ssl-certfile` / `--ssl-keyfile`, as vLLM's
+server does; clients then authenticate with API keys (gateway/auth.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import pathlib
+import socket
+
+import grpc
+
+
+class NetworkConfigError(ValueError):
+    """A refused listening address or unusable TLS files (the message says which flag to fix)."""
+
+
+def add_internal_flags(p: argparse.ArgumentParser) -> None:
+    """Flags for TLS on the internal gRPC links (every process of the stack takes the same three)."""
+    p.add_argument("--internal-tls-cert", default=None, metavar="PEM",
+                   help="certificate (chain) this process presents on internal gRPC links, as server and client")
+    p.add_argument("--internal-tls-key", default=None, metavar="PEM", help="private key of --internal-tls-cert")
+    p.add_argument("--internal-tls-ca", default=None, metavar="PEM",
+                   help="CA that signed the peers' certificates; with the two above, internal links use mutual TLS")
+    p.add_argument("--insecure-internal", action="store_true",
+                   help="allow a non-loopback internal address without mutual TLS (only on a trusted network)")
+
+
+def add_public_tls_flags(p: argparse.ArgumentParser) -> None:
+    """Flags for TLS on the gateway's public ports (HTTP API and gRPC Generate)."""
+    p.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve the public ports over TLS with this "
+                   "certificate (chain)")
+    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="private key of --ssl-certfile")
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        return pathlib.Path(path).read_bytes()
+    except OSError as err:
+        raise NetworkConfigError(f"cannot read {flag} {path}: {err.strerror}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class InternalTls:
+    """PEM bytes for mutual TLS on the internal links."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> InternalTls | None:
+        """The internal TLS files named by the flags, or None when none is given.
+
+        Raises:
+          NetworkConfigError: when only some of the three flags are given, or a file cannot be read.
+        """
+        names = {"--internal-tls-cert": getattr(args, "internal_tls_cert", None),
+                 "--internal-tls-key": getattr(args, "internal_tls_key", None),
+                 "--internal-tls-ca": getattr(args, "internal_tls_ca", None)}
+        given = [flag for flag, path in names.items() if path]
+        if not given:
+            return None
+        if len(given) != 3:
+            missing = ", ".join(flag for flag, path in names.items() if not path)
+            raise NetworkConfigError(f"mutual TLS needs all of --internal-tls-cert, --internal-tls-key and "
+                                     f"--internal-tls-ca; missing {missing}")
+        return cls(*(_read(path, flag) for flag, path in names.items()))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Server side: present `cert`, require a client certificate signed by `ca`."""
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Client side: verify the server against `ca` and present `cert`."""
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+def internal_args(args: argparse.Namespace) -> list[str]:
+    """The internal-link flags of `args` as a command line, for a child service."""
+    out = []
+    for flag in ("internal_tls_cert", "internal_tls_key", "internal_tls_ca"):
+        if getattr(args, flag, None):
+            out += ["--" + flag.replace("_", "-"), str(pathlib.Path(getattr(args, flag)).resolve())]
+    if getattr(args, "insecure_internal", False):
+        out.append("--insecure-internal")
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a port reachable from this machine only ("localhost", 127.0.0.0/8, ::1).
+    Other names are resolved; a name that resolves to any non-loopback address is not loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def check_internal_host(host: str, tls: InternalTls | None, insecure: bool, flag: str = "--internal-host") -> None:
+    """Refuse an internal service on a non-loopback address without mutual TLS.
+
+    Raises:
+      NetworkConfigError: naming the flags that would make it acceptable.
+    """
+    if tls is None and not insecure and not is_loopback(host):
+        raise NetworkConfigError(
+            f"{flag} {host} would expose the model worker and tokenizer service (which trust every caller) "
+            f"beyond this machine: give --internal-tls-cert/--internal-tls-key/--internal-tls-ca for mutual TLS, "
+            f"or --insecure-internal on a trusted network")
+
+
+def add_server_port(server, address: str, tls: InternalTls | None) -> None:
+    """Listen on `address` with mutual TLS when `tls` is set, else in plain text.
+
+    Raises:
+      NetworkConfigError: when the address cannot be bound.
+    """
+    try:
+        port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError as err:
+        raise NetworkConfigError(f"cannot listen on {address}: {err}") from None
+    if port == 0:
+        raise NetworkConfigError(f"cannot listen on {address}")
+
+
+def aio_channel(address: str, tls: InternalTls | None, options=()) -> grpc.aio.Channel:
+    """An asyncio channel to an internal service, over mutual TLS when `tls` is set."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+
+
+def sync_channel(address: str, tls: InternalTls | None, options=()) -> grpc.Channel:
+    """A blocking channel to an internal service (the launcher's health checks), over mutual TLS when set."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
+
+
+def public_server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | None:
+    """TLS credentials for the gateway's gRPC port from --ssl-certfile/--ssl-keyfile (None without them).
+
+    Raises:
+      NetworkConfigError: when only one of the two is given, or a file cannot be read.
+    """
+    cert, key = getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None)
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise NetworkConfigError("TLS on the public ports needs both --ssl-certfile and --ssl-keyfile")
+    return grpc.ssl_server_credentials([(_read(key, "--ssl-keyfile"), _read(cert, "--ssl-certfile"))])

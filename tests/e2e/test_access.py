@@ -1,0 +1,132 @@
+"""Access to the real processes: API keys on REST and gRPC `Generate` (the auth gateway, also serving TLS on its
+public ports with a throwaway CA), open `/health` and `/metrics`, internal ports on loopback only, mutual TLS on the
+internal links (the embedded stack runs with it), and refused unsafe network flags."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gemma_serve.network import InternalTls
+from protos import gateway_pb2, gateway_pb2_grpc
+from tests.e2e.stacks import API_KEYS, REPO, pki
+
+pytestmark = pytest.mark.slow
+
+
+def _client(stack, key: str) -> openai.OpenAI:
+    http = httpx.Client(verify=stack.ssl_context())
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key=key, http_client=http, max_retries=0)
+
+
+def _generate(stack, metadata=()):
+    creds = grpc.ssl_channel_credentials(root_certificates=stack.ca.read_bytes())
+    with grpc.secure_channel(stack.grpc_addr, creds) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        req = gateway_pb2.GenerateRequest(text="Hello", max_tokens=2)
+        return list(stub.Generate(req, metadata=metadata, timeout=60))
+
+
+def test_rest_needs_a_valid_key(auth_stack):
+    with httpx.Client(verify=auth_stack.ssl_context()) as http:  # the openai client refuses to send no key
+        bare = http.post(auth_stack.base_url + "/v1/completions", json={"model": "x", "prompt": "Hello"})
+    assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError) as err:
+        _client(auth_stack, "wrong-key").completions.create(model="x", prompt="Hello", max_tokens=2)
+    assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    assert err.value.response.headers["www-authenticate"] == "Bearer"
+    for key in API_KEYS.values():  # a key from --api-key, --api-key-file and GEMMA_SERVE_API_KEY
+        client = _client(auth_stack, key)
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens == 2
+
+
+def test_health_and_metrics_need_no_key(auth_stack):
+    with httpx.Client(verify=auth_stack.ssl_context()) as http:
+        assert http.get(auth_stack.base_url + "/health").status_code == 200
+        metrics = http.get(auth_stack.base_url + "/metrics")
+        assert metrics.status_code == 200 and "gemma_serve:gateway_requests_total" in metrics.text
+        bare = http.post(auth_stack.base_url + "/v1/chat/completions", json={})  # refused before the body is read
+        assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_plain_http_is_not_served_on_a_tls_port(auth_stack):
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{auth_stack.ports['http']}/health", timeout=5)
+
+
+def test_grpc_generate_needs_a_valid_key(auth_stack):
+    for metadata in ((), (("authorization", "Bearer wrong-key"),), (("authorization", API_KEYS["flag"]),)):
+        with pytest.raises(grpc.RpcError) as err:
+            _generate(auth_stack, metadata)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value.details()
+    replies = _generate(auth_stack, (("authorization", f"Bearer {API_KEYS['env']}"),))
+    assert sum(len(r.tokens) for r in replies) == 2
+
+
+def _health(address: str, creds: grpc.ChannelCredentials | None):
+    channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+    with channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_internal_links_need_a_client_certificate(stack, tmp_path_factory):
+    """The embedded stack's worker and tokenizer service speak mutual TLS: a caller with a certificate the test CA
+    signed is served; a plain-text caller and a TLS caller without a client certificate are not."""
+    p = pki(tmp_path_factory.mktemp)
+    tls = InternalTls(p.cert.read_bytes(), p.key.read_bytes(), p.ca.read_bytes())
+    for port in (stack.ports["worker"], stack.ports["tokenizer"]):
+        address = f"127.0.0.1:{port}"
+        assert _health(address, tls.channel_credentials()) == health_pb2.HealthCheckResponse.SERVING
+        for creds in (None, grpc.ssl_channel_credentials(root_certificates=tls.ca)):
+            with pytest.raises(grpc.RpcError) as err:
+                _health(address, creds)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _outward_address() -> str | None:
+    """This machine's address on its default route (no packet is sent), or None without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_internal_ports_listen_on_loopback_only(stack):
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    for name in ("worker", "tokenizer", "metrics"):
+        with socket.socket() as s:
+            s.settimeout(2)
+            assert s.connect_ex((address, stack.ports[name])) != 0, f"the {name} port answers on {address}"
+        with socket.create_connection(("127.0.0.1", stack.ports[name]), timeout=2):
+            pass
+
+
+@pytest.mark.parametrize("argv", [["up", "--internal-host", "0.0.0.0"], ["worker", "--host", "0.0.0.0"],
+                                  ["tokenizer", "--host", "0.0.0.0"]], ids=lambda a: a[0])
+def test_non_loopback_internal_host_needs_mutual_tls(argv, tmp_path):
+    """Refused at once (exit 2, before any model work) without mutual TLS or --insecure-internal."""
+    cmd = [sys.executable, "-m", "gemma_serve.cli", *argv, "--cache-dir", str(tmp_path), "--model", "/nonexistent"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "--internal-tls-cert" in out.stderr and "--insecure-internal" in out.stderr
+
+
+def test_partial_tls_flags_are_refused(tmp_path):
+    cmd = [sys.executable, "-m", "gemma_serve.cli", "up", "--cache-dir", str(tmp_path), "--model", "/nonexistent",
+           "--internal-tls-cert", str(tmp_path / "cert.pem")]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 2 and "missing --internal-tls-key, --internal-tls-ca" in out.stderr, out.stderr[-2000:]
