@@ -1,6 +1,9 @@
-"""Async gRPC clients of the tokenizer service and the model worker, plus the facts fetched from them once.
+"""Async gRPC clients of the tokenizer service and the model worker, plus the facts fetched from them.
 
-No request logic here: thin wrappers with deadlines that turn gRPC errors into ApiError.
+No request logic here: thin wrappers that turn gRPC errors into ApiError. Every unary call has a deadline
+(`Timeouts`: 504 / DEADLINE_EXCEEDED when it passes), channels send keepalive pings (gemma_serve/network.py), and
+`Backends.watch` follows the backends' health for the gateway's life: the model facts are fetched when both serve
+and fetched again when one comes back after being away (a restarted worker may serve another configuration).
 """
 
 from __future__ import annotations
@@ -19,7 +22,32 @@ from gemma_serve.network import InternalTls, aio_channel
 from protos import model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
 log = logging.getLogger("gemma_serve.gateway")
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Deadlines of backend calls, in seconds.
+
+    Attributes:
+      tokenizer: each tokenizer-service call (tokenizing a full context takes well under a second).
+      worker: each unary model-worker call (a Prefill waits for a free slot, so this bounds time in the queue
+        too) and the longest silence tolerated on a Decode stream.
+    """
+
+    tokenizer: float = 30.0
+    worker: float = 300.0
+
+
+class _DefaultDeadline(grpc.aio.UnaryUnaryClientInterceptor):
+    """Gives every unary call on a channel a deadline unless the caller set one."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        if client_call_details.timeout is None:
+            client_call_details = client_call_details._replace(timeout=self.seconds)
+        return await continuation(client_call_details, request)
 
 
 @dataclasses.dataclass
@@ -49,11 +77,13 @@ class Backends:
     """Channels and stubs for both backends; `facts` is None until they are ready."""
 
     def __init__(self, tokenizer_addr: str, worker_addr: str, served_model_name: str | None = None,
-                 tls: InternalTls | None = None):
+                 tls: InternalTls | None = None, timeouts: Timeouts | None = None):
         """Args: *_addr: host:port of each backend; served_model_name: overrides the model id in the API;
-        tls: mutual TLS for both links (None: plain text, for loopback or a trusted network)."""
+        tls: mutual TLS for both links (None: plain text, for loopback or a trusted network); timeouts: call
+        deadlines (default: Timeouts())."""
         self.tokenizer_addr, self.worker_addr = tokenizer_addr, worker_addr
         self.tls = tls
+        self.timeouts = timeouts or Timeouts()
         self.served_model_name = served_model_name
         self.facts: ModelFacts | None = None
         self.answers = AnswerHistory()
@@ -87,8 +117,8 @@ class Backends:
         """Create the channels on first use, inside the running event loop (grpc.aio binds them to it)."""
         if self._channels is None:
             self._channels = (
-                aio_channel(self.tokenizer_addr, self.tls, GRPC_OPTIONS),
-                aio_channel(self.worker_addr, self.tls, GRPC_OPTIONS),
+                aio_channel(self.tokenizer_addr, self.tls, interceptors=[_DefaultDeadline(self.timeouts.tokenizer)]),
+                aio_channel(self.worker_addr, self.tls, interceptors=[_DefaultDeadline(self.timeouts.worker)]),
             )
             self._tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._channels[0])
             self._worker = model_worker_pb2_grpc.ModelWorkerStub(self._channels[1])
@@ -126,21 +156,45 @@ class Backends:
         return dict(zip(names, statuses))
 
     async def wait_ready(self, poll: float = 0.5) -> None:
-        """Poll health until both backends serve, then fetch the model facts (runs as a background task)."""
+        """Poll health until both backends serve, then fetch the model facts."""
         while self.facts is None:
-            statuses = await self.health()
-            if all(s == "SERVING" for s in statuses.values()):
-                try:
-                    facts = await self._fetch_facts()
-                    # Built before the gateway reports ready: llguidance holds the GIL for the whole build (~2 s
-                    # for 262,144 tokens), which would stall the event loop inside the first constrained request.
-                    await self._build_grammar_tokenizer(facts)
-                    self.facts = facts
-                    log.info("backends ready: %s, max_model_len %d", self.facts.name, self.facts.max_model_len)
-                    return
-                except (grpc.aio.AioRpcError, ApiError) as err:
-                    log.warning("fetching model facts failed: %s", err)
+            if all(s == "SERVING" for s in (await self.health()).values()):
+                await self._refresh_facts()
+            if self.facts is None:
+                await asyncio.sleep(poll)
+
+    async def watch(self, poll: float = 0.5) -> None:
+        """Follow the backends' health for the gateway's life (a background task): fetch the facts when both
+        serve, and again after one was away (restarted: its facts may differ). Requests meanwhile fail on their
+        own calls (503), so this only decides when the facts are trusted again."""
+        await self.wait_ready(poll)
+        away = False
+        while True:
             await asyncio.sleep(poll)
+            statuses = await self.health()
+            if any(s != "SERVING" for s in statuses.values()):
+                if not away:
+                    log.warning("backend away: %s", ", ".join(f"{k} {v}" for k, v in statuses.items()))
+                away = True
+            elif away and await self._refresh_facts():
+                log.info("backends serving again")
+                away = False
+
+    async def _refresh_facts(self) -> bool:
+        """Fetch the model facts; rebuild the grammar tokenizer when the vocabulary changed. Returns success."""
+        try:
+            facts = await self._fetch_facts()
+            if self.facts is None or facts.tokenizer_json != self.facts.tokenizer_json:
+                # Built before the facts are published: llguidance holds the GIL for the whole build (~2 s for
+                # 262,144 tokens), which would stall the event loop inside the first constrained request.
+                self._lltokenizer = None
+                await self._build_grammar_tokenizer(facts)
+            self.facts = facts
+            log.info("backends ready: %s, max_model_len %d", facts.name, facts.max_model_len)
+            return True
+        except (grpc.aio.AioRpcError, ApiError) as err:
+            log.warning("fetching model facts failed: %s", err)
+            return False
 
     async def _fetch_facts(self) -> ModelFacts:
         info = await self.worker.Info(model_worker_pb2.WorkerInfoRequest(), timeout=10)

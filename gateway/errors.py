@@ -77,6 +77,8 @@ def from_rpc_error(err: grpc.aio.AioRpcError, backend: str) -> ApiError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ApiError(429, f"the server is overloaded: {details}; retry shortly", code="overloaded",
                         headers={"Retry-After": "1"})
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ApiError(504, f"the {backend} did not answer within its deadline", code="backend_timeout")
     if status == 500:
         log.error("the %s failed: %s %s", backend, code.name, details)
         return ApiError(500, f"the {backend} failed", code="backend_error")

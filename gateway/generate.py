@@ -161,7 +161,8 @@ async def generate(
     """Generate from prompt ids; yields Deltas, the last with finish_reason and usage.
 
     Raises:
-      ApiError: validation (400), backend unavailable (503), queue full (429), worker failure (500).
+      ApiError: validation (400), backend unavailable (503), queue full (429), a backend past its deadline
+        (504), worker failure (500).
     """
     facts = backends.ready_facts()
     max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, facts.max_model_len)
@@ -220,7 +221,7 @@ async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillR
                 await call.write(message)
         if delta.text or delta.token_ids:
             yield delta
-        async for msg in call:
+        while (msg := await _next_message(call, backends.timeouts.worker)) is not grpc.aio.EOF:
             if driver is not None and msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                 # Off the event loop: a mask costs up to llguidance's per-token budget (~15 ms).
                 for message in await asyncio.to_thread(driver.on_tokens, list(msg.tokens)):
@@ -245,6 +246,18 @@ async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillR
         call.cancel()
         if not stream.done or stream.stops.stopped:
             await _abort(backends, rid)
+
+
+async def _next_message(call, idle: float):
+    """The next message of a Decode stream (grpc.aio.EOF at its end).
+
+    Raises:
+      ApiError: 504 when the worker sends nothing for `idle` seconds (a step never takes that long).
+    """
+    try:
+        return await asyncio.wait_for(call.read(), idle)
+    except asyncio.TimeoutError:
+        raise ApiError(504, f"the model worker sent nothing for {idle:g} s", code="backend_timeout") from None
 
 
 FORCED_RUN_MIN = 12

@@ -13,7 +13,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.auth import ApiKeys
-from gateway.clients import Backends
+from gateway.clients import Backends, Timeouts
 from gateway.grpc_service import GatewayServicer, add_to_server
 from gateway.limits import Limits
 from gemma_serve import network
@@ -39,8 +39,9 @@ async def serve(args: argparse.Namespace) -> int:
     except ValueError as err:
         log.error("%s", err)
         return 2
-    backends = Backends(args.tokenizer_addr, args.worker_addr, args.served_model_name, tls)
-    ready = asyncio.ensure_future(backends.wait_ready())
+    timeouts = Timeouts(tokenizer=args.tokenizer_timeout, worker=args.worker_timeout)
+    backends = Backends(args.tokenizer_addr, args.worker_addr, args.served_model_name, tls, timeouts)
+    ready = asyncio.ensure_future(backends.watch())
     # Generate requests over the body limit are refused by gRPC itself (RESOURCE_EXHAUSTED) before parsing.
     grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", limits.max_body_bytes),
                                            ("grpc.max_send_message_length", 64 << 20)])

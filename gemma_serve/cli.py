@@ -119,6 +119,11 @@ def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:
     p.add_argument(
         "--served-model-name", default=None, help="model id reported by /v1/models (default: the model's own name)"
     )
+    p.add_argument("--tokenizer-timeout", type=float, default=30.0,
+                   help="deadline in seconds of each tokenizer-service call; beyond it 504 (default: %(default)s)")
+    p.add_argument("--worker-timeout", type=float, default=300.0,
+                   help="deadline in seconds of each model-worker call (a Prefill's includes its wait for a slot) "
+                   "and the longest silence tolerated on a token stream; beyond it 504 (default: %(default)s)")
     from gateway import auth, limits
     from gemma_serve import network
 

@@ -63,7 +63,8 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     engine += ["--prefill-chunks", *map(str, args.prefill_chunks)]
     gateway = ["--host", args.host, "--http-port", str(args.http_port), "--gateway-grpc-port",
                str(args.gateway_grpc_port), "--tokenizer-addr", f"{inner}:{args.tokenizer_port}",
-               "--worker-addr", f"{inner}:{args.worker_port}"]
+               "--worker-addr", f"{inner}:{args.worker_port}", "--tokenizer-timeout", str(args.tokenizer_timeout),
+               "--worker-timeout", str(args.worker_timeout)]
     for flag in ("ssl_certfile", "ssl_keyfile"):
         if getattr(args, flag, None):
             gateway += ["--" + flag.replace("_", "-"), str(pathlib.Path(getattr(args, flag)).resolve())]

@@ -18,9 +18,6 @@ from gemma_serve import network
 from protos import model_worker_pb2, model_worker_pb2_grpc
 
 log = logging.getLogger("gemma_serve.worker")
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-
-
 def load_engine(prepared, args: argparse.Namespace):
     """Load the prepared weights onto the device and compile the program grid.
 
@@ -109,7 +106,7 @@ async def serve(args: argparse.Namespace) -> int:
     metrics = WorkerMetrics()
     metrics.serve(args.worker_metrics_port, args.host)
 
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=network.SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -16,9 +16,6 @@ from gemma_serve import network
 from protos import tokenizer_pb2_grpc
 
 log = logging.getLogger("gemma_serve.tokenizer")
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-
-
 def choose_template(directory: pathlib.Path, tokenizer):
     """The chat template of a checkpoint directory: its own `chat_template.jinja` when present ("checkpoint",
     rendered by `JinjaTemplate` with content kept as data), else the built-in "gemma4" when config.json's
@@ -67,7 +64,7 @@ async def serve(args: argparse.Namespace) -> int:
     except network.NetworkConfigError as err:
         log.error("%s", err)
         return 2
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=network.SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
