@@ -39,10 +39,25 @@ log = logging.getLogger("gemma_serve.gateway")
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
-    first = exc.errors()[0] if exc.errors() else {}
+    first = _telling_error(exc.errors())
     param = error_param(tuple(first.get("loc", ())))
     return ApiError(400, f"{param or 'request'}: {first.get('msg', 'invalid value')}", param=param,
                     code="invalid_value")
+
+
+def _telling_error(errors: list[dict]) -> dict:
+    """The error to report: the first, unless it is a type mismatch of one union member (`stop` given as a list of
+    5 strings fails both as a string and as a list) while another member of the same field failed on its value —
+    that one says what is wrong."""
+    if not errors:
+        return {}
+    first = errors[0]
+    if first.get("type", "").endswith("_type"):
+        field = error_param(tuple(first.get("loc", ())))
+        for err in errors[1:]:
+            if error_param(tuple(err.get("loc", ()))) == field and not err.get("type", "").endswith("_type"):
+                return err
+    return first
 
 
 def _sse(obj) -> str:
@@ -99,6 +114,7 @@ def create_app(backends: Backends, limits: Limits | None = None,
     """
     limits = limits or Limits()
     app = FastAPI(title="gemma-serve", description="OpenAI-compatible API of gemma-serve")
+    app.router.redirect_slashes = False  # "/v1/models/" is an unknown route (404 JSON), not a redirect
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -162,7 +178,8 @@ def create_app(backends: Backends, limits: Limits | None = None,
         asgi = CORSMiddleware(asgi, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],
                               allow_headers=["*"], expose_headers=["X-Request-Id"])
     count = lambda route, status: backends.metrics.requests.labels(route, str(status)).inc()  # noqa: E731
-    guard = RequestGuard(asgi, limits, open_connections, count, keys)
+    paths = frozenset(getattr(route, "path", "") for route in app.routes)
+    guard = RequestGuard(asgi, limits, open_connections, count, keys, paths)
     guard.fastapi = app  # the routes, for tests and the OpenAPI schema
     return guard
 

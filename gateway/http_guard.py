@@ -7,17 +7,19 @@
 - **Connections.** Beyond `Limits.max_connections` open connections a request gets an OpenAI-shaped 503 with
   `Connection: close` (uvicorn's own limit, kept far above as a backstop, would answer plain text).
 - **Body.** At most `Limits.max_body_bytes`, counted on the bytes as they stream in, so a chunked body without a
-  Content-Length cannot bypass it (413). A non-empty body must be JSON that `limits.parse_json` accepts (400):
+  Content-Length cannot bypass it (413), and in time: a body that stalls for `BODY_IDLE_TIMEOUT` seconds or takes
+  longer than `BODY_TIMEOUT` in all is a 408 (a client cannot hold a connection by dripping bytes). A non-empty body must be JSON that `limits.parse_json` accepts (400):
   UTF-8, no NaN, no overflowing number, nesting and surrogates checked, before any route parses it.
 - **Errors.** An exception escaping a route is our bug: it is logged with the request id and answered with a
   generic OpenAI-shaped 500 (an SSE error event when a stream had started) and the connection stays usable —
   nothing is re-raised to the server, which would close the connection.
-- **Metrics.** Requests are counted by route template (`/v1/chat/completions`; `unmatched` for unknown paths), so
-  junk URLs add no time series.
+- **Metrics.** Requests are counted by route template (`/v1/chat/completions`, also when refused before routing;
+  `unmatched` for unknown paths), so junk URLs add no time series.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -31,6 +33,8 @@ from gateway.limits import JsonError, Limits, parse_json
 log = logging.getLogger("gemma_serve.gateway")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
+#: Seconds a request body may stall between two chunks, and take in all (4 MiB at ~1 Mbit/s takes ~35 s).
+BODY_IDLE_TIMEOUT, BODY_TIMEOUT = 10.0, 60.0
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -55,7 +59,8 @@ class RequestGuard:
     """ASGI middleware applying the module docstring's rules around an app."""
 
     def __init__(self, app, limits: Limits, open_connections: Callable[[], int] | None = None,
-                 count: Callable[[str, int], None] | None = None, keys: ApiKeys | None = None):
+                 count: Callable[[str, int], None] | None = None, keys: ApiKeys | None = None,
+                 paths: frozenset[str] = frozenset()):
         """
         Args:
           app: the ASGI app (the FastAPI routes).
@@ -63,8 +68,10 @@ class RequestGuard:
           open_connections: the server's open connection count (None: not enforced).
           count: called with (route template, status) once per answered request, or None.
           keys: the accepted API keys (None or empty: the API is open).
+          paths: the app's route paths (a request refused before routing is still counted under its path).
         """
         self.app, self.limits = app, limits
+        self.paths = paths
         self.keys = keys or ApiKeys()
         self.open_connections = open_connections
         self.count = count
@@ -76,8 +83,8 @@ class RequestGuard:
         state = scope.setdefault("state", {})
         state["request_id"], state["tenant"] = rid, ""
         response = _Response(send, rid)
+        path = scope.get("path", "")
         try:
-            path = scope.get("path", "")
             if self.keys and (path == "/v1" or path.startswith("/v1/")):
                 state["tenant"] = self.keys.tenant(_header(scope, b"authorization"))
             if self.open_connections is not None and self.open_connections() > self.limits.max_connections:
@@ -93,22 +100,29 @@ class RequestGuard:
             log.exception("request %s (%s %s) failed", rid, scope["method"], scope.get("path"))
             await response.error(ApiError(500, f"internal server error (request id {rid})", code="internal_error"))
         if self.count is not None and response.status is not None:
-            route = scope.get("route")
-            self.count(getattr(route, "path", None) or "unmatched", response.status)
+            route = getattr(scope.get("route"), "path", None)
+            self.count(route or (path if path in self.paths else "unmatched"), response.status)
 
     async def _checked_body(self, scope, receive):
         """Read the whole body under the size limit and check its JSON; returns a receive that replays it.
 
         Raises:
-          ApiError: 413 over the limit, 400 for a body that is not acceptable JSON.
+          ApiError: 413 over the limit, 408 for a body that stalls or is too slow, 400 for a body that is not
+            acceptable JSON.
         """
         limit = self.limits.max_body_bytes
         for name, value in scope.get("headers", []):
             if name.lower() == b"content-length" and value.isdigit() and int(value) > limit:
                 raise _too_large(limit)
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BODY_TIMEOUT
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), min(BODY_IDLE_TIMEOUT, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise ApiError(408, "the request body did not arrive in time", code="request_timeout",
+                               headers={"Connection": "close"}) from None
             if message["type"] == "http.disconnect":
                 raise ApiError(499, "client disconnected", code="cancelled")
             chunk = message.get("body", b"")

@@ -15,6 +15,7 @@ from gateway.app import create_app
 from gateway.auth import ApiKeys
 from gateway.clients import Backends, Timeouts
 from gateway.grpc_service import GatewayServicer, add_to_server
+from gateway.http_protocol import GuardedH11Protocol
 from gateway.limits import Limits
 from gemma_serve import network
 
@@ -57,7 +58,7 @@ async def serve(args: argparse.Namespace) -> int:
     # uvicorn's own connection limit answers plain text; it is only a backstop far above ours (RequestGuard).
     config = uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
                             timeout_graceful_shutdown=5, limit_concurrency=2 * limits.max_connections + 64,
-                            ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+                            ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, http=GuardedH11Protocol)
     server = _Server(config)
     holder.append(server)
     stop = asyncio.Event()

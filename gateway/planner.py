@@ -93,7 +93,7 @@ async def plan_completion(backends: Backends, req: CompletionRequest, limits: Li
     if req.best_of not in (None, 1, req.n):
         raise ApiError(400, "best_of other than n is not supported", param="best_of")
     texts = _prompt_items(req.prompt)
-    _check_choices(len(texts) * req.n, backends.ready_facts())
+    _check_choices(len(texts), req.n, backends.ready_facts())
     _check_token_ids(req, backends.ready_facts())
     model = check_model(backends, req.model)
     fields = types.SimpleNamespace(response_format=req.response_format, tools=None, tool_choice=None,
@@ -117,7 +117,7 @@ async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, l
                        param="messages")
     if req.tools is not None and len(req.tools) > limits.max_tools:
         raise ApiError(400, f"at most {limits.max_tools} tools are allowed, got {len(req.tools)}", param="tools")
-    _check_choices(req.n, backends.ready_facts())
+    _check_choices(1, req.n, backends.ready_facts())
     _check_token_ids(req, backends.ready_facts())
     _check_tool_call_arguments(req)
     model = check_model(backends, req.model)
@@ -135,8 +135,11 @@ def check_request(req: SamplingFields, max_tokens: int | None, param: str, limit
     """Checks that need no backend (done first, so bad input is a 400 even while a backend is down).
 
     Raises:
-      ApiError: 400 for bad stop strings or a max_tokens below 1 or above the cap.
+      ApiError: 400 for bad stop strings, stream_options without stream, or a max_tokens below 1 or above the
+        cap.
     """
+    if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     stops = req.stop_list()
     if len(stops) > 4:
         raise ApiError(400, f"at most 4 stop sequences are allowed, got {len(stops)}", param="stop")
@@ -183,13 +186,13 @@ def _check_token_ids(req: SamplingFields, facts: ModelFacts) -> None:
                            param="logit_bias")
 
 
-def _check_choices(count: int, facts: ModelFacts) -> None:
+def _check_choices(prompts: int, n: int, facts: ModelFacts) -> None:
     """A request's generations (prompts x n) must fit the worker's waiting queue at once: more could never be
-    admitted, so a 429 would invite retries that cannot succeed."""
+    admitted, so a 429 would invite retries that cannot succeed. The error names `n` when n alone is over."""
     cap = max(facts.max_waiting, 1)
-    if count > cap:
-        raise ApiError(400, f"this request asks for {count} generations (prompts x n); at most {cap} are allowed "
-                            "per request on this server", param="n")
+    if prompts * n > cap:
+        raise ApiError(400, f"this request asks for {prompts * n} generations (prompts x n); at most {cap} are "
+                            "allowed per request on this server", param="n" if n > cap or prompts == 1 else "prompt")
 
 
 def _check_tool_call_arguments(req: ChatCompletionRequest) -> None:

@@ -178,7 +178,9 @@ def test_huge_prompts_are_refused_before_tokenizing(fuzz_stack, http):
 
 def test_more_generations_than_the_queue_holds_is_a_400_not_a_retryable_429(http):
     err = _error(http.post("/v1/completions", json={"prompt": ["hi"] * 200, "max_tokens": 1}), 400)
-    assert err["param"] == "n" and "at most 64" in err["message"]
+    assert err["param"] == "prompt" and "at most 64" in err["message"]
+    err = _error(http.post("/v1/completions", json={"prompt": "hi", "n": 100, "max_tokens": 1}), 400)
+    assert err["param"] == "n"
     _normal(http)
 
 

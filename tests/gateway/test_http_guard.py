@@ -17,9 +17,11 @@ import uvicorn
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
+from gateway import http_guard
 from gateway.app import create_app
 from gateway.clients import Backends, ModelFacts
 from gateway.errors import from_rpc_error
+from gateway.http_protocol import GuardedH11Protocol
 from gateway.limits import Limits
 from tests.e2e.stacks import free_ports
 
@@ -136,9 +138,9 @@ def test_deep_tool_call_arguments_are_400_before_any_backend(client):
 
 
 def test_generations_beyond_the_worker_queue_are_400_not_429(client):
-    err = _error(client.post("/v1/completions", json={"prompt": ["a"] * 5}), 400, "n")
+    err = _error(client.post("/v1/completions", json={"prompt": ["a"] * 5}), 400, "prompt")
     assert "at most 4" in err["message"]
-    _error(client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2}), 400, "n")
+    _error(client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2}), 400, "prompt")
     _error(client.post("/v1/chat/completions", json=_chat(n=5)), 400, "n")
 
 
@@ -180,14 +182,15 @@ def test_backend_errors_map_to_the_right_status():
 
 
 @contextlib.contextmanager
-def _serve(limits: Limits, routes=None):
-    """The gateway app on a real uvicorn server in a thread (backends absent); yields its base URL."""
+def _serve(limits: Limits, routes=None, protocol=GuardedH11Protocol):
+    """The gateway app on a real uvicorn server in a thread (backends absent), with the gateway's HTTP protocol;
+    yields its base URL."""
     (port,) = free_ports(1)
     holder: list = []
     app = create_app(_backends(), limits, open_connections=lambda: len(holder[0].server_state.connections))
     if routes:
         routes(app.fastapi)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=protocol))
     holder.append(server)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -308,3 +311,79 @@ def test_refused_json_values_name_their_field(client):
         err = _error(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
                      400, param)
         assert err["code"] == "invalid_json"
+
+
+def _raw(url: str, data: bytes, wait: float = 5.0) -> bytes:
+    """Send raw bytes on a new connection; everything the server sends until it closes (or `wait` passes)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(wait)
+        sock.sendall(data)
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+        return out
+
+
+def _json_tail(raw: bytes) -> dict:
+    return json.loads(raw.split(b"\r\n\r\n", 1)[1])
+
+
+class _QuickHeaders(GuardedH11Protocol):
+    header_timeout = 0.5
+
+
+def test_incomplete_headers_are_dropped_after_the_header_deadline():
+    """A slowloris socket (half a request line, then silence) is closed, so it cannot hold a connection slot."""
+    with _serve(Limits(max_connections=2), protocol=_QuickHeaders) as url:
+        host, port = url.removeprefix("http://").split(":")
+        t0 = time.monotonic()
+        with socket.create_connection((host, int(port))) as sock:
+            sock.settimeout(10)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            assert sock.recv(100) == b""  # closed by the server
+        assert time.monotonic() - t0 < 5
+        with httpx.Client(base_url=url) as http:  # a kept-alive connection: its second request is held to it too
+            assert http.get("/v1/models").status_code == 200
+            time.sleep(1.0)
+            assert http.get("/v1/models").status_code == 200
+
+
+def test_malformed_http_gets_a_json_400_with_a_request_id():
+    with _serve(Limits()) as url:
+        for data in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nno colon here\r\n\r\n",
+                     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+            raw = _raw(url, data)
+            head = raw.split(b"\r\n\r\n", 1)[0].lower()
+            assert head.startswith(b"http/1.1 400") and b"x-request-id: req-" in head, raw
+            assert set(_json_tail(raw)["error"]) == ERROR_KEYS
+
+
+def test_a_stalled_body_is_408(monkeypatch):
+    monkeypatch.setattr(http_guard, "BODY_IDLE_TIMEOUT", 0.5)
+    with _serve(Limits()) as url:
+        t0 = time.monotonic()
+        raw = _raw(url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 1000\r\n\r\n{\"messages\": []}")
+        assert raw.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 4, raw
+        assert _json_tail(raw)["error"]["code"] == "request_timeout"
+
+
+def test_refusals_before_routing_count_under_the_route(client):
+    client.post("/v1/chat/completions", content=b'{"temperature": NaN}', headers={"content-type": "application/json"})
+    text = client.get("/metrics").text
+    assert 'path="/v1/chat/completions",status="400"} 1.0' in text
+
+
+def test_messages_name_the_real_problem(client):
+    five = _error(client.post("/v1/chat/completions", json=_chat(stop=list("abcde"))), 400, "stop")
+    assert "at most 4" in five["message"], five
+    prompts = _error(client.post("/v1/completions", json={"prompt": ["hi"] * 5}), 400, "prompt")
+    assert "5 generations" in prompts["message"]
+    _error(client.post("/v1/completions", json={"prompt": "hi", "n": 5}), 400, "n")
+    _error(client.post("/v1/chat/completions", json=_chat(stream_options={"include_usage": True})), 400,
+           "stream_options")
+    assert _error(client.get("/v1/models/"), 404)["code"] == "not_found"  # no redirect for a trailing slash
