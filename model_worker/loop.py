@@ -3,6 +3,11 @@
 Other threads talk to it only through `submit`, `abort`, `add_mask` and `add_forced`, which put commands in a
 queue; results leave through each sequence's `sink` callback (called on this thread, must not block). When
 there is nothing to do the thread sleeps on the command queue.
+
+Faults. What can be checked before dispatch is checked by the servicer and refuses that one request. An exception
+inside an iteration is fatal: the compiled steps donate the KV cache buffers, so after a failed step the cache may
+be gone and no later step can be trusted. The loop then ends every sequence it holds with `ENGINE_FAILED`, stops,
+and calls `on_fatal` — the worker process turns NOT_SERVING and exits non-zero for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,6 +25,12 @@ from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Finish, Scheduler, Sequence, TokenEvent
 
 log = logging.getLogger(__name__)
+
+#: The error every sequence ends with when an engine step fails (the servicer answers it as UNAVAILABLE: a retry
+#: after the worker restarts can succeed).
+ENGINE_FAILED = "the model worker failed and is restarting"
+#: Environment variable naming a token id whose presence in a prompt fails the step (fault injection for tests).
+FAULT_ENV = "GEMMA_SERVE_TEST_FAULT_TOKEN"
 
 
 def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
@@ -43,14 +55,20 @@ def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
 class EngineLoop:
     """Drives an Engine with a Scheduler on a background thread."""
 
-    def __init__(self, engine: Engine, token_budget: int | None = None, metrics=None, mask_wait: float = 0.2):
+    def __init__(self, engine: Engine, token_budget: int | None = None, metrics=None, mask_wait: float = 0.2,
+                 on_fatal: Callable[[BaseException], None] | None = None, fault_token: int | None = None):
         """Args: engine: a compiled Engine (the loop becomes its only user); token_budget: most prompt tokens
         computed in an iteration that also decodes running streams (bounds the pause a long new prompt causes in
         them; default: the smallest chunk); a lone prompt uses the largest chunks it fills (`Engine.chunk_size`).
         metrics: an optional WorkerMetrics to update; mask_wait: seconds a step waits, after dispatching its
         forward pass, for the token masks of its constrained rows (a row whose mask is later is recomputed at a
-        later step)."""
+        later step). on_fatal: called (on this thread) after a step failed and every sequence was ended;
+        fault_token: a token id whose presence in a prompt makes the step computing it fail (a fault-injection hook
+        for tests of the process supervision; None in production)."""
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.fault_token = fault_token
+        self.failed: BaseException | None = None
         self.mask_wait = mask_wait
         self.token_budget = token_budget or min(engine.ecfg.prefill_chunks)
         self.metrics = metrics
@@ -98,15 +116,30 @@ class EngineLoop:
                 break
             try:
                 self._iterate()
-            except Exception as exc:  # noqa: BLE001 - keep serving; fail the running sequences
-                log.exception("engine step failed")
-                for seq in list(self.scheduler.running.values()):
-                    self._end(seq, Finish.ABORT, error=f"engine error: {exc}")
+            except Exception as exc:  # noqa: BLE001 - fatal: see the module docstring
+                log.exception("engine step failed; the worker cannot continue")
+                self._fail(exc)
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        """End every sequence (running and waiting) with ENGINE_FAILED, stop, and report."""
+        self.failed = exc
+        self._stopped.set()
+        self._drain_inbox(block=False)
+        for seq in list(self.scheduler.by_id.values()):
+            try:
+                self._end(seq, Finish.ABORT, error=ENGINE_FAILED)
+            except Exception:  # noqa: BLE001 - a broken sink must not keep the others from ending
+                log.exception("ending %s failed", seq.request_id)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _iterate(self) -> None:
         for seq in list(self.scheduler.running.values()):
             self._apply_forced(seq)
         work = self.scheduler.schedule()
+        if self.fault_token is not None and work.compute is not None and self.fault_token in work.compute.tokens:
+            raise RuntimeError(f"fault injected by {FAULT_ENV}")
         if self.metrics is not None:
             self._observe_admissions()
         for src, dst in work.copies:

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import signal
 import time
@@ -93,7 +94,7 @@ def load_engine(prepared, args: argparse.Namespace):
 async def serve(args: argparse.Namespace) -> int:
     """Run the worker until SIGTERM/SIGINT. Returns the process exit code."""
     from gemma_serve.models import prepare
-    from model_worker.loop import EngineLoop
+    from model_worker.loop import FAULT_ENV, EngineLoop
     from model_worker.metrics import WorkerMetrics
     from model_worker.service import SERVICE_NAME, WorkerServicer
 
@@ -136,16 +137,28 @@ async def serve(args: argparse.Namespace) -> int:
         await server.stop(0)
         return 1
     metrics.programs.set(engine.num_programs)
-    loop = EngineLoop(engine, token_budget=args.prefill_token_budget, metrics=metrics)
+    fatal = asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    fault = os.environ.get(FAULT_ENV)
+    loop = EngineLoop(engine, token_budget=args.prefill_token_budget, metrics=metrics,
+                      on_fatal=lambda exc: aio_loop.call_soon_threadsafe(fatal.set),
+                      fault_token=int(fault) if fault else None)
     loop.start()
     servicer.set_ready(loop, info)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("model worker SERVING %s on %s", info.model_name, address)
-    await stop.wait()
-    log.info("shutting down")
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(fatal.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if fatal.is_set():
+        # The KV buffers may be gone with the failed step: end here so the supervisor starts a fresh worker. The
+        # grace lets every stream receive its UNAVAILABLE first.
+        log.error("engine failed: exiting for a restart")
+        await server.stop(1)
+        return 3
+    log.info("shutting down")
     await server.stop(2)
     loop.stop()
     return 0

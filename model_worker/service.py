@@ -15,7 +15,7 @@ import random
 
 import grpc
 
-from model_worker.loop import EngineLoop
+from model_worker.loop import ENGINE_FAILED, EngineLoop
 from model_worker.sampling import MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS, mask_words_from_bytes
 from model_worker.scheduler import Finish, SamplingSpec, Sequence, TokenEvent
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
@@ -110,6 +110,16 @@ def tokens_pb(ev: TokenEvent) -> list[common_pb2.GeneratedToken]:
     return out
 
 
+def _error_code(error: str) -> grpc.StatusCode:
+    """The status of a sequence that ended with `error`: a full queue and a failed engine (restarting) can be
+    retried; anything else is the worker's own failure."""
+    if error.startswith("queue full"):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if error == ENGINE_FAILED:
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
 class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
     """ModelWorker RPCs over an EngineLoop (None until the engine is ready)."""
 
@@ -146,8 +156,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             raise
         if ev.error:
             self._drop(seq.request_id, abort=False)
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if ev.error.startswith("queue full") else grpc.StatusCode.INTERNAL
-            await context.abort(code, ev.error)
+            await context.abort(_error_code(ev.error), ev.error)
         live.generated = len(ev.token_ids)
         if ev.finish != Finish.NONE:
             self._drop(seq.request_id, abort=False)
@@ -184,7 +193,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                     events.append(live.queue.get_nowait())
                 reply, finished, error = self._decode_reply(live, events)
                 if error:
-                    await context.abort(grpc.StatusCode.INTERNAL, error)
+                    await context.abort(_error_code(error), error)
                 yield reply
         finally:
             reader.cancel()
@@ -199,6 +208,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
     def _sequence_from_pb(self, request: model_worker_pb2.PrefillRequest) -> Sequence:
         if self.loop is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model worker is still loading")
+        if self.loop.failed is not None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, ENGINE_FAILED)
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         info = self.info
         if not rid:

@@ -341,3 +341,31 @@ def test_a_prompt_arriving_during_decode_runs_in_mixed_steps():
         assert engine.calls.get("mixed", 0) >= 2, engine.calls
     finally:
         s.close()
+
+
+def test_a_failed_step_ends_every_request_as_unavailable_and_stops_the_loop(engine):
+    """A step that raises is fatal (its donated KV buffers may be gone): the running and waiting requests end
+    UNAVAILABLE (a retry after the restart can succeed), new ones are refused, and on_fatal reports it."""
+    s = Server(engine)
+    fatal = threading.Event()
+    s.engine_loop.on_fatal = lambda exc: fatal.set()
+    try:
+        engine.step_delay = 0.02
+        prefill(s.stub, "running", [1], max_tokens=50)
+        stream = s.stub.Decode(iter([model_worker_pb2.DecodeRequest(request_id="running")]))
+        next(stream)
+
+        def explode(*args, **kwargs):
+            raise RuntimeError("device lost")
+
+        engine.dispatch_decode = explode
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "restarting" in err.value.details()
+        assert fatal.wait(5) and isinstance(s.engine_loop.failed, RuntimeError)
+        with pytest.raises(grpc.RpcError) as err:
+            prefill(s.stub, "later", [1])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        s.close()
