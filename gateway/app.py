@@ -150,7 +150,9 @@ def create_app(backends: Backends, limits: Limits | None = None,
     async def health():
         statuses = await backends.health()
         ok = all(s == "SERVING" for s in statuses.values()) and backends.facts is not None
-        body = {"status": "ok" if ok else "unavailable", "backends": statuses}
+        ok = ok and not backends.admission.draining
+        status = "draining" if backends.admission.draining else "ok" if ok else "unavailable"
+        body = {"status": status, "backends": statuses}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
@@ -179,7 +181,7 @@ def create_app(backends: Backends, limits: Limits | None = None,
                               allow_headers=["*"], expose_headers=["X-Request-Id"])
     count = lambda route, status: backends.metrics.requests.labels(route, str(status)).inc()  # noqa: E731
     paths = frozenset(getattr(route, "path", "") for route in app.routes)
-    guard = RequestGuard(asgi, limits, open_connections, count, keys, paths)
+    guard = RequestGuard(asgi, limits, open_connections, count, keys, paths, backends.admission)
     guard.fastapi = app  # the routes, for tests and the OpenAPI schema
     return guard
 

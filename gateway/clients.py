@@ -15,6 +15,7 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.admission import Admission
 from gateway.errors import ApiError, from_rpc_error
 from gateway.history import AnswerHistory
 from gateway.metrics import GatewayMetrics
@@ -87,6 +88,7 @@ class Backends:
         self.served_model_name = served_model_name
         self.facts: ModelFacts | None = None
         self.answers = AnswerHistory()
+        self.admission = Admission()
         self.metrics = GatewayMetrics()
         self._lltokenizer = None
         self._lltokenizer_lock = asyncio.Lock()

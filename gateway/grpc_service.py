@@ -144,14 +144,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                     "malformed bytes)")
             req = request_model(request)
             prefix = f"call_{rid[-12:]}_"
-            if isinstance(req, ChatCompletionRequest):
-                plan = await plan_chat_completion(self.backends, req, self.limits, call_prefix=prefix,
-                                                  request_id=rid, tenant=tenant)
-            else:
-                plan = await plan_completion(self.backends, req, self.limits, call_prefix=prefix, request_id=rid,
-                                             tenant=tenant)
-            async for index, delta in run_choices(self.backends, plan.jobs):
-                yield _reply(plan.routes[index], index, delta)
+            with self.backends.admission.serving():
+                if isinstance(req, ChatCompletionRequest):
+                    plan = await plan_chat_completion(self.backends, req, self.limits, call_prefix=prefix,
+                                                      request_id=rid, tenant=tenant)
+                else:
+                    plan = await plan_completion(self.backends, req, self.limits, call_prefix=prefix,
+                                                 request_id=rid, tenant=tenant)
+                async for index, delta in run_choices(self.backends, plan.jobs):
+                    yield _reply(plan.routes[index], index, delta)
         except ApiError as err:
             await context.abort(err.grpc_code(), err.message)
         except grpc.aio.AbortError:

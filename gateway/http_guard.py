@@ -4,6 +4,8 @@
   128 characters of `[A-Za-z0-9._:-]`), else a new one; logs of that request name it.
 - **API keys.** With keys set (gateway/auth.py), every `/v1/...` request needs one (401 before its body is read);
   the request's tenant goes to the routes as `request.state.tenant`.
+- **Drain.** While the gateway drains (gateway/admission.py) a `/v1` request gets a 503; admitted ones are counted
+  until their response ends.
 - **Connections.** Beyond `Limits.max_connections` open connections a request gets an OpenAI-shaped 503 with
   `Connection: close` (uvicorn's own limit, kept far above as a backstop, would answer plain text).
 - **Body.** At most `Limits.max_body_bytes`, counted on the bytes as they stream in, so a chunked body without a
@@ -20,12 +22,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import uuid
 from typing import Callable
 
+from gateway.admission import Admission
 from gateway.auth import ApiKeys
 from gateway.errors import ApiError
 from gateway.limits import JsonError, Limits, parse_json
@@ -60,7 +64,7 @@ class RequestGuard:
 
     def __init__(self, app, limits: Limits, open_connections: Callable[[], int] | None = None,
                  count: Callable[[str, int], None] | None = None, keys: ApiKeys | None = None,
-                 paths: frozenset[str] = frozenset()):
+                 paths: frozenset[str] = frozenset(), admission: Admission | None = None):
         """
         Args:
           app: the ASGI app (the FastAPI routes).
@@ -69,8 +73,10 @@ class RequestGuard:
           count: called with (route template, status) once per answered request, or None.
           keys: the accepted API keys (None or empty: the API is open).
           paths: the app's route paths (a request refused before routing is still counted under its path).
+          admission: the drain state; `/v1` requests are admitted and counted through it (None: always admitted).
         """
         self.app, self.limits = app, limits
+        self.admission = admission or Admission()
         self.paths = paths
         self.keys = keys or ApiKeys()
         self.open_connections = open_connections
@@ -84,16 +90,18 @@ class RequestGuard:
         state["request_id"], state["tenant"] = rid, ""
         response = _Response(send, rid)
         path = scope.get("path", "")
+        api = path == "/v1" or path.startswith("/v1/")
         try:
-            if self.keys and (path == "/v1" or path.startswith("/v1/")):
+            if self.keys and api:
                 state["tenant"] = self.keys.tenant(_header(scope, b"authorization"))
             if self.open_connections is not None and self.open_connections() > self.limits.max_connections:
                 raise ApiError(503, f"the server has more than {self.limits.max_connections} open connections; "
                                     f"retry shortly", code="too_many_connections",
                                headers={"Retry-After": "1", "Connection": "close"})
-            if scope["method"] in _BODY_METHODS:
-                receive = await self._checked_body(scope, receive)
-            await self.app(scope, receive, response.send)
+            with self.admission.serving() if api else contextlib.nullcontext():
+                if scope["method"] in _BODY_METHODS:
+                    receive = await self._checked_body(scope, receive)
+                await self.app(scope, receive, response.send)
         except ApiError as err:
             await response.error(err)
         except Exception:  # noqa: BLE001 - our bug: log it, answer a generic 500, keep the connection

@@ -69,6 +69,10 @@ async def serve(args: argparse.Namespace) -> int:
              args.host, args.http_port, args.host, args.gateway_grpc_port, " over TLS" if public_tls else "",
              f"{len(keys)} API key(s) required on /v1" if keys else "no API key required")
     await asyncio.wait([http, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    log.info("draining: %d request(s) running, new ones refused (at most %.0f s)", backends.admission.active,
+             args.drain_timeout)
+    if not await backends.admission.drain(args.drain_timeout):
+        log.warning("drain timeout: %d request(s) still running are cut", backends.admission.active)
     log.info("shutting down")
     server.should_exit = True
     await http

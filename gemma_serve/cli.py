@@ -35,6 +35,12 @@ def _add_host(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help=f"interface {what} binds to (default: %(default)s)")
 
 
+def _add_drain(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests may take to finish while new ones are refused "
+                   "(503 / UNAVAILABLE) before the process exits (default: %(default)s)")
+
+
 def _add_ports(p: argparse.ArgumentParser, which: tuple[str, ...]) -> None:
     helps = {
         "http_port": "gateway OpenAI-compatible HTTP port",
@@ -141,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="prepare the model and run all three services until Ctrl-C / SIGTERM")
     _add_common(up)
+    _add_drain(up)
     _add_host(up, "the gateway (the public HTTP API and gRPC Generate)")
     up.add_argument("--internal-host", default="127.0.0.1",
                     help="interface the model worker, the tokenizer service and the worker's metrics bind to; a "
@@ -155,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="run the model worker (owns the accelerator, weights and KV cache)")
     _add_common(worker)
+    _add_drain(worker)
     _add_host(worker, "the worker's gRPC and metrics ports (non-loopback: mutual TLS or --insecure-internal)")
     network.add_internal_flags(worker)
     _add_ports(worker, ("worker_port", "worker_metrics_port"))
@@ -162,12 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     tok = sub.add_parser("tokenizer", help="run the tokenizer service (tokenization and chat templates)")
     _add_common(tok)
+    _add_drain(tok)
     _add_host(tok, "the tokenizer service (non-loopback: mutual TLS or --insecure-internal)")
     network.add_internal_flags(tok)
     _add_ports(tok, ("tokenizer_port",))
 
     gw = sub.add_parser("gateway", help="run the gateway (OpenAI REST API and gRPC Generate)")
     _add_common(gw)
+    _add_drain(gw)
     _add_host(gw, "the gateway (the public HTTP API and gRPC Generate)")
     network.add_internal_flags(gw)
     _add_ports(gw, ("http_port", "gateway_grpc_port"))

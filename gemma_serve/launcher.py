@@ -1,8 +1,11 @@
-"""`gemma-serve up`: prepare the model once, start the three services, wait until healthy, stop them cleanly.
+"""`gemma-serve up`: prepare the model once, start the three services, keep them running, drain them on a signal.
 
-The services run as child processes in their own process group (so Ctrl-C reaches only this launcher, which
-then stops them in order: gateway, worker, tokenizer) and die with the launcher (PR_SET_PDEATHSIG on Linux).
-Their logs go to this terminal, each line prefixed with the service name.
+The services run as child processes in their own process group (so Ctrl-C reaches only this launcher) and die
+with the launcher (PR_SET_PDEATHSIG on Linux). Their logs go to this terminal, each line prefixed with the
+service name. `up` is their supervisor: a service that exits is restarted with backoff (the gateway answers 503
+meanwhile and recovers on its own); a crash loop stops everything with the reason. On SIGTERM or Ctrl-C it
+drains: the gateway first (running requests finish, new ones get 503, up to --drain-timeout), then the worker
+and the tokenizer service.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     `child_env`.)"""
     base = [sys.executable, "-m", "gemma_serve.cli"]
     common = ["--model", args.model, "--cache-dir", args.cache_dir, "--log-level", args.log_level,
-              *network.internal_args(args)]
+              "--drain-timeout", str(args.drain_timeout), *network.internal_args(args)]
     internal = ["--host", args.internal_host]
     inner = connect_host(args.internal_host)
     engine = ["--max-model-len", str(args.max_model_len), "--num-slots", str(args.num_slots), "--dtype", args.dtype,
@@ -124,10 +127,16 @@ class Launcher:
 
     def start(self) -> None:
         """Start every service."""
-        for name, cmd in service_commands(self.args).items():
-            env = self.env if name == "gateway" else {k: v for k, v in self.env.items() if k != "GEMMA_SERVE_API_KEY"}
-            self.procs[name] = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, env=env)
-            log.info("started %s (pid %d)", name, self.procs[name].pid)
+        self.cmds = service_commands(self.args)
+        for name in self.cmds:
+            self.spawn(name)
+
+    def spawn(self, name: str) -> None:
+        """Start (or restart) one service."""
+        env = self.env if name == "gateway" else {k: v for k, v in self.env.items() if k != "GEMMA_SERVE_API_KEY"}
+        self.procs[name] = subprocess.Popen(self.cmds[name], start_new_session=True, preexec_fn=_die_with_parent,
+                                            env=env)
+        log.info("started %s (pid %d)", name, self.procs[name].pid)
 
     def dead(self) -> list[str]:
         """Services whose process has exited."""
@@ -143,20 +152,40 @@ class Launcher:
             "gateway": _http_ok(f"{public_url(a)}/health"),
         }
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM the services (gateway first), then SIGKILL any still running after `timeout` seconds."""
-        for name in ("gateway", "worker", "tokenizer"):
-            proc = self.procs.get(name)
-            if proc and proc.poll() is None:
+    def stop(self) -> None:
+        """Drain and stop: SIGTERM the gateway and wait for it (it finishes its running requests within
+        --drain-timeout), then the worker and the tokenizer service; SIGKILL whatever outlives its grace."""
+        grace = self.args.drain_timeout + 10
+        for group in (("gateway",), ("worker", "tokenizer")):
+            procs = [(n, self.procs[n]) for n in group if n in self.procs and self.procs[n].poll() is None]
+            for _, proc in procs:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for name, proc in self.procs.items():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0f s; killing it", name, timeout)
-                proc.kill()
-                proc.wait()
+            deadline = time.monotonic() + grace
+            for name, proc in procs:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %.0f s; killing it", name, grace)
+                    proc.kill()
+                    proc.wait()
+
+
+class Restarts:
+    """When to restart a crashed service: after 1, 2, 4, ... up to 30 s, and not at all after `MAX_CRASHES`
+    crashes within `WINDOW_S` seconds (a crash loop: stop and say why)."""
+
+    MAX_CRASHES, WINDOW_S, MAX_DELAY_S = 5, 300.0, 30.0
+
+    def __init__(self):
+        self.crashes: dict[str, list[float]] = {}
+
+    def delay(self, name: str, now: float) -> float | None:
+        """Record a crash of `name` at `now`; the seconds to wait before restarting it, or None to give up."""
+        recent = [t for t in self.crashes.get(name, []) if now - t < self.WINDOW_S] + [now]
+        self.crashes[name] = recent
+        if len(recent) > self.MAX_CRASHES:
+            return None
+        return min(self.MAX_DELAY_S, 2.0 ** (len(recent) - 1))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,13 +215,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _supervise(launcher: Launcher, args: argparse.Namespace, t0: float) -> int:
+    """Wait for health, then keep the services running until a signal: a service that exits is restarted with
+    backoff (`Restarts`); one that refuses its flags (exit 2) or crash-loops stops everything. Returns the exit
+    code of `up`."""
     ready, last = False, {}
     deadline = time.monotonic() + args.ready_timeout
+    restarts, pending = Restarts(), {}
     while not launcher.stopping:
-        dead = launcher.dead()
-        if dead:
-            log.error("%s exited unexpectedly (code %s)", ", ".join(dead), launcher.procs[dead[0]].returncode)
-            return 1
+        now = time.monotonic()
+        for name in launcher.dead():
+            if name in pending:
+                continue
+            code = launcher.procs[name].returncode
+            delay = None if code == 2 else restarts.delay(name, now)
+            if delay is None:
+                why = "refused its flags" if code == 2 else f"crashed {Restarts.MAX_CRASHES + 1} times in " \
+                    f"{Restarts.WINDOW_S:.0f} s"
+                log.error("%s exited (code %s) and %s; stopping", name, code, why)
+                return 1
+            log.error("%s exited (code %s); restarting it in %.0f s", name, code, delay)
+            pending[name] = now + delay
+        for name, when in list(pending.items()):
+            if now >= when:
+                del pending[name]
+                launcher.spawn(name)
         if not ready:
             status = launcher.health()
             if status != last:
@@ -207,5 +253,5 @@ def _supervise(launcher: Launcher, args: argparse.Namespace, t0: float) -> int:
             elif time.monotonic() > deadline:
                 log.error("services not healthy after %.0f s", args.ready_timeout)
                 return 1
-        time.sleep(0.5)
+        time.sleep(0.2)
     return 0

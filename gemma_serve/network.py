@@ -32,10 +32,14 @@ SERVER_OPTIONS = _MESSAGE_LIMITS + [("grpc.keepalive_permit_without_calls", 1),
                                     ("grpc.http2.max_ping_strikes", 0)]
 
 #: Internal clients: ping every 10 s and give up on a peer silent for 5 s more, so a backend whose host or network
-#: dies (no TCP reset) fails the calls on it within ~15 s instead of at the call deadline.
+#: dies (no TCP reset) fails the calls on it within ~15 s instead of at the call deadline; and reconnect at most
+#: 2 s apart (gRPC's default backoff grows to 2 minutes, so a restarted backend would wait that long to be used).
 CHANNEL_OPTIONS = _MESSAGE_LIMITS + [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                                      ("grpc.keepalive_permit_without_calls", 1),
-                                     ("grpc.http2.max_pings_without_data", 0)]
+                                     ("grpc.http2.max_pings_without_data", 0),
+                                     ("grpc.initial_reconnect_backoff_ms", 250),
+                                     ("grpc.min_reconnect_backoff_ms", 250),
+                                     ("grpc.max_reconnect_backoff_ms", 2_000)]
 
 
 class NetworkConfigError(ValueError):

@@ -138,7 +138,8 @@ class EngineLoop:
         for seq in list(self.scheduler.running.values()):
             self._apply_forced(seq)
         work = self.scheduler.schedule()
-        if self.fault_token is not None and work.compute is not None and self.fault_token in work.compute.tokens:
+        if self.fault_token is not None and any(self.fault_token in s.prompt for s in [work.compute, *work.decode]
+                                                if s is not None):
             raise RuntimeError(f"fault injected by {FAULT_ENV}")
         if self.metrics is not None:
             self._observe_admissions()
@@ -321,7 +322,8 @@ class EngineLoop:
 
 
 def wait_idle(loop: EngineLoop, timeout: float = 10.0) -> bool:
-    """Test helper: wait until the loop has no waiting or running sequences."""
+    """Wait until the loop has no waiting or running sequences (a drain, and tests); returns whether it did
+    within `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not loop.scheduler.has_work() and loop._inbox.empty():

@@ -94,7 +94,7 @@ def load_engine(prepared, args: argparse.Namespace):
 async def serve(args: argparse.Namespace) -> int:
     """Run the worker until SIGTERM/SIGINT. Returns the process exit code."""
     from gemma_serve.models import prepare
-    from model_worker.loop import FAULT_ENV, EngineLoop
+    from model_worker.loop import FAULT_ENV, EngineLoop, wait_idle
     from model_worker.metrics import WorkerMetrics
     from model_worker.service import SERVICE_NAME, WorkerServicer
 
@@ -158,6 +158,10 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("engine failed: exiting for a restart")
         await server.stop(1)
         return 3
+    servicer.draining = True
+    log.info("draining: new requests refused, running ones may finish (at most %.0f s)", args.drain_timeout)
+    if not await asyncio.to_thread(wait_idle, loop, args.drain_timeout):
+        log.warning("drain timeout: cutting the requests still running")
     log.info("shutting down")
     await server.stop(2)
     loop.stop()

@@ -130,6 +130,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         self.loop: EngineLoop | None = None
         self.attach_timeout = attach_timeout
         self._live: dict[str, _Live] = {}
+        self.draining = False  # set on SIGTERM: new requests are refused, running ones finish
 
     def set_ready(self, loop: EngineLoop, info: model_worker_pb2.WorkerInfoResponse) -> None:
         """Start accepting requests (called once the engine is compiled)."""
@@ -210,6 +211,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model worker is still loading")
         if self.loop.failed is not None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, ENGINE_FAILED)
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model worker is shutting down")
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         info = self.info
         if not rid:

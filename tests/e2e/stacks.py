@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -130,6 +131,26 @@ class Stack:
             time.sleep(0.5)
         return self
 
+    def service_pid(self, service: str) -> int:
+        """The pid of one of this `up`'s services ("gateway", "worker", "tokenizer")."""
+        import psutil
+
+        for child in psutil.Process(self.proc.pid).children():
+            cmd = child.cmdline()
+            if "gemma_serve.cli" in cmd and service in cmd:
+                return child.pid
+        raise LookupError(f"no running {service} under pid {self.proc.pid}")
+
+    def health_status(self) -> int:
+        """The gateway's /health status code (0 when it does not answer)."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2, context=self.ssl_context()) as resp:
+                return resp.status
+        except urllib.error.HTTPError as err:
+            return err.code
+        except OSError:
+            return 0
+
     def stop(self) -> None:
         """SIGTERM and wait; a stack that does not stop within 60 s fails the session."""
         if self.proc.poll() is not None:
@@ -149,8 +170,9 @@ def _die_with_parent() -> None:
     die()
 
 
-def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str]) -> Stack:
-    """Launch `gemma-serve up` on free ports with `extra` flags; returns at once (see Stack.wait_healthy)."""
+def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str], env: dict | None = None) -> Stack:
+    """Launch `gemma-serve up` on free ports with `extra` flags (and `env` added to the environment); returns at
+    once (see Stack.wait_healthy)."""
     http, grpc_port, tok, worker, metrics = free_ports(5)
     cmd = [
         sys.executable, "-m", "gemma_serve.cli", "up", "--cache-dir", str(cache_dir),
@@ -159,7 +181,7 @@ def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=_die_with_parent,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     ports = {"http": http, "grpc": grpc_port, "tokenizer": tok, "worker": worker, "metrics": metrics}
     return Stack(proc, ports, log_path, time.monotonic())
 

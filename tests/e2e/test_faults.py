@@ -1,0 +1,142 @@
+"""Faults with the real processes of one `gemma-serve up` (its own, the embedded stack's flags, so its programs
+come from the compilation cache): kill -9 the worker mid-stream and the tokenizer service, a fault inside an
+engine step (the test-only fault token), then SIGTERM during long generations. `up` restarts what died; the same
+gateway serves again with no manual step. Runs in file order; the drain test stops the stack.
+
+Timing bounds here are loose (the point is "at once", not "at the 300 s deadline"); the figures are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from model_worker.loop import FAULT_ENV
+from tests.e2e.stacks import MAX_MODEL_LEN, Stack, pki, start_stack
+
+pytestmark = pytest.mark.slow
+FAULT_TOKEN = 200_000  # a token id no test prompt contains
+LONG = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+RECOVERY_S = 300  # a restarted worker loads the model and its compiled programs (from the cache)
+
+
+@pytest.fixture(scope="module")
+def fault_stack(cache_dir, prepared, tmp_path_factory):
+    s = start_stack(cache_dir, tmp_path_factory.mktemp("faults") / "stack.log",
+                    ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64",
+                     "--drain-timeout", "120", *pki(tmp_path_factory.mktemp).internal_flags()],
+                    env={FAULT_ENV: str(FAULT_TOKEN)})
+    s.wait_healthy()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def model(fault_stack) -> str:
+    return httpx.get(fault_stack.base_url + "/v1/models").json()["data"][0]["id"]
+
+
+def _served_again(stack: Stack, model: str) -> float:
+    """Seconds until /health is 200 again and a completion succeeds (fails after RECOVERY_S)."""
+    t0 = time.monotonic()
+    while stack.health_status() != 200:
+        assert stack.proc.poll() is None, f"gemma-serve up exited:\n{stack.log()[-3000:]}"
+        assert time.monotonic() - t0 < RECOVERY_S, f"not serving again:\n{stack.log()[-3000:]}"
+        time.sleep(0.25)
+    r = httpx.post(stack.base_url + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return time.monotonic() - t0
+
+
+def _stream_events(stack: Stack, model: str, body: dict, first: threading.Event, out: list):
+    """Run a streamed completion; append (monotonic time, event) for each SSE data line."""
+    with httpx.stream("POST", stack.base_url + "/v1/completions", json={**body, "model": model, "stream": True},
+                      timeout=120) as r:
+        out.append((time.monotonic(), r.status_code))
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append((time.monotonic(), line[6:]))
+                first.set()
+
+
+def _unary(stack: Stack, model: str, body: dict, out: list):
+    r = httpx.post(stack.base_url + "/v1/completions", json={**body, "model": model}, timeout=120)
+    out.append((time.monotonic(), r.status_code, r.json()))
+
+
+def test_kill_9_the_worker_mid_stream(fault_stack, model):
+    first, streamed, unary = threading.Event(), [], []
+    threads = [threading.Thread(target=_stream_events, args=(fault_stack, model, LONG, first, streamed)),
+               threading.Thread(target=_unary, args=(fault_stack, model, LONG, unary))]
+    for t in threads:
+        t.start()
+    assert first.wait(60), streamed
+    time.sleep(0.5)  # the unary request is decoding too
+    os.kill(fault_stack.service_pid("worker"), signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(60)
+    last_time, last = streamed[-1]
+    assert last == "[DONE]"
+    err_time, err = streamed[-2]
+    assert json.loads(err)["error"]["code"] == "backend_unavailable", err
+    (unary_time, status, body), = unary
+    assert status == 503 and body["error"]["code"] == "backend_unavailable", body
+    assert fault_stack.health_status() == 503
+    print(f"after kill -9 of the worker: stream error {err_time - killed:.2f} s, unary 503 "
+          f"{unary_time - killed:.2f} s")
+    assert err_time - killed < 5 and unary_time - killed < 5
+    print(f"serving again {_served_again(fault_stack, model):.1f} s later")
+    assert "worker exited (code -9); restarting it" in fault_stack.log()
+
+
+def test_kill_9_the_tokenizer(fault_stack, model):
+    os.kill(fault_stack.service_pid("tokenizer"), signal.SIGKILL)
+    t0 = time.monotonic()
+    r = httpx.post(fault_stack.base_url + "/v1/chat/completions", timeout=60,
+                   json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable", r.text
+    print(f"after kill -9 of the tokenizer: 503 in {time.monotonic() - t0:.2f} s")
+    print(f"serving again {_served_again(fault_stack, model):.1f} s later")
+
+
+def test_a_fault_inside_a_step_restarts_the_worker(fault_stack, model):
+    r = httpx.post(fault_stack.base_url + "/v1/completions", timeout=60,
+                   json={"model": model, "prompt": [2, FAULT_TOKEN], "max_tokens": 2})
+    assert r.status_code == 503 and "restarting" in r.json()["error"]["message"], r.text
+    print(f"serving again {_served_again(fault_stack, model):.1f} s after a failed step")
+    assert "worker exited (code 3); restarting it" in fault_stack.log()
+
+
+def test_sigterm_lets_running_generations_finish(fault_stack, model):
+    """Four long streams are running when `up` gets SIGTERM: all four finish whole; a request arriving during
+    the drain gets a 503; `up` then exits 0."""
+    body = {**LONG, "max_tokens": 120}
+    firsts = [threading.Event() for _ in range(4)]
+    outs: list[list] = [[] for _ in range(4)]
+    threads = [threading.Thread(target=_stream_events, args=(fault_stack, model, body, firsts[i], outs[i]))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    assert all(f.wait(60) for f in firsts)
+    fault_stack.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    late = httpx.post(fault_stack.base_url + "/v1/completions", timeout=30,
+                      json={"model": model, "prompt": "Hi", "max_tokens": 2})
+    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
+    for t in threads:
+        t.join(120)
+    for out in outs:
+        events = [e for _, e in out[1:]]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+        assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 10
+    assert fault_stack.proc.wait(60) == 0
