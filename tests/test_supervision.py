@@ -1,0 +1,61 @@
+"""The launcher's restart policy and the gateway's drain state, without processes (the e2e fault tests kill and
+restart the real ones)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.admission import Admission
+from gateway.errors import ApiError
+from gemma_serve.cli import build_parser
+from gemma_serve.launcher import Restarts, connect_host, service_commands
+
+
+def test_restarts_back_off_then_give_up_on_a_crash_loop():
+    r = Restarts()
+    delays = [r.delay("worker", t) for t in (0.0, 10.0, 20.0, 30.0, 40.0)]
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0]
+    assert r.delay("worker", 50.0) is None  # the sixth crash within 5 minutes
+    assert r.delay("tokenizer", 50.0) == 1.0  # counted per service
+    spaced = Restarts()
+    assert [spaced.delay("worker", t * 400.0) for t in range(8)] == [1.0] * 8  # crashes far apart never add up
+
+
+def test_draining_refuses_new_requests_and_waits_for_running_ones():
+    async def main():
+        adm = Admission()
+        release = asyncio.Event()
+
+        async def request():
+            with adm.serving():
+                await release.wait()
+
+        running = asyncio.ensure_future(request())
+        await asyncio.sleep(0)
+        drain = asyncio.ensure_future(adm.drain(timeout=5))
+        await asyncio.sleep(0.05)
+        assert adm.draining and not drain.done() and adm.active == 1
+        with pytest.raises(ApiError) as err:
+            adm.admit()
+        assert err.value.status == 503 and err.value.code == "shutting_down"
+        release.set()
+        assert await drain is True and adm.active == 0
+        await running
+        stuck = Admission()
+        with stuck.serving():
+            assert await stuck.drain(timeout=0.05) is False
+
+    asyncio.run(main())
+
+
+def test_up_keeps_internal_services_on_loopback_and_passes_keys_by_environment():
+    args = build_parser().parse_args(["up", "--host", "0.0.0.0", "--api-key", "secret-key", "--drain-timeout", "7"])
+    cmds = service_commands(args)
+    for name in ("worker", "tokenizer"):
+        assert cmds[name][cmds[name].index("--host") + 1] == "127.0.0.1"
+    assert cmds["gateway"][cmds["gateway"].index("--host") + 1] == "0.0.0.0"
+    assert all("secret-key" not in " ".join(cmd) for cmd in cmds.values())  # never on a command line (ps)
+    assert all(cmd[cmd.index("--drain-timeout") + 1] == "7.0" for cmd in cmds.values())
+    assert connect_host("0.0.0.0") == "127.0.0.1" and connect_host("10.0.0.5") == "10.0.0.5"
