@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 #: The error every sequence ends with when an engine step fails (the servicer answers it as UNAVAILABLE: a retry
 #: after the worker restarts can succeed).
 ENGINE_FAILED = "the model worker failed and is restarting"
-#: Environment variable naming a token id whose presence in a prompt fails the step (fault injection for tests).
-FAULT_ENV = "GEMMA_SERVE_TEST_FAULT_TOKEN"
+#: Environment variable naming a `cache_salt` whose requests fail the step that runs them (fault injection for
+#: tests of the process supervision; no client sends it by chance).
+FAULT_ENV = "GEMMA_SERVE_TEST_FAULT_SALT"
 
 
 def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
@@ -56,18 +57,18 @@ class EngineLoop:
     """Drives an Engine with a Scheduler on a background thread."""
 
     def __init__(self, engine: Engine, token_budget: int | None = None, metrics=None, mask_wait: float = 0.2,
-                 on_fatal: Callable[[BaseException], None] | None = None, fault_token: int | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None, fault_salt: str | None = None):
         """Args: engine: a compiled Engine (the loop becomes its only user); token_budget: most prompt tokens
         computed in an iteration that also decodes running streams (bounds the pause a long new prompt causes in
         them; default: the smallest chunk); a lone prompt uses the largest chunks it fills (`Engine.chunk_size`).
         metrics: an optional WorkerMetrics to update; mask_wait: seconds a step waits, after dispatching its
         forward pass, for the token masks of its constrained rows (a row whose mask is later is recomputed at a
         later step). on_fatal: called (on this thread) after a step failed and every sequence was ended;
-        fault_token: a token id whose presence in a prompt makes the step computing it fail (a fault-injection hook
-        for tests of the process supervision; None in production)."""
+        fault_salt: a cache_salt whose sequences make the step running them fail (a fault-injection hook for tests
+        of the process supervision; None in production)."""
         self.engine = engine
         self.on_fatal = on_fatal
-        self.fault_token = fault_token
+        self.fault_salt = fault_salt
         self.failed: BaseException | None = None
         self.mask_wait = mask_wait
         self.token_budget = token_budget or min(engine.ecfg.prefill_chunks)
@@ -138,8 +139,7 @@ class EngineLoop:
         for seq in list(self.scheduler.running.values()):
             self._apply_forced(seq)
         work = self.scheduler.schedule()
-        if self.fault_token is not None and any(self.fault_token in s.prompt for s in [work.compute, *work.decode]
-                                                if s is not None):
+        if self.fault_salt and any(s.cache_salt == self.fault_salt for s in [work.compute, *work.decode] if s):
             raise RuntimeError(f"fault injected by {FAULT_ENV}")
         if self.metrics is not None:
             self._observe_admissions()

@@ -142,7 +142,7 @@ async def serve(args: argparse.Namespace) -> int:
     fault = os.environ.get(FAULT_ENV)
     loop = EngineLoop(engine, token_budget=args.prefill_token_budget, metrics=metrics,
                       on_fatal=lambda exc: aio_loop.call_soon_threadsafe(fatal.set),
-                      fault_token=int(fault) if fault else None)
+                      fault_salt=fault or None)
     loop.start()
     servicer.set_ready(loop, info)
     for name in ("", SERVICE_NAME):

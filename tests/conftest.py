@@ -7,7 +7,8 @@ Order. `make test` runs two pytest-xdist workers (pyproject: `-n 2 --dist loadsc
 scope, and the end-to-end tests (tests/e2e) are one scope (`pytest_xdist_make_scheduler` below), sent first, so one
 worker launches the real stacks (tests/e2e/stacks.py) and drives them while the other runs unit modules; the
 stacks' compilation overlaps the unit tests. Without xdist workers (`-n 0`) the e2e tests run last, and the
-session's first test launches their stacks so that they compile while the unit tests run.
+session's first test launches their stacks so that they compile while the unit tests run. Either way
+tests/e2e/test_faults.py runs after every other e2e test: it kills and finally stops the embedded stack.
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ def pytest_collection_modifyitems(config, items):
     from tests.e2e import stacks
 
     stacks.NEEDED[:] = [name for name in stacks.SPECS if any(name in item.fixturenames for item in items)]
+    breaks_stacks = lambda item: item.fspath.basename == "test_faults.py"  # noqa: E731 - kills and stops them
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the controller schedules in this (the workers') order
-        items.sort(key=lambda item: not _is_e2e(item))  # stable: each module keeps its order
+        items.sort(key=lambda item: (not _is_e2e(item), breaks_stacks(item)))  # stable: modules keep their order
         config.stash[_SERIAL_EARLY_LAUNCH] = False
     else:
-        items.sort(key=_is_e2e)
+        items.sort(key=lambda item: (_is_e2e(item), breaks_stacks(item)))
         config.stash[_SERIAL_EARLY_LAUNCH] = True
 
 

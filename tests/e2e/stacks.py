@@ -27,6 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 GEMMA4_TEMPLATE = REPO / "tests" / "tokenizer_svc" / "data" / "gemma4_chat_template.jinja"
 MAX_MODEL_LEN = 512  # the embedded stack's --max-model-len: one KV bucket (the sliding window)
 FUZZ_MAX_TOKENS = 4   # the fuzz stack's --max-tokens-cap
+FAULT_SALT = "test-fault-injection"  # the embedded stack's worker fails the step of requests with this cache_salt
 
 
 def free_ports(n: int) -> list[int]:
@@ -190,10 +191,13 @@ def _embedded(cache_dir, prepared, tmp, factory) -> Stack:
     """The embedded Gemma 3 270M: max_model_len 512 (= the sliding window: one KV bucket), 4 slots, 64-token chunks
     only (the OpenAI API, sampling, tools, agent tests; 14 programs: the chunk-size and bucket policies, and
     conversations beyond the window, are the worker's unit tests' business). Its internal links use mutual TLS
-    with the test CA, so every e2e test through it crosses them."""
+    with the test CA, so every e2e test through it crosses them; requests with `FAULT_SALT` make its worker fail
+    (tests/e2e/test_faults.py, which runs last, breaks and finally stops this stack)."""
+    from model_worker.loop import FAULT_ENV
+
     return start_stack(cache_dir, tmp("stack") / "stack.log",
                        ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64",
-                        *pki(tmp).internal_flags()])
+                        "--drain-timeout", "120", *pki(tmp).internal_flags()], env={FAULT_ENV: FAULT_SALT})
 
 
 def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:

@@ -1,7 +1,8 @@
-"""Faults with the real processes of one `gemma-serve up` (its own, the embedded stack's flags, so its programs
-come from the compilation cache): kill -9 the worker mid-stream and the tokenizer service, a fault inside an
-engine step (the test-only fault token), then SIGTERM during long generations. `up` restarts what died; the same
-gateway serves again with no manual step. Runs in file order; the drain test stops the stack.
+"""Faults with the real processes of the embedded stack (`gemma-serve up`, three processes), which these tests
+break: kill -9 the worker mid-stream and the tokenizer service, a fault inside an engine step (requests with the
+test-only fault salt), then SIGTERM during long generations. `up` restarts what died; the same gateway serves
+again with no manual step. This module runs after every other e2e module (tests/conftest.py) and in file order;
+its last test stops the stack.
 
 Timing bounds here are loose (the point is "at once", not "at the 300 s deadline"); the figures are printed.
 """
@@ -17,24 +18,16 @@ import time
 import httpx
 import pytest
 
-from model_worker.loop import FAULT_ENV
-from tests.e2e.stacks import MAX_MODEL_LEN, Stack, pki, start_stack
+from tests.e2e.stacks import FAULT_SALT, Stack
 
 pytestmark = pytest.mark.slow
-FAULT_TOKEN = 200_000  # a token id no test prompt contains
 LONG = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
 RECOVERY_S = 300  # a restarted worker loads the model and its compiled programs (from the cache)
 
 
 @pytest.fixture(scope="module")
-def fault_stack(cache_dir, prepared, tmp_path_factory):
-    s = start_stack(cache_dir, tmp_path_factory.mktemp("faults") / "stack.log",
-                    ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64",
-                     "--drain-timeout", "120", *pki(tmp_path_factory.mktemp).internal_flags()],
-                    env={FAULT_ENV: str(FAULT_TOKEN)})
-    s.wait_healthy()
-    yield s
-    s.stop()
+def fault_stack(stack):
+    return stack
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +102,7 @@ def test_kill_9_the_tokenizer(fault_stack, model):
 
 def test_a_fault_inside_a_step_restarts_the_worker(fault_stack, model):
     r = httpx.post(fault_stack.base_url + "/v1/completions", timeout=60,
-                   json={"model": model, "prompt": [2, FAULT_TOKEN], "max_tokens": 2})
+                   json={"model": model, "prompt": "Hi", "max_tokens": 2, "cache_salt": FAULT_SALT})
     assert r.status_code == 503 and "restarting" in r.json()["error"]["message"], r.text
     print(f"serving again {_served_again(fault_stack, model):.1f} s after a failed step")
     assert "worker exited (code 3); restarting it" in fault_stack.log()
@@ -118,7 +111,7 @@ def test_a_fault_inside_a_step_restarts_the_worker(fault_stack, model):
 def test_sigterm_lets_running_generations_finish(fault_stack, model):
     """Four long streams are running when `up` gets SIGTERM: all four finish whole; a request arriving during
     the drain gets a 503; `up` then exits 0."""
-    body = {**LONG, "max_tokens": 120}
+    body = {**LONG, "max_tokens": 64}
     firsts = [threading.Event() for _ in range(4)]
     outs: list[list] = [[] for _ in range(4)]
     threads = [threading.Thread(target=_stream_events, args=(fault_stack, model, body, firsts[i], outs[i]))
@@ -138,5 +131,5 @@ def test_sigterm_lets_running_generations_finish(fault_stack, model):
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
-        assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 10
+        assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 8
     assert fault_stack.proc.wait(60) == 0

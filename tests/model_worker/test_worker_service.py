@@ -270,8 +270,11 @@ def test_masks_and_forced_tokens_over_the_decode_stream(server, engine):
     requests.put(None)
     assert got == [(300, True), (301, True), (302, True), (998, False)]
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == 6
-    # The last sampled token and the 3 forced ones are computed in one step, which also samples token 5.
-    assert engine.calls["compute"] == steps["compute"] + 1 and engine.calls["decode"] == steps["decode"]
+    # The last sampled token and the 3 forced ones are computed in one step, which also samples token 5. (A decode
+    # step for step 2 may already have been dispatched, waiting for a mask, before the forced run arrived; on a
+    # loaded machine it can land after the count above was taken. Its result is discarded: at most one.)
+    assert engine.calls["compute"] == steps["compute"] + 1
+    assert engine.calls["decode"] - steps["decode"] in (0, 1)
 
 
 def test_n_choices_share_the_prompt(server, engine):
