@@ -200,7 +200,7 @@ def _check_tool_call_arguments(req: ChatCompletionRequest) -> None:
     tokenizer can encode. Malformed JSON is left to the chat template, which names the problem."""
     for i, m in enumerate(req.messages):
         for j, call in enumerate(m.tool_calls or []):
-            param = f"messages[{i}].tool_calls[{j}].function.arguments"
+            param = f"messages.{i}.tool_calls.{j}.function.arguments"
             text = call.function.arguments
             if json_depth(text) > MAX_JSON_DEPTH:
                 raise ApiError(400, f"{param}: JSON nested deeper than {MAX_JSON_DEPTH} levels", param=param)

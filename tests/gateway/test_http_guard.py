@@ -130,11 +130,11 @@ def test_deep_tool_call_arguments_are_400_before_any_backend(client):
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]}]
     _error(client.post("/v1/chat/completions", json={"messages": messages}), 400,
-           "messages[1].tool_calls[0].function.arguments")
+           "messages.1.tool_calls.0.function.arguments")
     surrogate = '{"a": "\\ud800"}'  # valid JSON text whose value no tokenizer can encode
     messages[1]["tool_calls"][0]["function"]["arguments"] = surrogate
     _error(client.post("/v1/chat/completions", json={"messages": messages}), 400,
-           "messages[1].tool_calls[0].function.arguments")
+           "messages.1.tool_calls.0.function.arguments")
 
 
 def test_generations_beyond_the_worker_queue_are_400_not_429(client):
