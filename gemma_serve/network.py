@@ -21,7 +21,6 @@ import socket
 
 import grpc
 
-
 #: Message size limits of every internal link (a Gemma vocabulary's token table is ~3 MB).
 _MESSAGE_LIMITS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 

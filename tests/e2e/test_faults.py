@@ -76,8 +76,7 @@ def test_kill_9_the_worker_mid_stream(fault_stack, model):
     killed = time.monotonic()
     for t in threads:
         t.join(60)
-    last_time, last = streamed[-1]
-    assert last == "[DONE]"
+    assert streamed[-1][1] == "[DONE]"
     err_time, err = streamed[-2]
     assert json.loads(err)["error"]["code"] == "backend_unavailable", err
     (unary_time, status, body), = unary

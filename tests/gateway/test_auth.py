@@ -134,7 +134,7 @@ def test_grpc_generate_needs_a_key_and_passes_its_tenant(monkeypatch):
                            ((("authorization", "Bearer key-b"),), grpc.StatusCode.INVALID_ARGUMENT)):
         ctx = _Context(metadata)
 
-        async def call():
+        async def call(ctx=ctx):
             async for _ in servicer.Generate(request, ctx):
                 pass
 
