@@ -2,7 +2,8 @@
 
 On SIGTERM the gateway stops admitting (`/v1` requests get an OpenAI-shaped 503 with `Connection: close`, gRPC
 `Generate` UNAVAILABLE, `/health` 503 "draining", so a load balancer moves on) and waits until the requests it was
-serving have finished, up to its drain timeout, before it exits.
+serving have finished, up to its drain timeout; then it cuts those still running (`cut`: each gets an error, a
+stream its final SSE error event) and exits.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ class Admission:
         self.draining = False
         self.active = 0
         self._idle: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.cutting = False
 
     def admit(self) -> None:
         """Raises:
@@ -33,9 +36,13 @@ class Admission:
         """Admit one request (`admit`) and count it while the block runs."""
         self.admit()
         self.active += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
         try:
             yield
         finally:
+            self._tasks.discard(task)
             self.active -= 1
             if self.active == 0 and self._idle is not None:
                 self._idle.set()
@@ -52,3 +59,13 @@ class Admission:
             return True
         except asyncio.TimeoutError:
             return False
+
+    async def cut(self, grace: float = 2.0) -> None:
+        """After a drain timed out: cancel the requests still running (each ends with an error: a JSON 503 or a
+        final SSE error event, see RequestGuard) and wait up to `grace` seconds for them to unwind."""
+        self.cutting = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)

@@ -71,7 +71,12 @@ def from_rpc_error(err: grpc.aio.AioRpcError, backend: str) -> ApiError:
     status = _HTTP_OF_GRPC.get(code, 500)
     details = err.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE:
-        return ApiError(503, f"the {backend} is unavailable: {details}", code="backend_unavailable")
+        # A backend's own reason ("... failed and is restarting", "... shutting down") is passed on; gRPC's
+        # transport details (addresses, ports, socket errors) are not: they are logged.
+        if details.startswith(("the model worker", "the tokenizer")):
+            return ApiError(503, f"the {backend} is unavailable: {details}", code="backend_unavailable")
+        log.warning("the %s is unavailable: %s", backend, details)
+        return ApiError(503, f"the {backend} is unavailable; retry shortly", code="backend_unavailable")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
         return ApiError(413, f"the request is too large for the {backend}", code="request_too_large")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

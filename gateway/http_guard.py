@@ -104,6 +104,11 @@ class RequestGuard:
                 await self.app(scope, receive, response.send)
         except ApiError as err:
             await response.error(err)
+        except asyncio.CancelledError:
+            if not self.admission.cutting:
+                raise  # the server or the client ended it
+            await response.error(ApiError(503, "the server shut down before this request finished; retry",
+                                          code="shutting_down", headers={"Connection": "close"}))
         except Exception:  # noqa: BLE001 - our bug: log it, answer a generic 500, keep the connection
             log.exception("request %s (%s %s) failed", rid, scope["method"], scope.get("path"))
             await response.error(ApiError(500, f"internal server error (request id {rid})", code="internal_error"))

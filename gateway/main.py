@@ -55,9 +55,10 @@ async def serve(args: argparse.Namespace) -> int:
     await grpc_server.start()
     holder: list[_Server] = []
     app = create_app(backends, limits, open_connections=lambda: len(holder[0].server_state.connections), keys=keys)
-    # uvicorn's own connection limit answers plain text; it is only a backstop far above ours (RequestGuard).
+    # uvicorn's own connection limit answers plain text; it is only a backstop far above ours (RequestGuard). Its
+    # graceful shutdown is short: the drain (gateway/admission.py) has already finished or cut every request.
     config = uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
-                            timeout_graceful_shutdown=5, limit_concurrency=2 * limits.max_connections + 64,
+                            timeout_graceful_shutdown=2, limit_concurrency=2 * limits.max_connections + 64,
                             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, http=GuardedH11Protocol)
     server = _Server(config)
     holder.append(server)
@@ -72,7 +73,8 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("draining: %d request(s) running, new ones refused (at most %.0f s)", backends.admission.active,
              args.drain_timeout)
     if not await backends.admission.drain(args.drain_timeout):
-        log.warning("drain timeout: %d request(s) still running are cut", backends.admission.active)
+        log.warning("drain timeout: cutting the %d request(s) still running", backends.admission.active)
+        await backends.admission.cut()
     log.info("shutting down")
     server.should_exit = True
     await http

@@ -59,3 +59,47 @@ def test_up_keeps_internal_services_on_loopback_and_passes_keys_by_environment()
     assert all("secret-key" not in " ".join(cmd) for cmd in cmds.values())  # never on a command line (ps)
     assert all(cmd[cmd.index("--drain-timeout") + 1] == "7.0" for cmd in cmds.values())
     assert connect_host("0.0.0.0") == "127.0.0.1" and connect_host("10.0.0.5") == "10.0.0.5"
+
+
+def test_a_drain_that_times_out_ends_running_streams_with_an_error_event():
+    """RequestGuard + Admission: a stream still running when the drain times out is cut at once and ends with an
+    SSE error event and [DONE] (not a silently truncated stream); a request arriving meanwhile gets a 503."""
+    from gateway.http_guard import RequestGuard
+    from gateway.limits import Limits
+
+    async def slow_stream(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(1000):
+            await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
+            await asyncio.sleep(0.01)
+
+    async def main():
+        adm = Admission()
+        guard = RequestGuard(slow_stream, Limits(), admission=adm)
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "method": "GET", "path": "/v1/x", "headers": []}
+        running = asyncio.ensure_future(guard(dict(scope), receive, send))
+        await asyncio.sleep(0.05)
+        assert not await adm.drain(timeout=0.05)
+        late: list[dict] = []
+
+        async def send_late(message):
+            late.append(message)
+
+        await guard(dict(scope), receive, send_late)
+        assert late[0]["status"] == 503 and b"shutting_down" in late[1]["body"]
+        await adm.cut()
+        await asyncio.wait_for(running, 2)
+        tail = sent[-1]
+        assert tail["more_body"] is False and b'"shutting_down"' in tail["body"]
+        assert tail["body"].rstrip().endswith(b"data: [DONE]")
+
+    asyncio.run(main())
