@@ -89,8 +89,8 @@ async def serve(args: argparse.Namespace) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("tokenizer service SERVING (%d tokens, template %s)", tok.vocab_size, template)
     await stop.wait()
-    log.info("shutting down")
-    await server.stop(2)
+    log.info("shutting down (running calls may finish within %.0f s)", args.drain_timeout)
+    await server.stop(args.drain_timeout)  # new calls are refused at once; returns as soon as the running ones end
     return 0
 
 
