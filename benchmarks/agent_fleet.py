@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Agent-fleet benchmark (issue 5): N concurrent multi-turn agents against any OpenAI-compatible server.
+"""Agent-fleet benchmark: N concurrent multi-turn agents against any OpenAI-compatible server.
 
 Not a test: prints a table and writes everything (per-request records too) to --json.
 

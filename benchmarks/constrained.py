@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Constrained vs unconstrained decoding throughput (issue 6), through the REST API of a running gemma-serve.
+"""Constrained vs unconstrained decoding throughput, through the REST API of a running gemma-serve.
 
 Not a test: prints a table and writes JSON. Usage (with `make serve` running):
 

@@ -9,7 +9,7 @@ fraction, with the bandwidth measured in the same run by a large on-device reduc
   python benchmarks/decode_step.py --model /path/to/ckpt    # a Gemma 4 checkpoint directory (e.g. synthetic E2B)
   python benchmarks/decode_step.py --batches 1 8 --kv 512 4096 --steps 20
 
-Target (issue 4, embedded model on a 2-core CPU): the B=8 step takes <= 2x the B=1 step.
+Target (embedded model on a 2-core CPU; docs/performance.md): the B=8 step takes <= 2x the B=1 step.
 """
 
 from __future__ import annotations

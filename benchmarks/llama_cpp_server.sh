@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp's llama-server as a reference server for benchmarks/agent_fleet.py (issue 5).
+# llama.cpp's llama-server as a reference server for benchmarks/agent_fleet.py.
 #
 # The llama.cpp sources come from the llama-cpp-python source distribution on PyPI (it vendors llama.cpp
 # under vendor/llama.cpp), so nothing but a package registry is needed. Everything lands in

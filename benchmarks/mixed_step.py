@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A mixed step (one slot's prompt chunk + a decode batch in one forward pass) against the same work as two
-programs, a compute chunk then a decode step (issue 5: the pause a new prompt causes in running streams).
+programs, a compute chunk then a decode step (the pause a new prompt causes in running streams).
 
 Not a test: prints a table (and writes JSON with --json) measured in one run. Per decode batch B, the rows decode
 at positions around `--position` and the chunk (another slot) sits at `--position` too. Each iteration is timed

@@ -1,4 +1,4 @@
-"""Constrained decoding for OpenAI `response_format` (issue 6): JSON answers that always parse and validate.
+"""Constrained decoding for OpenAI `response_format`: JSON answers that always parse and validate.
 
 OpenAI's Chat Completions API takes `response_format` = `{"type": "text"}` | `{"type": "json_object"}` |
 `{"type": "json_schema", "json_schema": {"name", "description"?, "schema", "strict"?}}` (docs/formats.md §5;

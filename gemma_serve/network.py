@@ -148,6 +148,18 @@ def check_internal_host(host: str, tls: InternalTls | None, insecure: bool, flag
             f"or --insecure-internal on a trusted network")
 
 
+def internal_server_tls(args: argparse.Namespace) -> InternalTls | None:
+    """The mutual TLS of an internal service (`worker`, `tokenizer`) bound to `args.host`, after refusing an unsafe
+    bind (`check_internal_host`).
+
+    Raises:
+      NetworkConfigError: for partial TLS flags, unreadable files or a non-loopback host without mutual TLS.
+    """
+    tls = InternalTls.from_args(args)
+    check_internal_host(args.host, tls, args.insecure_internal, "--host")
+    return tls
+
+
 def add_server_port(server, address: str, tls: InternalTls | None) -> None:
     """Listen on `address` with mutual TLS when `tls` is set, else in plain text.
 

@@ -10,7 +10,7 @@ Sources for the values:
     sliding_window 512, full attention at layers 5, 11, 17, no logit soft-capping) and llama.cpp
     `src/llama-model.cpp` (LLM_ARCH_GEMMA3), which hard-codes the values the GGUF omits: sliding-window pattern 6,
     local RoPE base 1e4, attention scale 1/sqrt(key_length), embedding scale sqrt(embedding_length).
-  * Gemma 4: ../shared/docs/gemma4-architecture.md (issue 3).
+  * Gemma 4: docs/gemma4-architecture.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Read compressed-tensors `pack-quantized` checkpoints (W4A16) into `Int4Weight`s, without torch.
 
-Format source: /work/shared/docs/formats.md §1 (layout, exact dequantization, pitfalls) and §2 (what Gemma 4 QAT
+Format source: docs/formats.md §1 (layout, exact dequantization, pitfalls) and §2 (what Gemma 4 QAT
 W4A16 checkpoints contain), checked against compressed-tensors 0.20 `compressors/pack_quantized/{base.py,
 helpers.py}` (`PackedQuantizationCompressor.compress/decompress`, `pack_to_int32`, `unpack_from_int32`) and
 `quantization/{quant_args.py,quant_config.py}`.

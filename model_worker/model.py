@@ -5,7 +5,7 @@ returns the logits and the updated cache; `forward_batches` runs several such ba
 step) in one pass over the weights. Padding is marked by position -1: padded tokens write nothing to the
 cache and their outputs are ignored. Valid tokens come first in every row, with consecutive positions.
 
-Math (Gemma 3: transformers `models/gemma3/modeling_gemma3.py`; Gemma 4: ../shared/docs/gemma4-architecture.md):
+Math (Gemma 3: transformers `models/gemma3/modeling_gemma3.py`; Gemma 4: docs/gemma4-architecture.md):
   x = embed[tokens] * sqrt(H)
   per layer: x = x + post_attn_norm(attn(input_norm(x)));  x = x + post_ffw_norm(mlp(pre_ffw_norm(x)))
   attn: q = rope(q_norm(x Wq)), k = rope(k_norm(x Wk)), v = x Wv; softmax(q kᵀ · scale + mask) v Wo

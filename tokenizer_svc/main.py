@@ -59,8 +59,7 @@ async def serve(args: argparse.Namespace) -> int:
     from tokenizer_svc.service import SERVICE_NAME, TokenizerServicer
 
     try:
-        tls = network.InternalTls.from_args(args)
-        network.check_internal_host(args.host, tls, args.insecure_internal, "--host")
+        tls = network.internal_server_tls(args)
     except network.NetworkConfigError as err:
         log.error("%s", err)
         return 2

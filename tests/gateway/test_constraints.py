@@ -1,4 +1,4 @@
-"""gateway.constraints: JSON answers that always parse and validate (issue 6).
+"""gateway.constraints: JSON answers that always parse and validate.
 
 The core check is model-free: for every schema of the corpus (tests/gateway/constraint_schemas.py) a sampler
 picks tokens at random among those the mask allows, feeds them back with advance(), and every finished output
