@@ -17,7 +17,7 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,10 +29,11 @@ from gateway.completions import ResponseIds, remember_answer, run_choices, usage
 from gateway.errors import ApiError
 from gateway.http_guard import RequestGuard
 from gateway.limits import Limits
-from gateway.logprobs import CompletionLogprobs, chat_content, visible
-from gateway.openai_types import ChatCompletionRequest, CompletionRequest, error_param
+from gateway.logprobs import CompletionLogprobs, TokenStrings, chat_content, visible
+from gateway.openai_types import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                  TokenizeRequest, TokenizeResponse, error_param)
 from gateway.openapi import openapi_schema
-from gateway.planner import Plan, plan_chat_completion, plan_completion
+from gateway.planner import Plan, detokenize, plan_chat_completion, plan_completion, tokenize
 from protos import tokenizer_pb2
 
 log = logging.getLogger("gemma_serve.gateway")
@@ -174,7 +175,28 @@ def create_app(backends: Backends, limits: Limits | None = None,
         work = _chat(backends, limits, body, request.state.tenant)
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
-    app.openapi = lambda: openapi_schema(app, backends, limits, keyed=bool(keys))
+    async def tenant_of(request: Request) -> str:
+        """The caller's tenant on /tokenize and /detokenize. They sit at the root, as vLLM serves them, outside
+        RequestGuard's `/v1` key check, but they expose the chat template and the answer history's exact ids, so
+        with API keys they need one too (401 before the body is validated)."""
+        return keys.tenant(request.headers.get("authorization")) if keys else ""
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_route(body: TokenizeRequest, tenant: str = Depends(tenant_of)):
+        """The prompt ids a request would use (vLLM's /tokenize): `prompt` as /v1/completions encodes it, or
+        `messages` (with tools, tool_choice, chat_template_kwargs, add_generation_prompt, continue_final_message)
+        exactly as /v1/chat/completions renders them, so `count` is its `usage.prompt_tokens`."""
+        ids, strs = await tokenize(backends, body, limits, tenant=tenant)
+        return {"count": len(ids), "max_model_len": backends.ready_facts().max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=[Depends(tenant_of)])
+    async def detokenize_route(body: DetokenizeRequest):
+        """The text of token ids, control tokens spelled out (vLLM's /detokenize)."""
+        return {"prompt": await detokenize(backends, body)}
+
+    app.openapi = lambda: openapi_schema(app, backends, limits, keyed=bool(keys),
+                                         keyed_paths=("/tokenize", "/detokenize"))
     asgi = app
     if limits.cors_origins:
         asgi = CORSMiddleware(asgi, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],
@@ -194,7 +216,8 @@ async def _completions(backends: Backends, limits: Limits, req: CompletionReques
     echoes = [await _echo_text(backends, p_ids, text) if req.echo else "" for p_ids, text in plan.prompts]
     if req.stream:
         stream = await _primed(run_choices(backends, plan.jobs))
-        return StreamingResponse(_completion_chunks(backends, ids, stream, req, echoes, plan.prompt_tokens),
+        return StreamingResponse(_completion_chunks(backends, ids, stream, req, echoes, plan.prompt_tokens,
+                                                    [job.prompt for job in plan.jobs]),
                                  media_type="text/event-stream")
     got = await _collect(run_choices(backends, plan.jobs), len(plan.jobs))
     facts = backends.ready_facts()
@@ -203,7 +226,7 @@ async def _completions(backends: Backends, limits: Limits, req: CompletionReques
         echo = echoes[i // req.n]
         lp = None
         if req.logprobs is not None:
-            lp = CompletionLogprobs(facts, req.logprobs, len(echo)).chunk(
+            lp = CompletionLogprobs(facts, req.logprobs, len(echo), plan.jobs[i].prompt).chunk(
                 visible(facts, got.tokens[i], req.skip_special_tokens))
         choices.append({"index": i, "text": echo + got.texts[i], "logprobs": lp, "finish_reason": got.finishes[i]})
     cached = sum(got.cached(p * req.n) for p in range(len(plan.prompts)))
@@ -253,7 +276,7 @@ async def _collect(stream, count: int, routes: list | None = None) -> _Gathered:
 
 
 async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: CompletionRequest, echoes,
-                             prompt_tokens: int):
+                             prompt_tokens: int, prompts: list[list[int]]):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
     facts = backends.ready_facts()
@@ -264,7 +287,8 @@ async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: 
             text = delta.text
             if index not in logprobs:
                 text = echoes[index // req.n] + text
-                logprobs[index] = CompletionLogprobs(facts, req.logprobs or 0, len(text) - len(delta.text))
+                logprobs[index] = CompletionLogprobs(facts, req.logprobs or 0, len(text) - len(delta.text),
+                                                     prompts[index])
             if delta.finish_reason:
                 completion_tokens += delta.usage.completion_tokens
                 cached += delta.usage.cached_tokens if index % req.n == 0 else 0
@@ -313,6 +337,7 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
     completion_tokens = cached = 0
     started = set()
     tokens: dict[int, list] = {}
+    strings: dict[int, TokenStrings] = {}  # logprob token strings continue across a choice's chunks
 
     def chunk(index, delta, finish=None, logprobs=None):
         return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -323,12 +348,13 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
             route = plan.routes[index]
             if index not in started:
                 started.add(index)
+                strings[index] = TokenStrings(facts, plan.jobs[index].prompt)
                 yield chunk(index, {"role": "assistant", "content": ""})
             tokens.setdefault(index, []).extend(delta.tokens)
             lp = None
             if req.logprobs:
                 lp = {"content": chat_content(facts, visible(facts, delta.tokens, req.skip_special_tokens),
-                                              req.top_logprobs or 0)}
+                                              req.top_logprobs or 0, strings[index])}
             out = route.feed(delta)
             if delta.finish_reason:
                 out += route.finish()

@@ -16,13 +16,16 @@ Per model family (ModelFacts.architecture):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
+from gateway.budget import BudgetedUnits, JsonArrayProgress
 from gateway.chat_output import GEMMA4_CHANNEL_CLOSE, GEMMA4_CHANNEL_OPEN, ChatRoute
 from gateway.clients import Backends, ModelFacts
-from gateway.constraints import Constraint, SchemaError, grammar_for_response_format
+from gateway.constraints import Constraint, SchemaError, grammar_for_json_schema, grammar_for_response_format
 from gateway.errors import ApiError
 from gateway.openai_types import ChatCompletionRequest
 from gateway.reasoning import ThoughtFirst
+from gateway.tool_parsers import Gemma3ToolCallParser, Gemma4ToolCallParser
 from gateway import tool_calls as tc
 
 THINKING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
@@ -42,6 +45,9 @@ class ChatPlan:
       banned_ids: token ids the answer may not contain (logit bias -inf).
       template_kwargs: options for the chat template (enable_thinking derived from reasoning_effort).
       param: the request field the grammar comes from ("response_format" or "tools"), named in errors.
+      unit_grammar: the grammar allowing at most N units — calls (parallel tool calls), or elements of a JSON
+        answer whose schema is an array — for budget-aware endings (gateway/budget.py); None: no units.
+      unit_kind: "tool_calls" | "json", the kind of unit (a metric label).
     """
 
     grammar: str | None = None
@@ -53,6 +59,8 @@ class ChatPlan:
     banned_ids: list[int] = dataclasses.field(default_factory=list)
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     param: str = "response_format"
+    unit_grammar: Callable[[int], str] | None = None
+    unit_kind: str = ""
 
     def request_stop_ids(self, facts: ModelFacts) -> list[int]:
         """Stop ids to add to the request: the plan's, and under a grammar also the model's own (a constraint
@@ -81,6 +89,8 @@ def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
         plan.grammar = grammar_for_response_format(req.response_format)
     except SchemaError as err:
         raise ApiError(400, str(err), param="response_format", code="unsupported_schema") from None
+    plan.unit_grammar = _array_units(req.response_format)
+    plan.unit_kind = "json" if plan.unit_grammar else ""
     tools = req.tools or []
     try:
         mode, _ = tc.resolve_tool_choice(tools, req.tool_choice)
@@ -102,6 +112,8 @@ def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
     except tc.ToolSchemaError as err:
         raise ApiError(400, err.message, param="tools", code="unsupported_schema") from None
     plan.grammar_ends = True
+    if parallel:
+        plan.unit_grammar, plan.unit_kind = (lambda n: build(tools, req.tool_choice, parallel, n)), "tool_calls"
     plan.param = "tools"
     plan.tool_format = "gemma4" if arch == "gemma4" else "gemma3"
     # The grammar's end tokens always stop generation, whatever the checkpoint's generation_config says.
@@ -129,17 +141,66 @@ def _thinking(req: ChatCompletionRequest, arch: str, kwargs: dict) -> bool:
 
 
 async def constraint_factory(backends: Backends, plan: ChatPlan):
-    """A function making one fresh constraint per choice for the plan's grammar, or None when unconstrained."""
+    """A function making one fresh constraint per choice for the plan's grammar, or None when unconstrained.
+    `make(budget)` takes the choice's max_tokens: parallel tool calls then end within it (gateway/budget.py).
+
+    Under thinking (reasoning.ThoughtFirst), the thought channel is free text in which the call markers
+    `<|tool_call>`/`<tool_call|>` are masked: a call is made only in the answer, after `<channel|>`, so a call is
+    never half in the thought (where it would be reasoning text) and never duplicated.
+    """
     if plan.grammar is None:
         return None
     tokenizer = await backends.grammar_tokenizer()
     facts = backends.ready_facts()
     stops = sorted(set(facts.stop_ids) | set(plan.stop_ids))
+    banned_in_thought = [tc.GEMMA4_TOOL_CALL, tc.GEMMA4_TOOL_CALL_END] if plan.tool_format == "gemma4" else []
 
-    def make():
-        inner = Constraint(tokenizer, plan.grammar, facts.vocab_size, stops, grammar_ends=plan.grammar_ends)
+    def build(max_units: int | None = None):
+        grammar = plan.grammar if max_units is None else plan.unit_grammar(max_units)
+        inner = Constraint(tokenizer, grammar, facts.vocab_size, stops, grammar_ends=plan.grammar_ends)
         if plan.thinking:
-            return ThoughtFirst(inner, facts.vocab_size, GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE, stops)
+            return ThoughtFirst(inner, facts.vocab_size, GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE,
+                                stops + banned_in_thought)
         return inner
 
+    def make(budget: int | None = None):
+        if plan.unit_grammar is None or budget is None:
+            return build()
+        if plan.tool_format == "gemma4":
+            parser, close = Gemma4ToolCallParser(control_ids=facts.special_ids), 1
+        elif plan.tool_format == "gemma3":
+            parser = Gemma3ToolCallParser(control_ids=facts.special_ids)
+            # `]}`, `<end_of_turn>`, and one spare token: a call's last brackets may split differently
+            close = len(tokenizer.tokenize_str(tc.GEMMA3_CALLS_CLOSE)) + 2
+        else:
+            parser, close = JsonArrayProgress(), 3  # `]`, the stop token, a spare one
+        ended = backends.metrics.budget_endings.labels(plan.unit_kind).inc
+        return BudgetedUnits(build, budget, parser, _TextBytes(facts), close, on_end=ended)
+
     return make
+
+
+def _array_units(response_format) -> Callable[[int], str] | None:
+    """For a json_schema whose top level is an array: the grammar of the same schema with at most n elements
+    (budget-aware endings); else None."""
+    spec = (response_format or {}).get("json_schema") if isinstance(response_format, dict) else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict) or schema.get("type") != "array" or not isinstance(schema.get("items"), dict):
+        return None
+
+    def capped(n: int) -> str:
+        if n < schema.get("minItems", 0):
+            raise ValueError(f"{n} elements are fewer than minItems")
+        return grammar_for_json_schema({**schema, "maxItems": min(schema.get("maxItems", n), n)})
+
+    return capped
+
+
+class _TextBytes:
+    """token id -> the bytes it adds to the answer's text (control tokens add none)."""
+
+    def __init__(self, facts: ModelFacts):
+        self._bytes, self._special = facts.token_bytes, facts.special_ids
+
+    def __getitem__(self, token: int) -> bytes:
+        return b"" if token in self._special else self._bytes[token]

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from gateway.clients import Backends
 from gateway.generate import Delta, generate
 from gateway.history import answer_key
+from gateway.tool_calls import GEMMA4_TOOL_CALL
 
 
 async def run_choices(backends: Backends, jobs: list) -> AsyncIterator[tuple[int, Delta]]:
@@ -64,17 +65,42 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 
 def remember_answer(backends: Backends, scope: str, route, delta: Delta, tokens: list, stop_ids: list[int]) -> None:
-    """Remember a whole answer's exact ids (all generated tokens but a final stop token) under its content and
-    tool calls, within `scope`, for later turns (gateway/history.py). Answers with a thought, cut by a stop string
-    or with a cut-off call are not remembered: the client cannot send them back as generated."""
-    if not delta.whole or route.reasoning or route.truncated:
-        return
+    """Remember an answer's exact ids under the message returned for it (content, tool calls, reasoning_content),
+    within `scope`, so that message sent back renders as generated (gateway/history.py) — every shape we return:
+    text, calls (parallel ones too), text and calls, a thought, content null, and answers cut by `max_tokens`
+    (a call cut off inside its arguments included).
+
+    The ids are all generated tokens but a final stop token (the template writes the end of the turn), cut to
+    what the client received: a stop string that cut the text leaves the ids of exactly the text returned (none
+    are remembered when that text ends inside a token), and a Gemma 4 call cut off before its name was complete
+    (so not returned) is left out. Inside a returned cut call the ids run to the cut, also where its JSON
+    arguments stop short of it (a key or number still being written): the model's own text."""
+    facts = backends.ready_facts()
     ids = [t.token_id for t in tokens]
-    if ids and ids[-1] in set(stop_ids) | set(backends.ready_facts().stop_ids):
+    if ids and ids[-1] in set(stop_ids) | set(facts.stop_ids):
         ids = ids[:-1]
     message = route.message()
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
-    backends.answers.remember(scope, answer_key(message["content"], calls), ids)
+    if not delta.whole and not route.truncated:  # a stop string cut the content (a cut call is returned whole)
+        ids = _ids_of_text(ids, message["content"] or "", facts)
+    if route.truncated and facts.architecture == "gemma4" and ids.count(GEMMA4_TOOL_CALL) > len(calls):
+        ids = ids[:len(ids) - ids[::-1].index(GEMMA4_TOOL_CALL) - 1]
+    if ids:
+        backends.answers.remember(scope, answer_key(message["content"], calls, message.get("reasoning_content")), ids)
+
+
+def _ids_of_text(ids: list[int], text: str, facts) -> list[int]:
+    """The prefix of `ids` whose text after its last control token is exactly `text` (the content a stop string
+    cut; a thought before it ends with a control token), or [] when none is."""
+    start = max((n + 1 for n, t in enumerate(ids) if t in facts.special_ids), default=0)
+    want, size = text.encode("utf-8"), 0
+    for n in range(start, len(ids) + 1):
+        if size == len(want):
+            return ids[:n] if b"".join(facts.token_bytes[t] for t in ids[start:n]) == want else []
+        if n == len(ids) or size > len(want):
+            return []
+        size += len(facts.token_bytes[ids[n]])
+    return []
 
 
 class ResponseIds:

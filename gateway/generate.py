@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import AsyncIterator
 
 import grpc
@@ -116,11 +117,16 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: i
 
 
 class _Stream:
-    """Per-request detokenization, stop strings and counting."""
+    """Per-request detokenization, stop strings and counting.
 
-    def __init__(self, backends: Backends, params: GenParams):
+    The detokenizer is primed with the prompt's dangling bytes (a completions prompt given as token ids may end
+    inside a character: gateway/detokenizer.py), so an answer that completes that character emits it whole.
+    Prompts from text or a chat template end on a character boundary, so priming changes nothing for them."""
+
+    def __init__(self, backends: Backends, params: GenParams, prompt_ids: Sequence[int] = ()):
         facts = backends.ready_facts()
         self.detok = IncrementalDetokenizer(facts.token_bytes, facts.special_ids, params.skip_special_tokens)
+        self.detok.prime(prompt_ids)
         self.stops = StopMatcher(params.stop)
         self.count = 0
         self.cached = 0
@@ -167,7 +173,7 @@ async def generate(
     facts = backends.ready_facts()
     max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, facts.max_model_len)
     rid = request_id or f"gen-{uuid.uuid4().hex}"
-    stream = _Stream(backends, params)
+    stream = _Stream(backends, params, prompt_ids)
     clock = _Clock(backends, constrained=params.constraint is not None)
     prefill = model_worker_pb2.PrefillRequest(
         request_id=rid,

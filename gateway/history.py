@@ -4,9 +4,10 @@ the model produced it.
 Agents resend the whole conversation every turn, the model's earlier answers included. Re-tokenizing an answer's
 text rarely gives back the same tokens (templates trim it; text can split differently), and then the new prompt
 departs from the KV the worker kept right where the answer starts, so the answer is recomputed every turn. The
-gateway remembers, for each answer it returned whole (no stop string cut it), its generated token ids under the
-answer as the client sees it — its `content` and its `tool_calls` (name and arguments text), so tool turns are
-found too — and passes the ids with any assistant message that carries exactly that answer
+gateway remembers, for every answer it returns (gateway/completions.py `remember_answer`: calls, a thought,
+answers cut by `max_tokens` or a stop string), its generated token ids under the answer as the client sees it —
+its `content`, its `tool_calls` (name and arguments text, a cut-off call's JSON prefix included) and its
+`reasoning_content` — and passes the ids with any assistant message that carries exactly that answer
 (`ChatMessage.generated_token_ids`).
 
 Safety. Entries are scoped: a request finds only answers remembered under its own scope (its API key's tenant and
@@ -32,10 +33,14 @@ def history_scope(tenant: str, cache_salt: str | None) -> str:
     return f"{tenant}\x00{cache_salt or ''}"
 
 
-def answer_key(content: str | None, tool_calls: list[tuple[str, str]] = ()) -> str:
-    """The lookup key of an assistant answer: its content (None for a tool-call answer without text) and its
-    calls' (name, arguments text), exactly as returned to the client."""
-    return json.dumps([content, [list(c) for c in tool_calls]], ensure_ascii=False, separators=(",", ":"))
+def answer_key(content: str | None, tool_calls: list[tuple[str, str]] = (), reasoning: str | None = None) -> str:
+    """The lookup key of an assistant answer: its content (None for a tool-call answer without text), its calls'
+    (name, arguments text) and its reasoning_content (None or "" for none), exactly as returned to the client.
+
+    The reasoning is part of the key because the ids hold the thought: a client that drops reasoning_content
+    sends another message (the template renders no thought for it), which must not get ids that write one."""
+    answer = [content, [list(c) for c in tool_calls]] + ([reasoning] if reasoning else [])
+    return json.dumps(answer, ensure_ascii=False, separators=(",", ":"))
 
 
 class AnswerHistory:

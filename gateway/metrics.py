@@ -4,7 +4,7 @@ Time to first token, inter-token latency and end-to-end latency are measured per
 them (from the request reaching the gateway), plus request counts by route template (`/v1/chat/completions`;
 `unmatched` for any unknown path, so junk URLs add no series) and HTTP status, the generations waiting for their
 first token and running (one per choice), and constrained decoding's token counts (constrained, forced, forced runs: forced tokens / generated tokens is the share of the
-answer the grammar wrote without the model).
+answer the grammar wrote without the model) and budget-aware endings.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class GatewayMetrics:
         self.forced_runs = Counter(p + "forced_runs", "Runs of forced tokens sent to the worker (computed in one "
                                    "compute step per chunk).", registry=r)
         self.forced_run_tokens = Counter(p + "forced_run_tokens", "Tokens in forced runs.", registry=r)
+        self.budget_endings = Counter(p + "budget_endings", "Constrained answers ended after a complete unit "
+                                      "because max_tokens could not fit another (gateway/budget.py), by kind "
+                                      "of unit.", ["kind"], registry=r)
 
     def exposition(self) -> tuple[bytes, str]:
         """(body, content type) of the /metrics response."""

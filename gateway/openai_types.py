@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt,
+                      StrictStr, Tag)
 
 from gateway.limits import MAX_NAME_CHARS
 
@@ -26,7 +27,7 @@ def _integral(value: Any) -> Any:
 
 
 _UNION_TAG = re.compile(r"^(?:constrained-\w+|function-\w+|(?:list|dict|tuple|set)\[.*\]|str|int|float|bool|"
-                        r"json-or-python\[.*\])$")
+                        r"json-or-python\[.*\]|tokenize-\w+)$")
 
 
 def error_param(loc: tuple) -> str | None:
@@ -153,22 +154,97 @@ class ChatMessage(_Body):
     reasoning_content: StrictStr | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
+class ChatPromptFields(_Body):
+    """The fields that decide a chat prompt's tokens, shared by chat completions and `/tokenize` (so a client
+    counts exactly the prompt a chat completion would use)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    #: OpenAI tool objects; `function.strict` (a bool) is accepted: every tool's schema is always enforced.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    #: vLLM: end the prompt with the start of the model's turn.
+    add_generation_prompt: StrictBool = True
+    #: vLLM: the final message (an assistant message) is a prefilled answer the model continues; its turn is left
+    #: open and no generation prompt follows. Both this and an explicit `add_generation_prompt: true` is a 400.
+    continue_final_message: StrictBool = False
+
+    def generation_prompt(self) -> bool:
+        """Whether the prompt ends with a generation prompt: `add_generation_prompt`, off when continuing the
+        final message (unless both were asked for, which the planner refuses)."""
+        return self.add_generation_prompt and not self.continue_final_message
+
+
+class ChatCompletionRequest(SamplingFields, ChatPromptFields):
+    """POST /v1/chat/completions."""
+
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
     logprobs: StrictBool = False
     top_logprobs: int_in(0, 20) | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def completion_limit(self) -> tuple[int | None, str]:
         """(the answer's token limit, the field that set it): `max_completion_tokens` wins over `max_tokens`."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+
+class TokenizeCompletionRequest(_Body):
+    """POST /tokenize with a raw prompt (vLLM's shape): the ids `/v1/completions` would use for it."""
+
+    model: Name | None = None
+    prompt: StrictStr
+    #: Prepend BOS (unless the text already starts with it), as a completion prompt gets.
+    add_special_tokens: StrictBool = True
+    #: Also return each id's vocabulary piece.
+    return_token_strs: StrictBool | None = False
+
+
+class TokenizeChatRequest(ChatPromptFields):
+    """POST /tokenize with chat messages (vLLM's shape): exactly the prompt ids `/v1/chat/completions` would use
+    for the same messages, tools, tool_choice, template kwargs and `cache_salt`."""
+
+    model: Name | None = None
+    #: The answer-history scope, as a chat completion's: remembered answers render as the ids they were generated as.
+    cache_salt: Name | None = None
+    #: Accepted for vLLM compatibility; the chat template already emits the prompt's one BOS, so nothing is added.
+    add_special_tokens: StrictBool = False
+    #: Also return each id's vocabulary piece.
+    return_token_strs: StrictBool | None = False
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "tokenize-chat" if isinstance(body, dict) and "messages" in body else "tokenize-prompt"
+
+
+#: The body of POST /tokenize: the chat form when it has `messages`, else the prompt form.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("tokenize-prompt")] | Annotated[TokenizeChatRequest, Tag("tokenize-chat")],
+    Discriminator(_tokenize_kind),
+]
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's shape): token ids -> text, control tokens spelled out."""
+
+    model: Name | None = None
+    tokens: Annotated[list[TokenId], Field(min_length=1)]
+
+
+class TokenizeResponse(BaseModel):
+    """The answer of POST /tokenize (vLLM's shape): the ids, their count, the context length to compare with."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    #: Each id's vocabulary piece, with `return_token_strs: true`.
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    """The answer of POST /detokenize (vLLM's shape)."""
+
+    prompt: str

@@ -11,6 +11,8 @@
   objects. What a schema cannot say (roles alternating later on, a tool message following its call) is checked
   by the chat template, and a 400 names it.
 - Streamed answers are `text/event-stream` (declared on the routes).
+- `/tokenize` (a raw prompt, or chat messages described as for chat completions) and `/detokenize` are documented
+  with vLLM's request and response shapes; with API keys they declare bearer authentication like the `/v1` routes.
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ def _bound_max_tokens(schemas: dict, cap: int | None) -> None:
 def _message_schemas(schemas: dict) -> None:
     """ChatMessage as OpenAI documents it, one schema per role: system, developer and user messages carry content;
     an assistant message content or tool calls; a tool message answers a tool_call_id. (The order rules of a
-    conversation — a tool message follows its call — cannot be written in a schema; the template checks them.)"""
+    conversation — a tool message follows its call — cannot be written in a schema; the template checks them.)
+    Tools as OpenAI's tool objects (`strict` included). Both chat request models (chat completions, /tokenize's
+    chat form) get the same messages, tools and tool_choice."""
     base = schemas.get("ChatMessage")
     if base is None:
         return
@@ -91,7 +95,7 @@ def _message_schemas(schemas: dict) -> None:
     ]}
     # A conversation starts with a user message, after at most one system (or developer) message.
     message = {"$ref": "#/components/schemas/ChatMessage"}
-    chat = schemas["ChatCompletionRequest"]["properties"]
+    chat: dict = {}  # the fields of both chat request models (chat completions, /tokenize's chat form)
     chat["messages"] = {"title": "Messages", "anyOf": [
         {"type": "array", "minItems": 1, "prefixItems": [{"$ref": "#/components/schemas/UserMessage"}],
          "items": message},
@@ -111,7 +115,11 @@ def _message_schemas(schemas: dict) -> None:
             "function": {"type": "object", "required": ["name"], "properties": {
                 "name": {"type": "string", "pattern": "^[A-Za-z0-9_.\\-]{1,64}$"},
                 "description": {"type": "string"},
-                "parameters": {"type": "object"}}}}}}, {"type": "null"}]}
+                "parameters": {"type": "object"},
+                "strict": {"type": ["boolean", "null"]}}}}}}, {"type": "null"}]}
+    for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
+        if name in schemas:
+            schemas[name]["properties"].update(chat)
 
 
 def _model_facts(schemas: dict, facts) -> None:
@@ -124,20 +132,25 @@ def _model_facts(schemas: dict, facts) -> None:
     for option in completion["prompt"]["anyOf"]:  # several prompts: strings, or token-id lists
         if option.get("type") == "array" and option["items"].get("type") in ("string", "array"):
             option["maxItems"] = max(facts.max_waiting, 1)
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        props = schemas[name]["properties"]
-        props["model"] = {"anyOf": [{"type": "string", "enum": [facts.name]}, {"type": "null"}], "title": "Model",
-                          "description": "The served model id (any other is a 404)."}
-        bias = props["logit_bias"]["anyOf"][0]
-        bias["propertyNames"] = {"pattern": f"^{int_range_regex(0, facts.vocab_size - 1)}$"}
-    if facts.architecture != "gemma4":  # no thinking mode: only the efforts that turn it off
-        effort = schemas["ChatCompletionRequest"]["properties"]["reasoning_effort"]
-        effort["anyOf"][0]["enum"] = ["none", "minimal"]
+    for name in ("CompletionRequest", "ChatCompletionRequest", *_ROOT_REQUESTS):
+        props = schemas.get(name, {}).get("properties", {})
+        if "model" in props:
+            props["model"] = {"anyOf": [{"type": "string", "enum": [facts.name]}, {"type": "null"}],
+                              "title": "Model", "description": "The served model id (any other is a 404)."}
+        if "logit_bias" in props:
+            bias = props["logit_bias"]["anyOf"][0]
+            bias["propertyNames"] = {"pattern": f"^{int_range_regex(0, facts.vocab_size - 1)}$"}
+        if facts.architecture != "gemma4" and "reasoning_effort" in props:  # only the efforts that turn it off
+            props["reasoning_effort"]["anyOf"][0]["enum"] = ["none", "minimal"]
 
 
-def openapi_schema(app, backends, limits, keyed: bool = False) -> dict:
-    """The OpenAPI document of `app` (cached once the model is known); with `keyed`, the `/v1` operations declare
-    bearer authentication and their 401."""
+#: The request models of the routes at the root (vLLM's /tokenize and /detokenize).
+_ROOT_REQUESTS = ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest")
+
+
+def openapi_schema(app, backends, limits, keyed: bool = False, keyed_paths: tuple[str, ...] = ()) -> dict:
+    """The OpenAPI document of `app` (cached once the model is known); with `keyed`, the `/v1` operations and
+    those of `keyed_paths` declare bearer authentication and their 401."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
@@ -149,7 +162,7 @@ def openapi_schema(app, backends, limits, keyed: bool = False) -> dict:
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             errors = dict(_ERRORS)
-            if keyed and route.startswith("/v1/"):
+            if keyed and (route.startswith("/v1/") or route in keyed_paths):
                 op["security"] = [{"apiKey": []}]
                 errors["401"] = "missing or wrong API key"
             for status, text in errors.items():

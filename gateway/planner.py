@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
+import re
 import types
 import uuid
 
@@ -27,13 +28,17 @@ from gateway.errors import ApiError
 from gateway.generate import GenParams, resolve_max_tokens
 from gateway.history import answer_key, history_scope
 from gateway.limits import MAX_JSON_DEPTH, MAX_SCHEMA_BYTES, JsonError, Limits, check_field, json_depth, parse_json
-from gateway.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.openai_types import (ChatCompletionRequest, ChatPromptFields, CompletionRequest, DetokenizeRequest,
+                                  SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest)
+from gateway.tool_calls import resolve_tool_choice
 from protos import common_pb2, tokenizer_pb2
+from tokenizer_svc.chat_template import scan_json_prefix
 
 #: Grammar compilation (schema checks, llguidance compile, first masks) runs here, off the event loop; two
 #: threads, so a client's costly schema (bounded by MAX_SCHEMA_BYTES and llguidance's budgets) takes at most two
 #: of the gateway's cores from the rest.
 _COMPILE_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclasses.dataclass
@@ -112,20 +117,67 @@ async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, l
     check_request(req, max_tokens, param, limits)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-    if len(req.messages) > limits.max_messages:
-        raise ApiError(400, f"at most {limits.max_messages} messages are allowed, got {len(req.messages)}",
-                       param="messages")
-    if req.tools is not None and len(req.tools) > limits.max_tools:
-        raise ApiError(400, f"at most {limits.max_tools} tools are allowed, got {len(req.tools)}", param="tools")
+    check_chat_prompt_fields(req, limits)
     _check_choices(1, req.n, backends.ready_facts())
     _check_token_ids(req, backends.ready_facts())
-    _check_tool_call_arguments(req)
     model = check_model(backends, req.model)
     chat = await _chat_plan(backends, req)
     scope = history_scope(tenant, req.cache_salt)
     prompt = await _chat_prompt(backends, req, chat.template_kwargs, scope)
     return await _finish(backends, req, limits, model, [(prompt, "")], max_tokens, param, req.top_logprobs or 0,
                          chat, call_prefix, request_id, scope)
+
+
+async def tokenize(backends: Backends, req: TokenizeCompletionRequest | TokenizeChatRequest, limits: Limits,
+                   tenant: str = "") -> tuple[list[int], list[str] | None]:
+    """`POST /tokenize`: the prompt ids the matching endpoint would use — a raw prompt's as `/v1/completions`
+    encodes it (control tokens parsed; BOS with `add_special_tokens`), chat messages' as `/v1/chat/completions`
+    renders them (the same checks, chat plan and `_chat_prompt`, so `usage.prompt_tokens` equals the count).
+    A prompt longer than max_model_len is counted, not refused (the body limit bounds the work).
+
+    Returns:
+      (ids, each id's vocabulary piece when `return_token_strs`, else None).
+    Raises:
+      ApiError: 400 for bad fields (as chat completions name them) or both `prompt` and `messages`; 404 for
+        another model; 503 while a backend is away.
+    """
+    if isinstance(req, TokenizeChatRequest):
+        if "prompt" in (req.model_extra or {}):
+            raise ApiError(400, "give either prompt or messages, not both", param="prompt")
+        check_chat_prompt_fields(req, limits)
+        check_model(backends, req.model)
+        fields = types.SimpleNamespace(response_format=None, tools=req.tools, tool_choice=req.tool_choice,
+                                       parallel_tool_calls=None, chat_template_kwargs=req.chat_template_kwargs,
+                                       reasoning_effort=req.reasoning_effort)
+        chat = await _chat_plan(backends, fields)
+        ids = await _chat_prompt(backends, req, chat.template_kwargs, history_scope(tenant, req.cache_salt),
+                                 check_size=False)
+    else:
+        check_model(backends, req.model)
+        ids = await _encode(backends, req.prompt, req.add_special_tokens)
+    if not req.return_token_strs:
+        return ids, None
+    reply = await backends.call("tokenizer service", backends.tokenizer.Decode(
+        tokenizer_pb2.DecodeTokensRequest(token_ids=ids, return_token_strs=True)))
+    return ids, list(reply.token_strs)
+
+
+async def detokenize(backends: Backends, req: DetokenizeRequest) -> str:
+    """`POST /detokenize`: the text of token ids, control tokens spelled out (as vLLM's, which decodes with
+    transformers' defaults).
+
+    Raises:
+      ApiError: 400 for an id outside the vocabulary (naming its index), 404 for another model, 503 while the
+        tokenizer service is away.
+    """
+    check_model(backends, req.model)
+    vocab = backends.ready_facts().vocab_size
+    for i, token in enumerate(req.tokens):
+        if token >= vocab:
+            raise ApiError(400, f"tokens.{i}: token id {token} is out of range [0, {vocab})", param=f"tokens.{i}")
+    reply = await backends.call("tokenizer service", backends.tokenizer.Decode(
+        tokenizer_pb2.DecodeTokensRequest(token_ids=req.tokens, skip_special_tokens=False)))
+    return reply.text
 
 
 # --------------------------------------------------------------------------------------------- common checks
@@ -195,20 +247,97 @@ def _check_choices(prompts: int, n: int, facts: ModelFacts) -> None:
                             "allowed per request on this server", param="n" if n > cap or prompts == 1 else "prompt")
 
 
+def check_chat_prompt_fields(req: ChatPromptFields, limits: Limits) -> None:
+    """Checks of the fields that make a chat prompt (chat completions and `/tokenize` alike), needing no backend.
+
+    Raises:
+      ApiError: 400 for more messages or tools than the limits allow, a non-boolean `tools[].function.strict`,
+        tool-call arguments nested too deeply, or a `continue_final_message` that cannot apply.
+    """
+    if len(req.messages) > limits.max_messages:
+        raise ApiError(400, f"at most {limits.max_messages} messages are allowed, got {len(req.messages)}",
+                       param="messages")
+    if req.tools is not None and len(req.tools) > limits.max_tools:
+        raise ApiError(400, f"at most {limits.max_tools} tools are allowed, got {len(req.tools)}", param="tools")
+    for i, tool in enumerate(req.tools or []):
+        function = tool.get("function")
+        strict = function.get("strict") if isinstance(function, dict) else None
+        if strict is not None and not isinstance(strict, bool):
+            param = f"tools.{i}.function.strict"
+            raise ApiError(400, f"{param} must be a boolean", param=param)
+    _check_tool_call_arguments(req)
+    _check_continuation(req)
+
+
+def _check_continuation(req: ChatPromptFields) -> None:
+    """`continue_final_message` (vLLM) needs a final assistant message with text to continue, and excludes an
+    explicit `add_generation_prompt: true` (vLLM's message).
+
+    Raises:
+      ApiError: 400 naming `continue_final_message` or `messages`.
+    """
+    if not req.continue_final_message:
+        return
+    if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                       param="continue_final_message")
+    last, index = req.messages[-1], len(req.messages) - 1
+    if last.role != "assistant":
+        raise ApiError(400, f"continue_final_message: the final message must be an assistant message (the answer "
+                            f"to continue), got role {last.role!r}", param="messages")
+    if last.tool_calls:
+        raise ApiError(400, "continue_final_message: only an answer's text can be continued, and the final "
+                            "message has tool_calls", param=f"messages.{index}.tool_calls")
+    if last.content is None or last.content == []:
+        raise ApiError(400, "continue_final_message: the final message has no content to continue",
+                       param=f"messages.{index}.content")
+
+
 def _check_tool_call_arguments(req: ChatCompletionRequest) -> None:
-    """Tool-call `arguments` sent back are JSON text inside the body: bound their nesting, and refuse text no
-    tokenizer can encode. Malformed JSON is left to the chat template, which names the problem."""
+    """Tool-call `arguments` sent back are JSON text inside the body: bound their nesting, refuse text no tokenizer
+    can encode, and require a JSON object — or, for an assistant message's last call, a prefix of one: the call
+    an answer cut off by `max_tokens` returns (tokenizer_svc/chat_template.py renders it as generated). Anything
+    else could never have come from this server.
+
+    Raises:
+      ApiError: 400 naming the field (`messages.I.tool_calls.J.function.arguments`).
+    """
     for i, m in enumerate(req.messages):
-        for j, call in enumerate(m.tool_calls or []):
+        calls = m.tool_calls or []
+        for j, call in enumerate(calls):
             param = f"messages.{i}.tool_calls.{j}.function.arguments"
             text = call.function.arguments
             if json_depth(text) > MAX_JSON_DEPTH:
                 raise ApiError(400, f"{param}: JSON nested deeper than {MAX_JSON_DEPTH} levels", param=param)
+            if not text.strip():
+                continue  # no arguments
             try:
-                parse_json(text)
+                value = parse_json(text)
             except JsonError as err:
                 if not err.syntax:
                     raise ApiError(400, f"{param}: {err}", param=param) from None
+                if not (m.role == "assistant" and j == len(calls) - 1 and _cut_off_arguments(text, param)):
+                    raise ApiError(400, f"{param}: the arguments are not valid JSON ({err}); only an answer's "
+                                        "last call, cut off by max_tokens, may end early", param=param) from None
+                continue
+            if not isinstance(value, dict):
+                raise ApiError(400, f"{param}: the arguments must be a JSON object, got {type(value).__name__}",
+                               param=param)
+
+
+def _cut_off_arguments(text: str, param: str) -> bool:
+    """True when `text` is a prefix of a JSON object (with no lone surrogate in its strings).
+
+    Raises:
+      ApiError: 400 naming `param` for a lone surrogate.
+    """
+    try:
+        items, _ = scan_json_prefix(text)
+    except ValueError:
+        return False
+    if any(kind in ("key", "string") and _SURROGATE.search(value) for kind, value, _ in items):
+        raise ApiError(400, f"{param}: a string holds a lone surrogate", param=param)
+    return True
 
 
 def _prompt_items(prompt) -> list:
@@ -242,14 +371,19 @@ def _check_prompt_bytes(size: int, facts: ModelFacts, param: str) -> None:
                        code="context_length_exceeded")
 
 
+async def _encode(backends: Backends, text: str, add_bos: bool) -> list[int]:
+    """A raw prompt's ids: control tokens written in it parsed, BOS prepended with `add_bos` (exactly one)."""
+    reply = await backends.call("tokenizer service", backends.tokenizer.Encode(
+        tokenizer_pb2.EncodeRequest(text=text, add_bos=add_bos, parse_special=True)))
+    return list(reply.token_ids)
+
+
 async def _completion_prompt(backends: Backends, item) -> tuple[list[int], str]:
     """One completion prompt as (ids, text): text gets BOS and control-token parsing; ids are checked."""
     facts = backends.ready_facts()
     if isinstance(item, str):
         _check_prompt_bytes(len(item.encode("utf-8")), facts, "prompt")
-        reply = await backends.call("tokenizer service", backends.tokenizer.Encode(
-            tokenizer_pb2.EncodeRequest(text=item, add_bos=True, parse_special=True)))
-        return list(reply.token_ids), item
+        return await _encode(backends, item, add_bos=True), item
     if not item:
         raise ApiError(400, "prompt token lists must not be empty", param="prompt")
     bad = [t for t in item if not 0 <= t < facts.vocab_size]
@@ -259,8 +393,8 @@ async def _completion_prompt(backends: Backends, item) -> tuple[list[int], str]:
 
 
 def message_to_pb(m, answers=None, scope: str = "") -> tokenizer_pb2.ChatMessage:
-    """OpenAI ChatMessage -> tokenizer proto; an assistant answer we generated (looked up by its content and tool
-    calls in `answers`, within `scope`) carries its exact token ids."""
+    """OpenAI ChatMessage -> tokenizer proto; an assistant answer we generated (looked up by its content, tool
+    calls and reasoning_content in `answers`, within `scope`: gateway/history.py) carries its exact token ids."""
     pb = tokenizer_pb2.ChatMessage(role=m.role, name=m.name or "", tool_call_id=m.tool_call_id or "",
                                    reasoning_content=m.reasoning_content or "")
     if isinstance(m.content, str):
@@ -272,28 +406,38 @@ def message_to_pb(m, answers=None, scope: str = "") -> tokenizer_pb2.ChatMessage
         pb.tool_calls.append(tokenizer_pb2.ToolCall(id=call.id, name=call.function.name,
                                                     arguments_json=call.function.arguments))
     if answers is not None and m.role == "assistant" and (m.content is None or isinstance(m.content, str)):
-        exact = answers.lookup(scope, answer_key(m.content, calls))
+        exact = answers.lookup(scope, answer_key(m.content, calls, m.reasoning_content))
         if exact:
             pb.generated_token_ids.extend(exact)
     return pb
 
 
-async def _chat_prompt(backends: Backends, req: ChatCompletionRequest, template_kwargs: dict,
-                       scope: str) -> list[int]:
+async def _chat_prompt(backends: Backends, req: ChatPromptFields, template_kwargs: dict, scope: str,
+                       check_size: bool = True) -> list[int]:
     """Render the conversation (and `req.tools`) with the model's chat template (answers sent back carry the
-    exact ids remembered within the answer-history `scope`).
+    exact ids remembered within the answer-history `scope`). The template learns the resolved tool_choice (the
+    Gemma 3 prompt under "none" describes the tools without inviting a call) and whether the prompt ends with a
+    generation prompt or inside the final message (`continue_final_message`). `req` has been checked
+    (`check_chat_prompt_fields`, and its tool_choice by the chat plan).
 
+    Args:
+      check_size: refuse text that cannot fit max_model_len before tokenizing it (off for `/tokenize`, which
+        counts any prompt the body limit lets through).
     Raises:
       ApiError: 400 when the text cannot fit max_model_len, or the template cannot render it (the tokenizer
         service names the problem).
     """
     facts = backends.ready_facts()
-    _check_prompt_bytes(sum(_text_bytes(m) for m in req.messages), facts, "messages")
+    if check_size:
+        _check_prompt_bytes(sum(_text_bytes(m) for m in req.messages), facts, "messages")
+    mode, _ = resolve_tool_choice(req.tools or [], req.tool_choice)
     request = tokenizer_pb2.ChatTemplateRequest(
         messages=[message_to_pb(m, backends.answers, scope) for m in req.messages],
-        add_generation_prompt=True,
+        add_generation_prompt=req.generation_prompt(),
         tools_json=json.dumps(req.tools) if req.tools else "",
         template_kwargs_json=json.dumps(template_kwargs) if template_kwargs else "",
+        continue_final_message=req.continue_final_message,
+        tool_choice=mode,
     )
     reply = await backends.call("tokenizer service", backends.tokenizer.ApplyChatTemplate(request))
     return list(reply.token_ids)
@@ -343,20 +487,23 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model
             jobs.append(Job(p * req.n + j, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
     if factory is not None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(_COMPILE_POOL, _attach_constraints, jobs, factory, chat.param)
+        await loop.run_in_executor(_COMPILE_POOL, _attach_constraints, jobs, factory, chat.param,
+                                   facts.max_model_len)
     routes = [chat.route(facts, req.stop_list(), f"{call_prefix}{job.index}_") for job in jobs]
     return Plan(model, prompts, req.n, jobs, chat, routes, scope)
 
 
-def _attach_constraints(jobs: list[Job], factory, param: str) -> None:
-    """Give each job a fresh constraint and its first mask (compiling the matcher on first use).
+def _attach_constraints(jobs: list[Job], factory, param: str, max_model_len: int) -> None:
+    """Give each job a fresh constraint (knowing the job's token budget: gateway/budget.py) and its first mask
+    (compiling the matcher on first use).
 
     Raises:
       ApiError: 400 naming `param` when the grammar exceeds llguidance's budget or does not compile.
     """
     for job in jobs:
+        budget = job.params.max_tokens if job.params.max_tokens is not None else max_model_len - len(job.prompt)
         try:
-            constraint = factory()
+            constraint = factory(budget)
             job.params.initial_mask = constraint.mask()
         except (ConstraintError, ValueError) as err:
             raise ApiError(400, f"{param}: the grammar cannot be used: {err}", param=param,

@@ -9,7 +9,7 @@ is reasoning with the `thought\\n` label removed.
 
 from __future__ import annotations
 
-import codecs
+from gateway.detokenizer import Utf8Decoder
 
 LABEL = "thought\n"
 
@@ -24,7 +24,7 @@ class ReasoningRouter:
         self.open_id, self.close_id = open_id, close_id
         self.inside = False
         self._label = ""  # reasoning text held until we know whether it starts with the label
-        self._decoders = {k: codecs.getincrementaldecoder("utf-8")(errors="replace") for k in ("r", "c")}
+        self._decoders = {k: Utf8Decoder() for k in ("r", "c")}  # reasoning, content
 
     def push(self, token_id: int) -> tuple[str, str]:
         """Add one token; returns (reasoning delta, content delta)."""
@@ -49,11 +49,12 @@ class ReasoningRouter:
         return text, ""
 
     def flush(self) -> tuple[str, str]:
-        """End of generation: any held text."""
-        reasoning = self._decoders["r"].decode(b"", final=True)
+        """End of generation: any held text (an incomplete trailing character is dropped, never U+FFFD:
+        gateway/detokenizer.py)."""
+        reasoning = self._decoders["r"].flush()
         if self._label and not LABEL.startswith(self._label):  # a bare (partial) label is not reasoning
             reasoning = self._label + reasoning
-        return reasoning, self._decoders["c"].decode(b"", final=True)
+        return reasoning, self._decoders["c"].flush()
 
 
 class ThoughtFirst:
@@ -68,7 +69,8 @@ class ThoughtFirst:
 
     def __init__(self, inner, vocab_size: int, open_id: int, close_id: int, stop_ids: list[int]):
         """Args: inner: the answer's constraint; vocab_size: mask width in tokens; open_id/close_id: the channel
-        markers' ids; stop_ids: tokens not allowed inside the thought (they would end the turn)."""
+        markers' ids; stop_ids: tokens not allowed inside the thought (the stop ids, which would end the turn,
+        and any the caller bans there, e.g. the tool-call markers)."""
         self.inner, self.open_id, self.close_id = inner, open_id, close_id
         self.vocab_size = vocab_size
         self.state = "start"

@@ -42,12 +42,20 @@ grammars define a plain-text JSON convention:
        List several calls to run them in parallel. Otherwise answer normally. Tool results come back in the next
        user turn.
 
-   followed by a blank line and the user's text.
+   followed by a blank line and the user's text. Under `tool_choice: "none"` the tools are still described, as
+   OpenAI does, but nothing invites a call (the instructions and their `{"tool_calls"` example are left out, so
+   the model has no call syntax to copy into its text)::
+
+       These tools exist but cannot be called in this answer. Each line is one tool's name, description and JSON Schema parameters:
+       {"name": "get_weather", "description": "Get the weather.", "parameters": {...}}
+       ...
+
+   The gateway passes the resolved mode to the template (`ChatTemplateRequest.tool_choice`).
 2. **Calls.** The whole model answer is exactly
    `{"tool_calls": [{"name": "NAME", "arguments": ARGS}, {"name": ..., "arguments": ...}]}` (separators `", "` and
    `": "`, no other whitespace outside ARGS) followed by `<end_of_turn>`. ARGS is a JSON object valid against the
    tool's schema, written with `", "` / `": "` separators and properties in the schema's order. With
-   `tool_choice: "auto"` the answer is either that object or plain text that does not start with `{`.
+   `tool_choice: "auto"` the answer is text, optionally followed by that object (see "Lazy trigger" below).
 3. **History.** An assistant message with `tool_calls` renders as that same JSON object, each call's `arguments`
    string inserted verbatim (so an answer sent back unchanged re-renders exactly as generated); text content, if
    any, comes first, followed by a blank line.
@@ -96,8 +104,19 @@ exactly one call when `parallel` is false):
 - named `{"type": "function", "function": {"name": X}}`: `start: CALL_X+ <[50]>` (one call without `parallel`).
 
 Gemma 3 (CALLS_JSON = the object of point 2; `<[106]>` = `<end_of_turn>`): `"none"` -> None; `"auto"` ->
-`start: TEXT_NOT_STARTING_WITH_BRACE? <[106]> | CALLS_JSON <[106]>`; `"required"` -> `start: CALLS_JSON <[106]>`;
-named -> the same with only tool X. Grammars are cached by a hash of (format, tools, tool_choice, parallel).
+`start: TEXT <[106]> | head CALLS_REST <[106]>` with `head[lazy]: TEXT "{\"tool_calls\""` (below);
+`"required"` -> `start: CALLS_JSON <[106]>`; named -> the same with only tool X. Grammars are cached by a hash of
+(format, tools, tool_choice, parallel, max calls).
+
+Lazy trigger (`tool_choice: "auto"`, both formats; llguidance's lazy lexemes, the technique
+llama.cpp calls lazy grammars): a call may start anywhere in the answer. Text before it is free — any bytes, as
+without tools — until the call's trigger appears: for Gemma 4 the `<|tool_call>` control token, for Gemma 3 the
+text `GEMMA3_CALL_TRIGGER` (`{"tool_calls"`), matched on bytes at any token boundary, also when it is split over
+several tokens or a token holds text before it. From the trigger on, the rest of the call is held to the tools'
+grammar (a token that would complete the trigger and continue it wrongly is masked), parsed incrementally and
+streamed as `tool_calls` deltas; the text before it is `content`. Consequence: prose that happens to contain the
+trigger becomes a call (for Gemma 3, a `{"tool_calls"` written as an example in an answer is treated as the
+start of a call and must be completed as one). After the calls object only the end of turn may follow.
 
 Parallel calls are capped at MAX_PARALLEL_CALLS per answer in both formats: a greedy base model (the embedded Gemma
 3, asked `tool_choice: "required"`) otherwise repeats the same call until `max_tokens` (seen: 446 identical calls,
@@ -142,6 +161,8 @@ GEMMA3_CONTROL_IDS = frozenset({0, 1, 2, 3, 105, 106})
 # The Gemma 3 call JSON (the template in tokenizer_svc/chat_template.py writes the same text).
 GEMMA3_CALLS_OPEN = '{"tool_calls": ['
 GEMMA3_CALLS_CLOSE = "]}"
+GEMMA3_CALL_TRIGGER = '{"tool_calls"'
+"""The text that starts a Gemma 3 call object in an `auto` answer (a prefix of GEMMA3_CALLS_OPEN)."""
 GEMMA3_CALL_SEPARATOR = ", "
 GEMMA3_ARGS_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
                        "coerce_one_of": True}  # oneOf alternatives are checked to be disjoint first
@@ -819,8 +840,9 @@ _NO_GRAMMAR = ""  # cached "no grammar" (tool_choice none)
 MAX_PARALLEL_CALLS = 16
 
 
-def _cached(kind: str, tools: list[dict], tool_choice: Any, parallel: bool, build: Callable[[], str | None]):
-    key = hashlib.sha256(json.dumps([kind, tools, tool_choice, bool(parallel)], separators=(",", ":"),
+def _cached(kind: str, tools: list[dict], tool_choice: Any, parallel: bool, build: Callable[[], str | None],
+            max_calls: int = MAX_PARALLEL_CALLS):
+    key = hashlib.sha256(json.dumps([kind, tools, tool_choice, bool(parallel), max_calls], separators=(",", ":"),
                                     ensure_ascii=False, default=repr).encode()).hexdigest()
     grammar = _CACHE.get(key)
     if grammar is None:
@@ -829,15 +851,18 @@ def _cached(kind: str, tools: list[dict], tool_choice: Any, parallel: bool, buil
     return grammar or None
 
 
-def gemma4_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: bool = True) -> str | None:
+def gemma4_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: bool = True,
+                        max_calls: int = MAX_PARALLEL_CALLS) -> str | None:
     """The llguidance Lark grammar of a Gemma 4 answer under `tool_choice` (see the module docstring), or None
-    for "none" (then the gateway bans `GEMMA4_NONE_BANNED_IDS`). Cached by a hash of the arguments.
+    for "none" (then the gateway bans `GEMMA4_NONE_BANNED_IDS`). At most `max_calls` calls (1..MAX_PARALLEL_CALLS;
+    1 without `parallel`): a budget-aware ending lowers it (gateway/budget.py). Cached by a hash of the arguments.
 
     Raises:
       ToolSchemaError: a tool or its schema cannot be enforced (the error names the keyword and path).
       ToolChoiceError: tool_choice is malformed or names an unknown tool.
     """
-    return _cached("gemma4", tools, tool_choice, parallel, lambda: _build_gemma4(tools, tool_choice, parallel))
+    return _cached("gemma4", tools, tool_choice, parallel,
+                   lambda: _build_gemma4(tools, tool_choice, parallel, max_calls), max_calls)
 
 
 def _callable(tools: list[dict], tool_choice: Any) -> tuple[str, list[tuple[int, dict]]]:
@@ -847,7 +872,7 @@ def _callable(tools: list[dict], tool_choice: Any) -> tuple[str, list[tuple[int,
     return mode, [(i, fn) for i, fn in fns if mode != "named" or fn["name"] == chosen]
 
 
-def _build_gemma4(tools: list[dict], tool_choice: Any, parallel: bool) -> str | None:
+def _build_gemma4(tools: list[dict], tool_choice: Any, parallel: bool, max_calls: int) -> str | None:
     mode, callable_fns = _callable(tools, tool_choice)
     if mode == "none":
         return None
@@ -859,7 +884,7 @@ def _build_gemma4(tools: list[dict], tool_choice: Any, parallel: bool) -> str | 
         g.rules[call] = f'<[{GEMMA4_TOOL_CALL}]> {json.dumps("call:" + fn["name"])} {args} <[{GEMMA4_TOOL_CALL_END}]>'
         calls.append(call)
     one = calls[0] if len(calls) == 1 else "(" + " | ".join(calls) + ")"
-    many = f"{one}{{1,{MAX_PARALLEL_CALLS}}}" if parallel else one
+    many = f"{one}{{1,{max_calls}}}" if parallel and max_calls > 1 else one
     if mode == "auto":
         start = (f"start: TEXT? <[{GEMMA4_TURN_END}]> | TEXT? {many} <[{GEMMA4_TOOL_RESPONSE}]>\n"
                  "TEXT: /(?s:.+)/\n")
@@ -868,19 +893,22 @@ def _build_gemma4(tools: list[dict], tool_choice: Any, parallel: bool) -> str | 
     return _checked(start + g.text(), [fn for _, fn in callable_fns])
 
 
-def gemma3_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: bool = True) -> str | None:
+def gemma3_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: bool = True,
+                        max_calls: int = MAX_PARALLEL_CALLS) -> str | None:
     """The llguidance Lark grammar of a Gemma 3 answer in this project's JSON tool format (module docstring), or
     None for "none". Schemas are checked exactly as for Gemma 4 (same supported keywords); arguments are
-    constrained by llguidance's JSON Schema support (`%json`). Cached by a hash of the arguments.
+    constrained by llguidance's JSON Schema support (`%json`). At most `max_calls` calls (as for Gemma 4).
+    Cached by a hash of the arguments.
 
     Raises:
       ToolSchemaError: a tool or its schema cannot be enforced.
       ToolChoiceError: tool_choice is malformed or names an unknown tool.
     """
-    return _cached("gemma3", tools, tool_choice, parallel, lambda: _build_gemma3(tools, tool_choice, parallel))
+    return _cached("gemma3", tools, tool_choice, parallel,
+                   lambda: _build_gemma3(tools, tool_choice, parallel, max_calls), max_calls)
 
 
-def _build_gemma3(tools: list[dict], tool_choice: Any, parallel: bool) -> str | None:
+def _build_gemma3(tools: list[dict], tool_choice: Any, parallel: bool, max_calls: int) -> str | None:
     mode, callable_fns = _callable(tools, tool_choice)
     if mode == "none":
         return None
@@ -895,15 +923,17 @@ def _build_gemma3(tools: list[dict], tool_choice: Any, parallel: bool) -> str | 
         lines.append(f"args_{i}: %json {json.dumps(schema)}")
         calls.append(f"call_{i}")
     one = calls[0] if len(calls) == 1 else "(" + " | ".join(calls) + ")"
-    rest = f"{{0,{MAX_PARALLEL_CALLS - 1}}}"
-    many = f'{one} ({json.dumps(GEMMA3_CALL_SEPARATOR)} {one}){rest}' if parallel else one
-    obj = f"{json.dumps(GEMMA3_CALLS_OPEN)} {many} {json.dumps(GEMMA3_CALLS_CLOSE)}"
+    rest = f"{{0,{max_calls - 1}}}"
+    many = f'{one} ({json.dumps(GEMMA3_CALL_SEPARATOR)} {one}){rest}' if parallel and max_calls > 1 else one
+    after_trigger = json.dumps(GEMMA3_CALLS_OPEN[len(GEMMA3_CALL_TRIGGER):])
+    rest_rule = f"calls_rest: {after_trigger} {many} {json.dumps(GEMMA3_CALLS_CLOSE)}\n"
     end = f"<[{GEMMA3_END_OF_TURN}]>"
-    if mode == "auto":
-        start = f"start: TEXT? {end} | calls {end}\nTEXT: /[^{{](?s:.*)/\n"
+    if mode == "auto":  # the lazy trigger (module docstring)
+        start = (f"start: TEXT {end} | head calls_rest {end}\nTEXT: /(?s:.*)/\n"
+                 f"head[lazy]: TEXT {json.dumps(GEMMA3_CALL_TRIGGER)}\n")
     else:
-        start = f"start: calls {end}\n"
-    return _checked(start + f"calls: {obj}\n" + "\n".join(lines) + "\n", [fn for _, fn in callable_fns])
+        start = f"start: {json.dumps(GEMMA3_CALL_TRIGGER)} calls_rest {end}\n"
+    return _checked(start + rest_rule + "\n".join(lines) + "\n", [fn for _, fn in callable_fns])
 
 
 def _checked(grammar: str, fns: list[dict]) -> str:

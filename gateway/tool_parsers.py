@@ -6,13 +6,14 @@ name) once its name is complete, then argument fragments converted to JSON text 
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import json
 import re
 from collections.abc import Iterable
 
+from gateway.detokenizer import Utf8Decoder
 from gateway.tool_calls import (
+    GEMMA3_CALL_TRIGGER,
     GEMMA3_CONTROL_IDS,
     GEMMA3_END_OF_TURN,
     GEMMA3_EOS,
@@ -96,16 +97,18 @@ class _Deltas:
 
 class _TokenText:
     """Token text -> characters: str as is; bytes decoded incrementally (a character split across tokens comes
-    out whole with the token that completes it)."""
+    out whole with the token that completes it; gateway/detokenizer.py `Utf8Decoder`)."""
 
     def __init__(self):
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decoder = Utf8Decoder()
 
     def chars(self, text: str | bytes) -> str:
         return text if isinstance(text, str) else self._decoder.decode(text)
 
     def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
+        """A boundary (a control token, the end of generation): an incomplete character held so far is dropped,
+        never turned into U+FFFD (its bytes were cut by the boundary, not written invalid)."""
+        return self._decoder.flush()
 
 
 _SCALAR = re.compile(r"^(?:-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null)$")
@@ -139,11 +142,23 @@ class _TokenParser:
     def finish(self) -> list[dict]:
         """End of generation (stop token, length limit or abort): flush and return the last deltas."""
         self._chars_in(self._chars.flush())
+        self._end()
         return self._out.take()
+
+    def _end(self) -> None:
+        """End of generation: release anything held back (subclasses that hold text override this)."""
 
     def result(self) -> ParsedOutput:
         """The content and the complete calls so far."""
         return self._out.result(self._truncated())
+
+    def progress(self) -> tuple[int, bool]:
+        """(complete calls so far, whether a call is open now), cheaply, for budget-aware endings
+        (gateway/budget.py)."""
+        return sum(c.complete for c in self._out.calls), self._in_call()
+
+    def _in_call(self) -> bool:
+        raise NotImplementedError
 
     def _special(self, token_id: int) -> None:
         raise NotImplementedError
@@ -180,6 +195,9 @@ class Gemma4ToolCallParser(_TokenParser):
 
     def _truncated(self) -> bool:
         return self._state in ("name", "args", "closed")
+
+    def _in_call(self) -> bool:
+        return self._truncated()
 
     # -- tokens
 
@@ -319,22 +337,27 @@ class Gemma4ToolCallParser(_TokenParser):
 
 
 class Gemma3ToolCallParser(_TokenParser):
-    """Incremental parser of a Gemma 3 answer in this project's JSON tool format (module docstring), with the
-    same interface and deltas as `Gemma4ToolCallParser`. The first character decides: `{` starts the calls
-    object, anything else is content. Argument fragments are the generated JSON text, verbatim.
+    """Incremental parser of a Gemma 3 answer in this project's JSON tool format (gateway/tool_calls.py), with the
+    same interface and deltas as `Gemma4ToolCallParser`. Text is content until the call trigger
+    (`GEMMA3_CALL_TRIGGER`, `{"tool_calls"`) appears anywhere in it — the lazy trigger of `tool_choice: "auto"`;
+    text that could still be the start of the trigger is held back (at most its length minus one characters)
+    until it is decided. From the trigger on the text is the calls object. Argument fragments are the generated
+    JSON text, verbatim.
     """
 
     BASE_CONTROL_IDS = GEMMA3_CONTROL_IDS
 
     def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None):
         super().__init__(id_prefix, control_ids)
-        self._state = "start"  # start | text | json | after | done
+        self._state = "text"  # text | json | after | done
+        self._held = ""  # content that may be the start of the call trigger
         self._stack: list[dict] = []  # frames: {"kind": obj|arr, "expect", "key", "index"}
         self._string: str | None = None  # raw text of a string being read (wrapper level)
         self._capture: dict | None = None  # arguments being copied: depth, in_string, escape
         self._call: dict | None = None  # {"name", "open": _Call | None, "args": bool}
 
     def _special(self, token_id: int) -> None:
+        self._end()
         if token_id in (GEMMA3_END_OF_TURN, GEMMA3_EOS) and self._state != "done":
             if self._state == "json":
                 raise ToolCallParseError("the answer ended inside the tool-calls object")
@@ -345,18 +368,36 @@ class Gemma3ToolCallParser(_TokenParser):
     def _truncated(self) -> bool:
         return self._state == "json"
 
+    def _in_call(self) -> bool:
+        return self._call is not None
+
     # -- characters
+
+    def _end(self) -> None:
+        held, self._held = self._held, ""
+        self._out.text(held)
 
     def _chars_in(self, chars: str) -> None:
         for ch in chars:
-            if self._state == "start":
-                self._state = "json" if ch == "{" else "text"
             if self._state == "text":
-                self._out.text(ch)
+                self._text_char(ch)
             elif self._state == "json":
                 self._json_char(ch)
             elif self._state == "after" and not ch.isspace():
                 raise ToolCallParseError(f"text {ch!r} after the tool-calls object")
+
+    def _text_char(self, ch: str) -> None:
+        """Content, except the longest tail that is still a prefix of the trigger; the whole trigger starts the
+        calls object."""
+        held = self._held + ch
+        if held == GEMMA3_CALL_TRIGGER:
+            self._held, self._state = "", "json"
+            for c in held:
+                self._json_char(c)
+            return
+        keep = next(k for k in range(len(held) + 1) if GEMMA3_CALL_TRIGGER.startswith(held[k:]))
+        self._out.text(held[:keep])
+        self._held = held[keep:]
 
     def _path(self) -> tuple:
         return tuple(f["key"] if f["kind"] == "obj" else f["index"] for f in self._stack)

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CACHE = pathlib.Path(os.environ.get("GEMMA_SERVE_TEST_CACHE", REPO / ".cache" / "test"))
+CACHE = pathlib.Path(os.environ.get("GEMMA_SERVE_TEST_CACHE") or REPO / ".cache" / "test")
 _SERIAL_EARLY_LAUNCH = pytest.StashKey[bool]()
 
 

@@ -6,10 +6,13 @@ tokenized with control-token parsing off, control segments map to their ids, so 
 one the template emits). For content free of control-token spellings, the ids equal those of rendering the
 official Jinja template to a string and tokenizing it with special tokens parsed (tests prove this).
 
-Every renderer has one signature, `render(messages, add_generation_prompt, tools, options) -> list[Segment]`:
-`tools` is the OpenAI `tools` array (list of dicts, [] for none), `options` the template kwargs
-(e.g. {"enable_thinking": True}). `TEMPLATES` maps the built-in names to renderers; a checkpoint's own
+Every renderer has one signature, `render(messages, add_generation_prompt, tools, options, *, tool_choice="auto")
+-> list[Segment]`: `tools` is the OpenAI `tools` array (list of dicts, [] for none), `options` the template kwargs
+(e.g. {"enable_thinking": True}), `tool_choice` the request's resolved mode ("auto", "required", "named" or
+"none"; only the Gemma 3 renderer reads it). `TEMPLATES` maps the built-in names to renderers; a checkpoint's own
 `chat_template.jinja` is rendered by a `JinjaTemplate`, which has the same call signature.
+`continue_final_message` wraps any of them to end the prompt inside the final assistant message (a prefilled
+answer the model continues).
 
 Gemma 3 (formats.md §4.1; the `chat_template` of Hugging Face `google/gemma-3-*-it` tokenizer_config.json):
 `<bos>`, then per message `<start_of_turn>{role}\\n{content|trim}<end_of_turn>\\n` with role assistant -> model;
@@ -28,6 +31,7 @@ import dataclasses
 import json
 import pathlib
 import re
+import secrets
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
@@ -80,8 +84,9 @@ class Message:
     generated_ids: tuple[int, ...] = ()
 
 
-Renderer = Callable[[list[Message], bool, list[dict], dict], list[Segment]]
-"""`render(messages, add_generation_prompt, tools, options) -> segments`, the signature of every template."""
+Renderer = Callable[..., list[Segment]]
+"""`render(messages, add_generation_prompt, tools, options, *, tool_choice="auto") -> segments`, the signature of
+every template."""
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -112,11 +117,182 @@ def _check_roles(messages: list[Message]) -> None:
             raise TemplateError(f"messages[{i}]: unknown role {m.role!r}")
 
 
+# --------------------------------------------------------------------------------------- cut-off tool calls
+# An answer cut by `max_tokens` inside a call returns that call with the arguments written so far: a prefix of a
+# JSON object (gateway/tool_parsers.py: Gemma 3 arguments are the generated JSON text; Gemma 4's are its syntax
+# converted to JSON as it streams). Sent back, such a call is rendered as generated — left open — so the
+# conversation re-tokenizes as the model wrote it. Only an answer's last call can be cut.
+
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_JSON_NUMBER_START = re.compile(r"-|-?(?:0|[1-9][0-9]*)(?:\.|(?:\.[0-9]+)?(?:[eE][+-]?[0-9]*)?)")
+_JSON_LITERALS = ("true", "false", "null")
+_JSON_SCALAR_CHARS = re.compile(r"[^\s,:\[\]{}\"]*")
+_JSON_STRING_BODY = re.compile(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
+_JSON_CUT_ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{0,3})?")
+_JSON_CUT_HIGH_SURROGATE = re.compile(r"(?<!\\)((?:\\\\)*)\\u[dD][89abAB][0-9a-fA-F]{2}$")
+
+JsonItem = tuple[str, str, bool]
+"""One lexical item of a JSON object prefix: (kind, value, complete). Kinds: "open" / "close" ("{", "[", "}",
+"]"), "comma", "colon", "key" and "string" (value: the decoded text so far), "scalar" (a number or literal as
+written)."""
+
+
+def scan_json_prefix(text: str) -> tuple[list[JsonItem], bool]:
+    """Lex `text` as a JSON object or a prefix of one (whitespace between items is dropped).
+
+    Returns (items, complete): complete is True when the object is closed (only whitespace may follow). The last
+    item of a prefix may be incomplete: a string or key cut inside (a cut escape sequence, or a high surrogate
+    whose pair was cut, is left out of its value) or a scalar that is a prefix of a number or literal. Iterative,
+    so nesting depth costs no recursion.
+
+    Raises:
+      ValueError: the text is no prefix of any JSON object (the message says where).
+    """
+    items: list[JsonItem] = []
+    stack: list[list[str]] = []  # [bracket, expected]: key/key_or_close/colon/value/value_or_close/comma_or_close
+    i, n, closed = 0, len(text), False
+    while i < n:
+        ch = text[i]
+        if ch in " \t\n\r":
+            i += 1
+            continue
+        if closed:
+            raise ValueError(f"text after the closed object at character {i}")
+        if not stack:
+            if ch != "{":
+                raise ValueError("arguments must be a JSON object")
+            stack.append(["{", "key_or_close"])
+            items.append(("open", "{", True))
+            i += 1
+            continue
+        frame = stack[-1]
+        expect = frame[1]
+        if ch == '"' and expect in ("key", "key_or_close", "value", "value_or_close"):
+            kind = "key" if expect.startswith("key") else "string"
+            body = _JSON_STRING_BODY.match(text, i + 1)
+            complete = body.end() < n and text[body.end()] == '"'
+            raw = body.group()
+            if not complete:
+                cut = _JSON_CUT_ESCAPE.fullmatch(text, body.end())
+                if body.end() < n and not cut:
+                    raise ValueError(f"invalid character in a string at character {body.end()}")
+                raw = _JSON_CUT_HIGH_SURROGATE.sub(r"\1", raw)
+            items.append((kind, json.loads(f'"{raw}"'), complete))
+            frame[1] = "colon" if kind == "key" else "comma_or_close"
+            i = body.end() + 1 if complete else n
+        elif ch in "{[" and expect in ("value", "value_or_close"):
+            frame[1] = "comma_or_close"
+            stack.append([ch, "key_or_close" if ch == "{" else "value_or_close"])
+            items.append(("open", ch, True))
+            i += 1
+        elif ch in "}]" and ch == "]}"[frame[0] == "{"] and expect in ("key_or_close", "value_or_close",
+                                                                      "comma_or_close"):
+            stack.pop()
+            items.append(("close", ch, True))
+            closed = not stack
+            i += 1
+        elif ch == ":" and expect == "colon":
+            frame[1] = "value"
+            items.append(("colon", ":", True))
+            i += 1
+        elif ch == "," and expect == "comma_or_close":
+            frame[1] = "key" if frame[0] == "{" else "value"
+            items.append(("comma", ",", True))
+            i += 1
+        elif expect in ("value", "value_or_close"):
+            end = _JSON_SCALAR_CHARS.match(text, i).end()
+            word = text[i:end]
+            complete = bool(_JSON_NUMBER.fullmatch(word)) or word in _JSON_LITERALS
+            cut = end == n and (_JSON_NUMBER_START.fullmatch(word) or any(w.startswith(word) for w in _JSON_LITERALS))
+            if not (complete or cut) or not word:
+                raise ValueError(f"expected a value at character {i}")
+            items.append(("scalar", word, complete))
+            frame[1] = "comma_or_close"
+            i = end
+        else:
+            raise ValueError(f"unexpected {ch!r} at character {i}")
+    return items, closed
+
+
+def call_arguments(arguments_json: str, where: str, last: bool) -> dict | None:
+    """A call's `arguments` text -> dict ("" means no arguments), or None for a cut-off call: `last` (the answer's
+    last call) and the text a prefix of a JSON object.
+
+    Raises:
+      TemplateError: not JSON (and not such a prefix), or not a JSON object.
+    """
+    if last and arguments_json.strip():
+        try:
+            if not scan_json_prefix(arguments_json)[1]:
+                return None
+        except ValueError:
+            pass  # parse_tool_arguments names the problem
+    return parse_tool_arguments(arguments_json, where)
+
+
+def gemma4_arguments_prefix(arguments_json: str) -> list[Segment]:
+    """A cut-off call's arguments (a JSON object prefix) in Gemma 4's call syntax, as far as they go: bare keys,
+    strings `<|"|>…` (closed only when complete), scalars as written; nothing is closed. The inverse of the
+    conversion gateway/tool_parsers.py makes while the call streams, so the prefix the parser returned renders
+    as the model generated it.
+
+    Raises:
+      ValueError: not a JSON object prefix.
+    """
+    out: list[Segment] = []
+    for kind, value, complete in scan_json_prefix(arguments_json)[0]:
+        if kind == "string":
+            out += [_control(_Q), Segment(value)] + ([_control(_Q)] if complete else [])
+        else:
+            out.append(Segment(value))
+    return out
+
+
+def close_json_prefix(arguments_json: str) -> dict:
+    """The mapping a cut-off call's arguments had reached: a cut string keeps its text, a cut number or literal
+    that is not yet one, and a key without its value, are left out; open objects and arrays are closed. For
+    templates that can only render a call from a mapping (checkpoint Jinja templates).
+
+    Raises:
+      ValueError: not a JSON object prefix.
+    """
+    root: dict = {}
+    containers: list[tuple[dict | list, list[str]]] = []  # (container, [pending key])
+
+    def attach(value: Any) -> None:
+        container, key = containers[-1]
+        if isinstance(container, list):
+            container.append(value)
+        elif key:
+            container[key.pop()] = value
+
+    for kind, value, complete in scan_json_prefix(arguments_json)[0]:
+        if kind == "open":
+            new: dict | list = {} if value == "{" else []
+            if containers:
+                attach(new)
+            containers.append((root if not containers else new, []))
+        elif kind == "close":
+            containers.pop()
+        elif kind == "key":
+            containers[-1][1][:] = [value] if complete else []
+        elif kind == "string":
+            attach(value)
+        elif kind == "scalar" and complete:
+            attach(json.loads(value))
+    return root
+
+
 # ---------------------------------------------------------------------------------------------------- Gemma 3
 
 
 GEMMA3_TOOLS_INTRO = (
     "You can call these tools. Each line is one tool's name, description and JSON Schema parameters:\n"
+)
+#: The intro under `tool_choice: "none"`: the tools are described (as OpenAI does) but nothing invites a call.
+GEMMA3_TOOLS_NONE_INTRO = (
+    "These tools exist but cannot be called in this answer. Each line is one tool's name, description and JSON "
+    "Schema parameters:\n"
 )
 GEMMA3_TOOLS_HOWTO = (
     "To call tools, answer with only a JSON object of this form and nothing else:\n"
@@ -126,9 +302,11 @@ GEMMA3_TOOLS_HOWTO = (
 )
 
 
-def gemma3_tools_text(tools: list[dict]) -> str:
+def gemma3_tools_text(tools: list[dict], callable_: bool = True) -> str:
     """The Gemma 3 tool declarations (gateway/tool_calls.py documents the format): the intro, one JSON line per
-    tool (name, description, parameters), a blank line, the instructions.
+    tool (name, description, parameters), a blank line, the instructions. With `callable_` false (`tool_choice:
+    "none"`) only the "cannot be called" intro and the declaration lines: no call format, whose JSON example a
+    model would copy into its answer.
 
     Raises:
       TemplateError: a tool is not {"type": "function", "function": {"name": ..., ...}}.
@@ -141,21 +319,27 @@ def gemma3_tools_text(tools: list[dict]) -> str:
         decl = {"name": function["name"], "description": function.get("description") or "",
                 "parameters": function.get("parameters") or {"type": "object", "properties": {}}}
         lines.append(json.dumps(decl, ensure_ascii=False))
+    if not callable_:
+        return GEMMA3_TOOLS_NONE_INTRO + "\n".join(lines)
     return GEMMA3_TOOLS_INTRO + "\n".join(lines) + "\n\n" + GEMMA3_TOOLS_HOWTO
 
 
 def gemma3_tool_calls_text(calls: list[tuple[str, str, str]], where: str) -> str:
     """An assistant message's calls in the Gemma 3 JSON format: `{"tool_calls": [{"name": N, "arguments": A}, ...]}`
     with each `arguments` JSON text inserted verbatim (stripped; "" -> {}), so generated calls re-render exactly.
+    A last call cut off by max_tokens (its arguments a JSON object prefix) ends the text where the generation
+    ended: its arguments as they are, nothing closed.
 
     Raises:
-      TemplateError: arguments that are not a JSON object.
+      TemplateError: arguments that are not a JSON object (nor, for the last call, a prefix of one).
     """
-    parts = []
+    text = '{"tool_calls": ['
     for c, (_, name, arguments) in enumerate(calls):
-        parse_tool_arguments(arguments, f"{where}.tool_calls[{c}]")
-        parts.append('{"name": ' + json.dumps(name) + ', "arguments": ' + (arguments.strip() or "{}") + "}")
-    return '{"tool_calls": [' + ", ".join(parts) + "]}"
+        head = (", " if c else "") + '{"name": ' + json.dumps(name) + ', "arguments": '
+        if call_arguments(arguments, f"{where}.tool_calls[{c}]", last=c == len(calls) - 1) is None:
+            return text + head + arguments.lstrip()
+        text += head + (arguments.strip() or "{}") + "}"
+    return text + "]}"
 
 
 def _gemma3_turns(body: list[Message], offset: int) -> list[tuple[str, int, list]]:
@@ -217,13 +401,15 @@ def _tool_result_text(msg: Message, index: int) -> str | None:
 
 
 def render_gemma3(
-    messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None, options: dict | None = None
+    messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None, options: dict | None = None,
+    *, tool_choice: str = "auto",
 ) -> list[Segment]:
     """Render a conversation with the Gemma 3 template (formats.md §4.1). `options` are accepted and ignored.
 
     Without tools, tool calls and tool messages this is the official template. Gemma 3 has no tool format; this
-    project's JSON format (documented in gateway/tool_calls.py) adds: tool declarations (`gemma3_tools_text`)
-    at the start of the first user turn after the system text; assistant calls rendered as
+    project's JSON format (documented in gateway/tool_calls.py) adds: tool declarations (`gemma3_tools_text`;
+    under `tool_choice` "none" without the call instructions) at the start of the first user turn after the
+    system text; assistant calls rendered as
     `{"tool_calls": [{"name": ..., "arguments": ...}]}` (`gemma3_tool_calls_text`); tool results as a user turn
     of "Tool result for NAME (ID):\n..." blocks, which a following user message joins.
 
@@ -237,7 +423,7 @@ def render_gemma3(
     if messages[0].role in ("system", "developer"):
         prefix, body, offset = _text_of(messages[0], 0, trim=False) + "\n\n", messages[1:], 1
     if tools:
-        prefix += gemma3_tools_text(tools) + "\n\n"
+        prefix += gemma3_tools_text(tools, callable_=tool_choice != "none") + "\n\n"
     segs = [_control("<bos>")]
     for n, (role, i, pieces) in enumerate(_gemma3_turns(body, offset)):
         expected = "user" if n % 2 == 0 else "assistant"
@@ -461,6 +647,35 @@ def strip_thinking(text: str) -> str:
     return result.strip()
 
 
+def _gemma4_thought(reasoning: str) -> list[Segment]:
+    """The template's thought channel of an assistant message: `<|channel>thought\\n{reasoning}\\n<channel|>`."""
+    return [_control("<|channel>"), Segment(f"thought\n{reasoning}\n"), _control("<channel|>")]
+
+
+def gemma4_call_segments(calls: list[tuple[str, str, str]], where: str, cut_closed: bool = False) -> list[Segment]:
+    """An assistant message's calls as the Gemma 4 template writes them:
+    `<|tool_call>call:NAME{key:value,…}<tool_call|>` per call, keys sorted as the template's `dictsort`.
+
+    A last call cut off by max_tokens (arguments a JSON object prefix) is written as it was generated, left open:
+    `<|tool_call>call:NAME{key:<|"|>partial` (`gemma4_arguments_prefix`), no closing; with `cut_closed`, as a
+    template given the mapping it had reached (`close_json_prefix`) writes it, closed.
+
+    Raises:
+      TemplateError: arguments that are not a JSON object (nor, for the last call, a prefix of one).
+    """
+    out: list[Segment] = []
+    for c, (_, name, arguments_json) in enumerate(calls):
+        args = call_arguments(arguments_json, f"{where}.tool_calls[{c}]", last=c == len(calls) - 1)
+        out += [_control("<|tool_call>"), Segment(f"call:{name}")]
+        if args is None and not cut_closed:
+            return out + gemma4_arguments_prefix(arguments_json)
+        out.append(Segment("{"))
+        for a, (key, value) in enumerate(_dictsort(close_json_prefix(arguments_json) if args is None else args)):
+            out += [Segment(("," if a else "") + f"{key}:")] + _fmt_argument(value, escape_keys=False)
+        out += [Segment("}"), _control("<tool_call|>")]
+    return out
+
+
 def _gemma4_text(msg: Message, index: int, model: bool, system: bool = False) -> str:
     """A message's content as the Gemma 4 template renders it: user/system text trimmed, model text with
     thought channels stripped, text parts joined (system parts each followed by a space); null -> ""."""
@@ -487,7 +702,8 @@ def _tool_result_body(msg: Message, index: int) -> str | None:
 
 
 def render_gemma4(
-    messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None, options: dict | None = None
+    messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None, options: dict | None = None,
+    *, tool_choice: str = "auto",
 ) -> list[Segment]:
     """Render a conversation with the Gemma 4 template (formats.md §4.2-4.4; Google's E2B/E4B
     `chat_template.jinja`, July 2026 revision, mirrored branch for branch).
@@ -496,14 +712,19 @@ def render_gemma4(
     <turn|>\\n` when thinking is on, tools are given, or the first message is system/developer; then
     `<|turn>{user|model|system}\\n{content}<turn|>\\n` per message. An assistant message renders its reasoning
     (`<|channel>thought\\n{reasoning}\\n<channel|>`) when it comes after the last user message (or, with the
-    `preserve_thinking` option, when it has tool calls), then its calls `<|tool_call>call:NAME{k:v,…}<tool_call|>`,
-    then the results of the tool messages that follow it, in the same model turn
+    `preserve_thinking` option, when it has tool calls), then its calls `<|tool_call>call:NAME{k:v,…}<tool_call|>`
+    (a last call cut off by max_tokens as generated, left open: `gemma4_call_segments`), then the results of the
+    tool messages that follow it, in the same model turn
     (`<|tool_response>response:NAME{value:<|"|>…<|"|>}<tool_response|>`, NAME found by tool_call_id), then its
     text. A following assistant message continues the same model turn. Calls without results end with
     `<|tool_response>`. Generation prompt: `<|turn>model\\n` (E2B/E4B revision: no empty thought channel),
     nothing after a tool call, and after tool results only `<|channel>thought\\n` when thinking is on.
+    An answer's generated ids stand for all it wrote, in the model's order (thought, text, calls), with that
+    part as their fallback; its text is then not written again after the results.
 
-    Options: `enable_thinking`, `preserve_thinking` (truthy values, as in Jinja).
+    Options: `enable_thinking`, `preserve_thinking` (truthy values, as in Jinja). `tool_choice` is accepted and
+    ignored: the declarations stay as the model was trained on them, and under "none" the gateway bans the call
+    tokens instead.
 
     Raises:
       TemplateError: empty conversation, unknown role, a tool message that does not follow an assistant
@@ -553,24 +774,22 @@ def render_gemma4(
         role = "model" if m.role == "assistant" else m.role
         if not (role == "model" and prev_non_tool_role == "assistant"):
             segs += [_control("<|turn>"), Segment(f"{role}\n")]
+        thought = []
         if m.reasoning and (n > last_user or (preserve_thinking and m.tool_calls)):
-            segs += [_control("<|channel>"), Segment(f"thought\n{m.reasoning}\n"), _control("<channel|>")]
-        calls, call_segs = [], []
-        for c, (call_id, name, arguments_json) in enumerate(m.tool_calls):
-            args = parse_tool_arguments(arguments_json, f"messages[{i}].tool_calls[{c}]")
-            calls.append((call_id, name))
-            call_segs += [_control("<|tool_call>"), Segment(f"call:{name}{{")]
-            for a, (key, value) in enumerate(_dictsort(args)):
-                call_segs += [Segment(("," if a else "") + f"{key}:")] + _fmt_argument(value, escape_keys=False)
-            call_segs += [Segment("}"), _control("<tool_call|>")]
-            prev_type = "tool_call"
-        # An answer's generated ids stand for what the model wrote: its calls (a tool-call answer) or its text.
+            thought = _gemma4_thought(m.reasoning)
+        calls = [(call_id, name) for call_id, name, _ in m.tool_calls]
+        call_segs = gemma4_call_segments(m.tool_calls, f"messages[{i}]")
+        prev_type = "tool_call" if calls else prev_type
+        text = _gemma4_text(m, i, model=role == "model")
+        # An answer's generated ids stand for all the model wrote, in its order: thought, text, calls (the
+        # template writes text after the calls' results; with the ids it is where the model wrote it).
         generated = tuple(m.generated_ids) if role == "model" else ()
-        ids_for_calls = bool(generated and calls and not (m.content or "").strip() and not m.parts)
-        if ids_for_calls:
-            segs.append(Segment("", ids=generated, fallback=tuple(call_segs)))
+        if generated:
+            written = thought + [Segment(text)] + call_segs
+            segs.append(Segment("", ids=generated, fallback=tuple(s for s in written if s.control or s.text)))
+            text = "" if calls else text or "x"  # without calls: non-empty, the turn is closed as for any answer
         else:
-            segs += call_segs
+            segs += thought + call_segs
         has_results = False
         if calls:
             k = n + 1
@@ -592,11 +811,7 @@ def render_gemma4(
                 consumed.add(k)
                 has_results, prev_type = True, "tool_response"
                 k += 1
-        text = _gemma4_text(m, i, model=role == "model")
-        if generated and not calls:
-            segs.append(Segment("", ids=generated, fallback=(Segment(text),)))
-            text = text or "x"  # non-empty: the turn is closed as for any answer
-        else:
+        if not generated:
             segs.append(Segment(text))
         continues_into_next = role == "model" and next_role[n] == "assistant" and (not calls or has_results)
         if prev_type == "tool_call" and not has_results:
@@ -704,7 +919,10 @@ class JinjaTemplate:
     content on `<channel|>`) does not see the user's spellings, so they stay text instead of being stripped; a
     control token the template assembles from user text plus its own literal text is a control token.
     Tool-call arguments are parsed from JSON into mappings (OpenAI sends a JSON string; Gemma 4's template needs
-    a mapping). If the rendered prompt does not start with BOS, BOS is prepended (exactly one BOS).
+    a mapping); a last call cut off by max_tokens becomes the mapping it had reached. Where the template writes
+    an answer's calls (and thought) exactly as Gemma 4's template does, that part of the output is replaced by the
+    answer's generated ids or by its cut call left open, as generated (`_answers_to_splice`). If the rendered
+    prompt does not start with BOS, BOS is prepended (exactly one BOS).
     """
 
     def __init__(self, source: str, control_tokens: Iterable[str], special_tokens: dict[str, str] | None = None,
@@ -827,9 +1045,10 @@ class JinjaTemplate:
 
     def render(
         self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None,
-        options: dict | None = None,
+        options: dict | None = None, *, tool_choice: str = "auto",
     ) -> list[Segment]:
-        """Render the conversation. See the class docstring.
+        """Render the conversation. See the class docstring. `tool_choice` is accepted and ignored (the template
+        decides how tools are declared; the gateway's grammar or banned ids enforce the choice).
 
         Raises:
           TemplateError: empty conversation, non-text content, malformed tool-call arguments, a reserved option
@@ -840,30 +1059,38 @@ class JinjaTemplate:
         if not messages:
             raise TemplateError("messages must contain at least one message")
         chat = [_message_dict(m, i) for i, m in enumerate(messages)]
-        # A message's content holds data only, never a control token: ids with one are not used (see Segment).
+        # A message's content holds data only, never a control token: ids with one are not used (see Segment)
+        # unless they replace a thought or calls the template wrote in Gemma 4's syntax (`_answers_to_splice`).
         generated = {i: tuple(m.generated_ids) for i, m in enumerate(messages)
-                     if m.role == "assistant" and m.generated_ids and not self.special_ids & set(m.generated_ids)}
+                     if m.role == "assistant" and m.generated_ids and not m.tool_calls
+                     and not self.special_ids & set(m.generated_ids)}
+        answers = _answers_to_splice(messages, self.special_ids)
         options = dict(options or {})
         for reserved in ("messages", "tools", "add_generation_prompt", "documents"):
             if reserved in options:
                 raise TemplateError(f"template option {reserved!r} is reserved")
         variables = {**self.special_tokens, **self.escape(options)}
         try:
-            escaped = self.escape(chat)
-            for i in generated:  # the marker is set after escaping, so it stays a single (unpaired) escape
-                escaped[i]["content"] = _ESC + chr(_IDS_BASE + i)
-            rendered = self._template.render(
-                messages=escaped,
-                tools=self.escape(list(tools)) if tools else None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
+            while True:  # at most twice: answers whose splice fails are rendered by the template alone
+                escaped = self.escape(chat)
+                for i in generated:  # the marker is set after escaping, so it stays a single (unpaired) escape
+                    escaped[i]["content"] = _ESC + chr(_IDS_BASE + i)
+                _mark_answers(escaped, answers)
+                rendered = self._template.render(
+                    messages=escaped,
+                    tools=self.escape(list(tools)) if tools else None,
+                    documents=None,
+                    add_generation_prompt=add_generation_prompt,
+                    **variables,
+                )
+                segs, failed = _splice_answers(self, rendered, generated, answers)
+                if not failed:
+                    break
+                answers = {i: a for i, a in answers.items() if i not in failed}
         except jinja2.exceptions.TemplateError as err:
             raise TemplateError(f"the chat template refused the conversation: {self.unescape(str(err))}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
             raise TemplateError(f"the chat template failed on this conversation: {err!r}") from None
-        segs = self.split(rendered, generated)
         bos = self.special_tokens.get("bos_token")
         if bos and not (segs and segs[0] == _control(bos)):
             segs.insert(0, _control(bos))
@@ -874,7 +1101,8 @@ class JinjaTemplate:
 
 def _message_dict(m: Message, index: int) -> dict:
     """Message -> the OpenAI-shaped dict a Jinja template reads (null fields left out, as transformers does;
-    tool-call arguments parsed into a mapping; reasoning under reasoning_content and thinking)."""
+    tool-call arguments parsed into a mapping — a last call cut off by max_tokens as the mapping it had reached,
+    `close_json_prefix`; reasoning under reasoning_content and thinking)."""
     d: dict[str, Any] = {"role": m.role}
     if m.content is not None:
         d["content"] = m.content
@@ -886,7 +1114,8 @@ def _message_dict(m: Message, index: int) -> dict:
     if m.tool_calls:
         d["tool_calls"] = []
         for c, (call_id, name, args) in enumerate(m.tool_calls):
-            arguments = parse_tool_arguments(args, f"messages[{index}].tool_calls[{c}]")
+            arguments = call_arguments(args, f"messages[{index}].tool_calls[{c}]", last=c == len(m.tool_calls) - 1)
+            arguments = close_json_prefix(args) if arguments is None else arguments
             d["tool_calls"].append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     if m.role == "tool" or m.tool_call_id:
         d["tool_call_id"] = m.tool_call_id
@@ -896,6 +1125,173 @@ def _message_dict(m: Message, index: int) -> dict:
         d["reasoning_content"] = m.reasoning
         d["thinking"] = m.reasoning
     return d
+
+
+@dataclasses.dataclass
+class _Answer:
+    """An assistant message whose thought and calls a checkpoint template's output gets in Gemma 4's syntax as the
+    model wrote them (`_answers_to_splice`).
+
+    Attributes:
+      calls: anchored at its first call's name (else at its content: a thought answer without calls).
+      thought: the thought channel the Gemma 4 template writes for its reasoning ([] without reasoning).
+      text: its content as the Gemma 4 template writes model text.
+      expected: its calls as the template writes them from mappings (a cut call closed), to find them.
+      written: its calls as generated (a cut call left open).
+      ids: its generated ids (() when not remembered).
+      drop_content: the ids hold its text (before the calls), so the template must not write it again.
+    """
+
+    calls: bool
+    thought: list[Segment]
+    text: str
+    expected: list[Segment]
+    written: list[Segment]
+    ids: tuple[int, ...]
+    drop_content: bool
+
+
+def _answers_to_splice(messages: list[Message], special_ids: frozenset[int]) -> dict[int, _Answer]:
+    """The assistant messages a `JinjaTemplate` renders through `_splice_answers`: those with calls and generated
+    ids or a cut-off last call, and thought answers (reasoning, no calls) whose ids hold a control token.
+
+    Why: a template renders calls from mappings, so it can neither leave a cut-off call open nor write the exact
+    ids of a thought or calls (they hold control tokens, which message content never becomes). Where the
+    template writes calls (and the thought) exactly as Gemma 4's own template does, that part of its output is
+    replaced by the ids (their `fallback`: the same part as generated) or, without ids, by the cut call left
+    open; anywhere else (another call syntax) the template's rendering stands.
+
+    Raises:
+      TemplateError: malformed tool-call arguments.
+    """
+    out: dict[int, _Answer] = {}
+    for i, m in enumerate(messages):
+        ids = tuple(m.generated_ids)
+        if m.role != "assistant" or not (m.tool_calls or (ids and m.reasoning and special_ids & set(ids))):
+            continue
+        where = f"messages[{i}]"
+        cut = bool(m.tool_calls) and call_arguments(m.tool_calls[-1][2], f"{where}.tool_calls[{len(m.tool_calls) - 1}]",
+                                                    last=True) is None
+        if m.tool_calls and not (ids or cut):
+            continue
+        text = _gemma4_text(m, i, model=True)
+        out[i] = _Answer(bool(m.tool_calls), _gemma4_thought(m.reasoning) if m.reasoning else [], text,
+                         gemma4_call_segments(m.tool_calls, where, cut_closed=True),
+                         gemma4_call_segments(m.tool_calls, where), ids,
+                         drop_content=bool(m.tool_calls and ids and text))
+    return out
+
+
+def _mark_answers(escaped: list[dict], answers: dict[int, _Answer]) -> None:
+    """Put each answer's anchor (a single escape, which data cannot form: its own escapes are doubled) into the
+    escaped message dicts: before its first call's name, or as its content."""
+    for i, answer in answers.items():
+        mark = _ESC + chr(_IDS_BASE + i)
+        if answer.calls:
+            function = escaped[i]["tool_calls"][0]["function"]
+            function["name"] = mark + function["name"]
+            if answer.drop_content:
+                escaped[i].pop("content", None)
+        else:
+            escaped[i]["content"] = mark
+
+
+def _splice_answers(template: JinjaTemplate, rendered: str, generated: dict[int, tuple[int, ...]],
+                    answers: dict[int, _Answer]) -> tuple[list[Segment], set[int]]:
+    """Split a rendering (`JinjaTemplate.split`) with each answer's part replaced (`_answers_to_splice`).
+
+    An answer with calls: right after its anchor the output must continue with its calls exactly as Gemma 4's
+    template writes them (`expected`), optionally preceded by its thought channel; a thought answer: its thought
+    channel right before the anchor. Returns (segments, the answers whose part was not found): the caller
+    renders again without those.
+    """
+    marks = {chr(_IDS_BASE + i): i for i in answers}
+    pieces, at, size, pos = [], {}, 0, 0
+    for found in re.finditer(f"{_ESC}(.)", rendered, re.DOTALL):  # left to right: a doubled escape is data
+        if found.group(1) in marks:
+            pieces.append(rendered[pos:found.start()])
+            size += found.start() - pos
+            at.setdefault(marks[found.group(1)], size)
+            pos = found.end()
+    text = "".join(pieces) + rendered[pos:]
+
+    def spelled(segs: list[Segment]) -> str:
+        return "".join(s.text if s.control else template.escape(s.text) for s in segs)
+
+    regions, failed = [], set()
+    for i, answer in answers.items():
+        start = end = at.get(i, -1)
+        if answer.calls:
+            start -= len("<|tool_call>call:")
+            expected = spelled(answer.expected)
+            end = start + len(expected)
+            if start < 0 or text[start:end] != expected:
+                failed.add(i)
+                continue
+        thought = spelled(answer.thought)
+        wrote_thought = bool(thought) and start >= len(thought) and text[start - len(thought):start] == thought
+        if start < 0 or not (answer.calls or wrote_thought):
+            failed.add(i)
+            continue
+        start -= len(thought) if wrote_thought else 0
+        written = (answer.thought if wrote_thought else []) + \
+            ([Segment(answer.text)] if answer.drop_content or not answer.calls else []) + answer.written
+        written = [s for s in written if s.control or s.text]
+        regions.append((start, end, [Segment("", ids=answer.ids, fallback=tuple(written))] if answer.ids else written))
+    segs: list[Segment] = []
+    pos = 0
+    for start, end, replacement in sorted(regions, key=lambda r: r[0]):
+        if start < pos:  # overlapping parts cannot come from a template that writes calls as Gemma 4's does
+            return [], {i for i in answers}
+        segs += template.split(text[pos:start], generated) + replacement
+        pos = end
+    return segs + template.split(text[pos:], generated), failed
+
+
+# ------------------------------------------------------------------------------------- continue final message
+
+
+def continue_final_message(render: Renderer, messages: list[Message], tools: list[dict] | None = None,
+                           options: dict | None = None, *, tool_choice: str = "auto") -> list[Segment]:
+    """Render a conversation whose final (assistant) message is a prefilled answer to continue: the prompt ends
+    right after that message's text — its turn left open, no generation prompt — as transformers'
+    `apply_chat_template(continue_final_message=True)` does, for any renderer (built-in or `JinjaTemplate`).
+
+    Like transformers, a marker is appended to the final message's text (its last text part for list content)
+    and the rendering is cut where the marker lands. Unlike transformers, the text is kept as sent at its end:
+    the marker sits after any trailing whitespace, so a template's `trim` cannot drop it (the continuation
+    starts exactly where the client's text ends, whatever the template). The marker is a private-use character
+    plus a random nonce, so message data cannot imitate it. The final message is rendered from its text, never
+    from remembered generated ids.
+
+    Raises:
+      TemplateError: the final message is not an assistant message, has tool calls or no text to continue, or
+        the template does not render its text (or anything `render` raises).
+    """
+    if not messages or messages[-1].role != "assistant":
+        raise TemplateError("continue_final_message: the final message must be an assistant message")
+    final, index = messages[-1], len(messages) - 1
+    if final.tool_calls:
+        raise TemplateError(f"continue_final_message: messages[{index}] has tool calls; only an answer's text can "
+                            "be continued")
+    mark = "\ue000continue-" + secrets.token_hex(8)
+    if final.content is not None:
+        marked = dataclasses.replace(final, content=final.content + mark, generated_ids=())
+    else:
+        last = max((k for k, (kind, _) in enumerate(final.parts) if kind == "text"), default=None)
+        if last is None:
+            raise TemplateError(f"continue_final_message: messages[{index}] has no text to continue")
+        parts = list(final.parts)
+        parts[last] = ("text", parts[last][1] + mark)
+        marked = dataclasses.replace(final, parts=parts, generated_ids=())
+    segments = render(messages[:-1] + [marked], False, tools, options, tool_choice=tool_choice)
+    for i in range(len(segments) - 1, -1, -1):
+        seg = segments[i]
+        at = seg.text.rfind(mark) if not seg.control and seg.ids is None else -1
+        if at >= 0:
+            return segments[:i] + ([Segment(seg.text[:at])] if at else [])
+    raise TemplateError("continue_final_message: the chat template does not render the final message's text, so "
+                        "it cannot be continued")
 
 
 # --------------------------------------------------------------------------------------------- tokenization

@@ -9,10 +9,13 @@ import logging
 import grpc
 
 from protos import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.chat_template import TEMPLATES, Message, Renderer, TemplateError, tokenize_segments
+from tokenizer_svc.chat_template import (TEMPLATES, Message, Renderer, TemplateError, continue_final_message,
+                                         tokenize_segments)
 from tokenizer_svc.tokenizer import TextTokenizer
 
 SERVICE_NAME = "gemma_serve.v1.Tokenizer"
+#: `ChatTemplateRequest.tool_choice` values ("" means "auto").
+TOOL_CHOICES = ("auto", "required", "named", "none")
 log = logging.getLogger("gemma_serve.tokenizer")
 
 
@@ -114,7 +117,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             text = self.tok.decode(list(request.token_ids), request.skip_special_tokens)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        return tokenizer_pb2.DecodeTokensResponse(text=text)
+        reply = tokenizer_pb2.DecodeTokensResponse(text=text)
+        if request.return_token_strs:
+            spell = self.tok.tok.id_to_token
+            reply.token_strs.extend(spell(i) or "" for i in request.token_ids)
+        return reply
 
     async def ApplyChatTemplate(self, request, context):
         await self._ready(context)
@@ -135,7 +142,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         tools = tools_from_json(request.tools_json)
         options = options_from_json(request.template_kwargs_json)
         messages = [message_from_pb(m) for m in request.messages]
-        segments = self.render(messages, request.add_generation_prompt, tools, options)
+        tool_choice = request.tool_choice or "auto"
+        if tool_choice not in TOOL_CHOICES:
+            raise TemplateError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice[:40]!r}")
+        if request.continue_final_message:
+            if request.add_generation_prompt:
+                raise TemplateError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+            segments = continue_final_message(self.render, messages, tools, options, tool_choice=tool_choice)
+        else:
+            segments = self.render(messages, request.add_generation_prompt, tools, options, tool_choice=tool_choice)
         try:
             return tokenize_segments(segments, self.tok)
         except UnicodeEncodeError:

@@ -222,3 +222,31 @@ def test_grpc_generate_tool_calls_match_rest(gemma4_stack, client):
         with pytest.raises(grpc.RpcError) as err:
             list(gateway_pb2_grpc.GatewayStub(channel).Generate(bad, timeout=60))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tool_choice_json" in err.value.details()
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "clock"}}])
+def test_thinking_then_exactly_the_forced_call(client, tool_choice):
+    """Thinking on with a forced call: the thought comes first (biased open, +100 on `<|channel>`), then exactly
+    the forced call. The call markers are masked inside the thought (chat_plan.constraint_factory) — even with
+    +50 on `<|tool_call>` none appears there, so a call is never half reasoning text nor made twice; streamed and
+    non-streamed answers agree."""
+    c, model = client
+    kw = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
+              max_tokens=80, temperature=0, reasoning_effort="high", logit_bias={"100": 100, "101": 30, "48": 50},
+              logprobs=True, extra_body={"skip_special_tokens": False})
+    choice = c.chat.completions.create(**kw).choices[0]
+    tokens = [t.token for t in choice.logprobs.content]
+    assert tokens[0] == "<|channel>" and "<channel|>" in tokens
+    close = tokens.index("<channel|>")
+    assert "<|tool_call>" not in tokens[:close] and "<tool_call|>" not in tokens[:close]
+    assert tokens[close + 1] == "<|tool_call>" and tokens.count("<|tool_call>") == 1
+    calls = check_calls(choice, ["clock"] if isinstance(tool_choice, dict) else None)
+    assert len(calls) == 1 and choice.finish_reason == "tool_calls" and not choice.message.content
+    streamed = {"reasoning": "", "calls": {}}
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            streamed["reasoning"] += getattr(ch.delta, "reasoning_content", None) or ""
+            for d in ch.delta.tool_calls or []:
+                streamed["calls"].setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments or ""
+    assert streamed["reasoning"] == (getattr(choice.message, "reasoning_content", None) or "")
+    assert list(streamed["calls"].values()) == [[calls[0].function.name, calls[0].function.arguments]]

@@ -66,8 +66,8 @@ def test_auto_gives_text_or_valid_calls(client):
                                                 max_tokens=40, temperature=1.0, seed=seed).choices[0]
         for call in choice.message.tool_calls or []:
             jsonschema.validate(json.loads(call.function.arguments), LOOKUP["function"]["parameters"])
-        if choice.message.content:
-            assert not choice.message.content.startswith("{")
+        # the lazy trigger: any `{"tool_calls"` the model writes becomes a call, never content
+        assert '{"tool_calls"' not in (choice.message.content or "")
 
 
 def test_a_tool_turn_sent_back_hits_the_cache(client):
@@ -82,3 +82,63 @@ def test_a_tool_turn_sent_back_hits_the_cache(client):
     second = client.chat.completions.create(messages=messages, tool_choice="auto", max_tokens=3, **kw)
     assert second.usage.prompt_tokens_details.cached_tokens >= \
         first.usage.prompt_tokens + first.usage.completion_tokens - 1, (first.usage, second.usage)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+                                            "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+    "additionalProperties": False}}}
+# An earlier turn that wrote text before its call: the greedy model does the same in the next turn.
+TEXT_THEN_CALL = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "Checking Paris.", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "a", "content": "20C"},
+    {"role": "user", "content": "Weather in Oslo?"},
+]
+
+
+def test_auto_call_after_text_is_parsed_mid_answer(client):
+    """tool_choice auto, a pinned prompt whose greedy answer writes text and then `{"tool_calls"` (the lazy
+    trigger) mid-answer: the call is parsed, validated and streamed as tool_calls; content is only the text
+    before it; the stream equals the non-streamed answer."""
+    kw = dict(model="gemma-3-270m", messages=TEXT_THEN_CALL, tools=[WEATHER], tool_choice="auto", max_tokens=60,
+              temperature=0)
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    content = choice.message.content or ""
+    assert content.strip() and "{" not in content, "the call starts mid-answer, after text"
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    text, calls = "", {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                calls.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments or ""
+    assert text == content
+    assert list(calls.values()) == [[c.function.name, c.function.arguments] for c in choice.message.tool_calls]
+
+
+def test_budget_aware_ending_gives_complete_calls(client, stack):
+    """The base model writes one call after another under `required`; with max_tokens 80 the answer ends after
+    the last call that fits (finish_reason tool_calls, every call complete), and the ending is counted."""
+    import httpx
+
+    def endings() -> float:
+        text = httpx.get(stack.base_url + "/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith('gemma_serve:gateway_budget_endings_total{kind="tool_calls"}'))
+
+    before = endings()
+    for seed in (1, 4):  # seeds whose answers run into the budget (others stop after one call on their own)
+        r = client.chat.completions.create(model="gemma-3-270m", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                           tools=[WEATHER], tool_choice="required", max_tokens=80, temperature=1.0,
+                                           seed=seed)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", (choice, r.usage)
+        assert r.usage.completion_tokens <= 80 and len(choice.message.tool_calls) >= 2
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert endings() >= before + 1

@@ -1,14 +1,18 @@
-"""The answer history (gateway/history.py): answers remembered under their content and tool calls, scoped by
-cache_salt, bounded by bytes, and found again when a client sends the answer back (planner.message_to_pb)."""
+"""The answer history (gateway/history.py): answers remembered under their content, tool calls and reasoning, as
+the client received them (cut answers too), scoped by cache_salt, bounded by bytes, and found again when a client
+sends the answer back (planner.message_to_pb); what can be sent back (planner._check_tool_call_arguments)."""
 
 from __future__ import annotations
 
 import types
 
+import pytest
+
 from gateway.completions import remember_answer
+from gateway.errors import ApiError
 from gateway.history import AnswerHistory, answer_key
-from gateway.openai_types import ChatMessage
-from gateway.planner import message_to_pb
+from gateway.openai_types import ChatCompletionRequest, ChatMessage
+from gateway.planner import _check_tool_call_arguments, message_to_pb
 from protos import common_pb2
 
 
@@ -40,7 +44,13 @@ def test_history_is_bounded_by_bytes():
 class _Backends:
     def __init__(self):
         self.answers = AnswerHistory()
-        self.facts = types.SimpleNamespace(stop_ids=[1, 106])
+        # A toy vocabulary: token i spells chr(ord("a") + i % 26), but 150 spells "xy"; 100, 101 (thought
+        # channel), 48 (a Gemma 4 call) and the stop ids are control tokens.
+        specials = {1, 48, 50, 100, 101, 106}
+        self.facts = types.SimpleNamespace(stop_ids=[1, 106], special_ids=specials, architecture="gemma4",
+                                           token_bytes=[b"" if i in specials else bytes([97 + i % 26])
+                                                        for i in range(200)])
+        self.facts.token_bytes[150] = b"xy"
 
     def ready_facts(self):
         return self.facts
@@ -48,6 +58,8 @@ class _Backends:
 
 def _route(content, calls=(), reasoning="", truncated=False):
     message = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
                                  for i, (n, a) in enumerate(calls)]
@@ -63,15 +75,57 @@ def test_remembered_answers_come_back_with_the_message_that_carries_them():
     whole = types.SimpleNamespace(whole=True)
     remember_answer(b, "s", _route("Hello"), whole, _tokens([7, 8, 106]), stop_ids=[])
     remember_answer(b, "s", _route(None, [("f", '{"a": 1}')]), whole, _tokens([9, 10, 50]), stop_ids=[50])
-    remember_answer(b, "s", _route("thought", reasoning="..."), whole, _tokens([11]), stop_ids=[])
-    remember_answer(b, "s", _route("cut"), types.SimpleNamespace(whole=False), _tokens([12]), stop_ids=[])
+    remember_answer(b, "s", _route("tho", reasoning="..."), whole, _tokens([100, 11, 101, 19, 7, 14]), stop_ids=[])
     plain = message_to_pb(ChatMessage(role="assistant", content="Hello"), b.answers, "s")
     assert list(plain.generated_token_ids) == [7, 8]  # the final stop token is the template's to render
     call = ChatMessage(role="assistant", content=None, tool_calls=[
         {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}])
     assert list(message_to_pb(call, b.answers, "s").generated_token_ids) == [9, 10]
     assert not message_to_pb(call, b.answers, "other").generated_token_ids
-    for text in ("thought", "cut"):
-        assert not message_to_pb(ChatMessage(role="assistant", content=text), b.answers, "s").generated_token_ids
+    thought = ChatMessage(role="assistant", content="tho", reasoning_content="...")
+    assert list(message_to_pb(thought, b.answers, "s").generated_token_ids) == [100, 11, 101, 19, 7, 14]
+    # Without its reasoning_content it is another message: the template writes no thought for it.
+    assert not message_to_pb(ChatMessage(role="assistant", content="tho"), b.answers, "s").generated_token_ids
     user = message_to_pb(ChatMessage(role="user", content="Hello"), b.answers, "s")
     assert not user.generated_token_ids
+
+
+def test_answers_cut_short_are_remembered_as_the_client_received_them():
+    b = _Backends()
+    cut = types.SimpleNamespace(whole=False)
+    # A stop string cut "cdeSTOP" to "cd" (tokens 2, 3 spell "cd"): only the ids of the text returned.
+    remember_answer(b, "s", _route("cd"), cut, _tokens([2, 3, 4, 5]), stop_ids=[])
+    assert b.answers.lookup("s", answer_key("cd")) == (2, 3)
+    # The text returned ends inside a token (150 spells "xy"; the stop string began at its "y"): nothing.
+    remember_answer(b, "s", _route("ax"), cut, _tokens([0, 150, 4]), stop_ids=[])
+    assert b.answers.lookup("s", answer_key("ax")) is None
+    # After a thought, the text is what follows its closing control token.
+    remember_answer(b, "s", _route("hi", reasoning="x"), cut, _tokens([100, 23, 101, 7, 8, 9]), stop_ids=[])
+    assert b.answers.lookup("s", answer_key("hi", reasoning="x")) == (100, 23, 101, 7, 8)
+    # max_tokens cut a call inside its arguments: every id, the call as returned is the key.
+    length = types.SimpleNamespace(whole=True)
+    calls = [("f", '{"a": 1}'), ("g", '{"b": "x')]
+    remember_answer(b, "s", _route(None, calls, truncated=True), length, _tokens([48, 5, 48, 6, 7]), stop_ids=[])
+    assert b.answers.lookup("s", answer_key(None, calls)) == (48, 5, 48, 6, 7)
+    # ... and cut a Gemma 4 call before its name was complete (not returned): the ids end before that call.
+    remember_answer(b, "s", _route(None, calls[:1], truncated=True), length, _tokens([48, 5, 49, 48, 6]),
+                    stop_ids=[])
+    assert b.answers.lookup("s", answer_key(None, calls[:1])) == (48, 5, 49)
+
+
+def test_only_an_answers_last_call_may_come_back_cut_off():
+    """A cut-off call's arguments (a JSON object prefix) are accepted where an answer can end: its last call.
+    Anything else could never have come from the server: a 400 naming the field."""
+    def request(*arguments):
+        calls = [{"id": f"c{n}", "type": "function", "function": {"name": "f", "arguments": a}}
+                 for n, a in enumerate(arguments)]
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "a"},
+                                               {"role": "assistant", "content": None, "tool_calls": calls}])
+
+    _check_tool_call_arguments(request('{"a": 1}', '{"b": "pa'))
+    _check_tool_call_arguments(request('{"a": 1}', ""))
+    for arguments, bad in [(('{"b": "pa', '{"a": 1}'), 0), (('{"a": 1}', '{"a": 1}}'), 1), (("[1]",), 0),
+                           (('{"a": 1}', '{"b": "\\udc00x'), 1), (('{"a" 1',), 0)]:
+        with pytest.raises(ApiError) as err:
+            _check_tool_call_arguments(request(*arguments))
+        assert err.value.status == 400 and err.value.param == f"messages.1.tool_calls.{bad}.function.arguments"

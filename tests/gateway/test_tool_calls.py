@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from gateway.tool_calls import (
+    GEMMA3_CALL_TRIGGER,
     GEMMA4_NONE_BANNED_IDS,
     INTEGER_REGEX,
     MAX_PARALLEL_CALLS,
@@ -152,12 +153,15 @@ class Sampler:
         self.ascii = np.array([len(b) == 1 and 32 < b[0] < 127 for b in self.token_bytes])
         self.brace = np.array([b.startswith(b"{") for b in self.token_bytes])
 
-    def sample(self, grammar: str, seed: int, stop_ids, first: np.ndarray | None = None) -> list[int]:
-        """Sample one answer; `first` (a token mask) is preferred at the first step when it allows any."""
+    def sample(self, grammar: str, seed: int, stop_ids, first: np.ndarray | None = None,
+               prefix: list[int] = ()) -> list[int]:
+        """Sample one answer; `first` (a token mask) is preferred at the first step when it allows any; the
+        answer starts with `prefix` (which the grammar must accept)."""
         rng = np.random.default_rng(seed)
         matcher = llguidance.LLMatcher(self.lltok, grammar)
         assert not matcher.is_error(), matcher.get_error()
-        out: list[int] = []
+        assert matcher.consume_tokens(list(prefix)), matcher.get_error()
+        out: list[int] = list(prefix)
         while True:
             bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")[:N_VOCAB]
             allowed = bits.astype(bool)
@@ -169,7 +173,7 @@ class Sampler:
                 tiers.append(self.close)
             if len(out) >= SOFT_CAP or rng.random() < BIAS:
                 tiers.append(self.struct)
-            if first is not None and not out:
+            if first is not None and len(out) == len(prefix):
                 tiers = [first]
             pool = next((allowed & tier for tier in tiers if (allowed & tier).any()), allowed)
             choices = np.flatnonzero(pool)
@@ -262,7 +266,10 @@ def test_gemma4_sampled_tool_calls_parse_validate_and_stream(g4_sampler, g4_text
     grammar = gemma4_tool_grammar(TOOLS, choice, parallel)
     lltok, n_calls, n_text = g4_sampler.lltok, 0, 0
     for seed in range(SAMPLES):
-        tokens = g4_sampler.sample(grammar, seed, {50, 106})
+        # auto: some answers write text first, then the trigger (the <|tool_call> token) mid-answer
+        text = LAZY_TEXTS[(seed // 2) % len(LAZY_TEXTS)] if choice == "auto" and seed % 2 else ""
+        prefix = lltok.tokenize_str(text) + [48] if choice == "auto" and seed % 2 else []
+        tokens = g4_sampler.sample(grammar, seed, {50, 106}, prefix=prefix)
         # Control tokens: only the grammar's own, and inside calls only the string delimiter.
         inside = False
         for t in tokens:
@@ -286,9 +293,11 @@ def test_gemma4_sampled_tool_calls_parse_validate_and_stream(g4_sampler, g4_text
         _check_calls(result, choice, parallel)
         assert parse_gemma4_tool_calls(lltok.decode_bytes(tokens).decode()) == result
         assert len(result.tool_calls) == tokens.count(48)
+        if prefix:
+            assert result.tool_calls and result.content == text
         n_calls += bool(result.tool_calls)
         n_text += not result.tool_calls
-        if result.tool_calls:
+        if result.tool_calls and not result.content:
             _check_gemma4_round_trip(g4_text_tok, tokens, result)
     if choice == "auto":
         assert n_calls and n_text
@@ -333,12 +342,31 @@ def _check_gemma4_round_trip(tok: TextTokenizer, tokens: list[int], result):
     assert tok.decode(ids[len(prompt):], skip_special_tokens=False) == tok.decode(generated, skip_special_tokens=False)
 
 
+LAZY_TEXTS = ["", "Sure.", "Let me check the weather first.\n\n", "Uses {braces} and \"quotes\": ", "日本 🙂 "]
+
+
+def _lazy_prefix(lltok, seed: int) -> list[int]:
+    """Text, then the Gemma 3 call trigger — tokenized whole, split over two tokens, byte by byte, or joined to
+    the text in one token where the vocabulary has one — as a model could write it in an `auto` answer."""
+    text = LAZY_TEXTS[(seed // 2) % len(LAZY_TEXTS)]
+    split = (seed // 2) % 4
+    if split == 0:
+        return lltok.tokenize_str(text + GEMMA3_CALL_TRIGGER)
+    if split == 1:
+        return lltok.tokenize_str(text + GEMMA3_CALL_TRIGGER[:5]) + lltok.tokenize_str(GEMMA3_CALL_TRIGGER[5:])
+    if split == 2:
+        return lltok.tokenize_str(text) + [t for ch in GEMMA3_CALL_TRIGGER for t in lltok.tokenize_str(ch)]
+    return lltok.tokenize_str(text + ' {"') + lltok.tokenize_str(GEMMA3_CALL_TRIGGER[2:])
+
+
 @pytest.mark.parametrize("choice, parallel", CHOICES)
 def test_gemma3_sampled_tool_calls_parse_validate_and_stream(g3_sampler, text_tokenizer, choice, parallel):
     grammar = gemma3_tool_grammar(TOOLS, choice, parallel)
     lltok, n_calls, n_text = g3_sampler.lltok, 0, 0
     for seed in range(SAMPLES):
-        tokens = g3_sampler.sample(grammar, seed, {106}, first=g3_sampler.brace if seed % 2 else None)
+        prefix = _lazy_prefix(lltok, seed) if choice == "auto" and seed % 2 else []
+        first = g3_sampler.brace if seed % 2 and choice != "auto" else None
+        tokens = g3_sampler.sample(grammar, seed, {106}, first=first, prefix=prefix)
         assert not any(g3_sampler.special[t] for t in tokens[:-1]) and tokens[-1] == 106
         steps = _stream(parser := Gemma3ToolCallParser(), g3_sampler, tokens)
         result = parser.result()
@@ -348,7 +376,9 @@ def test_gemma3_sampled_tool_calls_parse_validate_and_stream(g3_sampler, text_to
         assert parse_gemma3_tool_calls(lltok.decode_bytes(tokens).decode()) == result
         n_calls += bool(result.tool_calls)
         n_text += not result.tool_calls
-        if result.tool_calls:
+        if prefix:  # the text before the trigger is content, the call after it is parsed
+            assert result.tool_calls and result.content == lltok.decode_str(prefix).split(GEMMA3_CALL_TRIGGER)[0]
+        if result.tool_calls and not result.content:
             user = Message("user", "Hi")
             prompt, _ = tokenize_segments(render_gemma3([user], True, TOOLS), text_tokenizer)
             calls = [(c.id, c.name, c.arguments) for c in result.tool_calls]
@@ -480,7 +510,12 @@ def test_gemma3_grammar_per_tool_choice(g3_lltok):
     auto = gemma3_tool_grammar(TOOLS, "auto", True)
     assert _accepts(g3_lltok, auto, ["It is sunny.", 106]) and _accepts(g3_lltok, auto, [106])
     assert _accepts(g3_lltok, auto, ['{"tool_calls": [' + weather + ", " + now + "]}", 106])
-    assert not _accepts(g3_lltok, auto, ["{not json}", 106])
+    # The lazy trigger: any text (braces included) is content; from `{"tool_calls"` on, anywhere, it is a call.
+    assert _accepts(g3_lltok, auto, ["{not json}", 106]) and _accepts(g3_lltok, auto, ['{"tool": 1}', 106])
+    assert _accepts(g3_lltok, auto, ['Let me check.\n{"tool_calls": [' + weather + "]}", 106])
+    assert not _accepts(g3_lltok, auto, ['Let me check.\n{"tool_calls": 3}', 106])
+    assert not _accepts(g3_lltok, auto, ['Let me check. {"tool_calls": [' + weather + "]} Done.", 106])
+    assert not _accepts(g3_lltok, auto, ['Let me check. {"tool_calls": [' + weather, 106])
     assert not _accepts(g3_lltok, auto, ['{"tool_calls": [' + call("get_weather", '{"city":"Paris"}') + "]}", 106])
     assert not _accepts(g3_lltok, auto, ['{"tool_calls": [' + call("get_weather", '{"town": "Paris"}') + "]}", 106])
     search = gemma3_tool_grammar([SEARCH], "required", False)
@@ -699,12 +734,30 @@ def test_gemma3_parser_streams_arguments_verbatim():
     assert steps[2] == [flat[0], {"tool_calls": [{"index": 0, "function": {"arguments": '{"city"'}}]}]
     text = parse_gemma3_tool_calls("Use {braces} freely.<end_of_turn>")
     assert text.content == "Use {braces} freely." and text.tool_calls == []
+    other = parse_gemma3_tool_calls('{"calls": []} {"tool" {"tool_calls<end_of_turn>')
+    assert other.content == '{"calls": []} {"tool" {"tool_calls' and other.tool_calls == []
+
+
+def test_gemma3_parser_lazy_trigger_streams_content_then_the_call():
+    """Text before the trigger streams as content (held back only while it may still be the trigger), then the
+    call streams as tool_calls deltas, whatever the token boundaries."""
+    answer = 'Checking now {"tool_calls": [{"name": "f", "arguments": {"a": "b"}}]}'
+    for cut in range(1, len(answer)):  # every split of the answer over two "tokens"
+        parser = Gemma3ToolCallParser()
+        first = parser.feed(-1, answer[:cut].encode())
+        rest = parser.feed(-1, answer[cut:].encode()) + parser.feed(106) + parser.finish()
+        content = "".join(d.get("content", "") for d in first + rest)
+        assert content == "Checking now "
+        held = "".join(d.get("content", "") for d in first)
+        assert content.startswith(held) and min(cut, len(content)) - len(held) < len(GEMMA3_CALL_TRIGGER)
+        result = parser.result()
+        assert [(c.name, c.arguments) for c in result.tool_calls] == [("f", '{"a": "b"}')]
 
 
 @pytest.mark.parametrize("text", [
     '{"tool_calls": [{"arguments": {}, "name": "x"}]}',
-    '{"calls": []}',
-    '{"tool_calls": [{"name": "x"}]}',
+    '{"tool_calls": {}}',
+    'Text first {"tool_calls": [{"name": "x"}]}',
     '{"tool_calls": [{"name": "x", "arguments": []}]}',
     '{"tool_calls": [{"name": "x", "arguments": {}}]} trailing',
     '{"tool_calls": [{"name": "x", "arguments": {}}]<end_of_turn>',

@@ -7,10 +7,14 @@ tokenized with control tokens parsed, must give the same ids as our segment rend
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import jinja2
 import pytest
 
-from tokenizer_svc.chat_template import Message, TemplateError, render_gemma3, tokenize_segments
+from tokenizer_svc.chat_template import (JinjaTemplate, Message, TemplateError, continue_final_message, render_gemma3,
+                                         render_gemma4, tokenize_segments)
 
 pytestmark = pytest.mark.slow
 
@@ -220,3 +224,134 @@ def test_gemma3_tool_text_is_data(text_tokenizer):
 def test_gemma3_unrenderable_tool_conversations(messages, fragment):
     with pytest.raises(TemplateError, match=fragment):
         render_gemma3(messages, True, [WEATHER_TOOL])
+
+
+def test_gemma3_tool_choice_none_describes_the_tools_without_the_call_format(text_tokenizer):
+    """Under tool_choice "none" the tools are declared (as OpenAI still shows them) but nothing in the prompt
+    says how to call one: no call instructions, no `{"tool_calls"` example for the model to copy."""
+    messages = [Message("system", "Be brief."), Message("user", "Weather in Paris?")]
+    _, text = tokenize_segments(render_gemma3(messages, True, [WEATHER_TOOL], tool_choice="none"), text_tokenizer)
+    declaration = TOOLS_TEXT.splitlines()[1]
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nThese tools exist but cannot be called in this answer. "
+                    "Each line is one tool's name, description and JSON Schema parameters:\n" + declaration +
+                    "\n\nWeather in Paris?<end_of_turn>\n<start_of_turn>model\n")
+    assert '{"tool_calls"' not in text and "call tools" not in text
+    for mode in ("auto", "required", "named"):  # every other mode keeps the call format
+        _, text = tokenize_segments(render_gemma3(messages, True, [WEATHER_TOOL], tool_choice=mode), text_tokenizer)
+        assert TOOLS_TEXT in text
+
+
+# ------------------------------------------------------------------------------------- continue_final_message
+
+PREFILL = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"},
+           {"role": "assistant", "content": "  The capital is"}]
+
+
+def _messages(dicts: list[dict]) -> list[Message]:
+    return [Message(m["role"], m["content"]) if isinstance(m["content"], str)
+            else Message(m["role"], parts=[(p["type"], p["text"]) for p in m["content"]]) for m in dicts]
+
+
+def _transformers_continuation(messages: list[dict], template: str) -> str:
+    """transformers' prompt text for `messages` with continue_final_message (`render_jinja_template`, what
+    apply_chat_template renders with)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, continue_final_message=True,
+                                        bos_token="<bos>")
+    return rendered[0]
+
+
+@pytest.fixture(scope="module")
+def gemma3_jinja(text_tokenizer) -> JinjaTemplate:
+    """The official Gemma 3 template as a checkpoint's chat_template.jinja."""
+    return JinjaTemplate.for_tokenizer(GEMMA3_JINJA, text_tokenizer)
+
+
+@pytest.mark.parametrize("final, end", [
+    ("  The capital is", "The capital is"),
+    ([{"type": "text", "text": "The "}, {"type": "text", "text": " capital is"}], "Thecapital is"),  # parts trimmed
+])
+def test_continue_final_message_matches_transformers_gemma3(text_tokenizer, gemma3_jinja, final, end):
+    """The built-in Gemma 3 renderer and the same template as a checkpoint's Jinja both end the prompt where
+    transformers' apply_chat_template(continue_final_message=True) does (text without trailing whitespace)."""
+    messages = PREFILL[:2] + [{"role": "assistant", "content": final}]
+    ref = _transformers_continuation(messages, GEMMA3_JINJA)
+    assert ref.endswith("<start_of_turn>model\n" + end)
+    for render in (render_gemma3, gemma3_jinja.render):
+        ids, text = tokenize_segments(continue_final_message(render, _messages(messages)), text_tokenizer)
+        assert text == ref
+        assert ids == text_tokenizer.encode(ref, parse_special=True)
+
+
+def test_continue_final_message_matches_transformers_gemma4():
+    """Gemma 4's built-in renderer and its Jinja template (as a checkpoint's) against transformers' renderer
+    (`render_jinja_template`, what apply_chat_template calls) with the same template: same prompt text."""
+    from tests.tokenizer_svc.test_gemma4_template import SOURCE
+
+    ref = _transformers_continuation(PREFILL, SOURCE)
+    assert ref.endswith("<|turn>model\nThe capital is")
+    controls = ["<bos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"]
+    jinja = JinjaTemplate(SOURCE, controls, {"bos_token": "<bos>"})
+    for render in (render_gemma4, jinja.render):
+        segments = continue_final_message(render, _messages(PREFILL))
+        assert "".join(seg.text for seg in segments) == ref
+
+
+def test_continue_final_message_keeps_the_text_as_sent(text_tokenizer, gemma3_jinja):
+    """Unlike transformers with a trimming template, the prefill's trailing whitespace stays (the continuation
+    starts exactly where the client's text ends), its control-token spellings stay text, remembered ids are not
+    used for it, and nothing of the marker remains."""
+    prefill = Message("assistant", "Answer: <end_of_turn>\n", generated_ids=(9, 9, 9))
+    for render in (render_gemma3, gemma3_jinja.render):
+        ids, text = tokenize_segments(continue_final_message(render, [Message("user", "Hi"), prefill]),
+                                      text_tokenizer)
+        assert text == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nAnswer: <end_of_turn>\n"
+        assert ids[-len(text_tokenizer.encode("Answer: <end_of_turn>\n", parse_special=False)):] == \
+            text_tokenizer.encode("Answer: <end_of_turn>\n", parse_special=False)
+        assert ids.count(text_tokenizer.token_id("<end_of_turn>")) == 1 and 9 not in ids
+
+
+DROPS_ASSISTANT_TEXT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+                        "{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}<end_of_turn>\n{% endfor %}")
+
+
+@pytest.mark.parametrize("messages, fragment", [
+    ([Message("user", "a")], "must be an assistant message"),
+    ([Message("user", "a"), Message("assistant", "b", tool_calls=CALLS[:1])], "has tool calls"),
+    ([Message("user", "a"), Message("assistant")], "no text to continue"),
+    ([Message("user", "a"), Message("assistant", "b")], "does not render"),
+])
+def test_continue_final_message_refusals(text_tokenizer, messages, fragment):
+    render = render_gemma3
+    if fragment == "does not render":
+        render = JinjaTemplate.for_tokenizer(DROPS_ASSISTANT_TEXT, text_tokenizer).render
+    with pytest.raises(TemplateError, match=fragment):
+        continue_final_message(render, messages, [])
+
+
+def test_service_passes_tool_choice_and_continuation(text_tokenizer):
+    """The tokenizer service's ApplyChatTemplate fields: continue_final_message, tool_choice (checked), and
+    Decode's per-token pieces (transformers' convert_ids_to_tokens spelling, from `tokenizers`)."""
+    from protos import tokenizer_pb2
+    from tokenizer_svc.service import TokenizerServicer
+
+    servicer = TokenizerServicer(text_tokenizer, "gemma3")
+    user = tokenizer_pb2.ChatMessage(role="user", content="Hi")
+    prefill = tokenizer_pb2.ChatMessage(role="assistant", content="Hello ")
+    request = tokenizer_pb2.ChatTemplateRequest(messages=[user, prefill], continue_final_message=True)
+    assert servicer._render(request)[1].endswith("<start_of_turn>model\nHello ")
+    request.add_generation_prompt = True
+    with pytest.raises(TemplateError, match="Cannot set both"):
+        servicer._render(request)
+    tools = tokenizer_pb2.ChatTemplateRequest(messages=[user], add_generation_prompt=True, tool_choice="none",
+                                              tools_json=json.dumps([WEATHER_TOOL]))
+    assert "cannot be called" in servicer._render(tools)[1]
+    tools.tool_choice = "sometimes"
+    with pytest.raises(TemplateError, match="tool_choice must be one of"):
+        servicer._render(tools)
+    ids = text_tokenizer.encode("Hello\n<end_of_turn>", add_bos=True)
+    reply = asyncio.run(servicer.Decode(tokenizer_pb2.DecodeTokensRequest(token_ids=ids, return_token_strs=True),
+                                        None))
+    assert list(reply.token_strs) == [text_tokenizer.tok.id_to_token(i) for i in ids]
+    assert reply.token_strs[0] == "<bos>" and reply.token_strs[-1] == "<end_of_turn>"

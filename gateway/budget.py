@@ -1,0 +1,194 @@
+"""Budget-aware endings of constrained answers: end where the grammar allows the answer to end, instead of letting
+`max_tokens` cut it inside a unit.
+
+A base model asked for tool calls often writes one valid call after another until `max_tokens` cuts the last one
+(`finish_reason: "length"`), and agent frameworks then treat the whole turn as failed. None of vLLM, SGLang or
+llama.cpp look at the budget. Here, a constrained answer made of repeated units ends after a complete unit when
+the budget left could not fit another one:
+
+- **Units.** Tool calls (both formats, `parallel_tool_calls` on), and the elements of a JSON answer whose
+  schema's top level is an array (`response_format` json_schema; values nested deeper are not units: ending
+  inside an object would leave out the model's remaining keys). U is the largest number of tokens one unit
+  took: each unit after the first counted from the end of the previous one (so separators count); while only
+  one unit is complete, that one, counted from the token that opened it (`<|tool_call>`, the one holding the
+  `{` of a Gemma 3 call, or the element's first character). C is the number of tokens
+  that close the answer after a unit (Gemma 3 `]}`, `<end_of_turn>` and one spare token, since the model may
+  split a call's last brackets differently, e.g. `"` `}}` against `"}}`; Gemma 4 `<|tool_response>`; JSON `]`,
+  the stop token and a spare one).
+- **Rule.** With B tokens left (max_tokens minus every token generated so far, a thought included), the answer
+  may not start another unit once B, less what the unit in progress is expected to take still (U minus the
+  tokens it has taken, at least 1), is below U + C. Then the grammar is rebuilt with at most the units already
+  started (tool grammars' `max_calls`, the array's `maxItems`) and the tokens so far are replayed into it, so
+  from the end of the last unit the mask allows only the closing tokens (`finish_reason` `tool_calls` /
+  `stop`). Deciding before the unit ends matters: a token such as `}},` would otherwise finish one call and
+  start the next in one step.
+- **Only ending is forced; nothing is invented.** A unit in progress is never closed early (its content is the
+  model's); if even it does not fit, `max_tokens` cuts it as before (`finish_reason: "length"`). The rule
+  needs one complete unit to measure U, so the first unit is never affected.
+
+Each answer whose ending was forced this way is counted in the gateway metric
+`gemma_serve:gateway_budget_endings_total{kind}` (kind `tool_calls` or `json`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gateway.constraints import ConstraintError
+from gateway.tool_calls import ToolCallParseError
+
+
+class BudgetedUnits:
+    """A constraint (gateway/constraints.Constraint, possibly inside reasoning.ThoughtFirst) that ends the answer
+    after a complete unit when the budget could not fit another (module docstring). Same interface as
+    Constraint: mask(), forced(), done(), finished(), advance(token_id), vocab_size.
+
+    Args:
+      make: `make(None)` builds the answer's constraint, `make(n)` the same allowing at most n units.
+      budget: max_tokens of the generation (every generated token counts, forced ones included).
+      parser: follows the units as tokens arrive: `feed(token_id, token_bytes)` and `progress() -> (complete
+        units, whether one is open)` — a tool-call parser (gateway/tool_parsers.py) or `JsonArrayProgress`.
+      token_bytes: each token id's bytes (the vocabulary).
+      close_tokens: C, the tokens that close the answer after a complete unit.
+      on_end: called once when the budget forces the ending (a metric).
+    """
+
+    def __init__(self, make: Callable[[int | None], object], budget: int, parser, token_bytes,
+                 close_tokens: int, on_end: Callable[[], None] | None = None):
+        self._make = make
+        self.inner = make(None)
+        self.vocab_size = self.inner.vocab_size
+        self.budget = int(budget)
+        self._parser = parser
+        self._bytes = token_bytes
+        self._close = int(close_tokens)
+        self._on_end = on_end
+        self._tokens: list[int] = []
+        self._done = 0  # complete calls
+        self._unit_start: int | None = None  # tokens before the first call opened
+        self._last_end: int | None = None  # tokens up to the end of the last complete call
+        self._units: list[int] = []  # tokens each complete call took
+        self.max_units: int | None = None  # set once the budget capped the units
+
+    # -- the Constraint interface
+
+    def mask(self) -> bytes:
+        """The inner constraint's mask (after a cap: no new call)."""
+        return self.inner.mask()
+
+    def forced(self) -> list[int]:
+        """The inner constraint's forced tokens."""
+        return self.inner.forced()
+
+    def done(self) -> bool:
+        """True when the answer is complete."""
+        return self.inner.done()
+
+    def finished(self) -> bool:
+        """True once the answer's stop token was consumed."""
+        return self.inner.finished()
+
+    def advance(self, token_id: int) -> None:
+        """Consume a generated token; may cap the units (module docstring).
+
+        Raises:
+          ConstraintError: the token is not allowed.
+        """
+        self.inner.advance(token_id)
+        self._tokens.append(int(token_id))
+        try:
+            self._parser.feed(int(token_id), self._bytes[token_id])
+        except ToolCallParseError:  # pragma: no cover - the grammar only lets well-formed calls through
+            return
+        self._observe()
+        self._maybe_cap()
+
+    # -- budget
+
+    def _observe(self) -> None:
+        """Update the unit sizes from the parser's progress."""
+        done, inside = self._parser.progress()
+        n = len(self._tokens)
+        if inside and self._unit_start is None:
+            self._unit_start = n - 1
+        if done > self._done:
+            start = self._last_end if self._last_end is not None else self._unit_start or 0
+            self._units.append(n - start)
+            self._done, self._last_end = done, n
+
+    @property
+    def max_unit(self) -> int:
+        """U: the largest unit after the first (the first one alone until there is a second)."""
+        return max(self._units[1:] or self._units or [0])
+
+    def _maybe_cap(self) -> None:
+        if self.max_units is not None or not self._done or self.inner.finished():
+            return
+        left = self.budget - len(self._tokens)
+        taken = len(self._tokens) - self._last_end
+        to_come = max(self.max_unit - taken, 1) if taken else 0  # the unit in progress, if one has begun
+        if left - to_come >= self.max_unit + self._close:
+            return
+        for cap in (self._done, self._done + 1):
+            try:
+                constraint = self._make(cap)
+                for t in self._tokens:
+                    constraint.advance(t)
+            except (ConstraintError, ValueError):
+                continue  # the tokens so far already started unit number cap + 1
+            self.inner, self.max_units = constraint, cap
+            if self._on_end is not None:
+                self._on_end()
+            return
+
+
+class JsonArrayProgress:
+    """Follows the elements of a top-level JSON array as its bytes arrive (the `parser` of BudgetedUnits for a
+    JSON answer): an element is complete at its closing bracket or quote, or, for a number or literal, at the
+    `,` or `]` after it. Multi-byte UTF-8 never holds ASCII bytes, so structure is read from the bytes directly."""
+
+    def __init__(self):
+        self._depth = 0
+        self._string = self._escape = False
+        self._items = 0
+        self._open = False  # an element has begun and is not complete
+
+    def feed(self, token_id: int, data: bytes) -> None:
+        """Add one token's bytes (control tokens carry no structure: pass b"")."""
+        for c in data.decode("latin-1"):
+            if self._depth == 0 and c not in "[{":
+                continue  # outside the array (or after it)
+            self._char(c)
+
+    def _char(self, c: str) -> None:
+        if self._string:
+            if self._escape:
+                self._escape = False
+            elif c == "\\":
+                self._escape = True
+            elif c == '"':
+                self._string = False
+                self._element_done(at_depth=1)
+            return
+        if c == '"':
+            self._string = True
+            self._open = self._open or self._depth == 1
+        elif c in "[{":
+            self._depth += 1
+            self._open = self._open or self._depth == 2
+        elif c in "]}":
+            self._depth -= 1
+            self._element_done(at_depth=1)
+        elif c == "," and self._depth == 1:
+            self._element_done(at_depth=1)
+        elif self._depth == 1 and not c.isspace():
+            self._open = True  # a number or literal
+
+    def _element_done(self, at_depth: int) -> None:
+        if self._depth == at_depth and self._open:
+            self._items += 1
+            self._open = False
+
+    def progress(self) -> tuple[int, bool]:
+        """(complete elements, whether one is open)."""
+        return self._items, self._open

@@ -1,0 +1,187 @@
+"""Budget-aware endings (gateway/budget.py) on scripted token streams, model-free, with the real vocabularies.
+
+A scripted "model" wants to write a fixed answer (calls of known sizes); each step it takes its next token if the
+constraint's mask allows it, else the grammar's forced token, else the only allowed stop token. The budget is
+set to run out before, inside and after a unit; the answer must end after a complete call when the budget
+cannot fit another, be cut (never invented) otherwise, and always parse.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import numpy as np
+import pytest
+
+from gateway.budget import BudgetedUnits, JsonArrayProgress
+from gateway.chat_plan import _array_units
+from gateway.constraints import Constraint, grammar_for_json_schema
+from gateway.tool_calls import gemma3_tool_grammar, gemma4_tool_grammar
+from gateway.tool_parsers import Gemma3ToolCallParser, Gemma4ToolCallParser
+
+N_VOCAB = 262144
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+class _TokenBytes:
+    """token id -> bytes, looked up when needed (the parser reads only the tokens generated)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __getitem__(self, token: int) -> bytes:
+        return self.tok.decode_bytes([token])
+
+
+@pytest.fixture(scope="module")
+def g3(prepared):
+    tok = llguidance.LLTokenizer((prepared.dir / "tokenizer.json").read_text(), n_vocab=N_VOCAB, eos_token=1)
+    return tok, _TokenBytes(tok)
+
+
+@pytest.fixture(scope="module")
+def g4(gemma4_lltok):
+    return gemma4_lltok, _TokenBytes(gemma4_lltok)
+
+
+def _allowed(mask: bytes, token: int) -> bool:
+    return bool(mask[token >> 3] >> (token & 7) & 1)
+
+
+def _drive(constraint, script: list[int], budget: int, stops: set[int], tok) -> list[int]:
+    """Generate at most `budget` tokens, preferring the script's next token (or a shorter piece of its text),
+    else a forced one, else an allowed stop or closing bracket (module docstring)."""
+    out: list[int] = []
+    while len(out) < budget and not constraint.finished():
+        mask = constraint.mask()
+        want = script[len(out)] if len(out) < len(script) else None
+        wanted = tok.decode_bytes([want]) if want is not None else b""
+        shorter = [tok.tokenize_bytes(wanted[:k])[0] for k in range(len(wanted) - 1, 0, -1)]
+        if want is not None and _allowed(mask, want):
+            token = want
+        elif any(_allowed(mask, t) for t in shorter):  # the model spells its text in smaller pieces
+            token = next(t for t in shorter if _allowed(mask, t))
+            script = script[:len(out)] + [token] + tok.tokenize_bytes(tok.decode_bytes(script[len(out):])[
+                len(tok.decode_bytes([token])):])
+        else:
+            forced = constraint.forced()
+            allowed = np.flatnonzero(np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little"))
+            closing = [t for t in allowed if t in stops] or [
+                t for t in allowed if t < 1000 and set(tok.decode_bytes([int(t)]) or b"?") <= set(b"]}")]
+            token = forced[0] if forced else int(closing[0])
+        constraint.advance(token)
+        out.append(token)
+    return out
+
+
+def _g3_case(g3, budget: int, cities: list[str]):
+    tok, token_bytes = g3
+    calls = ", ".join('{"name": "get_weather", "arguments": {"city": "%s"}}' % c for c in cities)
+    script = tok.tokenize_str('{"tool_calls": [' + calls + "]}") + [106]
+    make = lambda n: Constraint(tok, gemma3_tool_grammar(TOOLS, "required", True, n or 16), N_VOCAB, [1, 106],  # noqa
+                                grammar_ends=True)
+    ended = []
+    c = BudgetedUnits(make, budget, Gemma3ToolCallParser(), token_bytes, len(tok.tokenize_str("]}")) + 2,
+                      on_end=lambda: ended.append(1))
+    out = _drive(c, script, budget, {106}, tok)
+    parser = Gemma3ToolCallParser()
+    for t in out:
+        parser.feed(t, token_bytes[t])
+    parser.finish()
+    return script, out, parser.result(), c, ended
+
+
+def _unit(g3, city="Oslo") -> int:
+    tok, _ = g3
+    return len(tok.tokenize_str(', {"name": "get_weather", "arguments": {"city": "%s"}}' % city))
+
+
+def test_gemma3_budget_ends_after_the_last_call_that_fits(g3):
+    """The issue's case: the model wants a fourth call the budget cannot fit: the answer ends after three."""
+    tok, _ = g3
+    opening = len(tok.tokenize_str('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}'))
+    budget = opening + 2 * _unit(g3) + _unit(g3) // 2  # room for 2.5 more calls and the close
+    script, out, result, c, ended = _g3_case(g3, budget, ["Oslo"] * 4)
+    assert len(out) <= budget and out[-1] == 106 and c.finished()
+    assert not result.truncated and [json.loads(x.arguments) for x in result.tool_calls] == [{"city": "Oslo"}] * 3
+    assert c.max_units == 3 and ended == [1]
+
+
+def test_gemma3_budget_with_room_changes_nothing(g3):
+    script, out, result, c, ended = _g3_case(g3, 200, ["Oslo", "Paris", "Rome", "Bergen"])
+    assert out == script and len(result.tool_calls) == 4 and c.max_units is None and not ended
+
+
+def test_gemma3_budget_before_the_first_unit_is_a_plain_cut(g3):
+    """No unit has been measured yet: nothing is forced, max_tokens cuts the call (finish_reason length)."""
+    script, out, result, c, ended = _g3_case(g3, 8, ["Oslo", "Paris"])
+    assert out == script[:8] and result.truncated and not result.tool_calls and not ended
+
+
+def test_gemma3_budget_inside_a_longer_unit_is_never_invented(g3):
+    """A call much longer than the ones before it is not closed early: the budget cuts it (only ending is
+    forced), and the calls before it stay complete."""
+    long_city = "Llanfairpwllgwyngyllgogerychwyrndrobwllllantysiliogogogoch" * 2
+    tok, _ = g3
+    opening = len(tok.tokenize_str('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}'))
+    budget = opening + _unit(g3) + 8  # the second unit (long) starts with room for a short one only
+    script, out, result, c, ended = _g3_case(g3, budget, ["Oslo", long_city])
+    assert out == script[:budget] and result.truncated and len(result.tool_calls) == 1
+
+
+def test_gemma3_budget_at_the_boundary(g3):
+    """Room for two calls and the close (plus the spare token): both calls, then the close, within budget —
+    the third call's `}},` token (which would start another call) is masked."""
+    tok, _ = g3
+    two = tok.tokenize_str('{"tool_calls": [' + ", ".join(['{"name": "get_weather", "arguments": {"city": "Oslo"}}'] * 2)
+                           + "]}") + [106]
+    script, out, result, c, ended = _g3_case(g3, len(two) + 1, ["Oslo"] * 3)
+    assert len(out) <= len(two) + 1 and out[-1] == 106 and c.finished()
+    assert len(result.tool_calls) == 2 and not result.truncated and ended == [1]
+
+
+def test_gemma4_budget_ends_after_the_last_call_that_fits(g4):
+    tok, token_bytes = g4
+    call = [48] + tok.tokenize_str("call:get_weather{city:") + [52] + tok.tokenize_str("Oslo") + [52] + \
+        tok.tokenize_str("}") + [49]
+    script = call * 4 + [50]
+    make = lambda n: Constraint(tok, gemma4_tool_grammar(TOOLS, "required", True, n or 16), N_VOCAB, [1, 50, 106],  # noqa
+                                grammar_ends=True)
+    budget = 3 * len(call) + 3  # three calls and the close, not a fourth
+    c = BudgetedUnits(make, budget, Gemma4ToolCallParser(), token_bytes, 1)
+    out = _drive(c, script, budget, {50}, tok)
+    assert out == call * 3 + [50] and c.max_units == 3
+    parser = Gemma4ToolCallParser()
+    for t in out:
+        parser.feed(t, token_bytes[t])
+    assert len(parser.result().tool_calls) == 3 and not parser.result().truncated
+
+
+def test_json_array_budget_ends_after_the_last_element_that_fits(g3):
+    """A JSON answer whose schema is an array ends after a complete element (finish_reason stop), not inside
+    one; with room, nothing changes."""
+    tok, token_bytes = g3
+    schema = {"type": "array", "items": {"type": "object", "properties": {"city": {"type": "string"}},
+                                         "required": ["city"]}}
+    capped = _array_units({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    make = lambda n: Constraint(tok, grammar_for_json_schema(schema) if n is None else capped(n), N_VOCAB,  # noqa
+                                [1, 106])
+    script = tok.tokenize_str(json.dumps([{"city": "Oslo"}] * 5)) + [106]
+    element = len(tok.tokenize_str(', {"city": "Oslo"}'))
+    for budget, want in ((len(script) + 3 * element + 5, 5), (len(tok.tokenize_str('[{"city": "Oslo"}')) + 2 * element + 4, 3)):
+        c = BudgetedUnits(make, budget, JsonArrayProgress(), token_bytes, 3)
+        out = _drive(c, script, budget, {106}, tok)
+        assert len(out) <= budget and out[-1] == 106 and c.finished()
+        assert json.loads(tok.decode_str(out[:-1])) == [{"city": "Oslo"}] * want
+        assert c.max_units == (None if want == 5 else want)
+
+
+def test_json_array_progress_counts_elements_not_nested_values():
+    progress = JsonArrayProgress()
+    seen = []
+    for piece in ['[{"a": "x]}\\"', ',"}, ', '"b, c"', ", 12", ", [1, 2]", "]"]:
+        progress.feed(0, piece.encode())
+        seen.append(progress.progress())
+    assert seen == [(0, True), (1, False), (2, False), (2, True), (4, False), (4, False)]  # 12 ends at its comma
