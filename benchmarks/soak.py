@@ -55,6 +55,32 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def start_stack(args) -> tuple[subprocess.Popen, str, str]:
+    """Launch `gemma-serve up` on free ports and wait for it; returns (process, base URL, worker metrics URL)."""
+    http, grpc_port, tok, worker, metrics = free_ports(5)
+    cmd = [sys.executable, "-m", "gemma_serve.cli", "up", "--model", args.model, "--http-port", str(http),
+           "--gateway-grpc-port", str(grpc_port), "--tokenizer-port", str(tok), "--worker-port", str(worker),
+           "--worker-metrics-port", str(metrics), *args.up_args.split()]
+    if args.cache_dir:
+        cmd += ["--cache-dir", args.cache_dir]
+    with open(args.log, "w") as log:  # the child keeps its own descriptor
+        up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    base = f"http://127.0.0.1:{http}"
+    deadline = time.monotonic() + 1800
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return up, base, f"http://127.0.0.1:{metrics}/metrics"
+        except httpx.HTTPError:
+            pass
+        if up.poll() is not None or time.monotonic() > deadline:
+            up.kill()
+            raise SystemExit(f"the stack did not start; see {args.log}")
+        time.sleep(1)
+
+
+
+
 def request_body(kind: str, i: int, model: str, rng: random.Random) -> tuple[str, dict]:
     """(path, body) of request i of the given kind."""
     max_tokens = rng.randint(8, 24)
@@ -231,28 +257,10 @@ def main() -> int:
     p.add_argument("--up-args", default="--max-model-len 512 --prefill-chunks 64",
                    help="more flags for gemma-serve up (default: %(default)s)")
     args = p.parse_args()
-    http, grpc_port, tok, worker, metrics = free_ports(5)
-    cmd = [sys.executable, "-m", "gemma_serve.cli", "up", "--model", args.model, "--http-port", str(http),
-           "--gateway-grpc-port", str(grpc_port), "--tokenizer-port", str(tok), "--worker-port", str(worker),
-           "--worker-metrics-port", str(metrics), *args.up_args.split()]
-    if args.cache_dir:
-        cmd += ["--cache-dir", args.cache_dir]
-    log = open("soak-stack.log", "w")
-    up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    base = f"http://127.0.0.1:{http}"
+    args.log = "soak-stack.log"
+    up, base, metrics_url = start_stack(args)
     try:
-        deadline = time.monotonic() + 1800
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if up.poll() is not None or time.monotonic() > deadline:
-                print("the stack did not start; see soak-stack.log", file=sys.stderr)
-                return 1
-            time.sleep(1)
-        result = asyncio.run(soak(args, base, f"http://127.0.0.1:{metrics}/metrics", up))
+        result = asyncio.run(soak(args, base, metrics_url, up))
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(120)

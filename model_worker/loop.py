@@ -80,8 +80,9 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # compute chunks, decode steps, slot copies; "mixed": iterations with both a chunk and a decode step (one
-        # pass when the chunk is the smallest, `Engine.dispatch_mixed`), also counted in "compute" and "decode"
-        self.steps = {"compute": 0, "decode": 0, "mixed": 0, "copy": 0, "computed_tokens": 0}
+        # pass when the chunk is the smallest, `Engine.dispatch_mixed`), also counted in "compute" and "decode";
+        # tokens run through the model, and how many of them were prompt tokens
+        self.steps = {"compute": 0, "decode": 0, "mixed": 0, "copy": 0, "computed_tokens": 0, "prompt_tokens": 0}
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -173,7 +174,6 @@ class EngineLoop:
             if seq.admitted_at is not None and not getattr(seq, "_queue_observed", False):
                 self.metrics.queue.observe(seq.admitted_at - seq.arrived_at)
                 self.metrics.prompt_tokens.inc(len(seq.prompt))
-                self.metrics.cached_tokens.inc(seq.cached_tokens)
                 seq._queue_observed = True
 
     def _observe_token(self, seq: Sequence) -> None:
@@ -182,12 +182,15 @@ class EngineLoop:
         m = self.metrics
         if seq.last_token_at is None:
             m.ttft.observe(now - seq.arrived_at)
+            m.prefill.observe(now - (seq.admitted_at or seq.arrived_at))
+            seq.first_token_at = now
         else:
             m.itl.observe(now - seq.last_token_at)
         seq.last_token_at = now
         m.generation_tokens.inc()
         if seq.finish != Finish.NONE:
             m.e2e.observe(now - seq.arrived_at)
+            m.decode.observe(now - seq.first_token_at)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -244,6 +247,9 @@ class EngineLoop:
             todo = todo[:-1]  # leave the last token until its mask arrives
         if seq.snapshot_at is not None and start < seq.snapshot_at:
             todo = todo[: seq.snapshot_at - start]  # stop exactly at the shared prefix, to pin a copy
+        stop = self.scheduler.share_stop(seq)
+        if stop is not None and not self.scheduler.cache.exact_split(start + len(todo), stop):
+            todo = todo[: stop - start]  # a waiting follower copies this slot at `stop`: don't run past the ring
         if budget is not None:
             todo = todo[:budget]
         chunk = (seq.slot, todo, start, seq.is_output(start, len(todo)), seq.reset)
@@ -253,6 +259,7 @@ class EngineLoop:
         return out
 
     def _finish_compute(self, seq: Sequence, pending, n: int) -> None:
+        self.steps["prompt_tokens"] += max(0, min(n, len(seq.prompt) - seq.num_computed))
         seq.num_computed += n
         self.steps["compute"] += 1
         self.steps["computed_tokens"] += n
@@ -297,6 +304,7 @@ class EngineLoop:
             seq.missed = live[r] and not active[r]
             if not active[r]:
                 continue
+            self.steps["prompt_tokens"] += seq.num_computed < len(seq.prompt)
             seq.num_computed += 1
             seq.reset = False
             if sampled[r]:

@@ -2,8 +2,12 @@
 
 Served on their own HTTP port (`--metrics-port`, path /metrics) since the worker's API is gRPC. Latencies are
 measured at the worker: from the Prefill call's arrival (time to first token, end to end), between tokens as
-they leave the engine (inter-token latency), and from arrival to admission into a slot (queue time). The engine
-loop refreshes the gauges (running, waiting, KV usage) and the prefix-cache counters after every iteration.
+they leave the engine (inter-token latency), from arrival to admission into a slot (queue time), from admission
+to the first token (prefill time: the prompt's chunks, or the wait for a leader computing a shared prompt) and
+from the first token to the last (decode time). Prompt tokens are counted three ways: received, reused from the
+prefix cache (or a leader's slot) and computed, so a burst that computes the same prompt again shows at once. The
+engine loop refreshes the gauges (running, waiting, KV usage) and the prefix-cache and token counters after every
+iteration.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ class WorkerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(p + "request_queue_time_seconds", "Arrival to admission into a slot.",
                                buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram(p + "request_prefill_time_seconds", "Admission into a slot to the first token.",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.decode = Histogram(p + "request_decode_time_seconds", "First token to the last.",
+                                buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests holding a slot.", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting for a slot.", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Share of the KV positions held by running requests.",
@@ -41,6 +49,8 @@ class WorkerMetrics:
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Admissions that reused a cached prefix.", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens received.", registry=r)
         self.cached_tokens = Counter(p + "prompt_tokens_cached", "Prompt tokens whose KV was reused.", registry=r)
+        self.prompt_computed = Counter(p + "prompt_tokens_computed", "Prompt tokens run through the model.",
+                                       registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
         self.computed_tokens = Counter(p + "computed_tokens", "Tokens run through the model.", registry=r)
         self.steps = Counter(p + "engine_steps", "Engine steps: compute chunks, decode steps, slot copies; mixed: "
@@ -49,7 +59,7 @@ class WorkerMetrics:
         self.compilations = Counter(p + "compilations", "XLA compilations (after warm-up this must stay flat).",
                                     registry=r)
         self.programs = Gauge(p + "compiled_programs", "Programs in the compiled grid.", registry=r)
-        self._seen = {"queries": 0, "hits": 0, "steps": {}, "computed": 0}
+        self._seen = {"queries": 0, "hits": 0, "steps": {}, "computed": 0, "prompt": 0, "reused": 0}
         self._lock = threading.Lock()
         jax.monitoring.register_event_duration_secs_listener(self._on_compile)
 
@@ -76,6 +86,10 @@ class WorkerMetrics:
                 seen["steps"][kind] = loop.steps[kind]
             self.computed_tokens.inc(loop.steps["computed_tokens"] - seen["computed"])
             seen["computed"] = loop.steps["computed_tokens"]
+            self.prompt_computed.inc(loop.steps["prompt_tokens"] - seen["prompt"])
+            seen["prompt"] = loop.steps["prompt_tokens"]
+            self.cached_tokens.inc(sched.reused_tokens - seen["reused"])
+            seen["reused"] = sched.reused_tokens
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Expose /metrics over HTTP on `port` (a daemon thread)."""

@@ -12,6 +12,13 @@ Placement: a finished slot whose history matches is taken over in place (no copy
 pinned slot is copied into another slot first. Otherwise the new sequence gets an empty slot, else the least
 recently used finished slot (LRU eviction), pinned snapshots last.
 
+Prompts in flight: a running sequence's slot holds only what it has computed so far, so a burst of identical
+prompts would otherwise find nothing to reuse and compute the prompt once per slot. A new prompt sharing more
+with a prompt being computed right now (its `leader`: running, still short of the shared part) than with any
+slot's KV waits for it instead (`Placement.leader`): when the shared part is all but the prompt's last token, or
+at least `min_share` tokens longer than the best exact reuse. The scheduler copies the leader's slot once it has
+computed the shared part (`best_source`).
+
 Shared prompts (a system prompt common to many conversations): when a prompt shares >= `min_share` tokens with a
 slot whose ring cannot serve that split, the sequence computes its prompt and, exactly when it has computed the
 shared part, the engine copies its slot into a spare one that is *pinned* as a snapshot of that prefix; later
@@ -52,11 +59,14 @@ class SlotEntry:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where a new sequence goes: its slot, a slot to copy from first (or None), and its reused prefix length."""
+    """Where a new sequence goes: its slot, a slot to copy from first (or None), and its reused prefix length;
+    or a leader whose prompt computation it waits for, to copy `share` tokens of it then."""
 
     slot: int
     copy_from: int | None
     cached: int
+    leader: Sequence | None = None
+    share: int = 0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -90,6 +100,11 @@ class PrefixCache:
         """Whether some slot has no running sequence."""
         return any(e.owner is None for e in self.entries)
 
+    def exact_split(self, end: int, split: int) -> bool:
+        """Whether a slot whose KV holds positions 0..end-1 serves a prompt that shares its first `split` tokens
+        exactly: full layers hold every position, sliding rings only `slack` + 1 positions beyond the window."""
+        return split >= end - self.slack - 1
+
     def _usable(self, slot: int, prompt: list[int], salt: str) -> tuple[int, int]:
         """(exact reusable prefix length, plain common prefix length) of `prompt` against a slot; (0, 0) for a
         slot of another salt."""
@@ -97,14 +112,34 @@ class PrefixCache:
             return 0, 0
         history = self.history(slot)
         lcp = min(common_prefix(history, prompt), len(prompt) - 1)
-        exact = lcp if lcp >= len(history) - self.slack - 1 else 0
+        exact = lcp if self.exact_split(len(history), lcp) else 0
         return exact, lcp
+
+    def _pending(self, slot: int, seq: Sequence) -> int:
+        """Prompt tokens `seq` shares with the prompt the slot's running sequence is computing, when that one has
+        not computed them all yet (0 otherwise; followers and forks compute no prompt of their own)."""
+        e = self.entries[slot]
+        owner = e.owner
+        if owner is None or e.salt != seq.cache_salt or owner.leader is not None or owner.fork_of is not None:
+            return 0
+        lcp = min(common_prefix(owner.prompt, seq.prompt), len(seq.prompt) - 1)
+        return lcp if lcp > owner.num_computed else 0
+
+    def best_source(self, seq: Sequence) -> tuple[int | None, int]:
+        """(slot, tokens) of the longest exactly reusable prefix of `seq`'s prompt in another slot now; (None, 0)
+        when there is none."""
+        best, usable = None, 0
+        for slot in range(len(self.entries)):
+            exact = self._usable(slot, seq.prompt, seq.cache_salt)[0] if slot != seq.slot else 0
+            if exact > usable:
+                best, usable = slot, exact
+        return best, usable
 
     def place(self, seq: Sequence, reuse: bool = True) -> Placement | None:
         """Choose a slot for a new sequence (None: every slot is in use, wait). Sets seq.snapshot_at when its
         prompt shares a prefix that is worth pinning."""
         self.clock += 1
-        best, best_usable, share = None, 0, 0
+        best, best_usable, share, leader, lead = None, 0, 0, None, 0
         if reuse:
             for slot in range(len(self.entries)):
                 exact, lcp = self._usable(slot, seq.prompt, seq.cache_salt)
@@ -112,6 +147,17 @@ class PrefixCache:
                     best, best_usable = slot, exact
                 if not exact and lcp >= self.min_share:
                     share = max(share, lcp)
+                pending = self._pending(slot, seq)
+                if pending > lead:
+                    leader, lead = self.entries[slot].owner, pending
+        gain = lead - best_usable
+        if leader is not None and gain > 0 and (gain >= self.min_share or lead == len(seq.prompt) - 1):
+            target = self.victim()  # wait for the leader's prefix in a slot of its own
+            if target is None:
+                return None
+            self.queries += 1
+            self._own(target, seq)
+            return Placement(slot=target, copy_from=None, cached=0, leader=leader, share=lead)
         if best is not None and self._takeover_ok(best):
             target, source = best, None
         else:
@@ -125,9 +171,12 @@ class PrefixCache:
         self.hits += bool(best_usable)
         if share > best_usable + self.min_share and self.max_snapshots:
             seq.snapshot_at = share
-        e = self.entries[target]
-        e.owner, e.pinned, e.tokens, e.last_used, e.salt = seq, False, [], self.clock, seq.cache_salt
+        self._own(target, seq)
         return Placement(slot=target, copy_from=source, cached=best_usable)
+
+    def _own(self, slot: int, seq: Sequence) -> None:
+        e = self.entries[slot]
+        e.owner, e.pinned, e.tokens, e.last_used, e.salt = seq, False, [], self.clock, seq.cache_salt
 
     def _takeover_ok(self, slot: int) -> bool:
         e = self.entries[slot]

@@ -18,6 +18,14 @@ overwrote is outside the window of the recomputed position).
 
 Slots keep their KV after a sequence finishes: `PrefixCache` (prefix_cache.py) decides which slot a new sequence
 gets and how much of its prompt is already there.
+
+Shared prompts in flight: a sequence whose prompt shares a prefix with a prompt that another running sequence (its
+`leader`) is computing right now waits, in its slot, until the leader has computed that prefix (`share` tokens),
+then copies the leader's slot and computes only the rest (SGLang's radix cache and vLLM's prefix caching behave
+the same way). Waiting costs nothing: one prompt chunk runs per iteration, the oldest first, so the follower's own
+prefill could not have started before the leader's anyway. So a burst of identical prompts costs one prefill,
+and its sequences start decoding in the same iteration. The leader's chunks stop at a follower's share point when
+they would otherwise run past it by more than the sliding rings' slack (the copy would not be exact).
 """
 
 from __future__ import annotations
@@ -116,6 +124,10 @@ class Sequence:
       missed: the last step ran this (constrained) sequence but its mask came too late; it waits for the mask
         before it joins a step again.
       cache_salt: prefix-cache scope: the prompt reuses only KV computed under the same salt (PrefixCache).
+      leader: the running sequence computing a prompt that shares `share` tokens with this one: this sequence
+        waits (computing nothing) until the leader has computed them, then copies its slot; None otherwise.
+      share: prompt tokens to take from the leader's slot.
+      first_token_at: time.monotonic() of the first generated token (prefill / decode time metrics).
     """
 
     request_id: str
@@ -142,6 +154,9 @@ class Sequence:
     last_token_at: float | None = None
     missed: bool = False
     cache_salt: str = ""
+    leader: Sequence | None = dataclasses.field(default=None, repr=False, compare=False)
+    share: int = 0
+    first_token_at: float | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -190,6 +205,7 @@ class Scheduler:
         self.cache = PrefixCache(num_slots, slack)
         self.by_id: dict[str, Sequence] = {}
         self._arrivals = 0
+        self.reused_tokens = 0  # metrics: prompt tokens taken from the prefix cache or a leader's slot
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence.
@@ -208,11 +224,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> Work:
-        """Admit waiting sequences (reusing cached prefixes), copy due forks, then pick this iteration's work."""
+        """Admit waiting sequences (reusing cached prefixes), copy due forks and shared prefixes, then pick this
+        iteration's work."""
         copies = self._admit()
         for parent, fork in self.due_forks():
             copies.append((parent.slot, fork.slot))
             fork.num_computed, fork.reset = len(fork.prompt) - 1, False
+        copies += self._take_shares()
         live = [s for s in self.running.values() if s.finish == Finish.NONE and not self._waits_for_parent(s)]
         compute = min((s for s in live if s.pending >= 2), key=lambda s: s.arrival, default=None)
         # A constrained sequence joins the decode step before its mask arrives (the mask is needed only at
@@ -230,14 +248,40 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.slot, seq.num_computed, seq.cached_tokens = placement.slot, placement.cached, placement.cached
+            seq.leader, seq.share = placement.leader, placement.share
+            self.reused_tokens += placement.cached
             seq.admitted_at = time.monotonic()
             if placement.copy_from is not None:
                 copies.append((placement.copy_from, placement.slot))
             self.running[seq.slot] = seq
         return copies
 
+    def _take_shares(self) -> list[tuple[int, int]]:
+        """Copies for the followers whose leader has computed their shared prefix (or is gone): each takes the
+        longest exactly reusable prefix there is now (normally `share` tokens of its leader's slot)."""
+        copies = []
+        for seq in self.running.values():
+            leader = seq.leader
+            if leader is None or (leader.slot is not None and leader.finish == Finish.NONE
+                                  and leader.num_computed < seq.share):
+                continue
+            seq.leader = None
+            source, usable = self.cache.best_source(seq)
+            if usable:
+                copies.append((source, seq.slot))
+                seq.num_computed = seq.cached_tokens = usable
+                self.reused_tokens += usable
+                self.cache.hits += 1
+        return copies
+
+    def share_stop(self, seq: Sequence) -> int | None:
+        """The nearest share point of `seq`'s prompt that a waiting follower has not got yet (None: none). A
+        chunk must not run more than the rings' slack past it (`PrefixCache.exact_split`) before the copy."""
+        points = [f.share for f in self.running.values() if f.leader is seq and f.share > seq.num_computed]
+        return min(points, default=None)
+
     def _waits_for_parent(self, seq: Sequence) -> bool:
-        return seq.fork_of is not None and seq.num_computed == 0
+        return seq.leader is not None or (seq.fork_of is not None and seq.num_computed == 0)
 
     def due_forks(self) -> list[tuple[Sequence, Sequence]]:
         """(parent, fork) pairs to copy now: the parent's prompt is computed and it has not advanced further.

@@ -2,7 +2,9 @@
 
 FakeEngine: the next token is always (previous token + 1) % vocab, so a prompt ending in t generates t+1, t+2, ...
 (or, with a mask, the smallest allowed token >= that). It has the Engine interface the EngineLoop uses (ecfg,
-cfg.vocab_size, dispatch_compute / dispatch_decode / dispatch_mixed, sample, copy_slot) and counts its calls.
+cfg.vocab_size, dispatch_compute / dispatch_decode / dispatch_mixed, sample, copy_slot), counts its calls and the
+prompt tokens it was asked to compute (from the `is_output` flags the loop passes, independently of the loop's
+own counters), and logs every chunk as (slot, start, tokens consumed).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class FakeEngine:
         self.ecfg, self.vocab, self.step_delay = ecfg, vocab, step_delay
         self.cfg = types.SimpleNamespace(vocab_size=vocab)
         self.calls = {"compute": 0, "decode": 0, "copy": 0}
+        self.prompt_tokens = 0  # prompt (not generated) tokens computed, in chunks and decode rows
+        self.chunks: list[tuple[int, int, int]] = []  # (slot, start position, tokens consumed) per compute call
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()  # set when a compute call starts (before waiting on the gate)
@@ -60,6 +64,8 @@ class FakeEngine:
         self.gate.wait()
         self.calls["compute"] += 1
         n = min(self.ecfg.chunk, len(token_ids))
+        self.prompt_tokens += sum(not o for o in is_output[:n])
+        self.chunks.append((slot, start, n))
         return types.SimpleNamespace(last=[token_ids[n - 1]], logprob=-0.5), n
 
     def dispatch_decode(self, slots, tokens, positions, is_output):
@@ -67,6 +73,7 @@ class FakeEngine:
         if self.step_delay:
             threading.Event().wait(self.step_delay)
         self.calls["decode"] += 1
+        self.prompt_tokens += sum(not o for o in is_output)
         return types.SimpleNamespace(last=list(tokens), logprob=-0.25)
 
     def dispatch_mixed(self, slot, token_ids, start, is_output, reset, slots, tokens, positions, decode_is_output):

@@ -8,8 +8,10 @@ import pytest
 from model_worker.scheduler import Finish, SamplingSpec, Scheduler, Sequence
 
 
-def seq(rid, prompt_len=3, max_tokens=4, stop=()):
-    return Sequence(rid, list(range(1, prompt_len + 1)), SamplingSpec(), max_tokens, frozenset(stop), lambda ev: None)
+def seq(rid, prompt_len=3, max_tokens=4, stop=(), first=1):
+    """A sequence with prompt first..first+prompt_len-1 (sequences with the same `first` share their prompt)."""
+    return Sequence(rid, list(range(first, first + prompt_len)), SamplingSpec(), max_tokens, frozenset(stop),
+                    lambda ev: None)
 
 
 def test_admission_is_fifo_and_bounded_by_slots():
@@ -24,7 +26,7 @@ def test_admission_is_fifo_and_bounded_by_slots():
 
 def test_oldest_pending_prompt_is_prefilled_first_and_decoders_keep_running():
     s = Scheduler(num_slots=3, max_model_len=100)
-    a, b = seq("a"), seq("b")
+    a, b = seq("a"), seq("b", first=50)
     s.add(a)
     s.add(b)
     s.schedule()
@@ -77,7 +79,7 @@ def test_duplicate_ids_rejected():
 
 def test_constrained_sequence_mask_timing_never_holds_others():
     s = Scheduler(num_slots=2, max_model_len=100)
-    a, b = seq("a"), seq("b")
+    a, b = seq("a"), seq("b", first=50)
     a.constrained = True
     s.add(a)
     s.add(b)
@@ -189,3 +191,35 @@ def test_prefix_reuse_stays_within_a_cache_salt():
     e = Sequence("e", list(range(1, 33)) + [5], SamplingSpec(), 1, frozenset(), lambda ev: None, cache_salt="x")
     s.add(e)
     assert s.schedule().copies == [] and e.cached_tokens == 0
+
+
+def test_a_prompt_in_flight_is_waited_for_then_copied_and_a_gone_leader_is_survived():
+    """b has a's prompt while a computes it: b waits (in its own slot, running nothing) and copies a's slot once a
+    has computed it, recomputing only its last token. The same salt only. c waits for a leader that is aborted
+    half way: it takes what the leader's slot holds and computes the rest."""
+    s = Scheduler(num_slots=4, max_model_len=100, slack=4)
+    a, b, c = seq("a", prompt_len=10), seq("b", prompt_len=10), seq("c", prompt_len=12, first=50)
+    other = Sequence("o", list(range(1, 11)), SamplingSpec(), 4, frozenset(), lambda ev: None, cache_salt="x")
+    for x in (a, b, other):
+        s.add(x)
+    work = s.schedule()
+    assert b.leader is a and b.share == 9 and other.leader is None
+    assert work.compute is a and b not in work.decode and work.copies == []
+    a.num_computed = 10
+    s.append_token(a, 99)
+    work = s.schedule()
+    assert work.copies == [(a.slot, b.slot)] and b.num_computed == b.cached_tokens == 9 and b.leader is None
+    assert work.decode == sorted([a, b], key=lambda x: x.slot) and s.reused_tokens == 9
+    s.abort("o")
+    leader = seq("l", prompt_len=12, first=50)
+    s.add(leader)
+    s.schedule()
+    s.add(c)
+    s.schedule()
+    assert c.leader is leader
+    leader.num_computed = 4  # one chunk computed, then the client goes away
+    slot = leader.slot
+    s.abort("l")
+    work = s.schedule()
+    assert c.leader is None and (slot, c.slot) in work.copies and c.cached_tokens == 4
+    assert work.compute is c and c.pending == 8
