@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.auth import ApiKeys
 from gateway.clients import Backends
 from gateway.completions import ResponseIds, remember_answer, run_choices, usage_dict
+from gateway.detokenizer import dangling, prompt_tail
 from gateway.errors import ApiError
 from gateway.http_guard import RequestGuard
 from gateway.limits import Limits
@@ -235,10 +236,15 @@ async def _completions(backends: Backends, limits: Limits, req: CompletionReques
 
 
 async def _echo_text(backends: Backends, ids: list[int], text: str) -> str:
+    """The prompt as echoed: its text, or for ids their decoded text without the bytes of a character the
+    prompt leaves open (the answer emits that character whole: gateway/detokenizer.py)."""
     if text:
         return text
     reply = await backends.call("tokenizer service", backends.tokenizer.Decode(
         tokenizer_pb2.DecodeTokensRequest(token_ids=ids, skip_special_tokens=True)))
+    facts = backends.ready_facts()
+    if dangling(prompt_tail(facts.token_bytes, facts.special_ids, ids)):
+        return reply.text.rstrip("\ufffd")
     return reply.text
 
 

@@ -9,9 +9,9 @@ the budget left could not fit another one:
 - **Units.** Tool calls (both formats, `parallel_tool_calls` on), and the elements of a JSON answer whose
   schema's top level is an array (`response_format` json_schema; values nested deeper are not units: ending
   inside an object would leave out the model's remaining keys). U is the largest number of tokens one unit
-  took: each unit after the first counted from the end of the previous one (so separators count); while only
-  one unit is complete, that one, counted from the token that opened it (`<|tool_call>`, the one holding the
-  `{` of a Gemma 3 call, or the element's first character). C is the number of tokens
+  took: each unit after the first counted from the end of the previous one (so separators count), the first
+  from the token that opened it (`<|tool_call>`, the one holding the `{` of a Gemma 3 call, or the element's
+  first character). A thought before the answer (Gemma 4 thinking) is no part of any unit. C is the number of tokens
   that close the answer after a unit (Gemma 3 `]}`, `<end_of_turn>` and one spare token, since the model may
   split a call's last brackets differently, e.g. `"` `}}` against `"}}`; Gemma 4 `<|tool_response>`; JSON `]`,
   the stop token and a spare one).
@@ -67,7 +67,9 @@ class BudgetedUnits:
         self._done = 0  # complete calls
         self._unit_start: int | None = None  # tokens before the first call opened
         self._last_end: int | None = None  # tokens up to the end of the last complete call
-        self._units: list[int] = []  # tokens each complete call took
+        self._units: list[int] = []  # tokens each complete unit took
+        self._answer_start: int | None = None  # tokens before the answer (after a thought)
+        self._failed_at = -1  # complete units when capping last failed (retried once more units complete)
         self.max_units: int | None = None  # set once the budget capped the units
 
     # -- the Constraint interface
@@ -96,6 +98,10 @@ class BudgetedUnits:
         """
         self.inner.advance(token_id)
         self._tokens.append(int(token_id))
+        if getattr(self.inner, "state", "answer") != "answer":
+            return  # a thought (reasoning.ThoughtFirst): not part of any unit
+        if self._answer_start is None:
+            self._answer_start = len(self._tokens) - 1
         try:
             self._parser.feed(int(token_id), self._bytes[token_id])
         except ToolCallParseError:  # pragma: no cover - the grammar only lets well-formed calls through
@@ -112,17 +118,18 @@ class BudgetedUnits:
         if inside and self._unit_start is None:
             self._unit_start = n - 1
         if done > self._done:
-            start = self._last_end if self._last_end is not None else self._unit_start or 0
+            first = self._unit_start if self._unit_start is not None else self._answer_start or 0
+            start = self._last_end if self._last_end is not None else first
             self._units.append(n - start)
             self._done, self._last_end = done, n
 
     @property
     def max_unit(self) -> int:
-        """U: the largest unit after the first (the first one alone until there is a second)."""
-        return max(self._units[1:] or self._units or [0])
+        """U: the largest unit so far."""
+        return max(self._units, default=0)
 
     def _maybe_cap(self) -> None:
-        if self.max_units is not None or not self._done or self.inner.finished():
+        if self.max_units is not None or not self._done or self.inner.finished() or self._failed_at == self._done:
             return
         left = self.budget - len(self._tokens)
         taken = len(self._tokens) - self._last_end
@@ -140,6 +147,7 @@ class BudgetedUnits:
             if self._on_end is not None:
                 self._on_end()
             return
+        self._failed_at = self._done
 
 
 class JsonArrayProgress:
@@ -177,6 +185,7 @@ class JsonArrayProgress:
             self._depth += 1
             self._open = self._open or self._depth == 2
         elif c in "]}":
+            self._element_done(at_depth=1)  # a number or literal ended by the array's `]`
             self._depth -= 1
             self._element_done(at_depth=1)
         elif c == "," and self._depth == 1:

@@ -13,6 +13,7 @@ import uuid
 from typing import AsyncIterator
 
 from gateway.clients import Backends
+from gateway.detokenizer import dangling, prompt_tail
 from gateway.generate import Delta, generate
 from gateway.history import answer_key
 from gateway.tool_calls import GEMMA4_TOOL_CALL
@@ -73,7 +74,8 @@ def remember_answer(backends: Backends, scope: str, route, delta: Delta, tokens:
     The ids are all generated tokens but a final stop token (the template writes the end of the turn), cut to
     what the client received: a stop string that cut the text leaves the ids of exactly the text returned (none
     are remembered when that text ends inside a token), and a Gemma 4 call cut off before its name was complete
-    (so not returned) is left out. Inside a returned cut call the ids run to the cut, also where its JSON
+    (so not returned) is left out, an answer cut before any call was returned keeps only its content's ids, and
+    the byte tokens of a character the cut left incomplete are dropped (the text drops it too). Inside a returned cut call the ids run to the cut, also where its JSON
     arguments stop short of it (a key or number still being written): the model's own text."""
     facts = backends.ready_facts()
     ids = [t.token_id for t in tokens]
@@ -85,8 +87,22 @@ def remember_answer(backends: Backends, scope: str, route, delta: Delta, tokens:
         ids = _ids_of_text(ids, message["content"] or "", facts)
     if route.truncated and facts.architecture == "gemma4" and ids.count(GEMMA4_TOOL_CALL) > len(calls):
         ids = ids[:len(ids) - ids[::-1].index(GEMMA4_TOOL_CALL) - 1]
+    elif route.truncated and not calls:  # cut before any call was returned: keep only the content's ids
+        ids = _ids_of_text(ids, message["content"] or "", facts)
+    ids = _without_dangling_bytes(ids, facts)
     if ids:
         backends.answers.remember(scope, answer_key(message["content"], calls, message.get("reasoning_content")), ids)
+
+
+def _without_dangling_bytes(ids: list[int], facts) -> list[int]:
+    """`ids` without the trailing byte tokens of a character the cut left incomplete (the text returned drops
+    it: gateway/detokenizer.py), so remembered ids never carry bytes the client did not get."""
+    tail = prompt_tail(facts.token_bytes, facts.special_ids, ids)
+    extra = dangling(tail)
+    while extra > 0 and ids and ids[-1] not in facts.special_ids:
+        extra -= len(facts.token_bytes[ids[-1]])
+        ids = ids[:-1]
+    return ids
 
 
 def _ids_of_text(ids: list[int], text: str, facts) -> list[int]:

@@ -41,6 +41,17 @@ def dangling(data: bytes) -> int:
     return 0
 
 
+def prompt_tail(token_bytes: Sequence[bytes], special_ids: set[int], prompt_ids: Sequence[int]) -> bytes:
+    """At least the last 4 bytes of a prompt's text (fewer if it is shorter), control tokens passed over: enough
+    to find its dangling bytes (`dangling`)."""
+    tail, i = b"", len(prompt_ids)
+    while i > 0 and len(tail) < 4:
+        i -= 1
+        if prompt_ids[i] not in special_ids:
+            tail = token_bytes[prompt_ids[i]] + tail
+    return tail
+
+
 def _char_length(lead: int) -> int:
     return 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
 
@@ -125,12 +136,7 @@ class IncrementalDetokenizer:
         """Continue after a prompt: hold the prompt's dangling bytes (a prompt given as token ids may end inside
         a character) for the first generated tokens to complete. Control tokens in the prompt carry no
         character bytes and are passed over. Only the last few tokens are read."""
-        tail, i = b"", len(prompt_ids)
-        while i > 0 and len(tail) < 4:
-            i -= 1
-            if prompt_ids[i] not in self._special:
-                tail = self._bytes[prompt_ids[i]] + tail
-        self._text.prime(tail)
+        self._text.prime(prompt_tail(self._bytes, self._special, prompt_ids))
 
     def push(self, token_id: int) -> str:
         """Add one token; returns the text that became complete (possibly empty)."""

@@ -91,6 +91,10 @@ def test_completion_prompt_ending_inside_a_character(client, text_tokenizer, byt
     a = text_tokenizer.encode("A", parse_special=False)[0]
     assert completion(client, stream, prompt=prompt, max_tokens=2, logit_bias={str(a): 100}) == \
         ("AA", "length", ["A", "A"], [0, 1])
+    if not stream:  # echo: the prompt's open character is not echoed as U+FFFD; the answer carries it whole
+        echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logit_bias=bias, echo=True,
+                                           temperature=0.0).choices[0].text
+        assert echoed == "Tiles:🀀"
 
 
 @pytest.mark.parametrize("stream", [False, True])

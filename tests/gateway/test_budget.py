@@ -17,6 +17,7 @@ import pytest
 from gateway.budget import BudgetedUnits, JsonArrayProgress
 from gateway.chat_plan import _array_units
 from gateway.constraints import Constraint, grammar_for_json_schema
+from gateway.reasoning import ThoughtFirst
 from gateway.tool_calls import gemma3_tool_grammar, gemma4_tool_grammar
 from gateway.tool_parsers import Gemma3ToolCallParser, Gemma4ToolCallParser
 
@@ -185,3 +186,26 @@ def test_json_array_progress_counts_elements_not_nested_values():
         progress.feed(0, piece.encode())
         seen.append(progress.progress())
     assert seen == [(0, True), (1, False), (2, False), (2, True), (4, False), (4, False)]  # 12 ends at its comma
+
+
+def test_a_thought_is_no_part_of_any_unit(g4):
+    """Gemma 4 thinking before a JSON array: brackets in the thought are not elements and the thought's length
+    is not a unit's, so a budget with room for the array ends nothing early."""
+    tok, token_bytes = g4
+    schema = {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}}
+    capped = _array_units({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+
+    def make(n):
+        inner = Constraint(tok, grammar_for_json_schema(schema) if n is None else capped(n), N_VOCAB, [1, 106])
+        return ThoughtFirst(inner, N_VOCAB, 100, 101, [1, 106])
+
+    answer = tok.tokenize_str('["a", "b", "c"]') + [106]
+    script = [100] + tok.tokenize_str("thought\n" + "[1, 2, 3] " * 40) + [101] + answer
+    c = BudgetedUnits(make, len(script) + 2, JsonArrayProgress(), token_bytes, 3)
+    assert _drive(c, script, len(script) + 2, {106}, tok) == script and c.max_units in (None, 3)
+
+
+def test_json_array_progress_counts_a_last_number():
+    progress = JsonArrayProgress()
+    progress.feed(0, b"[1, 2]")
+    assert progress.progress() == (2, False)
