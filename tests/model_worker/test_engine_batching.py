@@ -4,6 +4,7 @@ steps as the longest one."""
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -340,3 +341,39 @@ def test_greedy_sampler_keeps_the_penalty_history_like_the_full_one():
     np.testing.assert_array_equal(np.asarray(fast_state.seen), np.asarray(full_state.seen))
     changed = np.asarray(full_state.counts) != np.asarray(pstate.counts)
     assert changed.sum() == 1 and changed[4, 5], "only slot 4's generated token 5 is counted"
+
+
+def test_a_burst_of_identical_prompts_costs_one_prefill(engine):
+    """8 identical prompts submitted at once on 4 slots (greedy, no stop ids: each runs to max_tokens) on the real
+    engine: the prompt is computed once (plus one token per other request), decode steps stay within 1.1 x
+    ceil(R / S) x T, and every answer equals the prompt run alone."""
+    from prometheus_client import CollectorRegistry
+
+    from model_worker.metrics import WorkerMetrics
+
+    prompt, requests, tokens = [(7 * i) % 50 + 3 for i in range(20)], 8, 4
+    alone = EngineLoop(engine)
+    alone.start()
+    try:
+        want = run_alone(alone, "alone", prompt, tokens).tokens
+    finally:
+        alone.stop()
+    registry = CollectorRegistry()
+    loop = EngineLoop(engine, metrics=WorkerMetrics(registry))
+    loop.start()
+    try:
+        steps = dict(loop.steps)
+        sinks = []
+        for i in range(requests):
+            seq, sink = make(f"burst{i}", prompt, tokens)
+            sinks.append(sink)
+            loop.submit(seq)
+        for sink in sinks:
+            assert sink.done.wait(60)
+        decode_steps = loop.steps["decode"] - steps["decode"]
+    finally:
+        loop.stop()
+    assert all(sink.tokens == want for sink in sinks)
+    computed = registry.get_sample_value("gemma_serve:prompt_tokens_computed_total")
+    assert computed <= len(prompt) + requests, computed
+    assert decode_steps <= 1.1 * math.ceil(requests / engine.ecfg.num_slots) * tokens, decode_steps
