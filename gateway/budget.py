@@ -22,12 +22,14 @@ the budget left could not fit another one:
   from the end of the last unit the mask allows only the closing tokens (`finish_reason` `tool_calls` /
   `stop`). Deciding before the unit ends matters: a token such as `}},` would otherwise finish one call and
   start the next in one step.
+- **Before the first unit completes**, the unit in progress stands for U (the next one is taken to be at least
+  as long as it is so far): when the budget could not fit a second one that long, the first one is the last.
+  This matters because a token such as `}},` ends the first call and opens the second in one step.
 - **Only ending is forced; nothing is invented.** A unit in progress is never closed early (its content is the
-  model's); if even it does not fit, `max_tokens` cuts it as before (`finish_reason: "length"`). The rule
-  needs one complete unit to measure U, so the first unit is never affected.
+  model's); if even it does not fit, `max_tokens` cuts it as before (`finish_reason: "length"`).
 
-Each answer whose ending was forced this way is counted in the gateway metric
-`gemma_serve:gateway_budget_endings_total{kind}` (kind `tool_calls` or `json`).
+Each answer that ended (with a stop, not `length`) after the budget capped it is counted in the gateway metric
+`gemma_serve:gateway_budget_endings_total{kind}` (kind `tool_calls` or `json`; gateway/generate.py).
 """
 
 from __future__ import annotations
@@ -50,11 +52,11 @@ class BudgetedUnits:
         units, whether one is open)` — a tool-call parser (gateway/tool_parsers.py) or `JsonArrayProgress`.
       token_bytes: each token id's bytes (the vocabulary).
       close_tokens: C, the tokens that close the answer after a complete unit.
-      on_end: called once when the budget forces the ending (a metric).
+      kind: the kind of unit ("tool_calls" | "json"), the metric's label.
     """
 
     def __init__(self, make: Callable[[int | None], object], budget: int, parser, token_bytes,
-                 close_tokens: int, on_end: Callable[[], None] | None = None):
+                 close_tokens: int, kind: str = "tool_calls"):
         self._make = make
         self.inner = make(None)
         self.vocab_size = self.inner.vocab_size
@@ -62,7 +64,7 @@ class BudgetedUnits:
         self._parser = parser
         self._bytes = token_bytes
         self._close = int(close_tokens)
-        self._on_end = on_end
+        self.kind = kind
         self._tokens: list[int] = []
         self._done = 0  # complete calls
         self._unit_start: int | None = None  # tokens before the first call opened
@@ -128,15 +130,26 @@ class BudgetedUnits:
         """U: the largest unit so far."""
         return max(self._units, default=0)
 
+    def capped(self) -> bool:
+        """True once the budget capped the units: if the answer then ends with a stop (not `length`), its ending
+        was forced by the budget (the gateway counts it)."""
+        return self.max_units is not None
+
     def _maybe_cap(self) -> None:
-        if self.max_units is not None or not self._done or self.inner.finished() or self._failed_at == self._done:
+        if self.max_units is not None or self.inner.finished() or self._failed_at == self._done:
             return
-        left = self.budget - len(self._tokens)
-        taken = len(self._tokens) - self._last_end
-        to_come = max(self.max_unit - taken, 1) if taken else 0  # the unit in progress, if one has begun
-        if left - to_come >= self.max_unit + self._close:
+        n = len(self._tokens)
+        if self._done:
+            taken = n - self._last_end
+        elif self._unit_start is not None:
+            taken = n - self._unit_start  # the first unit, still open
+        else:
             return
-        for cap in (self._done, self._done + 1):
+        size = max(self.max_unit, taken)  # the next unit: at least as long as the longest so far, the open one too
+        to_come = max(size - taken, 1) if taken else 0  # the unit in progress, if one has begun
+        if self.budget - n - to_come >= size + self._close:
+            return
+        for cap in sorted({max(self._done, 1), self._done + 1}):
             try:
                 constraint = self._make(cap)
                 for t in self._tokens:
@@ -144,8 +157,6 @@ class BudgetedUnits:
             except (ConstraintError, ValueError):
                 continue  # the tokens so far already started unit number cap + 1
             self.inner, self.max_units = constraint, cap
-            if self._on_end is not None:
-                self._on_end()
             return
         self._failed_at = self._done
 

@@ -35,16 +35,21 @@ class ChatRoute:
       channels: route Gemma 4's thought channel to reasoning_content (also takes the token path).
       stops: the request's stop strings (cut content on the token path).
       id_prefix: prefix of the tool-call ids of this choice (unique per response and choice).
+      calls_only: the answer is only calls (tool_choice required or named): a Gemma 3 answer cut before its
+        call trigger completes is a cut call, never content.
     """
 
     def __init__(self, token_bytes: list[bytes], special_ids: set[int], tool_format: str | None = None,
-                 channels: bool = False, stops: list[str] | None = None, id_prefix: str = "call_"):
+                 channels: bool = False, stops: list[str] | None = None, id_prefix: str = "call_",
+                 calls_only: bool = False):
         self.tokens_path = tool_format is not None or channels
         self._bytes = token_bytes
         self._router = ReasoningRouter(token_bytes, special_ids, GEMMA4_CHANNEL_OPEN,
                                        GEMMA4_CHANNEL_CLOSE) if channels else None
         parsers = {"gemma4": Gemma4ToolCallParser, "gemma3": Gemma3ToolCallParser}
         self._parser = parsers[tool_format](id_prefix, control_ids=special_ids) if tool_format else None
+        if calls_only and tool_format == "gemma3":
+            self._parser.calls_only()
         self._content = IncrementalDetokenizer(token_bytes, special_ids)
         self._stops = StopMatcher(stops or [])
         self.content, self.reasoning = "", ""

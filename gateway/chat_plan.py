@@ -48,6 +48,7 @@ class ChatPlan:
       unit_grammar: the grammar allowing at most N units — calls (parallel tool calls), or elements of a JSON
         answer whose schema is an array — for budget-aware endings (gateway/budget.py); None: no units.
       unit_kind: "tool_calls" | "json", the kind of unit (a metric label).
+      calls_only: the answer is only tool calls (tool_choice required or named).
     """
 
     grammar: str | None = None
@@ -60,6 +61,7 @@ class ChatPlan:
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     param: str = "response_format"
     unit_grammar: Callable[[int], str] | None = None
+    calls_only: bool = False
     unit_kind: str = ""
 
     def request_stop_ids(self, facts: ModelFacts) -> list[int]:
@@ -69,7 +71,8 @@ class ChatPlan:
 
     def route(self, facts: ModelFacts, stops: list[str], id_prefix: str) -> ChatRoute:
         """A fresh ChatRoute for one choice."""
-        return ChatRoute(facts.token_bytes, facts.special_ids, self.tool_format, self.channels, stops, id_prefix)
+        return ChatRoute(facts.token_bytes, facts.special_ids, self.tool_format, self.channels, stops, id_prefix,
+                         calls_only=self.calls_only)
 
 
 def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
@@ -105,13 +108,14 @@ def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
         if arch == "gemma4" and tools:
             plan.banned_ids = list(tc.GEMMA4_NONE_BANNED_IDS)
         return plan
-    parallel = req.parallel_tool_calls is not False
+    parallel = req.parallel_tool_calls is not False and mode != "named"  # a named choice: exactly one call
     build = tc.gemma4_tool_grammar if arch == "gemma4" else tc.gemma3_tool_grammar
     try:
         plan.grammar = build(tools, req.tool_choice, parallel)
     except tc.ToolSchemaError as err:
         raise ApiError(400, err.message, param="tools", code="unsupported_schema") from None
     plan.grammar_ends = True
+    plan.calls_only = mode in ("required", "named")
     if parallel:
         plan.unit_grammar, plan.unit_kind = (lambda n: build(tools, req.tool_choice, parallel, n)), "tool_calls"
     plan.param = "tools"
@@ -174,8 +178,7 @@ async def constraint_factory(backends: Backends, plan: ChatPlan):
             close = len(tokenizer.tokenize_str(tc.GEMMA3_CALLS_CLOSE)) + 2
         else:
             parser, close = JsonArrayProgress(), 3  # `]`, the stop token, a spare one
-        ended = backends.metrics.budget_endings.labels(plan.unit_kind).inc
-        return BudgetedUnits(build, budget, parser, _TextBytes(facts), close, on_end=ended)
+        return BudgetedUnits(build, budget, parser, _TextBytes(facts), close, kind=plan.unit_kind)
 
     return make
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import re
+
 import grpc
 
 log = logging.getLogger("gemma_serve.gateway")
@@ -87,4 +89,14 @@ def from_rpc_error(err: grpc.aio.AioRpcError, backend: str) -> ApiError:
     if status == 500:
         log.error("the %s failed: %s %s", backend, code.name, details)
         return ApiError(500, f"the {backend} failed", code="backend_error")
-    return ApiError(status, details or code.name)
+    return ApiError(status, details or code.name, param=_param_of(details) if status == 400 else None)
+
+
+_FIELD = re.compile(r"^((?:messages|tools)(?:\[\d+\]|\.[a-z_]+)*)[:\s(]")
+
+
+def _param_of(details: str) -> str | None:
+    """The request field a backend's 400 names at its start (`messages[2].tool_calls[0]: ...`, the tokenizer
+    service's style), as the OpenAI `param` (`messages.2.tool_calls.0`)."""
+    match = _FIELD.match(details)
+    return re.sub(r"\[(\d+)\]", r".\1", match.group(1)) if match else None

@@ -240,6 +240,7 @@ async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillR
             if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 if msg.finish_reason == common_pb2.FINISH_REASON_ABORT:
                     raise ApiError(500, "the model worker aborted the request", code="aborted")
+                _count_budget_ending(backends, driver, msg.finish_reason)
                 clock.done()
                 yield stream.close(delta, msg.finish_reason, prompt_tokens)
                 return
@@ -252,6 +253,13 @@ async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillR
         call.cancel()
         if not stream.done or stream.stops.stopped:
             await _abort(backends, rid)
+
+
+def _count_budget_ending(backends: Backends, driver: ConstraintDriver | None, finish: int) -> None:
+    """Count an answer that ended with a stop after the budget capped its units (gateway/budget.py)."""
+    capped = getattr(driver.c, "capped", None) if driver is not None else None
+    if capped is not None and capped() and finish == common_pb2.FINISH_REASON_STOP:
+        backends.metrics.budget_endings.labels(driver.c.kind).inc()
 
 
 async def _next_message(call, idle: float):

@@ -101,11 +101,12 @@ exactly one call when `parallel` is false):
 - `"auto"`: `start: TEXT? <[106]> | TEXT? CALLS <[50]>` - an answer, or optional text then calls (Gemma 4's
   template renders such leading text after the tool results when the message comes back in history).
 - `"required"`: `start: CALLS <[50]>`.
-- named `{"type": "function", "function": {"name": X}}`: `start: CALL_X+ <[50]>` (one call without `parallel`).
+- named `{"type": "function", "function": {"name": X}}`: `start: CALL_X <[50]>` — exactly one call, as OpenAI and
+  vLLM answer a named choice (whatever `parallel_tool_calls` says).
 
 Gemma 3 (CALLS_JSON = the object of point 2; `<[106]>` = `<end_of_turn>`): `"none"` -> None; `"auto"` ->
 `start: TEXT <[106]> | head CALLS_REST <[106]>` with `head[lazy]: TEXT "{\"tool_calls\""` (below);
-`"required"` -> `start: CALLS_JSON <[106]>`; named -> the same with only tool X. Grammars are cached by a hash of
+`"required"` -> `start: CALLS_JSON <[106]>`; named -> the same with exactly one call of tool X. Grammars are cached by a hash of
 (format, tools, tool_choice, parallel, max calls).
 
 Lazy trigger (`tool_choice: "auto"`, both formats; llguidance's lazy lexemes, the technique
@@ -866,7 +867,8 @@ def gemma4_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: 
 
 
 def _callable(tools: list[dict], tool_choice: Any) -> tuple[str, list[tuple[int, dict]]]:
-    """(mode, [(index in tools, function)] the answer may call): every tool, or only the named one."""
+    """(mode, [(index in tools, function)] the answer may call): every tool, or only the named one (which is
+    called exactly once: the builders treat "named" as not parallel)."""
     mode, chosen = resolve_tool_choice(tools, tool_choice)
     fns = list(enumerate(_functions(tools)))
     return mode, [(i, fn) for i, fn in fns if mode != "named" or fn["name"] == chosen]
@@ -876,6 +878,7 @@ def _build_gemma4(tools: list[dict], tool_choice: Any, parallel: bool, max_calls
     mode, callable_fns = _callable(tools, tool_choice)
     if mode == "none":
         return None
+    parallel = parallel and mode != "named"
     g = _Gemma4Grammar()
     calls = []
     for i, fn in callable_fns:
@@ -912,6 +915,7 @@ def _build_gemma3(tools: list[dict], tool_choice: Any, parallel: bool, max_calls
     mode, callable_fns = _callable(tools, tool_choice)
     if mode == "none":
         return None
+    parallel = parallel and mode != "named"
     lines, calls = [], []
     for i, fn in callable_fns:
         params = fn.get("parameters") or {}

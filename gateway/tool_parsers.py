@@ -373,6 +373,11 @@ class Gemma3ToolCallParser(_TokenParser):
 
     # -- characters
 
+    def calls_only(self) -> None:
+        """The answer is only the calls object (tool_choice required or named): it is call syntax from its first
+        character, so an answer cut inside the trigger is a cut call, not content."""
+        self._state = "json"
+
     def _end(self) -> None:
         held, self._held = self._held, ""
         self._out.text(held)

@@ -75,8 +75,10 @@ def cut_inside_a_string(tokens: list[str], gemma4: bool) -> int:
             calls = [n for n in range(k) if tokens[n] == "<|tool_call>"]
             inside = len(calls) == 1 and tokens[calls[0]:k].count('<|"|>') % 2 == 1
         else:
-            parts = "".join(tokens[:k]).split('"arguments": ')
-            inside = len(parts) == 2 and (parts[1].count('"') - parts[1].count('\\"')) % 2 == 1
+            text = "".join(tokens[:k])
+            parts = text.split('"arguments": ')
+            inside = len(parts) == 2 and "}" not in parts[1] and \
+                (parts[1].count('"') - parts[1].count('\\"')) % 2 == 1
         if inside and tokens[k - 1] != '<|"|>':
             return k
     raise AssertionError(f"no string to cut in {tokens}")

@@ -83,10 +83,9 @@ def _g3_case(g3, budget: int, cities: list[str]):
     script = tok.tokenize_str('{"tool_calls": [' + calls + "]}") + [106]
     make = lambda n: Constraint(tok, gemma3_tool_grammar(TOOLS, "required", True, n or 16), N_VOCAB, [1, 106],  # noqa
                                 grammar_ends=True)
-    ended = []
-    c = BudgetedUnits(make, budget, Gemma3ToolCallParser(), token_bytes, len(tok.tokenize_str("]}")) + 2,
-                      on_end=lambda: ended.append(1))
+    c = BudgetedUnits(make, budget, Gemma3ToolCallParser(), token_bytes, len(tok.tokenize_str("]}")) + 2)
     out = _drive(c, script, budget, {106}, tok)
+    ended = [1] if c.capped() and out[-1] == 106 else []  # what the gateway counts: capped, ended by a stop
     parser = Gemma3ToolCallParser()
     for t in out:
         parser.feed(t, token_bytes[t])
@@ -209,3 +208,13 @@ def test_json_array_progress_counts_a_last_number():
     progress = JsonArrayProgress()
     progress.feed(0, b"[1, 2]")
     assert progress.progress() == (2, False)
+
+
+def test_gemma3_budget_before_the_first_call_ends(g3):
+    """No call is complete yet, but the budget could not fit a second call as long as the first already is: the
+    first call is the last (a `}},` token would otherwise end it and open a second that max_tokens cuts)."""
+    tok, _ = g3
+    first = len(tok.tokenize_str('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}'))
+    script, out, result, c, ended = _g3_case(g3, first + _unit(g3) // 2, ["Oslo", "Tokyo"])
+    assert out[-1] == 106 and not result.truncated and c.max_units == 1 and ended == [1]
+    assert [json.loads(x.arguments) for x in result.tool_calls] == [{"city": "Oslo"}]

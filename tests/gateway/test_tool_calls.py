@@ -257,7 +257,7 @@ def _check_calls(result, choice, parallel):
             assert call.name == name
     if mode in ("required", "named"):
         assert result.tool_calls and result.content == ""
-    if not parallel:
+    if not parallel or mode == "named":
         assert len(result.tool_calls) <= 1
 
 
@@ -494,7 +494,8 @@ def test_gemma4_grammar_per_tool_choice(g4_lltok):
     single = gemma4_tool_grammar(TOOLS, "required", False)
     assert _accepts(g4_lltok, single, now + [50]) and not _accepts(g4_lltok, single, now + now + [50])
     named = gemma4_tool_grammar(TOOLS, {"type": "function", "function": {"name": "now"}}, True)
-    assert _accepts(g4_lltok, named, now + now + [50]) and not _accepts(g4_lltok, named, weather + [50])
+    assert _accepts(g4_lltok, named, now + [50]) and not _accepts(g4_lltok, named, weather + [50])
+    assert not _accepts(g4_lltok, named, now + now + [50])  # a named choice is exactly one call (OpenAI, vLLM)
     # Control tokens are tokens, never text: the spelling of <|"|> or <tool_call|> as text does not count.
     assert not _accepts(g4_lltok, required, [48, 'call:get_weather{city:<|"|>Paris<|"|>}', 49, 50])
     assert not _accepts(g4_lltok, auto, ["<|tool_call>call:now{}<tool_call|>", 50])
@@ -526,7 +527,8 @@ def test_gemma3_grammar_per_tool_choice(g3_lltok):
     assert not _accepts(g3_lltok, single, ['{"tool_calls": [' + now + ", " + now + "]}", 106])
     assert not _accepts(g3_lltok, single, ["Hi", 106])
     named = gemma3_tool_grammar(TOOLS, {"type": "function", "function": {"name": "now"}}, True)
-    assert _accepts(g3_lltok, named, ['{"tool_calls": [' + now + ", " + now + "]}", 106])
+    assert _accepts(g3_lltok, named, ['{"tool_calls": [' + now + "]}", 106])
+    assert not _accepts(g3_lltok, named, ['{"tool_calls": [' + now + ", " + now + "]}", 106])  # exactly one
     assert not _accepts(g3_lltok, named, ['{"tool_calls": [' + weather + "]}", 106])
     assert gemma3_tool_grammar(TOOLS, "none", True) is None
 
