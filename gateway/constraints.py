@@ -68,6 +68,7 @@ import llguidance
 import numpy as np
 
 from gateway import patterns
+from gateway.json_schema import DATE_REGEX, DATE_TIME_REGEX, TIME_REGEX
 from gateway.lru import ByteLRU, text_size
 
 __all__ = [
@@ -180,18 +181,11 @@ _LLG_OPTIONS: dict[str, Any] = {
     "coerce_one_of": False,        # oneOf only where llguidance proves the branches disjoint, else an error
 }
 
-# RFC 3339 subsets that Python's datetime/jsonschema accept (see the module docstring).
-_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
-_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
-_DATE = (r"(?:" + _YEAR + r"-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
-         r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-         r"|02-(?:0[1-9]|1[0-9]|2[0-8]))|" + _LEAP_YEAR + r"-02-29)")
-_TIME = (r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?"
-         r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
+# RFC 3339 subsets that Python's datetime/jsonschema accept (gateway/json_schema.py).
 _FORMAT_PATTERNS = {
-    "date": "^" + _DATE + "$",
-    "time": "^" + _TIME + "$",
-    "date-time": "^" + _DATE + "T" + _TIME + "$",
+    "date": "^" + DATE_REGEX + "$",
+    "time": "^" + TIME_REGEX + "$",
+    "date-time": "^" + DATE_TIME_REGEX + "$",
 }
 
 

@@ -141,6 +141,7 @@ from typing import Any
 import llguidance
 
 from gateway import patterns
+from gateway.json_schema import DATE_REGEX, DATE_TIME_REGEX, TIME_REGEX
 from gateway.lru import ByteLRU, text_size
 
 # Gemma 4 control-token ids (formats.md §4.2; identical across sizes).
@@ -345,15 +346,13 @@ NUMBER_REPR_REGEX = f"-?{_FRACTION_REPR}"
 INTEGER_REGEX = "(?:0|-?[1-9][0-9]*)"
 
 _FORMATS = {
-    "date": "(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"  # year 0000 is not a date for Python
-            "-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-            "|02-(?:0[1-9]|1[0-9]|2[0-8]))",  # no Feb 29: a leap-year rule in a regex is not worth it
-    "time": "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])",
+    "date": DATE_REGEX,  # the same RFC 3339 subset as response_format (gateway/json_schema.py)
+    "time": TIME_REGEX,
     "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
     "email": "[A-Za-z0-9._%+\\-]{1,64}@[A-Za-z0-9\\-]{1,63}(?:\\.[A-Za-z0-9\\-]{1,63}){1,8}",
     "ipv4": "(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
 }
-_FORMATS["date-time"] = _FORMATS["date"] + "T" + _FORMATS["time"]
+_FORMATS["date-time"] = DATE_TIME_REGEX
 
 
 def _lark_regex(regex: str) -> str:

@@ -17,8 +17,7 @@ import threading
 import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
+from gemma_serve.telemetry import LATENCY_BUCKETS
 
 
 class WorkerMetrics:

@@ -455,7 +455,9 @@ def test_gemma4_grammar_numbers_order_and_enums(g4_lltok, args, ok):
     ("filters:{lang:QenQ,max_age:-5},query:QxQ", False), ("filters:{lang:QenQ,max_age:366},query:QxQ", False),
     ('filters:{lang:Q东京 "q"Q},query:QxQ,tags:[QaQ,QbQ,QcQ]', True),
     ("filters:{lang:QenQ},query:QxQ,tags:[QaQ,QbQ,QcQ,QdQ]", False), ("filters:{lang:QenQ},query:QxQ,tags:[]", False),
-    ("filters:{lang:QenQ},query:QQ", False), ("filters:{lang:QenQ,since:Q2024-02-29Q},query:QxQ", False),
+    ("filters:{lang:QenQ},query:QQ", False), ("filters:{lang:QenQ,since:Q2023-02-29Q},query:QxQ", False),
+    # Feb 29 of a leap year is a date, as for response_format (gateway/json_schema.py)
+    ("filters:{lang:QenQ,since:Q2024-02-29Q},query:QxQ", True),
     ("filters:{lang:QenQ,since:Q2024-12-31Q},query:QxQ", True),
     ("filters:{lang:QenQ,since:Q0000-01-01Q},query:QxQ", False), ("filters:{lang:QenQ,since:null},query:QxQ", True),
     ("query:QxQ", False), ("filters:{},query:QxQ", False),
@@ -520,7 +522,8 @@ def test_gemma3_grammar_per_tool_choice(g3_lltok):
     assert not _accepts(g3_lltok, auto, ['{"tool_calls": [' + call("get_weather", '{"city":"Paris"}') + "]}", 106])
     assert not _accepts(g3_lltok, auto, ['{"tool_calls": [' + call("get_weather", '{"town": "Paris"}') + "]}", 106])
     search = gemma3_tool_grammar([SEARCH], "required", False)
-    for since, ok in (('"2024-12-31"', True), ('"0000-01-01"', False), ('"2023-02-29"', False), ("null", True)):
+    for since, ok in (('"2024-12-31"', True), ('"0000-01-01"', False), ('"2023-02-29"', False), ("null", True),
+                      ('"2024-02-29"', True)):
         args = '{"query": "x", "filters": {"lang": "en", "since": %s}}' % since
         assert _accepts(g3_lltok, search, ['{"tool_calls": [' + call("search", args) + "]}", 106]) == ok
     single = gemma3_tool_grammar(TOOLS, "required", False)
