@@ -116,7 +116,7 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: i
     return max_tokens
 
 
-class _Stream:
+class _AnswerText:
     """Per-request detokenization, stop strings and counting.
 
     The detokenizer is primed with the prompt's dangling bytes (a completions prompt given as token ids may end
@@ -173,7 +173,7 @@ async def generate(
     facts = backends.ready_facts()
     max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, facts.max_model_len)
     rid = request_id or f"gen-{uuid.uuid4().hex}"
-    stream = _Stream(backends, params, prompt_ids)
+    stream = _AnswerText(backends, params, prompt_ids)
     clock = _Clock(backends, constrained=params.constraint is not None)
     prefill = model_worker_pb2.PrefillRequest(
         request_id=rid,
@@ -207,7 +207,7 @@ async def generate(
         metrics.running.dec()
 
 
-async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillResponse, stream: _Stream,
+async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillResponse, stream: _AnswerText,
                   clock: _Clock, driver: ConstraintDriver | None) -> AsyncIterator[Delta]:
     """The rest of a generation after its Prefill reply: the Decode stream, the constraint's masks, the deltas."""
     prompt_tokens = reply.usage.prompt_tokens

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.clients import ModelFacts
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher, Utf8Decoder
-from gateway.generate import GenParams, _Stream
+from gateway.generate import GenParams, _AnswerText
 from gateway.logprobs import CompletionLogprobs, TokenStrings, chat_content
 from gateway.reasoning import ReasoningRouter
 from gateway.tool_parsers import _TokenText
@@ -201,7 +201,7 @@ def test_stream_primes_from_the_prompt_and_drops_a_cut_tail(vocab, text_tokenize
             return facts
 
     prompt = text_tokenizer.encode("Hi") + as_bytes(byte_ids, EMOJI[:2])
-    stream = _Stream(Backends(), GenParams(sampling=common_pb2.SamplingParams()), prompt)
+    stream = _AnswerText(Backends(), GenParams(sampling=common_pb2.SamplingParams()), prompt)
     first = stream.feed([token(i) for i in as_bytes(byte_ids, EMOJI[2:] + CJK[:2])])
     last = stream.close(stream.feed([]), common_pb2.FINISH_REASON_LENGTH, len(prompt))
     assert (first.text, last.text, last.finish_reason, last.whole) == ("😀", "", "length", True)
