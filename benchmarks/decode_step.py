@@ -2,7 +2,7 @@
 """Decode step time vs batch size and KV length, with bytes moved per step and the fraction of memory bandwidth.
 
 Not a test: prints a table (and writes JSON with --json) measured in one run. The physical floor of a decode
-step is (weight bytes + KV bytes read) / memory bandwidth (docs: design.md §8); the "bw" column is that
+step is (weight bytes + KV bytes read) / memory bandwidth (a decode step reads every weight and the KV once); the "bw" column is that
 fraction, with the bandwidth measured in the same run by a large on-device reduction.
 
   python benchmarks/decode_step.py                          # the embedded Gemma 3 270M, this machine's device

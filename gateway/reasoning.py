@@ -1,6 +1,6 @@
 """Gemma 4 thinking: route `<|channel>thought\\n ... <channel|>` to `reasoning_content`, the rest to `content`.
 
-Gemma 4 writes its reasoning in a channel before the answer (formats.md §4.3 point 5): `<|channel>` (id 100),
+Gemma 4 writes its reasoning in a channel before the answer (docs/formats.md §4.3 point 5): `<|channel>` (id 100),
 the label `thought\\n`, the reasoning, `<channel|>` (id 101), then the answer. The router works on token ids as
 they arrive (the channel markers are control tokens, matched by id, never by text), so streamed and
 non-streamed responses split identically: text before `<|channel>` or after `<channel|>` is content; text inside

@@ -2,7 +2,7 @@
 JSON Schemas. The incremental parsers that turn generated tokens into OpenAI tool calls (streaming deltas and
 final calls) are in gateway/tool_parsers.py.
 
-Gemma 4 (native format, formats.md §4.2-4.4)
+Gemma 4 (native format, docs/formats.md §4.2-4.4)
 --------------------------------------------
 The model writes calls in its trained syntax, then stops on `<|tool_response>`::
 
@@ -144,7 +144,7 @@ from gateway import patterns
 from gateway.json_schema import DATE_REGEX, DATE_TIME_REGEX, TIME_REGEX
 from gateway.lru import ByteLRU, text_size
 
-# Gemma 4 control-token ids (formats.md §4.2; identical across sizes).
+# Gemma 4 control-token ids (docs/formats.md §4.2; identical across sizes).
 GEMMA4_EOS = 1
 GEMMA4_TOOL_CALL = 48
 GEMMA4_TOOL_CALL_END = 49
@@ -155,7 +155,7 @@ GEMMA4_CONTROL_IDS = frozenset({0, 1, 2, 46, 47, 48, 49, 50, 51, 52, 98, 100, 10
 GEMMA4_NONE_BANNED_IDS = (GEMMA4_TOOL_CALL, GEMMA4_TOOL_CALL_END)
 """Ids the gateway bans with tool_choice "none" (there is no grammar then)."""
 
-# Gemma 3 control-token ids (formats.md §4.1).
+# Gemma 3 control-token ids (docs/formats.md §4.1).
 GEMMA3_EOS = 1
 GEMMA3_END_OF_TURN = 106
 GEMMA3_CONTROL_IDS = frozenset({0, 1, 2, 3, 105, 106})

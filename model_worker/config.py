@@ -185,7 +185,7 @@ def gemma3_from_gguf_metadata(meta: dict, vocab_size: int, name: str = "gemma-3"
 
     Args:
       meta: GGUF key/value metadata (keys like "gemma3.embedding_length").
-      vocab_size: number of tokens (rows of token_embd; formats.md §3.4: size the vocab from the token list).
+      vocab_size: number of tokens (rows of token_embd; docs/formats.md §3.4: size the vocab from the token list).
       name: model name to report.
 
     Raises:
@@ -256,7 +256,7 @@ def gemma4_layers(
     global_theta: float = 1_000_000.0,
     global_rope_fraction: float = 0.25,
 ) -> tuple[LayerSpec, ...]:
-    """Gemma 4 layer list (gemma4-architecture.md §4–6; transformers `Gemma4TextConfig.kv_sharing_modes`).
+    """Gemma 4 layer list (docs/gemma4-architecture.md §4–6; transformers `Gemma4TextConfig.kv_sharing_modes`).
 
     Layers >= L - num_kv_shared are KV-shared: each reads the last non-shared layer of its own attention type
     and, with `double_wide_mlp`, has a 2x wide MLP. Full layers use `global_head_dim`, proportional RoPE over
@@ -318,7 +318,7 @@ def _gemma4(name: str, hidden: int, num_layers: int, pattern: list[str], kv: int
     )
 
 
-# transformers `convert_gemma4_weights.py` _VARIANTS (and gemma4-architecture.md §1): E2B full attention at
+# transformers `convert_gemma4_weights.py` _VARIANTS (and docs/gemma4-architecture.md §1): E2B full attention at
 # i % 5 == 4, 20 KV-shared layers with double-wide MLPs; E4B full at i % 6 == 5, 18 shared layers, 2 KV heads.
 _S, _F = "sliding_attention", "full_attention"
 GEMMA4_E2B = _gemma4("gemma-4-e2b", hidden=1536, num_layers=35, pattern=[_S] * 4 + [_F], kv=1, kv_shared=20, double=True)

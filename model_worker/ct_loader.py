@@ -12,7 +12,7 @@ Per quantized Linear `<m>` (HF weight [N_out, K_in]) a checkpoint holds:
   `<m>.weight_zero_point`  int32 [ceil(N/8), K/G]     only if asymmetric; packed along dim 0, also q + 8
   `<m>.weight_g_idx`       int32 [K]                  only for actorder "group" (not supported here)
 A module is quantized iff `<m>.weight_packed` exists and dense iff `<m>.weight` exists; the config's `ignore`
-list is not trusted for that decision (formats.md §1.1).
+list is not trusted for that decision (docs/formats.md §1.1).
 
 Public API:
   `open_checkpoint(path) -> SafetensorsReader`      a file, or a directory with one file or an index
@@ -219,7 +219,7 @@ class WeightScheme:
 
 @dataclasses.dataclass(frozen=True)
 class CTQuantConfig:
-    """A parsed, supported compressed-tensors `quantization_config` (formats.md §1.1).
+    """A parsed, supported compressed-tensors `quantization_config` (docs/formats.md §1.1).
 
     Attributes:
       schemes: the weight scheme of each config group, in config order.
@@ -336,7 +336,7 @@ def parse_quantization_config(config: Mapping) -> CTQuantConfig | None:
 def unpack_int4_np(packed: np.ndarray, count: int) -> np.ndarray:
     """Host-side unpack along the last axis: int32 [R, ceil(count/8)] -> int8 [R, count], natural order, q = u - 8.
 
-    Same bit layout as `model_worker.quant.unpack_int4` (formats.md §1.3).
+    Same bit layout as `model_worker.quant.unpack_int4` (docs/formats.md §1.3).
     """
     shifts = np.arange(8, dtype=np.int32) * 4
     nibbles = (packed.astype(np.int32)[:, :, None] >> shifts) & 0xF
@@ -467,7 +467,7 @@ def load_linear(
 ) -> jax.Array | Int4Weight:
     """Load Linear `module` (e.g. "model.language_model.layers.3.mlp.down_proj") as the model consumes it.
 
-    Decides by the tensors present (formats.md §1.1): `<module>.weight_packed` -> Int4Weight [out, in] (scale in
+    Decides by the tensors present (docs/formats.md §1.1): `<module>.weight_packed` -> Int4Weight [out, in] (scale in
     the checkpoint's dtype, see `load_int4`); `<module>.weight` -> dense jax array transposed to [in, out] in
     `dtype`. Biases are not handled (Gemma has none).
 

@@ -1,6 +1,6 @@
 """GGUF (Gemma 3) -> our flat float32 weights and config, read with the `gguf` package (no torch).
 
-formats.md §3: `GGUFReader` returns tensors in the Hugging Face `[out, in]` orientation; quantized blocks are
+docs/formats.md §3: `GGUFReader` returns tensors in the Hugging Face `[out, in]` orientation; quantized blocks are
 dequantized with `gguf.quants.dequantize`; every `*norm.weight` is stored as `w + 1`, which is exactly the
 effective multiplier our RMSNorm uses, so norms are taken as they are. `token_embd` doubles as the LM head.
 A Linear weight or the embedding in a block type that `model_worker.gguf_int8` supports (Q8_0, Q5_0, Q6_K, Q4_K:

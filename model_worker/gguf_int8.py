@@ -1,4 +1,4 @@
-"""GGUF block-quantized tensors -> `Int8Weight`, value for value (formats.md §3; ggml `ggml-quants.c` block
+"""GGUF block-quantized tensors -> `Int8Weight`, value for value (docs/formats.md §3; ggml `ggml-quants.c` block
 layouts, gguf-py `quants.py`).
 
 Every block type used by the embedded Gemma 3 270M Q4_K_M file is an integer times a per-group float (plus a

@@ -4,7 +4,7 @@ Handles the multimodal layout (`model.language_model.` prefix; vision/audio tens
 and text-only saves (`model.`), bf16 and `-qat-q4_0-unquantized` weights, and compressed-tensors
 `pack-quantized` W4A16 (int4 kept packed; see ct_loader.py), deciding dense-or-quantized per module by the tensors
 present. KV-shared layers' redundant `k_proj`/`v_proj`/`k_norm` (present in the original release, absent from QAT
-exports and `save_pretrained` output) are accepted and ignored. Tensor names: gemma4-architecture.md §8.
+exports and `save_pretrained` output) are accepted and ignored. Tensor names: docs/gemma4-architecture.md §8.
 """
 
 from __future__ import annotations

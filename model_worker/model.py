@@ -435,7 +435,7 @@ def _mlp(lp: LayerParams, x: jax.Array) -> jax.Array:
 
 
 def per_layer_inputs(params: Params, tokens: jax.Array, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Gemma 4 per-layer embeddings (PLE), gemma4-architecture.md §3.
+    """Gemma 4 per-layer embeddings (PLE), docs/gemma4-architecture.md §3.
 
     Args:
       tokens: [B, C] ids; x: [B, C, H] the scaled token embeddings.

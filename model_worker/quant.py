@@ -1,6 +1,6 @@
 """Weights that stay quantized on the device, and the one `linear` every projection goes through.
 
-compressed-tensors `pack-quantized` W4A16 (formats.md §1; compressed-tensors
+compressed-tensors `pack-quantized` W4A16 (docs/formats.md §1; compressed-tensors
 `compressors/pack_quantized/{base.py,helpers.py}`): a Linear weight W [N_out, K_in] is stored as int32 words packing
 8 signed 4-bit values along the input axis (value k of a row lives in word k // 8, bits 4*(k % 8)..4*(k % 8)+3,
 stored as q + 8), with one scale (and, when asymmetric, one zero point) per group of G input columns:
@@ -12,11 +12,11 @@ How `linear` computes x Wᵀ for an `Int4Weight` (measured on the 2-core Zen 4 C
     dequantized values, so it stays in cache), with the nibbles unpacked by bitcasting `packed ^ 0x88888888` to
     int4 (each nibble becomes its signed q directly). This runs at about the speed of a dense float32 matmul; a
     whole-matrix dequantize-then-dot is 5–10x slower once the dequantized temporary outgrows the cache.
-  * Other platforms: whole-matrix shift/mask dequantize then one dot (the portable path; formats.md §1.5 reports
+  * Other platforms: whole-matrix shift/mask dequantize then one dot (the portable path; docs/formats.md §1.5 reports
     int4 bitcasts failing in TPU Mosaic kernels, and a GPU compiler may fuse the dequantization into its GEMM).
     Not benchmarked here: no accelerator was available.
 
-`Int8Weight` holds a GGUF block-quantized tensor (formats.md §3) exactly: W[n, k] = q[n, k] * s[n, k // G]
+`Int8Weight` holds a GGUF block-quantized tensor (docs/formats.md §3) exactly: W[n, k] = q[n, k] * s[n, k // G]
 (+ o[n, k // G] for the asymmetric K-quants), with the integers q in int8 and one float32 scale (and offset) per
 group (`model_worker.gguf_int8` builds it from Q8_0, Q5_0, Q6_K and Q4_K blocks and checks the values bit for
 bit). The embedded Gemma 3's weights are all of these types: held as int8 they take 0.30 GiB instead of 1.0 GiB of
@@ -47,7 +47,7 @@ CPU_BLOCK_BYTES = 4 << 20
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Int4Weight:
-    """A group-quantized int4 Linear weight in compressed-tensors `pack-quantized` layout (formats.md §1.2–1.4).
+    """A group-quantized int4 Linear weight in compressed-tensors `pack-quantized` layout (docs/formats.md §1.2–1.4).
 
     Stored in the Hugging Face orientation [out, in] = [N, K] (dense weights in this project are [in, out]).
 
@@ -210,7 +210,7 @@ def unpack_int4(packed: jax.Array, in_features: int) -> jax.Array:
 
     Nibble j of word w is column 8w + j: stacking the 8 shifted planes on a new last axis and flattening keeps that
     order (concatenating the planes instead would give the plane-major order [0, 8, 16, ..., 1, 9, ...], the
-    silent-corruption bug of formats.md §1.5). Matches compressed-tensors `unpack_from_int32(value, 4, shape)`.
+    silent-corruption bug of docs/formats.md §1.5). Matches compressed-tensors `unpack_from_int32(value, 4, shape)`.
     """
     shifts = jnp.arange(8, dtype=jnp.int32) * 4
     nibbles = (packed[:, :, None] >> shifts) & 0xF  # [N, K/8, 8]

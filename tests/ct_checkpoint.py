@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import torch
 
-# Like Google's Gemma 4 QAT W4A16 export (formats.md §2): embeddings (incl. the per-layer embedding table), the tied
+# Like Google's Gemma 4 QAT W4A16 export (docs/formats.md §2): embeddings (incl. the per-layer embedding table), the tied
 # lm_head, vision/audio towers and their embedders stay dense; norms are not Linear modules, so never targeted.
 DEFAULT_IGNORE = ("lm_head", "re:.*embed.*", "re:.*vision.*", "re:.*audio.*")
 

@@ -1,7 +1,7 @@
 """A Gemma 4 tokenizer for tests, made from the Gemma 3 vocabulary (no Gemma 4 tokenizer.json is on disk).
 
-Gemma 4 keeps Gemma 3's ids for its control tokens and gives the reserved ones new spellings (formats.md §4.2;
-gemma4-architecture.md §9): the Gemma 3 `<unused40>`..`<unused46>`, `<unused92>`, `<unused94>`, `<unused95>`,
+Gemma 4 keeps Gemma 3's ids for its control tokens and gives the reserved ones new spellings (docs/formats.md §4.2;
+docs/gemma4-architecture.md §9): the Gemma 3 `<unused40>`..`<unused46>`, `<unused92>`, `<unused94>`, `<unused95>`,
 `<start_of_turn>`, `<end_of_turn>` (all control tokens) become `<|tool>`..`<|"|>`, `<|think|>`, `<|channel>`,
 `<channel|>`, `<|turn>`, `<turn|>`. Renaming those entries (vocab and added_tokens) of a Gemma 3 tokenizer.json
 gives a tokenizer with Gemma 4's control tokens at Gemma 4's ids; ordinary text tokenizes as in Gemma 3, which

@@ -14,14 +14,14 @@ Every renderer has one signature, `render(messages, add_generation_prompt, tools
 `continue_final_message` wraps any of them to end the prompt inside the final assistant message (a prefilled
 answer the model continues).
 
-Gemma 3 (formats.md §4.1; the `chat_template` of Hugging Face `google/gemma-3-*-it` tokenizer_config.json):
+Gemma 3 (docs/formats.md §4.1; the `chat_template` of Hugging Face `google/gemma-3-*-it` tokenizer_config.json):
 `<bos>`, then per message `<start_of_turn>{role}\\n{content|trim}<end_of_turn>\\n` with role assistant -> model;
 a leading system (or developer) message is folded into the first user turn as `{system}\\n\\n`; roles must
 alternate user/model starting with user; generation prompt `<start_of_turn>model\\n`. Gemma 3 has no tool
 format: with tools, tool calls or tool results the renderer writes this project's JSON tool format (documented in
 gateway/tool_calls.py, whose grammars make the model answer in it).
 
-Gemma 4 (formats.md §4.2-4.4; Google's Gemma 4 E2B/E4B `chat_template.jinja`, July 2026 revision, whose text is
+Gemma 4 (docs/formats.md §4.2-4.4; Google's Gemma 4 E2B/E4B `chat_template.jinja`, July 2026 revision, whose text is
 kept in tests/tokenizer_svc/data/gemma4_chat_template.jinja): see `render_gemma4`.
 """
 
@@ -404,7 +404,7 @@ def render_gemma3(
     messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None, options: dict | None = None,
     *, tool_choice: str = "auto",
 ) -> list[Segment]:
-    """Render a conversation with the Gemma 3 template (formats.md §4.1). `options` are accepted and ignored.
+    """Render a conversation with the Gemma 3 template (docs/formats.md §4.1). `options` are accepted and ignored.
 
     Without tools, tool calls and tool messages this is the official template. Gemma 3 has no tool format; this
     project's JSON format (documented in gateway/tool_calls.py) adds: tool declarations (`gemma3_tools_text`;
@@ -705,7 +705,7 @@ def render_gemma4(
     messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None, options: dict | None = None,
     *, tool_choice: str = "auto",
 ) -> list[Segment]:
-    """Render a conversation with the Gemma 4 template (formats.md §4.2-4.4; Google's E2B/E4B
+    """Render a conversation with the Gemma 4 template (docs/formats.md §4.2-4.4; Google's E2B/E4B
     `chat_template.jinja`, July 2026 revision, mirrored branch for branch).
 
     Layout: `<bos>`; a system turn `<|turn>system\\n[<|think|>\\n]{system text}{<|tool>declaration:…<tool|>…}

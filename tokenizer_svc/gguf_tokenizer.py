@@ -46,7 +46,7 @@ __all__ = [
     "load_token_bytes",
 ]
 
-# llama.cpp `llama_token_type` values stored in `tokenizer.ggml.token_type` (formats.md §3.6).
+# llama.cpp `llama_token_type` values stored in `tokenizer.ggml.token_type` (docs/formats.md §3.6).
 TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
 TOKEN_CONTROL = 3
@@ -104,7 +104,7 @@ def _field_contents(reader, key: str, default=None, required: bool = True):
 
 
 def read_gguf_vocab(reader) -> GGUFVocab:
-    """Read the tokenizer metadata from an open ``gguf.GGUFReader`` (formats.md §3.6).
+    """Read the tokenizer metadata from an open ``gguf.GGUFReader`` (docs/formats.md §3.6).
 
     Reads ``tokenizer.ggml.{tokens,scores,token_type,bos_token_id,eos_token_id,unknown_token_id,
     padding_token_id,add_bos_token}`` with ``Field.contents()``: ~0.25 s for Gemma 3's 262,144 entries
@@ -143,7 +143,7 @@ def respell(piece: str) -> str:
     """The piece as the BPE model sees it: a run of n real spaces becomes ``"▁" * n``.
 
     Gemma's GGUF stores its 30 whitespace-run tokens with real spaces, but the normalizer turns text spaces
-    into ``"▁"`` before lookup (formats.md §6; transformers ``gemma_tokenizer`` does the same).
+    into ``"▁"`` before lookup (docs/formats.md §6; transformers ``gemma_tokenizer`` does the same).
     """
     return SPIECE_UNDERLINE * len(piece) if _is_space_run(piece) else piece
 
@@ -193,7 +193,7 @@ def _added_tokens(vocab: GGUFVocab, pieces: list[str]) -> tuple[list[AddedToken]
 
 
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
-    """Rebuild the SentencePiece tokenizer as an HF ``tokenizers.Tokenizer`` (formats.md §6).
+    """Rebuild the SentencePiece tokenizer as an HF ``tokenizers.Tokenizer`` (docs/formats.md §6).
 
     ``BPE(vocab, merges, byte_fallback=True, fuse_unk=True, unk_token="<unk>")`` over the respelled pieces;
     normalizer ``Replace(" ", "▁")``; pre-tokenizer ``Split(" ", "merged_with_previous")`` (a no-op after the

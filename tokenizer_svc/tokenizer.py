@@ -155,7 +155,7 @@ class TextTokenizer:
 
 def _end_of_turn_ids(tok: tokenizers.Tokenizer) -> list[int]:
     """Ids of the end-of-turn tokens in the vocabulary: Gemma 3's `<end_of_turn>`, Gemma 4's `<turn|>`
-    (formats.md §4.1, §4.2; both are id 106 in their own vocabularies)."""
+    (docs/formats.md §4.1, §4.2; both are id 106 in their own vocabularies)."""
     found = (tok.token_to_id(name) for name in ("<end_of_turn>", "<turn|>"))
     return [i for i in found if i is not None]
 

@@ -15,7 +15,7 @@ from model_worker.hf_loader import load_checkpoint
 from scripts.make_synthetic_gemma4 import scaled_config, write
 
 S, F = "sliding_attention", "full_attention"
-# The text configs of transformers' convert_gemma4_weights.py _VARIANTS (gemma4-architecture.md §1), with the
+# The text configs of transformers' convert_gemma4_weights.py _VARIANTS (docs/gemma4-architecture.md §1), with the
 # IT release's eos ids (its `main` sets [1, 106]).
 HF_VARIANTS = {
     "e2b": dict(hidden_size=1536, hidden_size_per_layer_input=256, intermediate_size=6144, num_hidden_layers=35,

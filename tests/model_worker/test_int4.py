@@ -126,7 +126,7 @@ def tiny_gemma4(tmp_path_factory):
 
 
 CASES = {
-    # Google's QAT export: symmetric, group 32 (formats.md §2); everything but lm_head quantized.
+    # Google's QAT export: symmetric, group 32 (docs/formats.md §2); everything but lm_head quantized.
     "sym_g32": {"symmetric": True, "group_size": 32, "ignore": ["lm_head", "re:.*embed.*"]},
     # Asymmetric, group 16, and one PLE projection kept dense through the ignore list.
     "asym_g16": {
@@ -174,7 +174,7 @@ def test_checkpoint_modules_and_config(ct_checkpoint):
             "per_layer_projection",
         ):
             assert f"model.layers.3.{suffix}" in q_names
-        # KV-shared layers (2, 3) have no K/V projections at all (formats.md §2).
+        # KV-shared layers (2, 3) have no K/V projections at all (docs/formats.md §2).
         assert not any(
             f"layers.{i}.self_attn.{p}" in n for i in (2, 3) for p in ("k_proj", "v_proj") for n in q_names
         )
@@ -304,7 +304,7 @@ def test_single_module_roundtrip(tmp_path, n, k, group_size, symmetric, scale_dt
 
 
 def test_word_layout_is_sequential():
-    """Column k is nibble k % 8 of word k // 8, stored as q + 8 (formats.md §1.3), as the library packs it."""
+    """Column k is nibble k % 8 of word k // 8, stored as q + 8 (docs/formats.md §1.3), as the library packs it."""
     q = torch.arange(-8, 8, dtype=torch.int8).reshape(1, 16)  # u = 0..15
     packed = pack_to_int32(q, 4)
     assert packed.tolist() == [[0x76543210, np.int32(np.uint32(0xFEDCBA98))]]
@@ -312,7 +312,7 @@ def test_word_layout_is_sequential():
 
 
 def plane_major_unpack(packed: np.ndarray, k: int) -> np.ndarray:
-    """The buggy unpack of formats.md §1.5: concatenating the 8 shift planes (column order 0, 8, 16, ..., 1, 9, ...)."""
+    """The buggy unpack of docs/formats.md §1.5: concatenating the 8 shift planes (column order 0, 8, 16, ..., 1, 9, ...)."""
     planes = [((packed >> (4 * p)) & 0xF) - 8 for p in range(8)]
     return np.concatenate(planes, axis=1)[:, :k].astype(np.int8)
 

@@ -17,7 +17,7 @@ from model_worker.params import param_shapes, to_device
 from scripts.make_synthetic_gemma4 import GROUP, scaled_config, write
 
 CFG = scaled_config(GEMMA4_E2B, layers=10, hidden=256, vocab=2048)
-DENSE_ONLY = {"embed", "ple_embed"}  # tables stay bf16 in every format (formats.md §2)
+DENSE_ONLY = {"embed", "ple_embed"}  # tables stay bf16 in every format (docs/formats.md §2)
 
 
 def _is_linear(name: str, shape) -> bool:

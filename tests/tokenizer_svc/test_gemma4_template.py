@@ -342,7 +342,7 @@ def test_random_conversations_match_reference(g4tok, checkpoint_template, hf_tok
 
 
 def test_documented_layouts(g4tok):
-    """formats.md §4.3/§4.4 examples, spelled out."""
+    """docs/formats.md §4.3/§4.4 examples, spelled out."""
     _, text = builtin(g4tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], [], {},
                       True)
     assert text == "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"

@@ -1,6 +1,6 @@
 """Tests for tokenizer_svc.gguf_tokenizer: the Gemma 3 tokenizer rebuilt from the embedded GGUF.
 
-References (formats.md §3.6 / §6):
+References (docs/formats.md §3.6 / §6):
   * a SentencePiece BPE model built from the GGUF's pieces, scores and types (exact ids expected);
   * transformers' own GGUF tokenizer (slow to load, ~20 s; differs by design on runs of 32+ spaces,
     where it does not match whitespace-run tokens whole and llama.cpp/SentencePiece are the reference).
