@@ -49,15 +49,17 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
 
 def _telling_error(errors: list[dict]) -> dict:
     """The error to report: the first, unless it is a type mismatch of one union member (`stop` given as a list of
-    5 strings fails both as a string and as a list) while another member of the same field failed on its value —
-    that one says what is wrong."""
+    5 strings fails both as a string and as a list; `prompt: [-1]` as a string and as token ids) while another
+    member of the same field, or an item inside it, failed on its value — that one says what is wrong."""
     if not errors:
         return {}
     first = errors[0]
     if first.get("type", "").endswith("_type"):
-        field = error_param(tuple(first.get("loc", ())))
+        field = error_param(tuple(first.get("loc", ()))) or ""
         for err in errors[1:]:
-            if error_param(tuple(err.get("loc", ()))) == field and not err.get("type", "").endswith("_type"):
+            param = error_param(tuple(err.get("loc", ()))) or ""
+            inside = param == field or param.startswith(field + ".")
+            if inside and not err.get("type", "").endswith("_type"):
                 return err
     return first
 
