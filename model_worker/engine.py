@@ -467,15 +467,7 @@ class Engine:
         """One chunk of a slot's pending tokens (as `dispatch_compute`) and a decode step of other slots (as
         `dispatch_decode`) in one forward pass when the chunk is `mixed_chunk` long (a "mixed" program: the
         decode rows ride on the chunk's matrix products, the weights are read once); otherwise the two programs
-        one after the other.
-
-        Args:
-          slot, token_ids, start, is_output, reset: the chunk, as in `dispatch_compute`.
-          slots, tokens, positions, decode_is_output: the decode step, as in `dispatch_decode`.
-        Returns:
-          (the chunk's pending logits, tokens consumed, the decode step's pending logits).
-        Raises:
-          ValueError: `slot` is among `slots`; a position beyond max_model_len.
+        one after the other. Arguments, result and errors: `engine_api.Engine.dispatch_mixed`.
         """
         if slot in slots:
             raise ValueError(f"slot {slot} cannot take a chunk and decode in the same step")

@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from model_worker.engine import Engine, HostOutput
+from model_worker import engine_api
+from model_worker.engine import HostOutput
 from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Finish, Scheduler, Sequence, TokenEvent
 
@@ -54,13 +55,15 @@ def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
 
 
 class EngineLoop:
-    """Drives an Engine with a Scheduler on a background thread."""
+    """Drives an engine (`engine_api.Engine`) with a Scheduler on a background thread."""
 
-    def __init__(self, engine: Engine, token_budget: int | None = None, metrics=None, mask_wait: float = 0.2,
-                 on_fatal: Callable[[BaseException], None] | None = None, fault_salt: str | None = None):
-        """Args: engine: a compiled Engine (the loop becomes its only user); token_budget: most prompt tokens
-        computed in an iteration that also decodes running streams (bounds the pause a long new prompt causes in
-        them; default: the smallest chunk); a lone prompt uses the largest chunks it fills (`Engine.chunk_size`).
+    def __init__(self, engine: engine_api.Engine, token_budget: int | None = None, metrics=None,
+                 mask_wait: float = 0.2, on_fatal: Callable[[BaseException], None] | None = None,
+                 fault_salt: str | None = None):
+        """Args: engine: a compiled engine (`engine_api.Engine`; the loop becomes its only user); token_budget:
+        most prompt tokens computed in an iteration that also decodes running streams (bounds the pause a long new
+        prompt causes in them; default: the smallest chunk); a lone prompt uses the largest chunks it fills
+        (`engine.Engine.chunk_size`).
         metrics: an optional WorkerMetrics to update; mask_wait: seconds a step waits, after dispatching its
         forward pass, for the token masks of its constrained rows (a row whose mask is later is recomputed at a
         later step). on_fatal: called (on this thread) after a step failed and every sequence was ended;

@@ -1,8 +1,8 @@
 """Test doubles whose output can be computed by hand (JetStream mock_engine style).
 
 FakeEngine: the next token is always (previous token + 1) % vocab, so a prompt ending in t generates t+1, t+2, ...
-(or, with a mask, the smallest allowed token >= that). It has the Engine interface the EngineLoop uses (ecfg,
-cfg.vocab_size, dispatch_compute / dispatch_decode / dispatch_mixed, sample, copy_slot), counts its calls and the
+(or, with a mask, the smallest allowed token >= that). It implements the engine contract the EngineLoop drives,
+`model_worker.engine_api.Engine` (tests/model_worker/test_engine_api.py checks it), counts its calls and the
 prompt tokens it was asked to compute (from the `is_output` flags the loop passes, independently of the loop's
 own counters), and logs every chunk as (slot, start, tokens consumed).
 """
@@ -21,6 +21,8 @@ from model_worker.sampling import unpack_mask
 
 @dataclasses.dataclass(frozen=True)
 class FakeEngineConfig:
+    """The sizes of a FakeEngine (`engine_api.EngineSizes`); `chunk` is its only compute chunk length."""
+
     num_slots: int = 2
     max_model_len: int = 64
     chunk: int = 4
@@ -60,6 +62,7 @@ class FakeEngine:
                           np.full((n, 20), -1, np.int32), np.zeros((n, 20), np.float32), np.zeros(n, bool))
 
     def dispatch_compute(self, slot, token_ids, start, is_output, reset=False):
+        """Consume min(chunk, len(token_ids)) tokens (waits on `gate` first); pending = the last one consumed."""
         self.entered.set()
         self.gate.wait()
         self.calls["compute"] += 1
@@ -69,6 +72,7 @@ class FakeEngine:
         return types.SimpleNamespace(last=[token_ids[n - 1]], logprob=-0.5), n
 
     def dispatch_decode(self, slots, tokens, positions, is_output):
+        """One row per slot; pending = the input tokens (waits on `gate`, then `step_delay` seconds)."""
         self.gate.wait()
         if self.step_delay:
             threading.Event().wait(self.step_delay)
@@ -77,13 +81,17 @@ class FakeEngine:
         return types.SimpleNamespace(last=list(tokens), logprob=-0.25)
 
     def dispatch_mixed(self, slot, token_ids, start, is_output, reset, slots, tokens, positions, decode_is_output):
-        assert slot not in slots, "a mixed step's chunk slot is also decoding"
+        """`dispatch_compute` then `dispatch_decode`, counted as one mixed call."""
+        if slot in slots:
+            raise ValueError(f"slot {slot} cannot take a chunk and decode in the same step")
         self.calls["mixed"] = self.calls.get("mixed", 0) + 1
         pending, n = self.dispatch_compute(slot, token_ids, start, is_output, reset)
         return pending, n, self.dispatch_decode(slots, tokens, positions, decode_is_output)
 
     def sample(self, pending, sampling, reset, active):
+        """next = (last + 1) % vocab per row (masked: the smallest allowed token >= that, wrapping)."""
         return self._out([self._next(t, sampling, r) for r, t in enumerate(pending.last)], pending.logprob)
 
     def copy_slot(self, src, dst):
+        """Count the copy (the fake keeps no per-slot state)."""
         self.calls["copy"] += 1

@@ -1,0 +1,157 @@
+"""The engine contract: exactly what the engine loop (`model_worker/loop.py`) needs from an engine.
+
+JetStream's `engine_api.Engine` is the model: a few methods whose semantics live in their docstrings, and opaque
+state. `model_worker.engine.Engine` (JAX, the KV cache and the compiled grid) implements it, and so does the
+test double `tests.fakes.FakeEngine`; `tests/model_worker/test_engine_api.py` checks both against this module.
+Everything else the real engine offers (compiling the grid, warm-up, byte counts) is start-up business of
+`model_worker/main.py`, not part of the contract.
+
+Conventions. A *slot* is a row of the engine's KV cache and penalty history, in [0, num_slots). A *position* is a
+token's 0-based index in its sequence (prompt then generated tokens), in [0, max_model_len). Token ids are in
+[0, vocab_size). One thread drives an engine (the loop's); nothing here is thread-safe.
+
+Faults. The engine checks nothing the loop can check before dispatch; an exception from any method is fatal
+for the worker (the real engine's steps donate the KV cache buffers, so no later step can be trusted):
+docs/architecture.md, "Faults".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from model_worker.engine import HostOutput
+    from model_worker.sampling import SamplingArrays
+
+#: A dispatched forward pass whose logits await sampling (the real engine's `engine.Pending`). Opaque to the loop:
+#: it only hands it back to `Engine.sample`, at most once, and may drop it unsampled (a prompt chunk that is not
+#: the prompt's last: its KV writes stand all the same).
+Pending = Any
+
+
+class EngineSizes(Protocol):
+    """The engine's sizes that the loop, the scheduler and the metrics read (`engine.EngineConfig`)."""
+
+    @property
+    def num_slots(self) -> int:
+        """Sequences held at once (KV cache rows); the largest decode batch."""
+        ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Context limit in tokens (prompt + generated) of every slot."""
+        ...
+
+    @property
+    def prefill_chunks(self) -> tuple[int, ...]:
+        """Chunk lengths (tokens) of the compute program; the loop's default prefill budget is the smallest."""
+        ...
+
+    @property
+    def prefix_slack(self) -> int:
+        """Sliding-ring positions kept beyond the window: how far before a slot's end a prompt may diverge from
+        its history and still reuse the slot exactly (the scheduler's prefix-reuse tolerance)."""
+        ...
+
+    @property
+    def max_waiting(self) -> int | None:
+        """Bound of the loop's waiting queue (None: unbounded)."""
+        ...
+
+
+class ModelSizes(Protocol):
+    """The model facts the loop reads (`config.ModelConfig`)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids: the width of sampling arrays and token masks."""
+        ...
+
+
+class Engine(Protocol):
+    """What the engine loop drives: asynchronous forward passes (compute chunks, decode steps, both in one mixed
+    pass), sampling of their logits, and slot copies. Dispatching returns at once, so the loop can wait for the
+    token masks of constrained rows while the forward pass runs; `sample` is where it blocks."""
+
+    @property
+    def ecfg(self) -> EngineSizes:
+        """The engine's sizes."""
+        ...
+
+    @property
+    def cfg(self) -> ModelSizes:
+        """The model's sizes."""
+        ...
+
+    def dispatch_compute(
+        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], reset: bool = False
+    ) -> tuple[Pending, int]:
+        """Compute the first tokens of `token_ids` into `slot`'s cache at positions start, start + 1, ...
+
+        Args:
+          slot: the cache row.
+          token_ids: the tokens to compute (non-empty); the engine consumes n of them, 1 <= n <= len(token_ids),
+            as its chunk sizes allow.
+          start: position of token_ids[0]; positions < start must already be in the slot's cache.
+          is_output: per token, whether it was generated (it counts for the frequency and presence penalties)
+            rather than part of the prompt; at least as long as the tokens consumed.
+          reset: clear the slot's penalty history first (a fresh sequence).
+        Returns:
+          (the pending logits of the last token consumed, one row; n, the number of tokens consumed).
+        Raises:
+          ValueError: a position beyond max_model_len.
+        """
+        ...
+
+    def dispatch_decode(self, slots: list[int], tokens: list[int], positions: list[int], is_output: list[bool]) -> Pending:
+        """One decode step: each slot computes one token at its position (one batched pass).
+
+        Args:
+          slots: distinct cache rows to advance (1 to num_slots of them).
+          tokens, positions: each slot's input token and its position; positions < a row's position must already
+            be in that slot's cache.
+          is_output: per row, whether the input token was generated (False for a fork's last prompt token).
+        Returns:
+          The pending logits, one row per slot, in order.
+        Raises:
+          ValueError: a position beyond max_model_len.
+        """
+        ...
+
+    def dispatch_mixed(
+        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], reset: bool,
+        slots: list[int], tokens: list[int], positions: list[int], decode_is_output: list[bool],
+    ) -> tuple[Pending, int, Pending]:
+        """A compute chunk of one slot and a decode step of others in one iteration (one forward pass when the
+        engine can: the weights are read once), with the same effects as `dispatch_compute` followed by
+        `dispatch_decode`.
+
+        Args:
+          slot, token_ids, start, is_output, reset: the chunk, as in `dispatch_compute`.
+          slots, tokens, positions, decode_is_output: the decode step, as in `dispatch_decode`.
+        Returns:
+          (the chunk's pending logits, tokens consumed, the decode step's pending logits).
+        Raises:
+          ValueError: `slot` is among `slots`; a position beyond max_model_len.
+        """
+        ...
+
+    def sample(self, pending: Pending, sampling: SamplingArrays, reset: list[bool], active: list[bool]) -> HostOutput:
+        """Sample a dispatched pass's logits (blocks until the pass and the sampling are done).
+
+        Args:
+          pending: from `dispatch_compute`, `dispatch_decode` or `dispatch_mixed`, not sampled before.
+          sampling: settings (and token masks) with one row per pending row.
+          reset: per row, clear the slot's penalty history first (a fresh sequence).
+          active: per row, whether the row's step counts; False leaves the slot's penalty history as it was (the
+            row's mask did not arrive: the loop ignores its result and computes the row again later).
+        Returns:
+          One result row per pending row: tokens [R] int32, logprobs [R] float32 (natural log), top_ids and
+          top_logprobs [R, 20] (-1 = none), mask_empty [R] bool (the row's mask allowed no token).
+        """
+        ...
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy slot `src`'s KV cache rows and penalty history over slot `dst` (prefix reuse, `n` > 1 forks);
+        `src` is left as it was."""
+        ...
