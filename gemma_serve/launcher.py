@@ -49,11 +49,12 @@ def connect_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
-def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The command line of each service, in start order. (API keys go to the gateway through its environment:
-    `child_env`.)"""
+def service_commands(args: argparse.Namespace, model: str | None = None) -> dict[str, list[str]]:
+    """The command line of each service, in start order. `model` is the `--model` they get (`run` passes the
+    prepared directory, so they only read its files; default: `args.model`). (API keys go to the gateway through
+    its environment: `child_env`.)"""
     base = [sys.executable, "-m", "gemma_serve.cli"]
-    common = ["--model", args.model, "--cache-dir", args.cache_dir, "--log-level", args.log_level,
+    common = ["--model", model or args.model, "--cache-dir", args.cache_dir, "--log-level", args.log_level,
               "--drain-timeout", str(args.drain_timeout), *network.internal_args(args)]
     internal = ["--host", args.internal_host]
     inner = connect_host(args.internal_host)
@@ -125,9 +126,9 @@ class Launcher:
         ApiKeys.from_args(args)  # valid keys
         self.env = child_env(args, os.environ)
 
-    def start(self) -> None:
-        """Start every service."""
-        self.cmds = service_commands(self.args)
+    def start(self, model: str | None = None) -> None:
+        """Start every service, serving `model` (a prepared directory; default: the `--model` flag)."""
+        self.cmds = service_commands(self.args, model)
         for name in self.cmds:
             self.spawn(name)
 
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    launcher.start()
+    launcher.start(str(prepared.dir))
     code = _supervise(launcher, args, t0)
     log.info("stopping services")
     launcher.stop()

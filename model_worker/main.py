@@ -15,10 +15,43 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gemma_serve import network
+from gemma_serve import network, preparation
 from protos import model_worker_pb2, model_worker_pb2_grpc
 
 log = logging.getLogger("gemma_serve.worker")
+
+
+def write_weights(reader, out: pathlib.Path, name: str) -> None:
+    """The worker's part of a prepared GGUF: `model.safetensors` (`gguf_convert`'s weights: int8 blocks stay int8,
+    exact) and `config.json` (the ModelConfig), each written atomically.
+
+    Args:
+      reader: an open `gguf.GGUFReader`.
+      out: the prepared directory (exists).
+      name: the model name stored in the config.
+    Raises:
+      ValueError: from `convert_gguf` for a GGUF that is not a supported Gemma 3.
+    """
+    from safetensors.numpy import save_file
+
+    from model_worker.config import config_to_dict
+    from model_worker.gguf_convert import convert_gguf
+    from model_worker.quant import int8_to_flat
+
+    cfg, flat = convert_gguf(reader, name)
+    tmp = out / "model.safetensors.partial"
+    save_file(int8_to_flat(flat), str(tmp))
+    os.replace(tmp, out / "model.safetensors")
+    tmp = out / "config.json.partial"
+    tmp.write_text(json.dumps(config_to_dict(cfg), indent=1))
+    os.replace(tmp, out / "config.json")
+
+
+PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"weights": write_weights}
+"""The prepared parts the worker reads (`gemma_serve.preparation.prepare`)."""
+
+
+
 def load_engine(prepared, args: argparse.Namespace):
     """Load the prepared weights onto the device and compile the program grid.
 
@@ -93,7 +126,6 @@ def load_engine(prepared, args: argparse.Namespace):
 
 async def serve(args: argparse.Namespace) -> int:
     """Run the worker until SIGTERM/SIGINT. Returns the process exit code."""
-    from gemma_serve.models import prepare
     from model_worker.loop import FAULT_ENV, EngineLoop, wait_idle
     from model_worker.metrics import WorkerMetrics
     from model_worker.service import SERVICE_NAME, WorkerServicer
@@ -122,7 +154,8 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     loader = asyncio.ensure_future(
-        asyncio.to_thread(lambda: load_engine(prepare(args.model, pathlib.Path(args.cache_dir)), args))
+        asyncio.to_thread(lambda: load_engine(
+            preparation.prepare(args.model, pathlib.Path(args.cache_dir), PREPARE_PARTS), args))
     )
     await asyncio.wait([loader, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():

@@ -12,10 +12,30 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gemma_serve import network
+from gemma_serve import network, preparation
 from protos import tokenizer_pb2_grpc
 
 log = logging.getLogger("gemma_serve.tokenizer")
+
+
+def write_tokenizer(reader, out: pathlib.Path, name: str) -> None:
+    """The tokenizer service's part of a prepared GGUF: the tokenizer rebuilt from the GGUF vocabulary
+    (`gguf_tokenizer.build_and_cache`: tokenizer.json, vocab_meta.json, token_bytes.bin, each atomic). `name` is
+    unused (the part builders' common signature).
+
+    Raises:
+      ValueError: an unsupported vocabulary.
+    """
+    from tokenizer_svc.gguf_tokenizer import build_and_cache
+
+    build_and_cache(reader, out)
+
+
+PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"tokenizer": write_tokenizer}
+"""The prepared parts the tokenizer service reads (`gemma_serve.preparation.prepare`)."""
+
+
+
 def choose_template(directory: pathlib.Path, tokenizer):
     """The chat template of a checkpoint directory: its own `chat_template.jinja` when present ("checkpoint",
     rendered by `JinjaTemplate` with content kept as data), else the built-in "gemma4" when config.json's
@@ -43,11 +63,10 @@ def choose_template(directory: pathlib.Path, tokenizer):
 def load_tokenizer(model: str, cache_dir: pathlib.Path):
     """Prepare the model (if needed) and load its tokenizer and chat template (a GGUF is Gemma 3: "gemma3"; a
     checkpoint directory: `choose_template`). Returns (TextTokenizer, template name, renderer)."""
-    from gemma_serve.models import prepare
     from tokenizer_svc.chat_template import TEMPLATES
     from tokenizer_svc.tokenizer import TextTokenizer
 
-    prepared = prepare(model, cache_dir)
+    prepared = preparation.prepare(model, cache_dir, PREPARE_PARTS)
     if prepared.kind == "gguf":
         return TextTokenizer.from_prepared(prepared.dir), "gemma3", TEMPLATES["gemma3"]
     tokenizer = TextTokenizer.from_tokenizer_json(prepared.dir)
