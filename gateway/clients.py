@@ -95,9 +95,9 @@ class Backends:
         self._channels: tuple[grpc.aio.Channel, grpc.aio.Channel] | None = None
 
     async def grammar_tokenizer(self):
-        """The llguidance tokenizer of the served vocabulary, built once when the backends become ready (2-5 s). Its EOS is
-        the tokenizer's eos only: other stop ids (end of turn, `<|tool_response>`) are handled by Constraint,
-        and tool grammars reference them as tokens.
+        """The llguidance tokenizer of the served vocabulary, built once when the backends become ready (a costly
+        build; figures: docs/performance.md). Its EOS is the tokenizer's eos only: other stop ids (end of turn,
+        `<|tool_response>`) are handled by Constraint, and tool grammars reference them as tokens.
 
         Raises:
           ApiError: 503 while the backends are not ready.
@@ -187,8 +187,8 @@ class Backends:
         try:
             facts = await self._fetch_facts()
             if self.facts is None or facts.tokenizer_json != self.facts.tokenizer_json:
-                # Built before the facts are published: llguidance holds the GIL for the whole build (~2 s for
-                # 262,144 tokens), which would stall the event loop inside the first constrained request.
+                # Built before the facts are published: llguidance holds the GIL for the whole build, which would
+                # stall the event loop inside the first constrained request (figures: docs/performance.md).
                 self._lltokenizer = None
                 await self._build_grammar_tokenizer(facts)
             self.facts = facts

@@ -5,9 +5,9 @@ OpenAI's Chat Completions API takes `response_format` = `{"type": "text"}` | `{"
 openai-python `src/openai/types/shared_params/response_format_json_schema.py`). This module turns the two JSON
 kinds into a token-level constraint that the decode loop applies at every step:
 
-    tok = build_tokenizer(tokenizer_json, vocab_size, eos_ids=[1, 106])     # once per process (~2-5 s)
+    tok = build_tokenizer(tokenizer_json, vocab_size, eos_ids=[1, 106])     # once per process (costly)
     grammar = grammar_for_json_schema(schema)                               # raises SchemaError; cached (LRU)
-    c = Constraint(tok, grammar, vocab_size, stop_ids=[1, 106])             # one per request (~0.01-0.2 ms)
+    c = Constraint(tok, grammar, vocab_size, stop_ids=[1, 106])             # one per request (cheap)
     while not c.done():
         run = c.forced()                      # tokens the grammar forces: feed them without sampling
         ...  or  sample with c.mask() ...     # the allowed-token bitset for the next position
@@ -16,10 +16,9 @@ kinds into a token-level constraint that the decode loop applies at every step:
 
 The engine is llguidance (`guidance-ai/llguidance`, Python API `llguidance/_lib.pyi`: LLTokenizer, LLMatcher,
 grammar_from_json_schema, validate_grammar, compute_ff_tokens, try_consume_tokens, is_accepting, is_stopped).
-Measured on the project's 2-core machine with Gemma 3's 262,144-token vocabulary: LLTokenizer build 2-5 s; a
-schema compiles in 0.2 ms (small) to 20 ms (50 nested properties); a per-request matcher is a `deep_copy` of a
-cached template (<0.2 ms); a next-token bitmask takes ~0.01-0.1 ms (tests/gateway/test_constraints.py reports
-median and p99).
+The LLTokenizer build is the only costly step, so it happens once per process; a schema compile is cached, a
+per-request matcher is a `deep_copy` of a cached template, and a next-token bitmask is cheap enough for every
+decode step (figures: docs/performance.md; tests/gateway/test_constraints.py reports them).
 
 Policy (fail closed). `check_schema` accepts a schema only if every keyword in it, anywhere (including unused
 `$defs`), is either enforced token-by-token by llguidance or a pure annotation; everything else is a
@@ -217,8 +216,8 @@ class ConstraintError(ValueError):
 def build_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
     """Build llguidance's tokenizer (token trie + mask slices) from a HF `tokenizer.json` *string*.
 
-    Costly — 2-5 s and ~100 MB for Gemma's 262,144 tokens — so the caller builds it once per process and
-    shares it across requests (it is immutable and thread-safe).
+    Costly in time and memory for Gemma's 262,144 tokens, so the caller builds it once per process and shares it
+    across requests (it is immutable and thread-safe) (figures: docs/performance.md).
 
     Args:
       tokenizer_json: the contents of tokenizer.json (not a path).
@@ -383,8 +382,9 @@ def _llg_error_keyword(msg: str) -> str | None:
 #: Largest schema accepted, in characters of compact JSON (the gateway's MAX_SCHEMA_BYTES is checked first).
 MAX_SCHEMA_CHARS = 1 << 20
 #: llguidance's budgets for a client grammar (its defaults, with error messages that do not echo the grammar):
-#: lexer fuel to build it (~50k/ms) and per token (~14k/ms), Earley items per token (~20k/ms) and per grammar row,
-#: lexer states, grammar symbols. A grammar that needs more is an error; see `Constraint`.
+#: lexer fuel to build it and per token, Earley items per token and per grammar row, lexer states, grammar
+#: symbols; each bounds the time a grammar may take (figures: docs/performance.md). A grammar that needs more is
+#: an error; see `Constraint`.
 LIMITS = llguidance.LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                                    step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
                                    verbose_errors=False)
@@ -435,8 +435,8 @@ def grammar_for_json_schema(schema: dict, *, where: str = "response_format.json_
     Compiled and validated once per distinct schema: an LRU cache (256 entries) keyed by the SHA-256 of the
     schema's compact JSON. Key order is kept, not sorted: llguidance generates properties in the order of
     `properties`, so `{"a", "b"}` and `{"b", "a"}` are different grammars. Two requests racing on the same new
-    schema may both compile it (harmless). A compile takes ~0.2-20 ms: callers on an event loop may prefer
-    `asyncio.to_thread` for large schemas.
+    schema may both compile it (harmless). A large schema's compile is long enough that callers on an event
+    loop may prefer `asyncio.to_thread` (figures: docs/performance.md).
 
     Args:
       schema: the JSON Schema (`response_format.json_schema.schema`).
@@ -525,8 +525,8 @@ def clear_grammar_cache() -> None:
 # Per-request constraint
 # ------------------------------------------------------------------------------------------------------------
 
-# Compiled matchers in their initial state, keyed by (tokenizer id, grammar); a request gets a deep_copy
-# (~0.01-0.2 ms instead of a 0.3-20 ms compile). The tokenizer is held in the entry so its id stays unique.
+# Compiled matchers in their initial state, keyed by (tokenizer id, grammar); a request gets a deep_copy, much
+# cheaper than a compile (figures: docs/performance.md). The tokenizer is held in the entry so its id stays unique.
 _templates: ByteLRU[tuple[int, str], tuple[Any, Any]] = ByteLRU(
     GRAMMAR_CACHE_BYTES, lambda key, entry: text_size(key[1]) + _MATCHER_OVERHEAD)
 

@@ -229,7 +229,7 @@ async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillR
             yield delta
         while (msg := await _next_message(call, backends.timeouts.worker)) is not grpc.aio.EOF:
             if driver is not None and msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-                # Off the event loop: a mask costs up to llguidance's per-token budget (~15 ms).
+                # Off the event loop: a mask costs up to llguidance's per-token budget (figures: docs/performance.md).
                 for message in await asyncio.to_thread(driver.on_tokens, list(msg.tokens)):
                     await call.write(message)
             delta = clock.tick(stream.feed(msg.tokens))
@@ -275,9 +275,9 @@ async def _next_message(call, idle: float):
 
 
 FORCED_RUN_MIN = 12
-"""Shortest forced run sent as a run. A run is computed in a batch-1 compute step (a 64-token chunk, ~150 ms on
-the project's 2-core CPU with the embedded model) that the other rows wait for, while a one-token mask keeps the
-row in the batched decode step (~13 ms of marginal cost per row at batch 8): runs pay off from ~12 tokens."""
+"""Shortest forced run sent as a run. A run is computed in a batch-1 compute step (a 64-token chunk) that the
+other rows wait for, while a one-token mask keeps the row in the batched decode step at a small marginal cost per
+row: on CPU runs pay off from ~12 tokens (figures: docs/performance.md)."""
 
 
 class ConstraintDriver:

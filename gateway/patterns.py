@@ -28,7 +28,8 @@ import llguidance
 from gateway.lru import ByteLRU, text_size
 
 #: llguidance budgets for one client regex: lexer fuel to build it and per byte checked, grammar symbols. The
-#: defaults are 1,000,000 / 200,000 / 500,000 (~20 ms of work each); a value's regex gets a tenth.
+#: defaults are 1,000,000 / 200,000 / 500,000, sized for a whole grammar; a value's regex gets a tenth
+#: (figures: docs/performance.md).
 LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=100_000, step_lexer_fuel=20_000, step_max_items=5_000,
                                    max_lexer_states=20_000, max_grammar_size=50_000, verbose_errors=False)
 #: Longest pattern accepted, in characters.

@@ -21,7 +21,8 @@ import socket
 
 import grpc
 
-#: Message size limits of every internal link (a Gemma vocabulary's token table is ~3 MB).
+#: Message size limits of every internal link (a Gemma vocabulary's token table is near gRPC's 4 MiB default;
+#: figures: docs/performance.md).
 _MESSAGE_LIMITS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 #: Internal servers: accept the clients' keepalive pings (gRPC's default would answer pings more often than every

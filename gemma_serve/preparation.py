@@ -22,7 +22,8 @@ A prepared GGUF directory holds:
   READY                 written by earlier releases once every part was complete; still counts for every part
 
 Preparation holds an exclusive file lock per directory, so services started together do each part once; later
-starts only read the prepared files (the 15 s GGUF parse and the 7 s tokenizer build happen once per machine).
+starts only read the prepared files (the slow GGUF parse and tokenizer build happen once per machine; figures:
+docs/performance.md).
 """
 
 from __future__ import annotations

@@ -312,9 +312,9 @@ class Engine:
         keys = [("compute", 1, c, L) for c in self.ecfg.prefill_chunks for L in self.kv_buckets]
         keys += [("decode", b, 1, L) for b in self.batch_buckets for L in self.kv_buckets]
         # The full-attention layers read only the key blocks each row's position needs (`model._attend_blocks`), so
-        # the KV bucket is just the bound of that loop: a B=8 mixed step at positions 1000-1400 took 201.7 ms in the
-        # 8192 bucket and 212.4 ms in the 2048 one (medians, alternating). Mixed programs, the slowest to compile
-        # (~8 s each here), therefore exist for the largest bucket only.
+        # the KV bucket is just the bound of that loop: a mixed step costs about the same in the largest bucket as
+        # in a small one. Mixed programs, the slowest to compile, therefore exist for the largest bucket only
+        # (figures: docs/performance.md).
         # (None with one slot: a mixed step needs a decoding slot besides the chunk's.)
         if self.ecfg.num_slots > 1:
             keys += [("mixed", b, self.mixed_chunk, self.kv_buckets[-1]) for b in self.batch_buckets]
@@ -366,9 +366,8 @@ class Engine:
     def warm_up(self) -> float:
         """Run every compiled forward program (compute, decode, mixed) once on all-padding inputs. Returns seconds.
 
-        The first call of a compiled program costs 0.4-0.75 s more than later ones on XLA CPU (the embedded model,
-        2 Zen 4 cores: a B=8 mixed step 0.67 s, then 0.2 s), which a fresh server would otherwise spend inside
-        its first requests' steps; warming the 18 forward programs of the defaults took 10.4 s. Padding (position
+        The first call of a compiled program costs much more than later ones on XLA CPU, which a fresh server would
+        otherwise spend inside its first requests' steps (figures: docs/performance.md). Padding (position
         -1) writes nothing to the KV cache and records nothing in the penalty history, so the state is unchanged;
         `calls` does not count these runs.
         """
@@ -410,11 +409,10 @@ class Engine:
 
         CPU: the largest chunk they fill, else (the tail) the smallest that holds them, so only a prompt's last
         chunk is padded, by less than the smallest chunk: 600 tokens with chunks (64, 512) run as 512 + 64 + 64
-        (40 pads), not 512 + 512 (424 pads). On a 2-core CPU a chunk costs about the same per token at every size
-        (kv 2048: 64 -> 2.3 ms/token, 256 -> 1.9, 512 -> 2.2; kv 8192: 3.1 / 2.8 / 3.2), so a padded token costs
-        as much as a real one: a 235-token turn took one 512 chunk (1.1 s at kv 2048) before, four 64 chunks
-        (0.6 s) now. Other platforms: the smallest chunk that holds them, else the largest (an accelerator reads
-        all weights per chunk and pads nearly for free, so fewer, larger chunks win; not measured here).
+        (40 pads), not 512 + 512 (424 pads). On CPU a chunk costs about the same per token at every size, so a
+        padded token costs as much as a real one (figures: docs/performance.md). Other platforms: the smallest
+        chunk that holds them, else the largest (an accelerator reads all weights per chunk and pads nearly for
+        free, so fewer, larger chunks win; not measured here).
         """
         chunks = sorted(self.ecfg.prefill_chunks)
         filled = [c for c in chunks if c <= remaining]

@@ -106,7 +106,7 @@ def attend(
     scores = jnp.where(visible[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     # Output in the dot's natural order, then transpose the small result: asking the dot for "bckgd" directly
-    # made XLA CPU transpose all of V first (6x slower at 8k keys).
+    # made XLA CPU transpose all of V first, much slower at long contexts (figures: docs/performance.md).
     out = jnp.einsum("bkgct,btkd->bkgcd", probs, v).transpose(0, 3, 1, 2, 4)
     return out.reshape(B, C, N * D)
 
@@ -315,10 +315,9 @@ def _attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, s
       [B, C, N*D], as `attend`.
 
     A `lax.map` over the batch rows, each reading dynamic slices of its cache row (contiguous, not copied).
-    Gathering the batch's rows instead copies them (on XLA CPU a copy costs about 5-10 reads), and attending over
-    every cache row in place wastes the idle rows. One full-attention layer, 8 rows of a 16-slot cache at
-    position 1500, 2 Zen 4 cores: kv bucket 2048: gather 14.9 ms, all rows 26.6 ms, one slice per row 2.1 ms;
-    kv bucket 8192: 51.3 / 20.3 / 11.8 ms.
+    Gathering the batch's rows instead copies them (on XLA CPU a copy costs several reads), and attending over
+    every cache row in place wastes the idle rows; one slice per row was the fastest of the three in both KV
+    buckets measured (figures: docs/performance.md).
     """
     rows = _batch_rows(slots, q.shape[0])
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
@@ -344,7 +343,8 @@ def _attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, s
     return lax.map(ring, (q, rows, q_pos, k_pos))
 
 
-# Keys per block of the full-layer loop: 512 measured as fast as one slice at 2k keys and skips the unused tail.
+# Keys per block of the full-layer loop: 512 is as fast as one slice at 2k keys and skips the unused tail
+# (figures: docs/performance.md).
 KEY_BLOCK = 512
 
 

@@ -217,9 +217,9 @@ def with_bf16_matmuls(params: Params) -> Params:
     Each layer projection that is a dense float weight or an `Int8Weight` becomes a `Bf16Weight`, its values
     rounded once to bfloat16, and the tied LM head gets a bfloat16 copy of the embedding (`Params.lm_head`;
     lookups still read the exact `embed`). Int4Weight projections, Bf16Weights (so a second call changes nothing),
-    norms and the model-level PLE tensors are left as they are. For the embedded Gemma 3 270M: 0.68 GiB of weights
-    instead of 0.29 (projections 0.19 GiB instead of 0.10, head copy 0.31 GiB); on the 2-core CPU a 64-token chunk
-    runs ~1.2-1.5x and a B=8 decode step ~1.25x faster, a B=1 step ~1.1x slower.
+    norms and the model-level PLE tensors are left as they are. It trades over twice the weight memory (the
+    bfloat16 projections and head copy) for faster prompt chunks and batched decode steps on CPU, at a slightly
+    slower B=1 step (figures: docs/performance.md).
 
     Args:
       params: weights with float activations (the worker only calls this with float32 ones: with bfloat16

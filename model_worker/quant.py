@@ -7,11 +7,11 @@ stored as q + 8), with one scale (and, when asymmetric, one zero point) per grou
 W[n, k] = (q[n, k] - z[n, k // G]) * s[n, k // G]. The packed words are what stays resident; `linear` unpacks and
 scales them inside the jitted step, so no dequantized copy of a weight outlives its matmul.
 
-How `linear` computes x Wᵀ for an `Int4Weight` (measured on the 2-core Zen 4 CPU, see `int4_linear`):
+How `linear` computes x Wᵀ for an `Int4Weight` (figures: docs/performance.md):
   * CPU: the weight is dequantized one block of rows at a time inside a `lax.map` loop (block ≈ 4 MiB of
     dequantized values, so it stays in cache), with the nibbles unpacked by bitcasting `packed ^ 0x88888888` to
     int4 (each nibble becomes its signed q directly). This runs at about the speed of a dense float32 matmul; a
-    whole-matrix dequantize-then-dot is 5–10x slower once the dequantized temporary outgrows the cache.
+    whole-matrix dequantize-then-dot is several times slower once the dequantized temporary outgrows the cache.
   * Other platforms: whole-matrix shift/mask dequantize then one dot (the portable path; docs/formats.md §1.5 reports
     int4 bitcasts failing in TPU Mosaic kernels, and a GPU compiler may fuse the dequantization into its GEMM).
     Not benchmarked here: no accelerator was available.
@@ -19,13 +19,13 @@ How `linear` computes x Wᵀ for an `Int4Weight` (measured on the 2-core Zen 4 C
 `Int8Weight` holds a GGUF block-quantized tensor (docs/formats.md §3) exactly: W[n, k] = q[n, k] * s[n, k // G]
 (+ o[n, k // G] for the asymmetric K-quants), with the integers q in int8 and one float32 scale (and offset) per
 group (`model_worker.gguf_int8` builds it from Q8_0, Q5_0, Q6_K and Q4_K blocks and checks the values bit for
-bit). The embedded Gemma 3's weights are all of these types: held as int8 they take 0.30 GiB instead of 1.0 GiB of
-float32, with the same values. `int8_linear` dequantizes row blocks on CPU like int4 (timings there), and the
-embedding lookup dequantizes only the looked-up rows.
+bit). The embedded Gemma 3's weights are all of these types: held as int8 they take under a third of their float32
+size, with the same values. `int8_linear` dequantizes row blocks on CPU like int4, and the embedding lookup
+dequantizes only the looked-up rows.
 
 `Bf16Weight` is a projection rounded once to bfloat16, for the worker's opt-in bfloat16 matmul precision
-(`--matmul-precision bfloat16`, `bf16_linear`): on CPU a bfloat16 GEMM with float32 sums is ~1.5-1.9x faster than
-the float32 GEMM after int8 dequantization once a matmul has more than a few rows (prompt chunks).
+(`--matmul-precision bfloat16`, `bf16_linear`): on CPU a bfloat16 GEMM with float32 sums is faster than the
+float32 GEMM after int8 dequantization once a matmul has more than a few rows (prompt chunks).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Target size of one dequantized row block on CPU (bytes of the activation dtype). 2–8 MiB measured equally fast;
-# 4 MiB is in the middle (L2 1 MiB/core, L3 32 MiB on the measuring machine).
+# Target size of one dequantized row block on CPU (bytes of the activation dtype): the middle of a range of sizes
+# that fit in cache and are equally fast (figures: docs/performance.md).
 CPU_BLOCK_BYTES = 4 << 20
 
 
@@ -316,9 +316,8 @@ def _after(x: jax.Array, w: Int4Weight) -> Int4Weight:
     not prove it, so `scale + dep` is the scale itself (a zero scale may lose its sign, which changes no sum), and
     every dequantization needs it, so none can run before x exists. (An `optimization_barrier` is expanded before
     scheduling on CPU and does not help.) The dependency goes on the scales, not on `packed`: `packed | dep`
-    copied the whole packed weight on every call: a 65536 x 1536 weight (48 MiB packed) took 34-39 ms at M=1
-    and 50-54 ms at M=8, against 12-13 and 28-31 ms now (same run; 6144 x 1536, which stays in cache, 2 ms
-    either way).
+    copied the whole packed weight on every call, which made weights larger than the cache much slower
+    (figures: docs/performance.md).
     """
     return dataclasses.replace(w, scale=w.scale + zero_from(x, w.scale.dtype))
 
@@ -344,17 +343,11 @@ def int4_linear(
     Raises:
       ValueError: x's last axis is not K, or an unknown impl.
 
-    CPU timings (ms, medians of interleaved runs, G = 32, bf16 scales, 2 Zen 4 cores, shared and noisy ±20%;
-    "dense" = `x @ W` with a dense weight of the same dtype as x; M = tokens):
-      f32  [2048x1536]  M=1: dense 0.62 plain 1.02 blocked 1.00 | M=8: 1.64 / 2.87 / 1.89 | M=64: 5.3 / 6.8 / 6.0
-      f32  [6144x1536]  M=1: dense 1.88 plain 18.5 blocked 2.99 | M=8: 5.6 / 19.0 / 6.7  | M=64: 16.5 / 24.2 / 15.8
-      f32  [1536x6144]  M=1: dense 2.40 plain 18.7 blocked 3.12 | M=8: 5.3 / 25.6 / 6.5  | M=64: 15.4 / 25.2 / 16.0
-      bf16 [6144x1536]  M=1: dense 22.0 plain 21.1 blocked 3.93 | M=8: 25.0 / 26.8 / 7.1 | M=64: 37.0 / 37.3 / 19.2
-    Rejected variants (same machine, f32): applying scales after a per-group einsum ([..., N, K/G] partial sums)
-    took 0.9–2.2x the plain time at M <= 8 and 3–6x at M = 64; shift/mask unpack inside the row blocks was 1.4–5x
-    slower than the int4 bitcast; a fused multiply-reduce (no dot) was 6–100x slower than plain; a plane-major dot
-    (activations permuted instead of nibbles interleaved) was 1.3–10x slower than plain. Compile cost: about 20 ms
-    per blocked linear call site (vs 4 ms plain).
+    On CPU "blocked" stays close to a dense matmul where "plain" falls far behind once the weight outgrows the
+    cache, at a few times plain's compile cost per call site. Rejected variants, slower than these overall: applying
+    scales after a per-group einsum ([..., N, K/G] partial sums), shift/mask unpacking inside the row blocks, a
+    fused multiply-reduce (no dot), a plane-major dot (activations permuted instead of nibbles interleaved)
+    (figures: docs/performance.md).
     """
     if x.shape[-1] != w.in_features:
         raise ValueError(f"int4_linear: x has {x.shape[-1]} features, weight expects {w.in_features}")
@@ -373,8 +366,8 @@ def int4_linear(
 def _matmul_t(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x [..., K] @ w [n, K]ᵀ -> [..., n] (in `out_dtype`, accumulated at least at that precision; default x's
     dtype), written as a transpose then a matmul: for an int8 block XLA CPU then fuses the dequantization into its
-    matrix-vector loop at one row of x (8 ms instead of 16 ms for the 262144 x 640 LM head), where `_dot_nt`'s
-    dot_general materializes the block first."""
+    matrix-vector loop at one row of x (about twice as fast for the LM head; figures: docs/performance.md), where
+    `_dot_nt`'s dot_general materializes the block first."""
     return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
 
 
@@ -393,17 +386,13 @@ def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BY
       ValueError: x's last axis is not K.
 
     CPU: row blocks of about `block_bytes` dequantized inside `lax.map`, as `int4_linear` (a weight smaller than
-    that is one block); other platforms: one whole-matrix dequantization then a dot. CPU timings, 2 Zen 4 cores,
-    ms, M = rows of x, against resident float32 ("dense"):
-      LM head 262144 x 640, medians of 7 interleaved runs: M=1: dense 20.7, blocks of 2048 rows 8.0 | M=2: 43.8 /
-      22.5 | M=4: 51.1 / 26.8 | M=8: 57.6 / 32.4 | M=16: 83.5 / 54.3. Blocks of 1024 and 4096 rows are within 10%
-      of 2048; 8192 rows (21 MB) is as slow as dense.
-      The 90 projections of the embedded model's 18 layers, one run: M=1: dense 21.9, int8 6.5 | M=8: 47.1 /
-      29.5 | M=64: 103.5 / 93.9.
+    that is one block); other platforms: one whole-matrix dequantization then a dot. On CPU the row blocks beat
+    resident float32 at every batch size measured, and blocks that outgrow the cache lose that advantage
+    (figures: docs/performance.md).
     A dequantization outside a loop (one CPU block, or the whole matrix elsewhere) gets scales that depend on x
-    (see `_after`: otherwise XLA dequantizes every layer up front, 0.5 s per step at M=8); CPU row blocks need no
-    dependency (they are dequantized inside the loop) and must not get one on q (`q | dep` copied all of q: 8 ->
-    58 ms for the LM head at M=1).
+    (see `_after`: otherwise XLA dequantizes every layer up front, slowing every step); CPU row blocks need no
+    dependency (they are dequantized inside the loop) and must not get one on q (`q | dep` copies all of q on
+    every call) (figures: docs/performance.md).
     """
     n, k = w.shape
     if x.shape[-1] != k:
@@ -445,15 +434,12 @@ def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
       ValueError: x's last axis is not K.
 
     Paths: one bfloat16 GEMM with float32 accumulation, except for a single row of x on CPU (a B=1 decode step):
-    there XLA's bfloat16 matrix-vector product is 10-30x slower than float32, so the whole weight is converted to
-    float32 (exactly) in front of a float32 product, which XLA CPU fuses into its matrix-vector loop (no float32
-    copy is made; row blocks under `lax.map`, as `int8_linear` uses, stop that fusion: 16 ms instead of 0.5 for a
-    6144 x 1536 weight). Other platforms always take the GEMM (not measured: no accelerator was available).
-    Measured on the 2-core Zen 4 CPU, ms: one row, 6144 x 1536: 0.54 (resident float32: 1.64); 262144 x 640 (the
-    embedded model's LM head): 11.2 (int8: 8.6); 2 / 4 / 8 / 16 rows of that head: 24 / 27 / 31 / 41 (int8: 25 /
-    27 / 42 / 58); the 90 layer projections as a GEMM at 2-4 rows ~28-29 (one-row bfloat16 product: 91). In the
-    embedded model's decode forward (alternating A/B, kv 2048): B=8 77.4 ms against 98.9 with float32 products on
-    its int8 weights, B=1 27.5 against 25.5; a 64-token chunk ~1.2-1.5x faster (`benchmarks/mixed_step.py`).
+    there XLA's bfloat16 matrix-vector product is many times slower than float32, so the whole weight is converted
+    to float32 (exactly) in front of a float32 product, which XLA CPU fuses into its matrix-vector loop (no float32
+    copy is made; row blocks under `lax.map`, as `int8_linear` uses, stop that fusion). Other platforms always take
+    the GEMM (not measured: no accelerator was available). On CPU this makes batched decode steps and prompt
+    chunks faster than float32 products on int8 weights and a B=1 step slightly slower (figures:
+    docs/performance.md).
     """
     n, k = w.shape
     if x.shape[-1] != k:

@@ -27,10 +27,10 @@ The random stream of a row depends only on its 64-bit seed and the index of the 
 (`fold_in(fold_in(key(seed_lo), seed_hi), step)`), so a seeded request is reproducible whatever its
 neighbours.
 
-Cost. Sampling is exact over the whole vocabulary without a sort (a full sort of 262,144 logits costs ~65 ms
-per row on CPU): top-k reads the k-th value from `lax.top_k` (k <= MAX_TOP_K), top-p finds its probability
-threshold by bisection, min-p is a threshold on the logit. Every optional piece (bias, repetition penalty,
-frequency/presence penalties, mask, min-p, top-k, top-p, the draw itself, top logprobs) runs under
+Cost. Sampling is exact over the whole vocabulary without a sort (a full sort of 262,144 logits per row is too
+slow on CPU; figures: docs/performance.md): top-k reads the k-th value from `lax.top_k` (k <= MAX_TOP_K), top-p
+finds its probability threshold by bisection, min-p is a threshold on the logit. Every optional piece (bias,
+repetition penalty, frequency/presence penalties, mask, min-p, top-k, top-p, the draw itself, top logprobs) runs under
 `lax.cond` on "some row of the batch uses it" (steps (a)-(c) also under one outer cond), so a batch that uses
 none of them does not pay for them; rows that do not use a piece pass through it unchanged (bit for bit).
 
@@ -42,8 +42,8 @@ NaN.
 Greedy batches. `sample_greedy` is `sample` for a batch whose rows are all greedy with no bias, penalty or top
 logprobs (agents' tool calls and JSON, and most benchmarks): the allowed-token mask, the argmax and the chosen
 token's log-probability, nothing else, with the same results. The host picks it per batch (`is_plain_greedy`):
-XLA CPU copies the [B, V] operands of every `lax.cond`, even a skipped one, which made the full program cost
-12.7 ms at B = 8 over 262,144 tokens against 4.7 ms for the greedy one (mask step under its own cond).
+XLA CPU copies the [B, V] operands of every `lax.cond`, even a skipped one, which made the full program cost far
+more than the greedy one (mask step under its own cond) (figures: docs/performance.md).
 
 Host helpers: `SamplingArrays.defaults(batch, vocab)` (greedy, everything off), `pack_mask` (bool [V] -> the
 uint32 words of `SamplingArrays.mask`), `mask_words_from_bytes` (the protocol's `TokenMask.allowed` bytes ->

@@ -840,7 +840,8 @@ _IDS_BASE = 0x100000  # message k's generated ids are marked as _ESC + chr(_IDS_
 
 def _trie_regex(tokens: Iterable[str]) -> str:
     """A regex matching any of `tokens`, leftmost-longest, with common prefixes factored out: a plain
-    alternation of Gemma's ~6,000 control tokens costs ~15 µs per "<" in the text, the trie ~10 ns."""
+    alternation of Gemma's ~6,000 control tokens is orders of magnitude slower per "<" in the text
+    (figures: docs/performance.md)."""
     trie: dict = {}
     for token in tokens:
         node = trie

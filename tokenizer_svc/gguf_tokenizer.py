@@ -107,8 +107,8 @@ def read_gguf_vocab(reader) -> GGUFVocab:
     """Read the tokenizer metadata from an open ``gguf.GGUFReader`` (docs/formats.md §3.6).
 
     Reads ``tokenizer.ggml.{tokens,scores,token_type,bos_token_id,eos_token_id,unknown_token_id,
-    padding_token_id,add_bos_token}`` with ``Field.contents()``: ~0.25 s for Gemma 3's 262,144 entries
-    (measured; decoding ``Field.parts`` directly was no faster). Opening the reader is the slow part (~12 s).
+    padding_token_id,add_bos_token}`` with ``Field.contents()`` (decoding ``Field.parts`` directly was no
+    faster). Opening the reader is the slow part (figures: docs/performance.md).
 
     Raises:
         ValueError: the file is not a SentencePiece-family ("llama") tokenizer, a required key is
@@ -201,7 +201,8 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     ``Replace("▁", " ") + ByteFallback + Fuse``; control tokens (type 3) are special added tokens
     (``normalized=False``); user-defined tokens (type 4) are non-special added tokens, the whitespace runs
     respelled ``"▁" * n`` with ``normalized=True``. No post-processor: BOS is **not** added (callers add it).
-    Ids equal the GGUF ids. Takes ~2-7 s for Gemma 3 (513,511 merges): cache with :func:`build_and_cache`.
+    Ids equal the GGUF ids. Slow for Gemma 3 (513,511 merges; figures: docs/performance.md): cache with
+    :func:`build_and_cache`.
 
     Raises:
         ValueError: the vocabulary has duplicate pieces after respelling, or its unk piece is not "<unk>".

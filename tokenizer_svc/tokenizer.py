@@ -127,8 +127,9 @@ class TextTokenizer:
     def encode(self, text: str, parse_special: bool = True, add_bos: bool = False) -> list[int]:
         """Text -> ids. With add_bos, BOS is prepended unless the ids already start with it (exactly one BOS).
 
-        Long texts go through `encode_batch`, which releases the GIL while it works (`encode` holds it: 0.5 s for
-        900 KB), so the service's event loop keeps answering health checks meanwhile."""
+        Long texts go through `encode_batch`, which releases the GIL while it works (`encode` holds it for long
+        enough to stall the service; figures: docs/performance.md), so the service's event loop keeps answering
+        health checks meanwhile."""
         enc = self.tok if parse_special else self.plain
         if len(text) > LONG_TEXT:
             ids = enc.encode_batch([text], add_special_tokens=False)[0].ids
