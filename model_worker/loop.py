@@ -23,7 +23,7 @@ import numpy as np
 from model_worker import engine_api
 from model_worker.engine import HostOutput
 from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
-from model_worker.scheduler import Finish, Scheduler, Sequence, TokenEvent
+from model_worker.scheduler import Failure, Finish, Scheduler, Sequence, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class EngineLoop:
         self._drain_inbox(block=False)
         for seq in list(self.scheduler.by_id.values()):
             try:
-                self._end(seq, Finish.ABORT, error=ENGINE_FAILED)
+                self._end(seq, Finish.ABORT, error=ENGINE_FAILED, failure=Failure.ENGINE_FAILED)
             except Exception:  # noqa: BLE001 - a broken sink must not keep the others from ending
                 log.exception("ending %s failed", seq.request_id)
         if self.on_fatal is not None:
@@ -212,11 +212,12 @@ class EngineLoop:
             try:
                 self.scheduler.add(arg)
             except KeyError:
-                arg.sink(TokenEvent([], [], Finish.ABORT, error=f"request id {arg.request_id!r} is already live"))
+                arg.sink(TokenEvent([], [], Finish.ABORT, error=f"request id {arg.request_id!r} is already live",
+                                    failure=Failure.DUPLICATE_ID))
             except OverflowError as err:
                 if self.metrics is not None:
                     self.metrics.rejected.inc()
-                arg.sink(TokenEvent([], [], Finish.ABORT, error=f"queue full: {err}"))
+                arg.sink(TokenEvent([], [], Finish.ABORT, error=f"queue full: {err}", failure=Failure.QUEUE_FULL))
         elif kind == "abort":
             seq = self.scheduler.abort(arg)
             if seq is not None:
@@ -227,10 +228,11 @@ class EngineLoop:
             if seq is not None and step >= len(seq.output):
                 (seq.masks if kind == "mask" else seq.forced)[step] = value
 
-    def _end(self, seq: Sequence, finish: Finish, error: str | None = None) -> None:
+    def _end(self, seq: Sequence, finish: Finish, error: str | None = None,
+             failure: Failure = Failure.NONE) -> None:
         seq.finish = finish
         self.scheduler.finish(seq)
-        seq.sink(TokenEvent([], [], finish, error=error))
+        seq.sink(TokenEvent([], [], finish, error=error, failure=failure))
 
     def _apply_forced(self, seq: Sequence) -> None:
         applied = self.scheduler.apply_forced(seq)
@@ -317,7 +319,7 @@ class EngineLoop:
         if seq.slot is None:  # aborted while the step ran
             return
         if out.mask_empty[row]:
-            self._end(seq, Finish.ABORT, error="the token mask allows no token")
+            self._end(seq, Finish.ABORT, error="the token mask allows no token", failure=Failure.MASK_EMPTY)
             return
         token = int(out.tokens[row])
         n = seq.sampling.top_logprobs

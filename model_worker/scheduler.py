@@ -50,6 +50,18 @@ class Finish(enum.IntEnum):
     ABORT = 3
 
 
+class Failure(enum.Enum):
+    """Why a sequence ended with an error; the service maps each to its gRPC status (a full queue and a failed
+    engine can be retried; anything else is the worker's own failure)."""
+
+    NONE = "none"
+    QUEUE_FULL = "queue_full"
+    DUPLICATE_ID = "duplicate_id"
+    ENGINE_FAILED = "engine_failed"
+    BAD_MESSAGE = "bad_message"  # a malformed mask or forced-token message on the Decode stream
+    MASK_EMPTY = "mask_empty"
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingSpec:
     """Host-side sampling settings of one sequence (see sampling.py for the semantics).
@@ -85,12 +97,14 @@ class TokenEvent:
       cached_tokens: prompt tokens reused from the prefix cache (on the first event).
       finish: why the sequence ended (NONE while live).
       error: a message when it ended because of an error.
+      failure: the kind of that error (NONE without one), which decides the RPC's status.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish: Finish = Finish.NONE
     error: str | None = None
+    failure: Failure = Failure.NONE
     forced: list[bool] = dataclasses.field(default_factory=list)
     top: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0

@@ -17,7 +17,7 @@ import grpc
 
 from model_worker.loop import ENGINE_FAILED, EngineLoop
 from model_worker.sampling import MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS, mask_words_from_bytes
-from model_worker.scheduler import Finish, SamplingSpec, Sequence, TokenEvent
+from model_worker.scheduler import Failure, Finish, SamplingSpec, Sequence, TokenEvent
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -110,14 +110,16 @@ def tokens_pb(ev: TokenEvent) -> list[common_pb2.GeneratedToken]:
     return out
 
 
-def _error_code(error: str) -> grpc.StatusCode:
-    """The status of a sequence that ended with `error`: a full queue and a failed engine (restarting) can be
-    retried; anything else is the worker's own failure."""
-    if error.startswith("queue full"):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if error == ENGINE_FAILED:
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
+_STATUS_OF_FAILURE = {
+    Failure.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,  # retry later
+    Failure.ENGINE_FAILED: grpc.StatusCode.UNAVAILABLE,  # retry after the restart
+}
+
+
+def _error_code(failure: Failure) -> grpc.StatusCode:
+    """The status of a sequence that ended with an error of kind `failure`: a full queue and a failed engine
+    (restarting) can be retried; anything else is the worker's own failure."""
+    return _STATUS_OF_FAILURE.get(failure, grpc.StatusCode.INTERNAL)
 
 
 class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
@@ -157,7 +159,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             raise
         if ev.error:
             self._drop(seq.request_id, abort=False)
-            await context.abort(_error_code(ev.error), ev.error)
+            await context.abort(_error_code(ev.failure), ev.error)
         live.generated = len(ev.token_ids)
         if ev.finish != Finish.NONE:
             self._drop(seq.request_id, abort=False)
@@ -193,8 +195,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                 while not live.queue.empty():
                     events.append(live.queue.get_nowait())
                 reply, finished, error = self._decode_reply(live, events)
-                if error:
-                    await context.abort(_error_code(error), error)
+                if error is not None:
+                    await context.abort(_error_code(error.failure), error.error)
                 yield reply
         finally:
             reader.cancel()
@@ -280,7 +282,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         for ev in events:
             tokens += tokens_pb(ev)
             finish = ev.finish if ev.finish != Finish.NONE else finish
-            error = ev.error or error
+            error = ev if ev.error else error
         live.generated += len(tokens)
         reply = model_worker_pb2.DecodeResponse(tokens=tokens, finish_reason=int(finish))
         if finish != Finish.NONE:
@@ -298,7 +300,9 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                 self._constraint(rid, msg)
             except RequestError as err:
                 self.loop.abort(rid)
-                live.queue.put_nowait(TokenEvent([], [], Finish.ABORT, error=err.message))
+                # the gateway is the only client: its malformed message is a worker-side failure (INTERNAL)
+                live.queue.put_nowait(TokenEvent([], [], Finish.ABORT, error=err.message,
+                                                 failure=Failure.BAD_MESSAGE))
                 return
 
     def _attach_expired(self, rid: str) -> None:
