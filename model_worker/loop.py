@@ -12,6 +12,7 @@ and calls `on_fatal` — the worker process turns NOT_SERVING and exits non-zero
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -54,6 +55,31 @@ def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
     return s
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopSnapshot:
+    """What the loop's metrics read after an iteration, copied on the engine thread (the metrics never reach
+    into the scheduler or the prefix cache).
+
+    Attributes:
+      running, waiting: sequences in slots / queued.
+      kv_usage: tokens held by running sequences / (slots x max_model_len), in [0, 1].
+      cached_slots: slots holding a reusable prefix.
+      prefix_queries, prefix_hits: prefix-cache lookups and hits since start.
+      steps: engine steps since start by kind ("compute", "decode", "mixed", "copy"), plus "computed_tokens" and
+        "prompt_tokens" (tokens run through the model).
+      reused_tokens: prompt tokens reused (prefix cache or a slot copy) since start.
+    """
+
+    running: int
+    waiting: int
+    kv_usage: float
+    cached_slots: int
+    prefix_queries: int
+    prefix_hits: int
+    steps: dict
+    reused_tokens: int
+
+
 class EngineLoop:
     """Drives an engine (`engine_api.Engine`) with a Scheduler on a background thread."""
 
@@ -86,6 +112,14 @@ class EngineLoop:
         # pass when the chunk is the smallest, `Engine.dispatch_mixed`), also counted in "compute" and "decode";
         # tokens run through the model, and how many of them were prompt tokens
         self.steps = {"compute": 0, "decode": 0, "mixed": 0, "copy": 0, "computed_tokens": 0, "prompt_tokens": 0}
+
+    def snapshot(self) -> LoopSnapshot:
+        """The loop's state for metrics (call on the engine thread, between iterations)."""
+        sched, ecfg = self.scheduler, self.engine.ecfg
+        held = sum(len(seq.prompt) + len(seq.output) for seq in sched.running.values())
+        return LoopSnapshot(len(sched.running), len(sched.waiting), held / (ecfg.num_slots * ecfg.max_model_len),
+                            sched.cache.cached_slots(), sched.cache.queries, sched.cache.hits, dict(self.steps),
+                            sched.reused_tokens)
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -168,7 +202,7 @@ class EngineLoop:
         if decoding is not None:
             self._finish_decode(work.decode, decoding)
         if self.metrics is not None:
-            self.metrics.observe_iteration(self)
+            self.metrics.observe_iteration(self.snapshot())
         if work.compute is None and not work.decode and self.scheduler.has_work():
             time.sleep(0.001)  # everyone waits for a mask or a parent: don't spin
 

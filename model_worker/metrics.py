@@ -66,29 +66,27 @@ class WorkerMetrics:
         if "backend_compile" in event:
             self.compilations.inc()
 
-    def observe_iteration(self, loop) -> None:
-        """Refresh gauges and counters from the engine loop (called on the engine thread after each iteration)."""
-        sched = loop.scheduler
-        ecfg = loop.engine.ecfg
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        held = sum(len(s.prompt) + len(s.output) for s in sched.running.values())
-        self.kv_usage.set(held / (ecfg.num_slots * ecfg.max_model_len))
-        self.cached_slots.set(sched.cache.cached_slots())
+    def observe_iteration(self, snap) -> None:
+        """Refresh gauges and counters from a `loop.LoopSnapshot` (called on the engine thread after each
+        iteration)."""
+        self.running.set(snap.running)
+        self.waiting.set(snap.waiting)
+        self.kv_usage.set(snap.kv_usage)
+        self.cached_slots.set(snap.cached_slots)
         with self._lock:
             seen = self._seen
-            self.prefix_queries.inc(sched.cache.queries - seen["queries"])
-            self.prefix_hits.inc(sched.cache.hits - seen["hits"])
-            seen["queries"], seen["hits"] = sched.cache.queries, sched.cache.hits
+            self.prefix_queries.inc(snap.prefix_queries - seen["queries"])
+            self.prefix_hits.inc(snap.prefix_hits - seen["hits"])
+            seen["queries"], seen["hits"] = snap.prefix_queries, snap.prefix_hits
             for kind in ("compute", "decode", "mixed", "copy"):
-                self.steps.labels(kind).inc(loop.steps[kind] - seen["steps"].get(kind, 0))
-                seen["steps"][kind] = loop.steps[kind]
-            self.computed_tokens.inc(loop.steps["computed_tokens"] - seen["computed"])
-            seen["computed"] = loop.steps["computed_tokens"]
-            self.prompt_computed.inc(loop.steps["prompt_tokens"] - seen["prompt"])
-            seen["prompt"] = loop.steps["prompt_tokens"]
-            self.cached_tokens.inc(sched.reused_tokens - seen["reused"])
-            seen["reused"] = sched.reused_tokens
+                self.steps.labels(kind).inc(snap.steps[kind] - seen["steps"].get(kind, 0))
+                seen["steps"][kind] = snap.steps[kind]
+            self.computed_tokens.inc(snap.steps["computed_tokens"] - seen["computed"])
+            seen["computed"] = snap.steps["computed_tokens"]
+            self.prompt_computed.inc(snap.steps["prompt_tokens"] - seen["prompt"])
+            seen["prompt"] = snap.steps["prompt_tokens"]
+            self.cached_tokens.inc(snap.reused_tokens - seen["reused"])
+            seen["reused"] = snap.reused_tokens
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Expose /metrics over HTTP on `port` (a daemon thread)."""
