@@ -189,7 +189,7 @@ async def generate(
         prefill.allowed_tokens.allowed = allowed_mask_bytes(params.allowed_token_ids, facts.vocab_size)
     driver = None
     if params.constraint is not None:
-        driver = ConstraintDriver(params.constraint, backends.metrics, params.constraint_param)
+        driver = ConstraintDriver(params.constraint, backends.metrics, params.constraint_param, max_tokens)
         prefill.constrained = True
         prefill.initial_mask.allowed = params.initial_mask if params.initial_mask is not None else \
             await asyncio.to_thread(driver.initial_mask)
@@ -290,10 +290,13 @@ class ConstraintDriver:
     complete the mask allows only the stop ids.
     """
 
-    def __init__(self, constraint, metrics=None, param: str = "response_format"):
+    def __init__(self, constraint, metrics=None, param: str = "response_format", max_tokens: int | None = None):
         """Args: constraint: the request's grammar state; metrics: GatewayMetrics to count tokens in, or None;
-        param: the request field the grammar comes from (named when the grammar exceeds its budget)."""
+        param: the request field the grammar comes from (named when the grammar exceeds its budget); max_tokens:
+        the generation's limit — nothing is sent for a step at or past it (the worker ends the stream there, and
+        a message written after that end would fail the call)."""
         self.c = constraint
+        self.max_tokens = max_tokens
         self.metrics = metrics
         self.param = param
         self.received = 0  # tokens received from the worker (= index of the next one)
@@ -335,6 +338,10 @@ class ConstraintDriver:
         messages = []
         forced = [] if self.c.done() else list(self.c.forced())
         step = self.received
+        if self.max_tokens is not None:
+            if step >= self.max_tokens:
+                return []
+            forced = forced[: self.max_tokens - step]
         if self.metrics is not None and forced:
             self.metrics.forced_tokens.inc(1 if len(forced) < FORCED_RUN_MIN else len(forced))
         if 0 < len(forced) < FORCED_RUN_MIN:
@@ -355,7 +362,8 @@ class ConstraintDriver:
                 self.metrics.forced_runs.inc()
                 self.metrics.forced_run_tokens.inc(len(forced))
             step += len(forced)
-        if not self.c.finished():  # a forced run may end with the grammar's own stop token
+        if not self.c.finished() and (self.max_tokens is None or step < self.max_tokens):
+            # (a forced run may end with the grammar's own stop token, or at max_tokens)
             messages.append(model_worker_pb2.DecodeRequest(step=step, mask=common_pb2.TokenMask(
                 allowed=self.c.mask())))
         self.sent_for = step
