@@ -57,7 +57,7 @@ class Admission:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def cut(self, grace: float = 2.0) -> None:

@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,8 +31,15 @@ from gateway.errors import ApiError
 from gateway.http_guard import RequestGuard
 from gateway.limits import Limits
 from gateway.logprobs import CompletionLogprobs, TokenStrings, chat_content, visible
-from gateway.openai_types import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                  TokenizeRequest, TokenizeResponse, error_param)
+from gateway.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    error_param,
+)
 from gateway.openapi import openapi_schema
 from gateway.planner import Plan, detokenize, plan_chat_completion, plan_completion, tokenize
 from protos import tokenizer_pb2
@@ -204,7 +211,7 @@ def create_app(backends: Backends, limits: Limits | None = None,
     if limits.cors_origins:
         asgi = CORSMiddleware(asgi, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],
                               allow_headers=["*"], expose_headers=["X-Request-Id"])
-    count = lambda route, status: backends.metrics.requests.labels(route, str(status)).inc()  # noqa: E731
+    count = lambda route, status: backends.metrics.requests.labels(route, str(status)).inc()
     paths = frozenset(getattr(route, "path", "") for route in app.routes)
     guard = RequestGuard(asgi, limits, open_connections, count, keys, paths, backends.admission)
     guard.fastapi = app  # the routes, for tests and the OpenAPI schema

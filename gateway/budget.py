@@ -49,7 +49,7 @@ class BudgetedUnits:
       make: `make(None)` builds the answer's constraint, `make(n)` the same allowing at most n units.
       budget: max_tokens of the generation (every generated token counts, forced ones included).
       parser: follows the units as tokens arrive: `feed(token_id, token_bytes)` and `progress() -> (complete
-        units, whether one is open)` — a tool-call parser (gateway/tool_parsers.py) or `JsonArrayProgress`.
+        units, whether one is open)` — a family's tool-call parser (families/<name>/gateway.py) or `JsonArrayProgress`.
       token_bytes: each token id's bytes (the vocabulary).
       close_tokens: C, the tokens that close the answer after a complete unit.
       kind: the kind of unit ("tool_calls" | "json"), the metric's label.

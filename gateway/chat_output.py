@@ -1,5 +1,5 @@
 """One chat choice's generated tokens -> OpenAI chat deltas and the final message: `content`,
-`reasoning_content` (Gemma 4 thinking) and `tool_calls`.
+`reasoning_content` (a family's thought channel: Gemma 4 thinking) and `tool_calls`.
 
 Streamed and non-streamed responses both run every Delta of a choice through one `ChatRoute`; the non-streamed
 message is the merge of the deltas the stream would have sent, so the two are identical by construction.
@@ -7,23 +7,22 @@ message is the merge of the deltas the stream would have sent, so the two are id
 Two paths:
 - text (no tools, a model without a thought channel): `content` is the generated text as `generate` produced it
   (detokenized, stop strings cut).
-- tokens (tools requested, or a Gemma 4 model): every token is routed by id — `<|channel>`...`<channel|>` to
-  `reasoning_content` (gateway/reasoning.py), the rest through the model's tool-call parser
-  (gateway/tool_parsers.py), which emits content and tool-call deltas as the grammar's structure arrives (the
-  first argument fragment leaves before the call's closing marker is generated). Control tokens never reach
-  content. Stop strings cut `content` only (they end generation either way).
+- tokens (tools requested, or a model with a thought channel): every token is routed by id — the family's thought
+  channel (Gemma 4's `<|channel>`...`<channel|>`) to `reasoning_content` (gateway/reasoning.py), the rest through
+  the family's tool-call parser (its gateway part's `FORMAT.tool_parser`, gateway/tool_format.py), which emits
+  content and tool-call deltas as the grammar's structure arrives (the first argument fragment leaves before the
+  call's closing marker is generated). Control tokens never reach content. Stop strings cut `content` only (they
+  end generation either way).
 """
 
 from __future__ import annotations
 
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.errors import ApiError
 from gateway.generate import Delta
 from gateway.reasoning import ReasoningRouter
-from gateway.errors import ApiError
 from gateway.tool_calls import ToolCallParseError
-from gateway.tool_parsers import Gemma3ToolCallParser, Gemma4ToolCallParser
-
-GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE = 100, 101
+from gateway.tool_format import TokenIds, family_format
 
 
 class ChatRoute:
@@ -31,25 +30,41 @@ class ChatRoute:
 
     Args:
       token_bytes: each token's bytes (the vocabulary); special_ids: control tokens (no text).
-      tool_format: "gemma4" | "gemma3" to parse tool calls in that format, None for no tool parsing.
-      channels: route Gemma 4's thought channel to reasoning_content (also takes the token path).
+      tool_format: a family's name ("gemma4", "gemma3") to parse tool calls in its format, None for no tool parsing.
+      channels: route the family's thought channel to reasoning_content (also takes the token path).
       stops: the request's stop strings (cut content on the token path).
       id_prefix: prefix of the tool-call ids of this choice (unique per response and choice).
-      calls_only: the answer is only calls (tool_choice required or named): a Gemma 3 answer cut before its
-        call trigger completes is a cut call, never content.
+      calls_only: the answer is only calls (tool_choice required or named): an answer cut before its call
+        trigger completes (Gemma 3's text trigger) is a cut call, never content.
+      family: the model family whose formats apply when no `tool_format` names it (a thought channel alone).
+      ids: the family's control tokens, spelling -> id in the served vocabulary (`ModelFacts.special_tokens`);
+        default: the family's published ids (`FamilyFormat.published_ids`).
+
+    Raises:
+      families.UnknownFamilyError: the family is not registered.
+      ValueError: `channels` without a family, or for a family without a thought channel.
+      gateway.tool_format.UnknownTokenError: the vocabulary lacks a control token the family's format needs.
     """
 
     def __init__(self, token_bytes: list[bytes], special_ids: set[int], tool_format: str | None = None,
                  channels: bool = False, stops: list[str] | None = None, id_prefix: str = "call_",
-                 calls_only: bool = False):
+                 calls_only: bool = False, family: str | None = None, ids: TokenIds | None = None):
         self.tokens_path = tool_format is not None or channels
         self._bytes = token_bytes
-        self._router = ReasoningRouter(token_bytes, special_ids, GEMMA4_CHANNEL_OPEN,
-                                       GEMMA4_CHANNEL_CLOSE) if channels else None
-        parsers = {"gemma4": Gemma4ToolCallParser, "gemma3": Gemma3ToolCallParser}
-        self._parser = parsers[tool_format](id_prefix, control_ids=special_ids) if tool_format else None
-        if calls_only and tool_format == "gemma3":
-            self._parser.calls_only()
+        self._router, self._parser = None, None
+        family = tool_format or family
+        if self.tokens_path and family is None:
+            raise ValueError("routing a thought channel needs the model family")
+        if self.tokens_path:
+            fmt = family_format(family)
+            ids = fmt.published_ids if ids is None else ids
+            if channels:
+                if fmt.reasoning is None:
+                    raise ValueError(f"model family {family!r} has no thought channel")
+                self._router = ReasoningRouter(token_bytes, special_ids, ids[fmt.reasoning.open],
+                                               ids[fmt.reasoning.close], fmt.reasoning.label)
+            if tool_format is not None:
+                self._parser = fmt.tool_parser(ids, id_prefix, special_ids, calls_only)
         self._content = IncrementalDetokenizer(token_bytes, special_ids)
         self._stops = StopMatcher(stops or [])
         self.content, self.reasoning = "", ""

@@ -1,15 +1,13 @@
 """What a chat request asks beyond plain text — response_format, tools/tool_choice, thinking — turned into how it
 is generated (grammar, extra stop ids, banned ids, template options) and how its output is routed (ChatRoute).
 
-Per model family (ModelFacts.architecture):
-- gemma4: tools in the native syntax (`<|tool_call>call:NAME{...}<tool_call|>`, the turn ends with
-  `<|tool_response>`, id 50, added to the stop ids); `tool_choice: "none"` bans `<|tool_call>`/`<tool_call|>`;
-  thinking on with `chat_template_kwargs.enable_thinking` or `reasoning_effort` low|medium|high, returned as
-  `reasoning_content`; under a grammar a thinking answer may first write its thought channel freely
-  (reasoning.ThoughtFirst).
-- gemma3: tools in this project's JSON format (gateway/tool_calls.py docstring, rendered by the tokenizer
-  service's built-in template); no thinking mode (asking for it is a 400, as OpenAI answers for models without
-  reasoning).
+Per model family (ModelFacts.architecture), from its gateway part's `FORMAT` (gateway/tool_format.py), with its
+control tokens' ids looked up in the served vocabulary: tools in the family's format (its grammar; the grammar's
+end tokens added to the stop ids; under `tool_choice: "none"` its call markers banned); thinking, where the family
+has it, on with `chat_template_kwargs.enable_thinking` or `reasoning_effort` low|medium|high, returned as
+`reasoning_content`, and under a grammar a thinking answer may first write its thought channel freely
+(reasoning.ThoughtFirst); asking a family without thinking for it is a 400, as OpenAI answers for models without
+reasoning. Gemma 4: native call syntax, thinking; Gemma 3: this project's JSON format, no thinking.
 `response_format` and tools together are a 400 (the answer cannot be both a JSON value and a tool call).
 """
 
@@ -18,15 +16,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from gateway import tool_calls as tc
 from gateway.budget import BudgetedUnits, JsonArrayProgress
-from gateway.chat_output import GEMMA4_CHANNEL_CLOSE, GEMMA4_CHANNEL_OPEN, ChatRoute
+from gateway.chat_output import ChatRoute
 from gateway.clients import Backends, ModelFacts
-from gateway.constraints import Constraint, SchemaError, grammar_for_json_schema, grammar_for_response_format
+from gateway.constraints import Constraint
 from gateway.errors import ApiError
+from gateway.grammar_cache import grammar_for_json_schema, grammar_for_response_format
 from gateway.openai_types import ChatCompletionRequest
 from gateway.reasoning import ThoughtFirst
-from gateway.tool_parsers import Gemma3ToolCallParser, Gemma4ToolCallParser
-from gateway import tool_calls as tc
+from gateway.schema_check import SchemaError
+from gateway.tool_format import FamilyFormat
 
 THINKING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 
@@ -38,9 +38,10 @@ class ChatPlan:
     Attributes:
       grammar: llguidance grammar of the answer, or None (unconstrained).
       grammar_ends: the grammar consumes its own end token (tool grammars).
-      tool_format: "gemma4" | "gemma3" when the output is parsed for tool calls, else None.
-      thinking: Gemma 4 thinking is on for this request.
-      channels: route Gemma 4 thought channels to reasoning_content.
+      tool_format: the family's name ("gemma4", "gemma3") when the output is parsed for tool calls, else None.
+      thinking: thinking is on for this request.
+      channels: route the family's thought channel to reasoning_content.
+      family: the served model family (its formats route the output).
       stop_ids: extra stop token ids: the tool grammar's end tokens (Gemma 4 calls end with `<|tool_response>`).
       banned_ids: token ids the answer may not contain (logit bias -inf).
       template_kwargs: options for the chat template (enable_thinking derived from reasoning_effort).
@@ -56,6 +57,7 @@ class ChatPlan:
     tool_format: str | None = None
     thinking: bool = False
     channels: bool = False
+    family: str = ""
     stop_ids: list[int] = dataclasses.field(default_factory=list)
     banned_ids: list[int] = dataclasses.field(default_factory=list)
     template_kwargs: dict = dataclasses.field(default_factory=dict)
@@ -72,7 +74,7 @@ class ChatPlan:
     def route(self, facts: ModelFacts, stops: list[str], id_prefix: str) -> ChatRoute:
         """A fresh ChatRoute for one choice."""
         return ChatRoute(facts.token_bytes, facts.special_ids, self.tool_format, self.channels, stops, id_prefix,
-                         calls_only=self.calls_only)
+                         calls_only=self.calls_only, family=self.family, ids=facts.special_tokens)
 
 
 def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
@@ -84,10 +86,12 @@ def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
       ApiError: 400 naming the field: an unenforceable or malformed schema (response_format, or a tool's
         parameters — the message names the keyword and path), a bad tool_choice, response_format with tools,
         thinking on a model without a thought channel.
+      families.UnknownFamilyError: `facts.architecture` is not registered (the facts fetch refuses such a model).
     """
-    arch = facts.architecture
-    plan = ChatPlan(template_kwargs=dict(req.chat_template_kwargs or {}), channels=arch == "gemma4")
-    plan.thinking = _thinking(req, arch, plan.template_kwargs)
+    fmt, ids = facts.output_format(), facts.special_tokens
+    plan = ChatPlan(template_kwargs=dict(req.chat_template_kwargs or {}), channels=fmt.reasoning is not None,
+                    family=facts.architecture)
+    plan.thinking = _thinking(req, fmt, plan.template_kwargs)
     try:
         plan.grammar = grammar_for_response_format(req.response_format)
     except SchemaError as err:
@@ -105,27 +109,30 @@ def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
         raise ApiError(400, "response_format cannot be combined with tools (unless tool_choice is \"none\")",
                        param="response_format")
     if mode == "none":
-        if arch == "gemma4" and tools:
-            plan.banned_ids = list(tc.GEMMA4_NONE_BANNED_IDS)
+        if tools:
+            plan.banned_ids = [ids[s] for s in fmt.call_markers]
         return plan
     parallel = req.parallel_tool_calls is not False and mode != "named"  # a named choice: exactly one call
-    build = tc.gemma4_tool_grammar if arch == "gemma4" else tc.gemma3_tool_grammar
+
+    def build(max_calls: int = tc.MAX_PARALLEL_CALLS) -> str | None:
+        return fmt.tool_grammar(tools, req.tool_choice, parallel, max_calls, ids)
+
     try:
-        plan.grammar = build(tools, req.tool_choice, parallel)
+        plan.grammar = build()
     except tc.ToolSchemaError as err:
         raise ApiError(400, err.message, param="tools", code="unsupported_schema") from None
     plan.grammar_ends = True
     plan.calls_only = mode in ("required", "named")
     if parallel:
-        plan.unit_grammar, plan.unit_kind = (lambda n: build(tools, req.tool_choice, parallel, n)), "tool_calls"
+        plan.unit_grammar, plan.unit_kind = build, "tool_calls"
     plan.param = "tools"
-    plan.tool_format = "gemma4" if arch == "gemma4" else "gemma3"
+    plan.tool_format = facts.architecture
     # The grammar's end tokens always stop generation, whatever the checkpoint's generation_config says.
-    plan.stop_ids = [tc.GEMMA4_TOOL_RESPONSE, tc.GEMMA4_TURN_END] if arch == "gemma4" else [tc.GEMMA3_END_OF_TURN]
+    plan.stop_ids = [ids[s] for s in fmt.end_tokens]
     return plan
 
 
-def _thinking(req: ChatCompletionRequest, arch: str, kwargs: dict) -> bool:
+def _thinking(req: ChatCompletionRequest, fmt: FamilyFormat, kwargs: dict) -> bool:
     """Whether thinking is on; sets kwargs["enable_thinking"] from reasoning_effort when not given.
 
     Raises:
@@ -137,10 +144,10 @@ def _thinking(req: ChatCompletionRequest, arch: str, kwargs: dict) -> bool:
     if "enable_thinking" not in kwargs and req.reasoning_effort is not None:
         kwargs["enable_thinking"] = THINKING_EFFORTS[req.reasoning_effort]
     on = bool(kwargs.get("enable_thinking", False))
-    if on and arch != "gemma4":
+    if on and not fmt.thinking:
         param = "chat_template_kwargs" if "enable_thinking" in (req.chat_template_kwargs or {}) else \
             "reasoning_effort"
-        raise ApiError(400, f"this model ({arch}) has no thinking mode", param=param)
+        raise ApiError(400, f"this model ({fmt.name}) has no thinking mode", param=param)
     return on
 
 
@@ -148,34 +155,32 @@ async def constraint_factory(backends: Backends, plan: ChatPlan):
     """A function making one fresh constraint per choice for the plan's grammar, or None when unconstrained.
     `make(budget)` takes the choice's max_tokens: parallel tool calls then end within it (gateway/budget.py).
 
-    Under thinking (reasoning.ThoughtFirst), the thought channel is free text in which the call markers
-    `<|tool_call>`/`<tool_call|>` are masked: a call is made only in the answer, after `<channel|>`, so a call is
-    never half in the thought (where it would be reasoning text) and never duplicated.
+    Under thinking (reasoning.ThoughtFirst), the thought channel is free text in which the format's call markers
+    (Gemma 4's `<|tool_call>`/`<tool_call|>`) are masked: a call is made only in the answer, after the channel
+    closes, so a call is never half in the thought (where it would be reasoning text) and never duplicated.
     """
     if plan.grammar is None:
         return None
     tokenizer = await backends.grammar_tokenizer()
     facts = backends.ready_facts()
+    fmt, ids = facts.output_format(), facts.special_tokens
     stops = sorted(set(facts.stop_ids) | set(plan.stop_ids))
-    banned_in_thought = [tc.GEMMA4_TOOL_CALL, tc.GEMMA4_TOOL_CALL_END] if plan.tool_format == "gemma4" else []
+    banned_in_thought = [ids[s] for s in fmt.call_markers] if plan.tool_format else []
 
     def build(max_units: int | None = None):
         grammar = plan.grammar if max_units is None else plan.unit_grammar(max_units)
         inner = Constraint(tokenizer, grammar, facts.vocab_size, stops, grammar_ends=plan.grammar_ends)
         if plan.thinking:
-            return ThoughtFirst(inner, facts.vocab_size, GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE,
+            return ThoughtFirst(inner, facts.vocab_size, ids[fmt.reasoning.open], ids[fmt.reasoning.close],
                                 stops + banned_in_thought)
         return inner
 
     def make(budget: int | None = None):
         if plan.unit_grammar is None or budget is None:
             return build()
-        if plan.tool_format == "gemma4":
-            parser, close = Gemma4ToolCallParser(control_ids=facts.special_ids), 1
-        elif plan.tool_format == "gemma3":
-            parser = Gemma3ToolCallParser(control_ids=facts.special_ids)
-            # `]}`, `<end_of_turn>`, and one spare token: a call's last brackets may split differently
-            close = len(tokenizer.tokenize_str(tc.GEMMA3_CALLS_CLOSE)) + 2
+        if plan.tool_format is not None:
+            parser = fmt.tool_parser(ids, "call_", facts.special_ids, False)
+            close = fmt.budget_close(tokenizer.tokenize_str)
         else:
             parser, close = JsonArrayProgress(), 3  # `]`, the stop token, a spare one
         return BudgetedUnits(build, budget, parser, _TextBytes(facts), close, kind=plan.unit_kind)

@@ -15,10 +15,12 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import families
 from gateway.admission import Admission
 from gateway.errors import ApiError, from_rpc_error
 from gateway.history import AnswerHistory
 from gateway.metrics import GatewayMetrics
+from gateway.tool_format import FamilyFormat, SpecialTokens, UnknownTokenError, family_format
 from gemma_serve.network import InternalTls, aio_channel
 from protos import model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -53,7 +55,12 @@ class _DefaultDeadline(grpc.aio.UnaryUnaryClientInterceptor):
 
 @dataclasses.dataclass
 class ModelFacts:
-    """What the gateway needs to know about the served model (fetched when both backends are ready)."""
+    """What the gateway needs to know about the served model (fetched when both backends are ready).
+
+    `architecture` is the model family's registry name as the worker reports it (there is no default family);
+    its output formats come from the family's gateway part (`output_format()`), with control tokens looked up by
+    spelling in this vocabulary (`token_id`, `special_tokens`).
+    """
 
     name: str
     max_model_len: int
@@ -62,16 +69,34 @@ class ModelFacts:
     special_ids: set[int]
     bos_id: int
     stop_ids: list[int]
+    architecture: str
     tokenizer_json: str = ""
-    architecture: str = "gemma3"
     eos_id: int = 1
     max_waiting: int = 64
     max_token_bytes: int = 64
+    special_tokens: SpecialTokens = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # The longest token's bytes bound how much text max_model_len tokens can spell (planner's size check).
         if self.token_bytes:
             self.max_token_bytes = max(len(b) for b in self.token_bytes)
+        self.special_tokens = SpecialTokens(self.token_bytes, self.special_ids)
+
+    def token_id(self, spelling: str) -> int:
+        """The id of the control token spelled `spelling` (`"<|tool_call>"`) in the served vocabulary.
+
+        Raises:
+          UnknownTokenError: the vocabulary has no control token with that spelling.
+        """
+        return self.special_tokens[spelling]
+
+    def output_format(self) -> FamilyFormat:
+        """The served family's output formats (tool calls, thought channel), from its gateway part.
+
+        Raises:
+          families.UnknownFamilyError: `architecture` names no registered family.
+        """
+        return family_format(self.architecture)
 
 
 class Backends:
@@ -87,6 +112,7 @@ class Backends:
         self.timeouts = timeouts or Timeouts()
         self.served_model_name = served_model_name
         self.facts: ModelFacts | None = None
+        self.facts_error: str | None = None  # why the last facts fetch refused the served model, if it did
         self.answers = AnswerHistory()
         self.admission = Admission()
         self.metrics = GatewayMetrics()
@@ -162,8 +188,8 @@ class Backends:
         while self.facts is None:
             if all(s == "SERVING" for s in (await self.health()).values()):
                 await self._refresh_facts()
-            if self.facts is None:
-                await asyncio.sleep(poll)
+            if self.facts is None:  # an unsupported model is not retried at the polling rate (a whole vocabulary)
+                await asyncio.sleep(poll if self.facts_error is None else max(poll, 10.0))
 
     async def watch(self, poll: float = 0.5) -> None:
         """Follow the backends' health for the gateway's life (a background task): fetch the facts when both
@@ -191,20 +217,36 @@ class Backends:
                 # stall the event loop inside the first constrained request (figures: docs/performance.md).
                 self._lltokenizer = None
                 await self._build_grammar_tokenizer(facts)
-            self.facts = facts
+            self.facts, self.facts_error = facts, None
             log.info("backends ready: %s, max_model_len %d", facts.name, facts.max_model_len)
             return True
         except (grpc.aio.AioRpcError, ApiError) as err:
             log.warning("fetching model facts failed: %s", err)
             return False
+        except (families.UnknownFamilyError, UnknownTokenError) as err:
+            # Not transient: the backends serve a model this gateway cannot (requests get 503 with the reason).
+            message = f"the served model is not supported by this gateway: {err}"
+            if message != self.facts_error:
+                log.error("%s", message)
+            self.facts, self.facts_error = None, message
+            return False
 
     async def _fetch_facts(self) -> ModelFacts:
+        """The model facts from both backends' Info and the vocabulary, checked against the family registry.
+
+        Raises:
+          grpc.aio.AioRpcError: a backend call failed.
+          ApiError: the vocabulary is larger than the model's.
+          families.UnknownFamilyError: the worker reports a family no registered package serves (the message
+            names it and the supported ones).
+          UnknownTokenError: the vocabulary lacks a control token the family's formats need.
+        """
         info = await self.worker.Info(model_worker_pb2.WorkerInfoRequest(), timeout=10)
         tinfo = await self.tokenizer.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=10)
         vocab = await self.tokenizer.GetVocab(tokenizer_pb2.GetVocabRequest(), timeout=60)
         if len(vocab.token_bytes) > info.vocab_size:
             raise ApiError(500, f"tokenizer vocabulary ({len(vocab.token_bytes)}) exceeds the model's ({info.vocab_size})")
-        return ModelFacts(
+        facts = ModelFacts(
             name=self.served_model_name or info.model_name,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
@@ -213,18 +255,26 @@ class Backends:
             bos_id=tinfo.bos_token_id,
             stop_ids=list(info.default_stop_token_ids),
             tokenizer_json=vocab.tokenizer_json,
-            architecture=info.architecture or "gemma3",
+            architecture=info.architecture,
             eos_id=tinfo.eos_token_id,
             max_waiting=info.max_waiting,
         )
+        try:
+            facts.output_format().resolve(facts.special_tokens)
+        except UnknownTokenError as err:
+            raise UnknownTokenError(f"model family {facts.architecture!r}: {err}") from None
+        return facts
 
     def ready_facts(self) -> ModelFacts:
         """The model facts.
 
         Raises:
-          ApiError: 503 while the backends are not ready.
+          ApiError: 503 while the backends are not ready, or serve a model this gateway cannot (the message says
+            why: e.g. an unknown model family, naming the supported ones).
         """
         if self.facts is None:
+            if self.facts_error is not None:
+                raise ApiError(503, self.facts_error, code="model_unsupported")
             raise ApiError(503, "the model is still loading; retry shortly", code="model_loading")
         return self.facts
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from gateway.clients import Backends
 from gateway.detokenizer import dangling, prompt_tail
 from gateway.generate import Delta, generate
 from gateway.history import answer_key
-from gateway.tool_calls import GEMMA4_TOOL_CALL
+from gateway.tool_format import SpecialTokens, family_format
 
 
 async def run_choices(backends: Backends, jobs: list) -> AsyncIterator[tuple[int, Delta]]:
@@ -32,7 +32,7 @@ async def run_choices(backends: Backends, jobs: list) -> AsyncIterator[tuple[int
         try:
             async for delta in generate(backends, job.prompt, job.params, job.request_id):
                 await queue.put((job.index, delta))
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+        except BaseException as exc:
             await queue.put(exc)
             raise
         finally:
@@ -73,10 +73,11 @@ def remember_answer(backends: Backends, scope: str, route, delta: Delta, tokens:
 
     The ids are all generated tokens but a final stop token (the template writes the end of the turn), cut to
     what the client received: a stop string that cut the text leaves the ids of exactly the text returned (none
-    are remembered when that text ends inside a token), and a Gemma 4 call cut off before its name was complete
-    (so not returned) is left out, an answer cut before any call was returned keeps only its content's ids, and
-    the byte tokens of a character the cut left incomplete are dropped (the text drops it too). Inside a returned cut call the ids run to the cut, also where its JSON
-    arguments stop short of it (a key or number still being written): the model's own text."""
+    are remembered when that text ends inside a token), a call cut off before its name was complete (so not
+    returned; in a format whose calls open with a control token, like Gemma 4's `<|tool_call>`) is left out, an
+    answer cut before any call was returned keeps only its content's ids, and the byte tokens of a character the
+    cut left incomplete are dropped (the text drops it too). Inside a returned cut call the ids run to the cut,
+    also where its JSON arguments stop short of it (a key or number still being written): the model's own text."""
     facts = backends.ready_facts()
     ids = [t.token_id for t in tokens]
     if ids and ids[-1] in set(stop_ids) | set(facts.stop_ids):
@@ -85,13 +86,21 @@ def remember_answer(backends: Backends, scope: str, route, delta: Delta, tokens:
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
     if not delta.whole and not route.truncated:  # a stop string cut the content (a cut call is returned whole)
         ids = _ids_of_text(ids, message["content"] or "", facts)
-    if route.truncated and facts.architecture == "gemma4" and ids.count(GEMMA4_TOOL_CALL) > len(calls):
-        ids = ids[:len(ids) - ids[::-1].index(GEMMA4_TOOL_CALL) - 1]
+    opener = _call_opener(facts) if route.truncated else None
+    if opener is not None and ids.count(opener) > len(calls):
+        ids = ids[:len(ids) - ids[::-1].index(opener) - 1]
     elif route.truncated and not calls:  # cut before any call was returned: keep only the content's ids
         ids = _ids_of_text(ids, message["content"] or "", facts)
     ids = _without_dangling_bytes(ids, facts)
     if ids:
         backends.answers.remember(scope, answer_key(message["content"], calls, message.get("reasoning_content")), ids)
+
+
+def _call_opener(facts) -> int | None:
+    """The id of the control token that opens a call in the served family's format (its first call marker), or
+    None for a format whose calls are text (Gemma 3's). Looked up only for an answer cut short."""
+    markers = family_format(facts.architecture).call_markers
+    return SpecialTokens(facts.token_bytes, facts.special_ids)[markers[0]] if markers else None
 
 
 def _without_dangling_bytes(ids: list[int], facts) -> list[int]:

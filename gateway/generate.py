@@ -14,8 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Sequence
-from typing import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -270,7 +269,7 @@ async def _next_message(call, idle: float):
     """
     try:
         return await asyncio.wait_for(call.read(), idle)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ApiError(504, f"the model worker sent nothing for {idle:g} s", code="backend_timeout") from None
 
 

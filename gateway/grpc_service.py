@@ -157,7 +157,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(err.grpc_code(), err.message)
         except grpc.aio.AbortError:
             raise
-        except Exception:  # noqa: BLE001 - our bug: log it, answer INTERNAL without internals
+        except Exception:
             log.exception("Generate %s failed", rid)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (request id {rid})")
 

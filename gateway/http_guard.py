@@ -27,7 +27,7 @@ import json
 import logging
 import re
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from gateway.admission import Admission
 from gateway.auth import ApiKeys
@@ -109,7 +109,7 @@ class RequestGuard:
                 raise  # the server or the client ended it
             await response.error(ApiError(503, "the server shut down before this request finished; retry",
                                           code="shutting_down", headers={"Connection": "close"}))
-        except Exception:  # noqa: BLE001 - our bug: log it, answer a generic 500, keep the connection
+        except Exception:
             log.exception("request %s (%s %s) failed", rid, scope["method"], scope.get("path"))
             await response.error(ApiError(500, f"internal server error (request id {rid})", code="internal_error"))
         if self.count is not None and response.status is not None:
@@ -133,7 +133,7 @@ class RequestGuard:
         while True:
             try:
                 message = await asyncio.wait_for(receive(), min(BODY_IDLE_TIMEOUT, deadline - loop.time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise ApiError(408, "the request body did not arrive in time", code="request_timeout",
                                headers={"Connection": "close"}) from None
             if message["type"] == "http.disconnect":

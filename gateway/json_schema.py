@@ -1,6 +1,5 @@
-"""JSON Schema facts shared by the gateway's two schema compilers — `response_format` (gateway/constraints.py,
-through llguidance's JSON compiler) and tool parameters (gateway/tool_calls.py, Gemma 4 syntax and Gemma 3
-JSON) — so both generate exactly the same values for a `format`.
+"""JSON Schema facts shared by the gateway's two schema compilers — `response_format` (gateway/grammar_cache.py,
+through llguidance's JSON compiler) and tool parameters (gateway/tool_schema.py, in each family's call syntax) — so both generate exactly the same values for a `format`.
 
 `format` `date`, `time` and `date-time` are the subset of RFC 3339 that Python's `datetime` and jsonschema
 accept: real calendar dates (Feb 29 only in leap years), years 0001-9999, seconds 00-59 (no leap second), at most

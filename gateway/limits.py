@@ -58,7 +58,7 @@ class Limits:
     cors_origins: tuple[str, ...] = ()
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "Limits":
+    def from_args(cls, args: argparse.Namespace) -> Limits:
         """Limits from parsed flags (missing flags keep their defaults)."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
@@ -200,7 +200,7 @@ def _check_text(text: str, where: str) -> None:
                         f"text", pointer=where) from None
 
 
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.S)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 

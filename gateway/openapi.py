@@ -128,6 +128,7 @@ def _model_facts(schemas: dict, facts) -> None:
     from gateway.tool_calls import int_range_regex
 
     _bound_token_ids(schemas, facts.vocab_size)
+    thinking = facts.output_format().thinking
     completion = schemas["CompletionRequest"]["properties"]
     for option in completion["prompt"]["anyOf"]:  # several prompts: strings, or token-id lists
         if option.get("type") == "array" and option["items"].get("type") in ("string", "array"):
@@ -140,7 +141,7 @@ def _model_facts(schemas: dict, facts) -> None:
         if "logit_bias" in props:
             bias = props["logit_bias"]["anyOf"][0]
             bias["propertyNames"] = {"pattern": f"^{int_range_regex(0, facts.vocab_size - 1)}$"}
-        if facts.architecture != "gemma4" and "reasoning_effort" in props:  # only the efforts that turn it off
+        if not thinking and "reasoning_effort" in props:  # only the efforts that turn it off
             props["reasoning_effort"]["anyOf"][0]["enum"] = ["none", "minimal"]
 
 

@@ -27,12 +27,27 @@ from gateway.constraints import ConstraintError
 from gateway.errors import ApiError
 from gateway.generate import GenParams, resolve_max_tokens
 from gateway.history import answer_key, history_scope
-from gateway.limits import MAX_JSON_DEPTH, MAX_SCHEMA_BYTES, JsonError, Limits, check_field, json_depth, parse_json
-from gateway.openai_types import (ChatCompletionRequest, ChatPromptFields, CompletionRequest, DetokenizeRequest,
-                                  SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest)
+from gateway.limits import (
+    MAX_JSON_DEPTH,
+    MAX_SCHEMA_BYTES,
+    JsonError,
+    Limits,
+    check_field,
+    json_depth,
+    parse_json,
+)
+from gateway.openai_types import (
+    ChatCompletionRequest,
+    ChatPromptFields,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from gateway.tool_calls import resolve_tool_choice
 from protos import common_pb2, tokenizer_pb2
-from tokenizer_svc.chat_template import scan_json_prefix
+from tokenizer_svc.json_prefix import scan_json_prefix
 
 #: Grammar compilation (schema checks, llguidance compile, first masks) runs here, off the event loop; two
 #: threads, so a client's costly schema (bounded by MAX_SCHEMA_BYTES and llguidance's budgets) takes at most two
@@ -296,7 +311,7 @@ def _check_continuation(req: ChatPromptFields) -> None:
 def _check_tool_call_arguments(req: ChatCompletionRequest) -> None:
     """Tool-call `arguments` sent back are JSON text inside the body: bound their nesting, refuse text no tokenizer
     can encode, and require a JSON object — or, for an assistant message's last call, a prefix of one: the call
-    an answer cut off by `max_tokens` returns (tokenizer_svc/chat_template.py renders it as generated). Anything
+    an answer cut off by `max_tokens` returns (the family's template, families/<name>/tokenizer.py, renders it as generated). Anything
     else could never have come from this server.
 
     Raises:

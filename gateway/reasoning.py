@@ -1,10 +1,11 @@
-"""Gemma 4 thinking: route `<|channel>thought\\n ... <channel|>` to `reasoning_content`, the rest to `content`.
+"""Thought channels: route `<open>label ... <close>` to `reasoning_content`, the rest to `content`.
 
-Gemma 4 writes its reasoning in a channel before the answer (docs/formats.md §4.3 point 5): `<|channel>` (id 100),
-the label `thought\\n`, the reasoning, `<channel|>` (id 101), then the answer. The router works on token ids as
-they arrive (the channel markers are control tokens, matched by id, never by text), so streamed and
-non-streamed responses split identically: text before `<|channel>` or after `<channel|>` is content; text inside
-is reasoning with the `thought\\n` label removed.
+A family with a thought channel names its markers and label in its `ReasoningFormat` (gateway/tool_format.py);
+Gemma 4's (families/gemma4/gateway.py, docs/formats.md §4.3 point 5) is `<|channel>`, the label `thought\\n`, the
+reasoning, `<channel|>`, then the answer. The router works on token ids as they arrive (the channel markers are
+control tokens, matched by the ids the served vocabulary gives them, never by text), so streamed and non-streamed
+responses split identically: text before the open marker or after the close marker is content; text inside is
+reasoning with the label removed.
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ from __future__ import annotations
 from gateway.detokenizer import Utf8Decoder
 
 LABEL = "thought\n"
+"""Gemma 4's label, the default of `ReasoningRouter(label=)`."""
 
 
 class ReasoningRouter:
     """Splits one generation's tokens into (reasoning, content) text deltas."""
 
-    def __init__(self, token_bytes: list[bytes], special_ids: set[int], open_id: int, close_id: int):
+    def __init__(self, token_bytes: list[bytes], special_ids: set[int], open_id: int, close_id: int,
+                 label: str = LABEL):
         """Args: token_bytes/special_ids: the vocabulary (control tokens produce no text); open_id/close_id: the
-        ids of `<|channel>` and `<channel|>`."""
+        ids of the channel markers (Gemma 4's `<|channel>` and `<channel|>`); label: the text the model writes
+        after the open marker, not reasoning."""
         self._bytes, self._special = token_bytes, special_ids
-        self.open_id, self.close_id = open_id, close_id
+        self.open_id, self.close_id, self.label = open_id, close_id, label
         self.inside = False
         self._label = ""  # reasoning text held until we know whether it starts with the label
         self._decoders = {k: Utf8Decoder() for k in ("r", "c")}  # reasoning, content
@@ -34,7 +38,7 @@ class ReasoningRouter:
         if token_id == self.close_id:
             self.inside = False
             held, self._label = self._label, ""
-            return (held if held and not LABEL.startswith(held) else ""), ""
+            return (held if held and not self.label.startswith(held) else ""), ""
         if token_id in self._special:
             return "", ""
         if not self.inside:
@@ -42,23 +46,23 @@ class ReasoningRouter:
         text = self._decoders["r"].decode(self._bytes[token_id])
         if self._label is not None:
             self._label += text
-            if LABEL.startswith(self._label):
+            if self.label.startswith(self._label):
                 return "", ""
             held, self._label = self._label, None
-            return (held[len(LABEL):] if held.startswith(LABEL) else held), ""
+            return held.removeprefix(self.label), ""
         return text, ""
 
     def flush(self) -> tuple[str, str]:
         """End of generation: any held text (an incomplete trailing character is dropped, never U+FFFD:
         gateway/detokenizer.py)."""
         reasoning = self._decoders["r"].flush()
-        if self._label and not LABEL.startswith(self._label):  # a bare (partial) label is not reasoning
+        if self._label and not self.label.startswith(self._label):  # a bare (partial) label is not reasoning
             reasoning = self._label + reasoning
         return reasoning, self._decoders["c"].flush()
 
 
 class ThoughtFirst:
-    """A constraint that lets a Gemma 4 thinking answer open with its thought channel, free, then holds the rest
+    """A constraint that lets a thinking answer (Gemma 4's) open with its thought channel, free, then holds the rest
     of the answer to `inner` (a `gateway.constraints.Constraint`: JSON schema or tool-call grammar).
 
     States: "start" - the next token is `<|channel>` (then "thinking") or any token `inner` allows (then

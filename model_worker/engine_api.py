@@ -84,7 +84,7 @@ class Engine(Protocol):
         ...
 
     def dispatch_compute(
-        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], reset: bool = False
+        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], clear_penalties: bool = False
     ) -> tuple[Pending, int]:
         """Compute the first tokens of `token_ids` into `slot`'s cache at positions start, start + 1, ...
 
@@ -95,7 +95,8 @@ class Engine(Protocol):
           start: position of token_ids[0]; positions < start must already be in the slot's cache.
           is_output: per token, whether it was generated (it counts for the frequency and presence penalties)
             rather than part of the prompt; at least as long as the tokens consumed.
-          reset: clear the slot's penalty history first (a fresh sequence).
+          clear_penalties: clear the slot's penalty history first (a fresh sequence: the slot may hold a
+            finished sequence's history).
         Returns:
           (the pending logits of the last token consumed, one row; n, the number of tokens consumed).
         Raises:
@@ -119,7 +120,7 @@ class Engine(Protocol):
         ...
 
     def dispatch_mixed(
-        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], reset: bool,
+        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], clear_penalties: bool,
         slots: list[int], tokens: list[int], positions: list[int], decode_is_output: list[bool],
     ) -> tuple[Pending, int, Pending]:
         """A compute chunk of one slot and a decode step of others in one iteration (one forward pass when the
@@ -127,7 +128,7 @@ class Engine(Protocol):
         `dispatch_decode`.
 
         Args:
-          slot, token_ids, start, is_output, reset: the chunk, as in `dispatch_compute`.
+          slot, token_ids, start, is_output, clear_penalties: the chunk, as in `dispatch_compute`.
           slots, tokens, positions, decode_is_output: the decode step, as in `dispatch_decode`.
         Returns:
           (the chunk's pending logits, tokens consumed, the decode step's pending logits).
@@ -136,13 +137,15 @@ class Engine(Protocol):
         """
         ...
 
-    def sample(self, pending: Pending, sampling: SamplingArrays, reset: list[bool], active: list[bool]) -> HostOutput:
+    def sample(
+        self, pending: Pending, sampling: SamplingArrays, clear_penalties: list[bool], active: list[bool]
+    ) -> HostOutput:
         """Sample a dispatched pass's logits (blocks until the pass and the sampling are done).
 
         Args:
           pending: from `dispatch_compute`, `dispatch_decode` or `dispatch_mixed`, not sampled before.
           sampling: settings (and token masks) with one row per pending row.
-          reset: per row, clear the slot's penalty history first (a fresh sequence).
+          clear_penalties: per row, clear the slot's penalty history first (a fresh sequence).
           active: per row, whether the row's step counts; False leaves the slot's penalty history as it was (the
             row's mask did not arrive: the loop ignores its result and computes the row again later).
         Returns:

@@ -1,4 +1,8 @@
-"""GGUF (Gemma 3) -> our flat float32 weights and config, read with the `gguf` package (no torch).
+"""GGUF -> our flat float32 weights and config, read with the `gguf` package (no torch).
+
+The model family comes from the file's `general.architecture` through the `families` registry, and its worker
+part builds the config from the metadata (`config_from_gguf`); the tensor names below are llama.cpp's, shared by
+the Gemma-style architectures it converts.
 
 docs/formats.md §3: `GGUFReader` returns tensors in the Hugging Face `[out, in]` orientation; quantized blocks are
 dequantized with `gguf.quants.dequantize`; every `*norm.weight` is stored as `w + 1`, which is exactly the
@@ -12,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from model_worker.config import ModelConfig, gemma3_from_gguf_metadata
+import families
+from model_worker.config import ModelConfig
 from model_worker.gguf_int8 import int8_from_gguf
 from model_worker.quant import Int8Weight
 
@@ -48,8 +53,8 @@ def read_metadata(reader) -> dict:
 
 
 def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray | Int8Weight]]:
-    """Every tensor of a Gemma 3 GGUF into our flat weight dict: float32, or Int8Weight for the block types of
-    `gguf_int8` (the same values).
+    """Every tensor of a GGUF of a registered family into our flat weight dict: float32, or Int8Weight for the block
+    types of `gguf_int8` (the same values).
 
     Args:
       reader: an open `gguf.GGUFReader`.
@@ -58,11 +63,15 @@ def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray |
       (config, {name: float32 array or Int8Weight}) with dense Linear weights as [in, out] and Int8Weight ones as
       [out, in]; save it with `quant.int8_to_flat`.
     Raises:
-      ValueError: not a gemma3 GGUF, or an unknown tensor name.
+      families.UnknownFamilyError: no registered family serves the file's `general.architecture` (checked before
+        any tensor is read); the message lists the supported architectures.
+      NotImplementedError: the family has no GGUF loader.
+      ValueError: missing metadata, or an unknown tensor name.
     """
     from gguf import quants
 
     meta = read_metadata(reader)
+    worker = families.from_gguf(meta).part("worker")
     flat: dict[str, np.ndarray | Int8Weight] = {}
     for t in reader.tensors:
         data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -84,5 +93,5 @@ def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray |
             continue  # an untied head is not used by Gemma; the tied embedding is the head
         else:
             raise ValueError(f"unknown GGUF tensor {t.name}")
-    cfg = gemma3_from_gguf_metadata(meta, vocab_size=flat["embed"].shape[0], name=name)
+    cfg = worker.config_from_gguf(meta, vocab_size=flat["embed"].shape[0], name=name)
     return cfg, flat

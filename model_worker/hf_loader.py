@@ -1,15 +1,22 @@
-"""Hugging Face Gemma 4 checkpoints (safetensors) -> our weight dict, read straight into JAX arrays (no torch).
+"""Hugging Face checkpoints (safetensors) -> our weight dict, read straight into JAX arrays (no torch).
 
-Handles the multimodal layout (`model.language_model.` prefix; vision/audio tensors skipped without being read)
-and text-only saves (`model.`), bf16 and `-qat-q4_0-unquantized` weights, and compressed-tensors
-`pack-quantized` W4A16 (int4 kept packed; see ct_loader.py), deciding dense-or-quantized per module by the tensors
-present. KV-shared layers' redundant `k_proj`/`v_proj`/`k_norm` (present in the original release, absent from QAT
-exports and `save_pretrained` output) are accepted and ignored. Tensor names: docs/gemma4-architecture.md §8.
+The model family comes from config.json through the `families` registry (`from_hf_config`); its worker part parses
+the config (`config_from_hf`) and may extend the Gemma-style decoder names below with its own (module attributes
+`HF_TOP_NAMES` and `HF_LAYER_NAMES`: HF module name -> (our flat name, is_linear); `HF_SKIP_PREFIXES`: tensors
+skipped without being read, such as a multimodal release's towers). Today that is Gemma 4 (tensor names:
+docs/gemma4-architecture.md §8).
+
+Handles the multimodal layout (`model.language_model.` prefix) and text-only saves (`model.`), bf16 and
+`-qat-q4_0-unquantized` weights, and compressed-tensors `pack-quantized` W4A16 (int4 kept packed; see
+ct_loader.py), deciding dense-or-quantized per module by the tensors present. KV-shared layers' redundant
+`k_proj`/`v_proj`/`k_norm` (present in the original release, absent from QAT exports and `save_pretrained`
+output) are accepted and ignored.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import pathlib
@@ -18,21 +25,19 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from model_worker.config import ModelConfig, config_from_hf
+import families
+from model_worker.config import ModelConfig
 from model_worker.params import check_flat, param_shapes
 
 log = logging.getLogger(__name__)
 
 _PREFIXES = ("model.language_model.", "model.")
-_SKIP_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
-                  "model.multi_modal_projector.", "lm_head.")
-# HF module name (inside the text decoder) -> (our flat name, is_linear).
+_SKIP_PREFIXES = ("lm_head.",)
+# Gemma-style HF decoder module name (inside the text decoder) -> (our flat name, is_linear); a family's worker part
+# adds its own (module docstring).
 _TOP = {
     "embed_tokens": ("embed", False),
     "norm": ("final_norm", False),
-    "embed_tokens_per_layer": ("ple_embed", False),
-    "per_layer_model_projection": ("ple_proj", True),
-    "per_layer_projection_norm": ("ple_norm", False),
 }
 _LAYER = {
     "input_layernorm": ("input_norm", False),
@@ -48,10 +53,6 @@ _LAYER = {
     "mlp.gate_proj": ("gate", True),
     "mlp.up_proj": ("up", True),
     "mlp.down_proj": ("down", True),
-    "per_layer_input_gate": ("ple_gate", True),
-    "per_layer_projection": ("ple_proj", True),
-    "post_per_layer_input_norm": ("ple_post_norm", False),
-    "layer_scalar": ("layer_scalar", False),
 }
 _LINEAR_SUFFIXES = (".weight", ".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point",
                     ".weight_g_idx")
@@ -82,9 +83,25 @@ def safetensors_files(directory: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def _text_name(name: str) -> str | None:
-    """The name inside the text decoder, or None for tensors we skip (vision, audio, tied lm_head)."""
-    if name.startswith(_SKIP_PREFIXES):
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    """The tensor names one family's checkpoints use: the Gemma-style ones plus its worker part's."""
+
+    top: dict[str, tuple[str, bool]]
+    layer: dict[str, tuple[str, bool]]
+    skip: tuple[str, ...]
+
+    @classmethod
+    def of(cls, worker) -> _Names:
+        """The names for a family's worker part (its optional `HF_*` attributes)."""
+        return cls(top=_TOP | getattr(worker, "HF_TOP_NAMES", {}),
+                   layer=_LAYER | getattr(worker, "HF_LAYER_NAMES", {}),
+                   skip=_SKIP_PREFIXES + tuple(getattr(worker, "HF_SKIP_PREFIXES", ())))
+
+
+def _text_name(name: str, names: _Names) -> str | None:
+    """The name inside the text decoder, or None for tensors we skip (the family's, tied lm_head)."""
+    if name.startswith(names.skip):
         return None
     for prefix in _PREFIXES:
         if name.startswith(prefix):
@@ -92,13 +109,13 @@ def _text_name(name: str) -> str | None:
     return name
 
 
-def _ours(module: str) -> tuple[str, bool] | None:
+def _ours(module: str, names: _Names) -> tuple[str, bool] | None:
     """(our flat name, is_linear) for a text-decoder module name; None if unknown."""
-    if module in _TOP:
-        return _TOP[module]
+    if module in names.top:
+        return names.top[module]
     m = re.match(r"layers\.(\d+)\.(.+)$", module)
-    if m and m.group(2) in _LAYER:
-        ours, is_linear = _LAYER[m.group(2)]
+    if m and m.group(2) in names.layer:
+        ours, is_linear = names.layer[m.group(2)]
         return f"layers.{m.group(1)}.{ours}", is_linear
     return None
 
@@ -123,11 +140,15 @@ def _keys(reader) -> set[str]:
 
 
 def load_checkpoint(directory: pathlib.Path, dtype: jnp.dtype) -> tuple[ModelConfig, dict]:
-    """Read a Gemma 4 checkpoint directory into (config, flat weights) ready for `params.to_device`.
+    """Read a checkpoint directory of a registered family into (config, flat weights) ready for
+    `params.to_device`.
 
     Dense Linear weights become [in, out] arrays in `dtype`; pack-quantized ones become Int4Weight.
 
     Raises:
+      families.UnknownFamilyError: config.json names a model no registered family serves (checked before any
+        tensor is read); the message lists the supported model_type values.
+      NotImplementedError: the family (or this variant of it) has no checkpoint loader.
       ValueError: one message naming every missing, misshapen or unknown tensor with the expected shape, or an
         unsupported quantization config.
       FileNotFoundError: no config.json or safetensors files.
@@ -136,7 +157,9 @@ def load_checkpoint(directory: pathlib.Path, dtype: jnp.dtype) -> tuple[ModelCon
 
     directory = pathlib.Path(directory)
     config = read_config(directory)
-    cfg = config_from_hf(config, name=directory.name)
+    worker = families.from_hf_config(config).part("worker")
+    cfg = worker.config_from_hf(config, name=directory.name)
+    names = _Names.of(worker)
     qcfg = None
     if config.get("quantization_config"):
         from model_worker import ct_loader
@@ -151,10 +174,10 @@ def load_checkpoint(directory: pathlib.Path, dtype: jnp.dtype) -> tuple[ModelCon
         modules: dict[str, tuple[object, str, bool]] = {}
         for reader in readers:
             for name in reader.keys():
-                text = _text_name(name)
+                text = _text_name(name, names)
                 if text is None:
                     continue
-                mapped = _ours(_module(text))
+                mapped = _ours(_module(text), names)
                 if mapped is None:
                     unknown.append(name)
                     continue

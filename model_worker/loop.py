@@ -1,4 +1,8 @@
-"""The one thread that owns the Engine (and so the KV cache): schedule -> run -> publish, forever.
+"""The one thread that owns the Engine (and so the KV cache): schedule -> run -> postprocess -> publish, forever.
+
+An iteration is nano-vllm's step: `work = scheduler.schedule()`, `result = self._run_work(work)` (engine calls
+only, returning host results), `emissions = scheduler.postprocess(work, result)`, then each emission goes to its
+sequence's sink. The scheduler is the one owner of sequence state; this module only reads sequences.
 
 Other threads talk to it only through `submit`, `abort`, `add_mask` and `add_forced`, which put commands in a
 queue; results leave through each sequence's `sink` callback (called on this thread, must not block). When
@@ -22,9 +26,18 @@ from collections.abc import Callable
 import numpy as np
 
 from model_worker import engine_api
-from model_worker.engine import HostOutput
 from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
-from model_worker.scheduler import Failure, Finish, Scheduler, Sequence, TokenEvent
+from model_worker.scheduler import (
+    Emission,
+    Failure,
+    Finish,
+    SamplingSpec,
+    Scheduler,
+    Sequence,
+    StepResult,
+    TokenEvent,
+    Work,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +49,23 @@ ENGINE_FAILED = "the model worker failed and is restarting"
 FAULT_ENV = "GEMMA_SERVE_TEST_FAULT_SALT"
 
 
+#: The settings copied one to one from a sequence's `SamplingSpec` to its row of `SamplingArrays` (same name, one
+#: value per row): a new scalar sampling setting is a field of both and needs no code here.
+ROW_SETTINGS = tuple(f.name for f in dataclasses.fields(SamplingSpec) if f.name not in ("seed", "bias_ids", "bias_vals"))
+
+
 def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
-    """Per-row sampling arrays for a batch (one row per sequence, in order)."""
+    """Per-row sampling arrays for a batch (one row per sequence, in order): the `ROW_SETTINGS` as they are, the
+    64-bit seed as two uint32 words, the logit bias padded to MAX_LOGIT_BIAS entries, the step's mask."""
     s = SamplingArrays.defaults(len(rows), vocab)
     for r, seq in enumerate(rows):
         sp = seq.sampling
-        s.temperature[r], s.top_k[r], s.top_p[r], s.min_p[r] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+        for name in ROW_SETTINGS:
+            getattr(s, name)[r] = getattr(sp, name)
         s.seed[r] = (sp.seed & 0xFFFFFFFF, (sp.seed >> 32) & 0xFFFFFFFF)
         s.step[r] = len(seq.output)
-        s.presence_penalty[r], s.frequency_penalty[r] = sp.presence_penalty, sp.frequency_penalty
-        s.repetition_penalty[r] = sp.repetition_penalty
         n = min(len(sp.bias_ids), MAX_LOGIT_BIAS)
         s.bias_ids[r, :n], s.bias_vals[r, :n] = sp.bias_ids[:n], sp.bias_vals[:n]
-        s.top_logprobs[r] = sp.top_logprobs
         mask = seq.masks.get(len(seq.output), seq.allowed)
         if mask is not None:
             s.mask[r], s.mask_on[r] = mask, True
@@ -104,7 +121,8 @@ class EngineLoop:
         self.metrics = metrics
         self.vocab = engine.cfg.vocab_size
         self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len, slack=engine.ecfg.prefix_slack,
-                                   max_waiting=engine.ecfg.max_waiting)
+                                   max_waiting=engine.ecfg.max_waiting, token_budget=self.token_budget)
+        self._step: StepResult | None = None  # the host results of the iteration being run (`_run_work`)
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -155,7 +173,7 @@ class EngineLoop:
                 break
             try:
                 self._iterate()
-            except Exception as exc:  # noqa: BLE001 - fatal: see the module docstring
+            except Exception as exc:
                 log.exception("engine step failed; the worker cannot continue")
                 self._fail(exc)
                 return
@@ -167,67 +185,52 @@ class EngineLoop:
         self._drain_inbox(block=False)
         for seq in list(self.scheduler.by_id.values()):
             try:
-                self._end(seq, Finish.ABORT, error=ENGINE_FAILED, failure=Failure.ENGINE_FAILED)
-            except Exception:  # noqa: BLE001 - a broken sink must not keep the others from ending
+                ended = self.scheduler.end(seq, Finish.ABORT, error=ENGINE_FAILED, failure=Failure.ENGINE_FAILED)
+                self._publish([ended])
+            except Exception:
                 log.exception("ending %s failed", seq.request_id)
         if self.on_fatal is not None:
             self.on_fatal(exc)
 
     def _iterate(self) -> None:
-        for seq in list(self.scheduler.running.values()):
-            self._apply_forced(seq)
         work = self.scheduler.schedule()
+        self._publish(work.emissions)
         if self.fault_salt and any(s.cache_salt == self.fault_salt for s in [work.compute, *work.decode] if s):
             raise RuntimeError(f"fault injected by {FAULT_ENV}")
         if self.metrics is not None:
-            self._observe_admissions()
-        for src, dst in work.copies:
-            self.engine.copy_slot(src, dst)
-            self.steps["copy"] += 1
-        computing = decoding = None
-        decode_args = ([s.slot for s in work.decode], [s.tokens[-1] for s in work.decode],
-                       [s.num_computed for s in work.decode], [s.num_computed >= len(s.prompt) for s in work.decode])
-        if work.compute is not None and work.decode:  # one mixed pass: a budget-sized chunk + the decode rows
-            pending, n, decoding = self._dispatch_compute(work.compute, self.token_budget, decode_args)
-            computing = (pending, n)
-            self.steps["mixed"] += 1
-        elif work.compute is not None:
-            computing = self._dispatch_compute(work.compute)
-        elif work.decode:
-            decoding = self.engine.dispatch_decode(*decode_args)
-        if decoding is not None:
-            self._await_constraints(work.decode)
-        if computing is not None:
-            self._finish_compute(work.compute, *computing)
-        if decoding is not None:
-            self._finish_decode(work.decode, decoding)
+            self._observe_admissions(work.admitted)
+        result = self._run_work(work)
+        self._count(work, result)
+        self._publish(self.scheduler.postprocess(work, result))
         if self.metrics is not None:
             self.metrics.observe_iteration(self.snapshot())
         if work.compute is None and not work.decode and self.scheduler.has_work():
             time.sleep(0.001)  # everyone waits for a mask or a parent: don't spin
 
-    def _observe_admissions(self) -> None:
-        for seq in self.scheduler.running.values():
-            if seq.admitted_at is not None and not getattr(seq, "_queue_observed", False):
-                self.metrics.queue.observe(seq.admitted_at - seq.arrived_at)
-                self.metrics.prompt_tokens.inc(len(seq.prompt))
-                seq._queue_observed = True
+    def _observe_admissions(self, admitted: list[Sequence]) -> None:
+        for seq in admitted:
+            self.metrics.queue.observe(seq.admitted_at - seq.arrived_at)
+            self.metrics.prompt_tokens.inc(len(seq.prompt))
 
-    def _observe_token(self, seq: Sequence) -> None:
+    def _observe_token(self, emission: Emission) -> None:
         """Latency metrics for a sampled token (first: TTFT; later: inter-token; last: end to end)."""
-        now = time.monotonic()
-        m = self.metrics
-        if seq.last_token_at is None:
+        m, seq, now = self.metrics, emission.seq, emission.sampled_at
+        if emission.previous_at is None:
             m.ttft.observe(now - seq.arrived_at)
             m.prefill.observe(now - (seq.admitted_at or seq.arrived_at))
-            seq.first_token_at = now
         else:
-            m.itl.observe(now - seq.last_token_at)
-        seq.last_token_at = now
+            m.itl.observe(now - emission.previous_at)
         m.generation_tokens.inc()
-        if seq.finish != Finish.NONE:
+        if emission.event.finish != Finish.NONE:
             m.e2e.observe(now - seq.arrived_at)
             m.decode.observe(now - seq.first_token_at)
+
+    def _publish(self, emissions: list[Emission]) -> None:
+        """Hand each event to its sequence's sink (metrics first for sampled tokens)."""
+        for emission in emissions:
+            if self.metrics is not None and emission.sampled_at is not None:
+                self._observe_token(emission)
+            emission.seq.sink(emission.event)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -256,57 +259,73 @@ class EngineLoop:
             seq = self.scheduler.abort(arg)
             if seq is not None:
                 seq.sink(TokenEvent([], [], Finish.ABORT))
-        elif kind in ("mask", "forced"):
-            rid, step, value = arg
-            seq = self.scheduler.by_id.get(rid)
-            if seq is not None and step >= len(seq.output):
-                (seq.masks if kind == "mask" else seq.forced)[step] = value
+        elif kind == "mask":
+            self.scheduler.add_mask(*arg)
+        elif kind == "forced":
+            self.scheduler.add_forced(*arg)
 
-    def _end(self, seq: Sequence, finish: Finish, error: str | None = None,
-             failure: Failure = Failure.NONE) -> None:
-        seq.finish = finish
-        self.scheduler.finish(seq)
-        seq.sink(TokenEvent([], [], finish, error=error, failure=failure))
-
-    def _apply_forced(self, seq: Sequence) -> None:
-        applied = self.scheduler.apply_forced(seq)
-        if applied:
-            if seq.finish != Finish.NONE:
-                self.scheduler.finish(seq)
-            seq.sink(TokenEvent(applied, [0.0] * len(applied), seq.finish, forced=[True] * len(applied),
-                                top=[([], [])] * len(applied)))
-
-    def _dispatch_compute(self, seq: Sequence, budget: int | None = None, decode_args: tuple | None = None):
-        """Dispatch the next chunk of a sequence's pending tokens (at most `budget`), alone or, given the decode
-        step's arguments (`Engine.dispatch_decode`'s), in one mixed pass with it. Returns (pending, tokens
-        consumed), plus the decode step's pending logits when mixed."""
-        start = seq.num_computed
-        todo = seq.tokens[start:]
-        if not seq.ready():
-            todo = todo[:-1]  # leave the last token until its mask arrives
-        if seq.snapshot_at is not None and start < seq.snapshot_at:
-            todo = todo[: seq.snapshot_at - start]  # stop exactly at the shared prefix, to pin a copy
-        stop = self.scheduler.share_stop(seq)
-        if stop is not None and not self.scheduler.cache.exact_split(start + len(todo), stop):
-            todo = todo[: stop - start]  # a waiting follower copies this slot at `stop`: don't run past the ring
-        if budget is not None:
-            todo = todo[:budget]
-        chunk = (seq.slot, todo, start, seq.is_output(start, len(todo)), seq.reset)
-        out = self.engine.dispatch_compute(*chunk) if decode_args is None else self.engine.dispatch_mixed(
-            *chunk, *decode_args)
-        seq.reset = False
-        return out
+    def _run_work(self, work: Work) -> StepResult:
+        """Run an iteration's work on the engine: its slot copies, then the chunk and the decode step (one mixed
+        pass when both), the chunk's snapshot copy, and their sampling. Only engine calls (and, while the forward
+        pass runs, the wait for late masks, whose commands go to the scheduler as always); it changes no sequence
+        itself and returns what the engine produced."""
+        self._step = StepResult()
+        for src, dst in work.copies:
+            self.engine.copy_slot(src, dst)
+        chunk, decode, computing, decoding = work.chunk, work.decode, None, None
+        decode_args = ([s.slot for s in decode], [s.tokens[-1] for s in decode], [s.num_computed for s in decode],
+                       [s.num_computed >= len(s.prompt) for s in decode])
+        if chunk is not None:
+            chunk_args = (chunk.slot, chunk.tokens, chunk.start, chunk.is_output, chunk.clear_penalties)
+            if decode:  # one mixed pass: a budget-sized chunk + the decode rows
+                pending, n, decoding = self.engine.dispatch_mixed(*chunk_args, *decode_args)
+            else:
+                pending, n = self.engine.dispatch_compute(*chunk_args)
+            computing = (pending, n)
+            if chunk.snapshot_to is not None and n == len(chunk.tokens):
+                self.engine.copy_slot(chunk.slot, chunk.snapshot_to)  # pin the shared prefix (postprocess)
+        elif decode:
+            decoding = self.engine.dispatch_decode(*decode_args)
+        if decoding is not None:
+            self._await_constraints(decode)
+        if computing is not None:
+            self._finish_compute(work.compute, *computing)
+        if decoding is not None:
+            self._finish_decode(decode, decoding)
+        return self._step
 
     def _finish_compute(self, seq: Sequence, pending, n: int) -> None:
-        self.steps["prompt_tokens"] += max(0, min(n, len(seq.prompt) - seq.num_computed))
-        seq.num_computed += n
-        self.steps["compute"] += 1
-        self.steps["computed_tokens"] += n
-        if seq.snapshot_at is not None and seq.num_computed >= seq.snapshot_at:
-            self._snapshot(seq)
-        if seq.pending == 0 and seq.slot is not None:
-            out = self.engine.sample(pending, sampling_rows([seq], self.vocab), [False], [True])
-            self._publish(seq, out, 0)
+        """Record that the chunk consumed `n` tokens, and sample the sequence's next token when they were all its
+        pending ones (into `self._step`)."""
+        self._step.computed = n
+        if seq.slot is not None and n == seq.pending:
+            rows = sampling_rows([seq], self.vocab)
+            self._step.compute_sample = self.engine.sample(pending, rows, [False], [True])
+
+    def _finish_decode(self, seqs: list[Sequence], pending) -> None:
+        """Sample the decode step (into `self._step`). A row whose mask has not arrived is inactive: the engine
+        keeps its penalty history and the scheduler drops its result; a row whose forced tokens arrived is active
+        but not sampled (its KV stands, the forced tokens follow)."""
+        sampled, active = self.scheduler.decode_rows(seqs)
+        out = self.engine.sample(pending, sampling_rows(seqs, self.vocab), [s.clear_penalties for s in seqs], active)
+        self._step.decode_sample, self._step.sampled, self._step.active = out, sampled, active
+
+    def _count(self, work: Work, result: StepResult) -> None:
+        """Add an iteration's engine steps and tokens to `self.steps` (before `postprocess` moves the sequences
+        on: prompt tokens are told from the positions the step computed)."""
+        self.steps["copy"] += len(work.copies)
+        if work.chunk is not None:
+            n = result.computed
+            self.steps["compute"] += 1
+            self.steps["computed_tokens"] += n
+            self.steps["prompt_tokens"] += max(0, min(n, len(work.compute.prompt) - work.chunk.start))
+            self.steps["copy"] += work.chunk.snapshot_to is not None and n == len(work.chunk.tokens)
+            self.steps["mixed"] += bool(work.decode)
+        if result.decode_sample is not None:
+            self.steps["decode"] += 1
+            self.steps["computed_tokens"] += sum(result.active)
+            self.steps["prompt_tokens"] += sum(active and seq.num_computed < len(seq.prompt)
+                                               for seq, active in zip(work.decode, result.active))
 
     def _await_constraints(self, seqs: list[Sequence]) -> None:
         """While the forward pass runs, wait (up to mask_wait) for the masks or forced runs of constrained rows."""
@@ -319,53 +338,6 @@ class EngineLoop:
                 self._handle(*self._inbox.get(timeout=remaining))
             except queue.Empty:
                 return
-
-    def _snapshot(self, seq: Sequence) -> None:
-        """Pin a copy of the slot holding the shared prefix prompt[:snapshot_at] for later conversations."""
-        target = self.scheduler.cache.snapshot_slot(seq.slot)
-        if target is not None and seq.num_computed == seq.snapshot_at:
-            self.engine.copy_slot(seq.slot, target)
-            self.scheduler.cache.pin(target, seq.prompt[: seq.snapshot_at], seq.cache_salt)
-            self.steps["copy"] += 1
-        seq.snapshot_at = None
-
-    def _finish_decode(self, seqs: list[Sequence], pending) -> None:
-        """Sample the decode step. A row whose mask has not arrived commits nothing and is recomputed later; a row
-        whose forced tokens arrived keeps its computed KV but not the sample (the forced tokens follow)."""
-        live = [s.slot is not None for s in seqs]
-        sampled = [live[i] and s.ready() for i, s in enumerate(seqs)]
-        forced = [live[i] and not sampled[i] and len(s.output) in s.forced for i, s in enumerate(seqs)]
-        active = [a or f for a, f in zip(sampled, forced)]
-        out = self.engine.sample(pending, sampling_rows(seqs, self.vocab), [s.reset for s in seqs], active)
-        self.steps["decode"] += 1
-        self.steps["computed_tokens"] += sum(active)
-        for r, seq in enumerate(seqs):
-            seq.missed = live[r] and not active[r]
-            if not active[r]:
-                continue
-            self.steps["prompt_tokens"] += seq.num_computed < len(seq.prompt)
-            seq.num_computed += 1
-            seq.reset = False
-            if sampled[r]:
-                self._publish(seq, out, r)
-
-    def _publish(self, seq: Sequence, out: HostOutput, row: int) -> None:
-        if seq.slot is None:  # aborted while the step ran
-            return
-        if out.mask_empty[row]:
-            self._end(seq, Finish.ABORT, error="the token mask allows no token", failure=Failure.MASK_EMPTY)
-            return
-        token = int(out.tokens[row])
-        n = seq.sampling.top_logprobs
-        top = (out.top_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist())
-        first = not seq.output
-        finish = self.scheduler.append_token(seq, token)
-        if self.metrics is not None:
-            self._observe_token(seq)
-        if finish != Finish.NONE:
-            self.scheduler.finish(seq)
-        seq.sink(TokenEvent([token], [float(out.logprobs[row])], finish, forced=[False], top=[top],
-                            cached_tokens=seq.cached_tokens if first else 0))
 
 
 def wait_idle(loop: EngineLoop, timeout: float = 10.0) -> bool:

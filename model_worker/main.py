@@ -30,7 +30,9 @@ def write_weights(reader, out: pathlib.Path, name: str) -> None:
       out: the prepared directory (exists).
       name: the model name stored in the config.
     Raises:
-      ValueError: from `convert_gguf` for a GGUF that is not a supported Gemma 3.
+      families.UnknownFamilyError: from `convert_gguf`, for a GGUF whose `general.architecture` no registered
+        family serves (the worker then fails to start with that message).
+      NotImplementedError, ValueError: from `convert_gguf`, for a family without a GGUF loader or a malformed file.
     """
     from safetensors.numpy import save_file
 
@@ -55,9 +57,14 @@ PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"weights": write_weights}
 def load_engine(prepared, args: argparse.Namespace):
     """Load the prepared weights onto the device and compile the program grid.
 
+    The model family comes from the `families` registry: a checkpoint directory's from its config.json
+    (`hf_loader.load_checkpoint`), a prepared GGUF's from the `architecture` its config.json records.
+
     Returns:
-      (engine, WorkerInfoResponse).
+      (engine, WorkerInfoResponse); the response's `architecture` is the family's registry name.
     Raises:
+      families.UnknownFamilyError: the model's family is not registered (the message lists the supported ones).
+      NotImplementedError: the family has no loader for the checkpoint's format or variant.
       ValueError: bad sizes (see Engine) or weights that do not match the config.
     """
     import jax
@@ -67,6 +74,7 @@ def load_engine(prepared, args: argparse.Namespace):
     from model_worker.config import config_from_dict
     from model_worker.engine import Engine, EngineConfig, enable_compilation_cache
     from model_worker.params import to_device, with_bf16_matmuls
+    from model_worker.service import engine_facts
 
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
@@ -120,6 +128,7 @@ def load_engine(prepared, args: argparse.Namespace):
         num_compiled_programs=engine.num_programs,
         backend=backend,
         max_waiting=ecfg.max_waiting if ecfg.max_waiting is not None else 2**31 - 1,
+        **engine_facts(cfg, ecfg),
     )
     return engine, info
 
@@ -164,7 +173,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 0
     try:
         engine, info = loader.result()
-    except Exception:  # noqa: BLE001 - report and exit non-zero
+    except Exception:
         log.exception("failed to load the model")
         await server.stop(0)
         return 1

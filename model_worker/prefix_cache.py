@@ -15,14 +15,19 @@ recently used finished slot (LRU eviction), pinned snapshots last.
 Prompts in flight: a running sequence's slot holds only what it has computed so far, so a burst of identical
 prompts would otherwise find nothing to reuse and compute the prompt once per slot. A new prompt sharing more
 with a prompt being computed right now (its `leader`: running, still short of the shared part) than with any
-slot's KV waits for it instead (`Placement.leader`): when the shared part is all but the prompt's last token, or
-at least `min_share` tokens longer than the best exact reuse. The scheduler copies the leader's slot once it has
-computed the shared part (`best_source`).
+slot's KV waits for it instead (`Placement.leader`, a slot): when the shared part is all but the prompt's last
+token, or at least `min_share` tokens longer than the best exact reuse. The scheduler copies the leader's slot
+once it has computed the shared part (`best_source`).
 
 Shared prompts (a system prompt common to many conversations): when a prompt shares >= `min_share` tokens with a
-slot whose ring cannot serve that split, the sequence computes its prompt and, exactly when it has computed the
-shared part, the engine copies its slot into a spare one that is *pinned* as a snapshot of that prefix; later
-conversations copy from the snapshot. At most `max_snapshots` are pinned (LRU among them).
+slot whose ring cannot serve that split, the placement says so (`Placement.snapshot_at`): the sequence computes
+its prompt and, exactly when it has computed the shared part, the engine copies its slot into a spare one
+(`snapshot_slot`) that is *pinned* as a snapshot of that prefix (`pin`); later conversations copy from the
+snapshot. At most `max_snapshots` are pinned (LRU among them).
+
+The cache knows token ids, salts and slot numbers only, never the scheduler's sequences: the scheduler describes
+its running slots with `LiveSlot`s, applies the `Placement` it gets back, and reports what a finished slot holds
+(`release`). So the scheduler alone changes sequences (docs/architecture.md, "Continuous batching").
 
 Scopes: every slot's KV carries the `cache_salt` of the request that computed it, and a prompt is matched only
 against slots of its own salt, so a prefix hit (and the `cached_tokens` a client sees) never reveals what a
@@ -32,10 +37,8 @@ request with another salt computed (vLLM's `cache_salt`). Eviction ignores salts
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from model_worker.scheduler import Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence as Tokens
 
 
 @dataclasses.dataclass
@@ -43,33 +46,58 @@ class SlotEntry:
     """One slot's contents.
 
     Attributes:
-      tokens: the token ids whose KV the slot holds (positions 0..len-1) while no sequence owns it.
-      owner: the running sequence using the slot, or None.
+      tokens: the token ids whose KV the slot holds (positions 0..len-1) while no sequence runs in it.
+      busy: a running sequence uses the slot (its history is then the scheduler's `LiveSlot.history`).
       last_used: clock value of the last admission or release (LRU).
       pinned: a shared-prefix snapshot, evicted only after unpinned slots.
       salt: the cache_salt of the requests whose KV the slot holds (only prompts with this salt reuse it).
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
-    owner: Sequence | None = None
+    busy: bool = False
     last_used: int = 0
     pinned: bool = False
     salt: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
+class LiveSlot:
+    """A busy slot as the scheduler describes it to the cache (the cache never sees its sequences).
+
+    Attributes:
+      history: the token ids whose KV the slot holds so far (positions 0..len-1).
+      prompt: the prompt the slot is computing, or () when it computes none of its own (it waits to copy another
+        slot: a follower of a leader, or a fork of an `n` > 1 request); only such prompts can lead a new one.
+    """
+
+    history: Tokens[int]
+    prompt: Tokens[int] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement:
     """Where a new sequence goes: its slot, a slot to copy from first (or None), and its reused prefix length;
-    or a leader whose prompt computation it waits for, to copy `share` tokens of it then."""
+    or a leader slot whose prompt computation it waits for, to copy `share` tokens of it then.
+
+    Attributes:
+      slot: the slot the sequence gets (now marked busy).
+      copy_from: a slot whose KV to copy over `slot` first, or None.
+      cached: prompt tokens whose KV is there once the copy (if any) is done.
+      leader: the busy slot computing a prompt that shares `share` tokens with this one, or None.
+      share: prompt tokens to take from the leader's slot once it has computed them.
+      snapshot_at: pin a copy of the slot once this many prompt tokens are computed (a shared prefix worth
+        keeping), or None.
+    """
 
     slot: int
     copy_from: int | None
     cached: int
-    leader: Sequence | None = None
+    leader: int | None = None
     share: int = 0
+    snapshot_at: int | None = None
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Tokens[int], b: Tokens[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
     i = 0
@@ -79,7 +107,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixCache:
-    """Owns the slots' histories, owners and LRU order."""
+    """Owns the slots' histories, busy marks and LRU order. Methods that look at running slots take the
+    scheduler's `live` view: slot -> `LiveSlot`, one per busy slot."""
 
     def __init__(self, num_slots: int, slack: int, max_snapshots: int | None = None, min_share: int = 32):
         """Args: num_slots: slots; slack: ring positions beyond the window (see KVCache); max_snapshots: pinned
@@ -91,72 +120,73 @@ class PrefixCache:
         self.clock = 0
         self.queries = self.hits = 0  # metrics: admissions looked up, admissions that reused a prefix
 
-    def history(self, slot: int) -> list[int]:
+    def history(self, slot: int, live: Mapping[int, LiveSlot]) -> Tokens[int]:
         """Token ids whose KV slot `slot` holds now."""
-        e = self.entries[slot]
-        return e.owner.tokens[: e.owner.num_computed] if e.owner is not None else e.tokens
+        return live[slot].history if self.entries[slot].busy else self.entries[slot].tokens
 
     def has_free(self) -> bool:
         """Whether some slot has no running sequence."""
-        return any(e.owner is None for e in self.entries)
+        return any(not e.busy for e in self.entries)
 
     def exact_split(self, end: int, split: int) -> bool:
         """Whether a slot whose KV holds positions 0..end-1 serves a prompt that shares its first `split` tokens
         exactly: full layers hold every position, sliding rings only `slack` + 1 positions beyond the window."""
         return split >= end - self.slack - 1
 
-    def _usable(self, slot: int, prompt: list[int], salt: str) -> tuple[int, int]:
+    def _usable(self, slot: int, prompt: Tokens[int], salt: str, live: Mapping[int, LiveSlot]) -> tuple[int, int]:
         """(exact reusable prefix length, plain common prefix length) of `prompt` against a slot; (0, 0) for a
         slot of another salt."""
         if self.entries[slot].salt != salt:
             return 0, 0
-        history = self.history(slot)
+        history = self.history(slot, live)
         lcp = min(common_prefix(history, prompt), len(prompt) - 1)
         exact = lcp if self.exact_split(len(history), lcp) else 0
         return exact, lcp
 
-    def _pending(self, slot: int, seq: Sequence) -> int:
-        """Prompt tokens `seq` shares with the prompt the slot's running sequence is computing, when that one has
-        not computed them all yet (0 otherwise; followers and forks compute no prompt of their own)."""
+    def _pending(self, slot: int, prompt: Tokens[int], salt: str, live: Mapping[int, LiveSlot]) -> int:
+        """Tokens `prompt` shares with the prompt a busy slot is computing, when that slot has not computed them
+        all yet (0 otherwise; followers and forks compute no prompt of their own)."""
         e = self.entries[slot]
-        owner = e.owner
-        if owner is None or e.salt != seq.cache_salt or owner.leader is not None or owner.fork_of is not None:
+        if not e.busy or e.salt != salt:
             return 0
-        lcp = min(common_prefix(owner.prompt, seq.prompt), len(seq.prompt) - 1)
-        return lcp if lcp > owner.num_computed else 0
+        running = live[slot]
+        lcp = min(common_prefix(running.prompt, prompt), len(prompt) - 1)
+        return lcp if lcp > len(running.history) else 0
 
-    def best_source(self, seq: Sequence) -> tuple[int | None, int]:
-        """(slot, tokens) of the longest exactly reusable prefix of `seq`'s prompt in another slot now; (None, 0)
-        when there is none."""
+    def best_source(self, prompt: Tokens[int], salt: str, own_slot: int,
+                    live: Mapping[int, LiveSlot]) -> tuple[int | None, int]:
+        """(slot, tokens) of the longest exactly reusable prefix of `prompt` (computed under `salt`) in a slot
+        other than `own_slot` now; (None, 0) when there is none."""
         best, usable = None, 0
         for slot in range(len(self.entries)):
-            exact = self._usable(slot, seq.prompt, seq.cache_salt)[0] if slot != seq.slot else 0
+            exact = self._usable(slot, prompt, salt, live)[0] if slot != own_slot else 0
             if exact > usable:
                 best, usable = slot, exact
         return best, usable
 
-    def place(self, seq: Sequence, reuse: bool = True) -> Placement | None:
-        """Choose a slot for a new sequence (None: every slot is in use, wait). Sets seq.snapshot_at when its
-        prompt shares a prefix that is worth pinning."""
+    def place(self, prompt: Tokens[int], salt: str, live: Mapping[int, LiveSlot],
+              reuse: bool = True) -> Placement | None:
+        """Choose a slot for a new prompt computed under `salt` and mark it busy (None: every slot is in use,
+        wait). reuse=False places it without looking for a prefix (a fork, or penalties over the whole prompt)."""
         self.clock += 1
         best, best_usable, share, leader, lead = None, 0, 0, None, 0
         if reuse:
             for slot in range(len(self.entries)):
-                exact, lcp = self._usable(slot, seq.prompt, seq.cache_salt)
+                exact, lcp = self._usable(slot, prompt, salt, live)
                 if exact > best_usable or (exact == best_usable and exact and self._takeover_ok(slot)):
                     best, best_usable = slot, exact
                 if not exact and lcp >= self.min_share:
                     share = max(share, lcp)
-                pending = self._pending(slot, seq)
+                pending = self._pending(slot, prompt, salt, live)
                 if pending > lead:
-                    leader, lead = self.entries[slot].owner, pending
+                    leader, lead = slot, pending
         gain = lead - best_usable
-        if leader is not None and gain > 0 and (gain >= self.min_share or lead == len(seq.prompt) - 1):
+        if leader is not None and gain > 0 and (gain >= self.min_share or lead == len(prompt) - 1):
             target = self.victim()  # wait for the leader's prefix in a slot of its own
             if target is None:
                 return None
             self.queries += 1
-            self._own(target, seq)
+            self._own(target, salt)
             return Placement(slot=target, copy_from=None, cached=0, leader=leader, share=lead)
         if best is not None and self._takeover_ok(best):
             target, source = best, None
@@ -169,51 +199,48 @@ class PrefixCache:
             best_usable = 0
         self.queries += 1
         self.hits += bool(best_usable)
-        if share > best_usable + self.min_share and self.max_snapshots:
-            seq.snapshot_at = share
-        self._own(target, seq)
-        return Placement(slot=target, copy_from=source, cached=best_usable)
+        snapshot_at = share if share > best_usable + self.min_share and self.max_snapshots else None
+        self._own(target, salt)
+        return Placement(slot=target, copy_from=source, cached=best_usable, snapshot_at=snapshot_at)
 
-    def _own(self, slot: int, seq: Sequence) -> None:
+    def _own(self, slot: int, salt: str) -> None:
         e = self.entries[slot]
-        e.owner, e.pinned, e.tokens, e.last_used, e.salt = seq, False, [], self.clock, seq.cache_salt
+        e.busy, e.pinned, e.tokens, e.last_used, e.salt = True, False, [], self.clock, salt
 
     def _takeover_ok(self, slot: int) -> bool:
         e = self.entries[slot]
-        return e.owner is None and not e.pinned
+        return not e.busy and not e.pinned
 
     def victim(self, exclude: int | None = None) -> int | None:
         """A slot without a running sequence to (re)use: empty first, then least recently used unpinned, then
         least recently used pinned. None if every slot is in use."""
-        candidates = [i for i, e in enumerate(self.entries) if e.owner is None and i != exclude]
+        candidates = [i for i, e in enumerate(self.entries) if not e.busy and i != exclude]
         if not candidates:
             return None
         return min(candidates, key=lambda i: (bool(self.entries[i].tokens), self.entries[i].pinned,
                                               self.entries[i].last_used))
 
-    def release(self, seq: Sequence) -> None:
-        """The sequence finished: its slot keeps the KV of everything it computed, for later prompts."""
-        if seq.slot is None:
-            return
-        e = self.entries[seq.slot]
-        if e.owner is seq:
-            e.tokens, e.owner, e.last_used = seq.tokens[: seq.num_computed], None, self.clock
+    def release(self, slot: int, history: Tokens[int]) -> None:
+        """A busy slot's sequence finished: the slot keeps the KV of `history` (everything it computed), for later
+        prompts."""
+        e = self.entries[slot]
+        e.tokens, e.busy, e.last_used = list(history), False, self.clock
 
     def snapshot_slot(self, source: int) -> int | None:
         """A slot to hold a new snapshot of `source` (evicting the oldest snapshot beyond max_snapshots)."""
-        pinned = [i for i, e in enumerate(self.entries) if e.pinned and e.owner is None]
+        pinned = [i for i, e in enumerate(self.entries) if e.pinned and not e.busy]
         if len(pinned) >= self.max_snapshots:
             slot = min(pinned, key=lambda i: self.entries[i].last_used, default=None)
         else:
             slot = self.victim(exclude=source)
         return slot
 
-    def pin(self, slot: int, tokens: list[int], salt: str = "") -> None:
+    def pin(self, slot: int, tokens: Tokens[int], salt: str = "") -> None:
         """Mark a slot as a snapshot holding `tokens`, computed under `salt`."""
         self.clock += 1
         e = self.entries[slot]
-        e.tokens, e.owner, e.pinned, e.last_used, e.salt = list(tokens), None, True, self.clock, salt
+        e.tokens, e.busy, e.pinned, e.last_used, e.salt = list(tokens), False, True, self.clock, salt
 
     def cached_slots(self) -> int:
         """Slots holding a finished sequence's or a snapshot's KV."""
-        return sum(1 for e in self.entries if e.owner is None and e.tokens)
+        return sum(1 for e in self.entries if not e.busy and e.tokens)

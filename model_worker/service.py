@@ -12,6 +12,8 @@ import dataclasses
 import logging
 import math
 import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,6 +21,10 @@ from model_worker.loop import ENGINE_FAILED, EngineLoop
 from model_worker.sampling import MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS, mask_words_from_bytes
 from model_worker.scheduler import Failure, Finish, SamplingSpec, Sequence, TokenEvent
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from model_worker.config import ModelConfig
+    from model_worker.engine import EngineConfig
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "gemma_serve.v1.ModelWorker"
@@ -122,6 +128,21 @@ def _error_code(failure: Failure) -> grpc.StatusCode:
     return _STATUS_OF_FAILURE.get(failure, grpc.StatusCode.INTERNAL)
 
 
+def engine_facts(cfg: ModelConfig, ecfg: EngineConfig) -> dict[str, object]:
+    """The engine facts of the Info reply (`WorkerInfoResponse` fields 14-18) as keyword arguments: sliding
+    window (0 without sliding layers), prefix caching (always on: slots keep their KV), the model's own context
+    limit, the KV storage dtype and the prompt chunk lengths. Clients size and explain requests from them
+    without knowing the checkpoint (TGI's InfoResponse does the same)."""
+    sliding = any(spec.attention == "sliding" for spec in cfg.layers)
+    return {
+        "sliding_window": cfg.sliding_window if sliding else 0,
+        "prefix_caching": True,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "kv_cache_dtype": "int8" if ecfg.kv_int8 else ecfg.dtype,
+        "prefill_chunks": sorted(ecfg.prefill_chunks),
+    }
+
+
 class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
     """ModelWorker RPCs over an EngineLoop (None until the engine is ready)."""
 
@@ -140,16 +161,17 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
 
     # ----- RPCs -----------------------------------------------------------------------------------------------
     async def Info(self, request, context):
+        """The model's and the engine's facts (sizes, limits, `engine_facts`), set by `set_ready`."""
         return self.info
 
     async def Prefill(self, request: model_worker_pb2.PrefillRequest, context):
+        events: asyncio.Queue = asyncio.Queue()
+        aio_loop = asyncio.get_running_loop()
         try:
-            seq = self._sequence_from_pb(request)
+            seq = self._sequence_from_pb(request, lambda ev: aio_loop.call_soon_threadsafe(events.put_nowait, ev))
         except RequestError as err:
             await context.abort(err.code, err.message)
-        live = _Live(queue=asyncio.Queue(), prompt_tokens=len(seq.prompt))
-        aio_loop = asyncio.get_running_loop()
-        seq.sink = lambda ev: aio_loop.call_soon_threadsafe(live.queue.put_nowait, ev)
+        live = _Live(queue=events, prompt_tokens=len(seq.prompt))
         self._live[seq.request_id] = live
         self.loop.submit(seq)
         try:
@@ -208,7 +230,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         return model_worker_pb2.AbortResponse(found=found)
 
     # ----- helpers --------------------------------------------------------------------------------------------
-    def _sequence_from_pb(self, request: model_worker_pb2.PrefillRequest) -> Sequence:
+    def _sequence_from_pb(self, request: model_worker_pb2.PrefillRequest,
+                          sink: Callable[[TokenEvent], None]) -> Sequence:
         if self.loop is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model worker is still loading")
         if self.loop.failed is not None:
@@ -242,22 +265,21 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         stop = set(request.stopping.stop_token_ids)
         if not request.stopping.ignore_eos:
             stop |= set(info.default_stop_token_ids)
-        seq = Sequence(
+        initial, allowed = request.HasField("initial_mask"), request.HasField("allowed_tokens")
+        # Built whole: once created, a sequence changes only in the scheduler (docs/architecture.md).
+        return Sequence(
             request_id=rid,
             prompt=prompt,
             sampling=sampling_from_pb(request.sampling, info.vocab_size),
             max_tokens=max_tokens,
             stop_ids=frozenset(stop),
-            sink=lambda ev: None,
+            sink=sink,
             constrained=request.constrained,
             fork_of=request.share_prompt_with or None,
+            masks={0: mask_from_pb(request.initial_mask, info.vocab_size)} if initial else {},
+            allowed=mask_from_pb(request.allowed_tokens, info.vocab_size) if allowed else None,
             cache_salt=request.cache_salt,
         )
-        if request.HasField("initial_mask"):
-            seq.masks[0] = mask_from_pb(request.initial_mask, info.vocab_size)
-        if request.HasField("allowed_tokens"):
-            seq.allowed = mask_from_pb(request.allowed_tokens, info.vocab_size)
-        return seq
 
     def _constraint(self, rid: str, msg: model_worker_pb2.DecodeRequest) -> None:
         """Hand a Decode-stream mask or forced-token run to the engine loop.

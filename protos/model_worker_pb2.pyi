@@ -12,7 +12,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "num_slots", "dtype", "weight_bytes", "kv_bytes_per_token", "kv_bytes_per_sequence", "default_stop_token_ids", "num_compiled_programs", "backend", "max_waiting")
+    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "num_slots", "dtype", "weight_bytes", "kv_bytes_per_token", "kv_bytes_per_sequence", "default_stop_token_ids", "num_compiled_programs", "backend", "max_waiting", "sliding_window", "prefix_caching", "max_position_embeddings", "kv_cache_dtype", "prefill_chunks")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,11 @@ class WorkerInfoResponse(_message.Message):
     NUM_COMPILED_PROGRAMS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -39,7 +44,12 @@ class WorkerInfoResponse(_message.Message):
     num_compiled_programs: int
     backend: str
     max_waiting: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_bytes_per_sequence: _Optional[int] = ..., default_stop_token_ids: _Optional[_Iterable[int]] = ..., num_compiled_programs: _Optional[int] = ..., backend: _Optional[str] = ..., max_waiting: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    prefix_caching: bool
+    max_position_embeddings: int
+    kv_cache_dtype: str
+    prefill_chunks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_bytes_per_sequence: _Optional[int] = ..., default_stop_token_ids: _Optional[_Iterable[int]] = ..., num_compiled_programs: _Optional[int] = ..., backend: _Optional[str] = ..., max_waiting: _Optional[int] = ..., sliding_window: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., max_position_embeddings: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., prefill_chunks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask", "constrained", "share_prompt_with", "allowed_tokens", "cache_salt")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/tokenizer.proto\x12\x0egemma_serve.v1\"\x16\n\x14TokenizerInfoRequest\"\xac\x01\n\x15TokenizerInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x14\n\x0c\x62os_token_id\x18\x02 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x03 \x01(\x05\x12\x14\n\x0cpad_token_id\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x0e\n\x06source\x18\x07 \x01(\t\"E\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\x12\x15\n\rparse_special\x18\x03 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"`\n\x13\x44\x65\x63odeTokensRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x19\n\x11return_token_strs\x18\x03 \x01(\x08\"8\n\x14\x44\x65\x63odeTokensResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\")\n\x0b\x43ontentPart\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xfb\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x32\n\rcontent_parts\x18\x03 \x03(\x0b\x32\x1b.gemma_serve.v1.ContentPart\x12,\n\ntool_calls\x18\x04 \x03(\x0b\x32\x18.gemma_serve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\x12\x19\n\x11reasoning_content\x18\x07 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x08 \x03(\x05\x42\n\n\x08_content\"\xca\x01\n\x13\x43hatTemplateRequest\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.gemma_serve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12\x13\n\x0btool_choice\x18\x06 \x01(\t\"7\n\x14\x43hatTemplateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x11\n\x0fGetVocabRequest\"\x86\x01\n\x10GetVocabResponse\x12\x13\n\x0btoken_bytes\x18\x01 \x03(\x0c\x12\x19\n\x11special_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x62os_token_id\x18\x03 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\x05\x12\x16\n\x0etokenizer_json\x18\x05 \x01(\t2\xad\x03\n\tTokenizer\x12S\n\x04Info\x12$.gemma_serve.v1.TokenizerInfoRequest\x1a%.gemma_serve.v1.TokenizerInfoResponse\x12G\n\x06\x45ncode\x12\x1d.gemma_serve.v1.EncodeRequest\x1a\x1e.gemma_serve.v1.EncodeResponse\x12S\n\x06\x44\x65\x63ode\x12#.gemma_serve.v1.DecodeTokensRequest\x1a$.gemma_serve.v1.DecodeTokensResponse\x12^\n\x11\x41pplyChatTemplate\x12#.gemma_serve.v1.ChatTemplateRequest\x1a$.gemma_serve.v1.ChatTemplateResponse\x12M\n\x08GetVocab\x12\x1f.gemma_serve.v1.GetVocabRequest\x1a .gemma_serve.v1.GetVocabResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/tokenizer.proto\x12\x0egemma_serve.v1\"\x16\n\x14TokenizerInfoRequest\"\xef\x01\n\x15TokenizerInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x14\n\x0c\x62os_token_id\x18\x02 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x03 \x01(\x05\x12\x14\n\x0cpad_token_id\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x0e\n\x06source\x18\x07 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x08 \x01(\t\x12\x16\n\x0esupports_tools\x18\t \x01(\x08\x12\x19\n\x11supports_thinking\x18\n \x01(\x08\"E\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\x12\x15\n\rparse_special\x18\x03 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"`\n\x13\x44\x65\x63odeTokensRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x19\n\x11return_token_strs\x18\x03 \x01(\x08\"8\n\x14\x44\x65\x63odeTokensResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\")\n\x0b\x43ontentPart\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xfb\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x32\n\rcontent_parts\x18\x03 \x03(\x0b\x32\x1b.gemma_serve.v1.ContentPart\x12,\n\ntool_calls\x18\x04 \x03(\x0b\x32\x18.gemma_serve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\x12\x19\n\x11reasoning_content\x18\x07 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x08 \x03(\x05\x42\n\n\x08_content\"\xca\x01\n\x13\x43hatTemplateRequest\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.gemma_serve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12\x13\n\x0btool_choice\x18\x06 \x01(\t\"7\n\x14\x43hatTemplateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x11\n\x0fGetVocabRequest\"\x86\x01\n\x10GetVocabResponse\x12\x13\n\x0btoken_bytes\x18\x01 \x03(\x0c\x12\x19\n\x11special_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x62os_token_id\x18\x03 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\x05\x12\x16\n\x0etokenizer_json\x18\x05 \x01(\t2\xad\x03\n\tTokenizer\x12S\n\x04Info\x12$.gemma_serve.v1.TokenizerInfoRequest\x1a%.gemma_serve.v1.TokenizerInfoResponse\x12G\n\x06\x45ncode\x12\x1d.gemma_serve.v1.EncodeRequest\x1a\x1e.gemma_serve.v1.EncodeResponse\x12S\n\x06\x44\x65\x63ode\x12#.gemma_serve.v1.DecodeTokensRequest\x1a$.gemma_serve.v1.DecodeTokensResponse\x12^\n\x11\x41pplyChatTemplate\x12#.gemma_serve.v1.ChatTemplateRequest\x1a$.gemma_serve.v1.ChatTemplateResponse\x12M\n\x08GetVocab\x12\x1f.gemma_serve.v1.GetVocabRequest\x1a .gemma_serve.v1.GetVocabResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERINFOREQUEST']._serialized_start=42
   _globals['_TOKENIZERINFOREQUEST']._serialized_end=64
   _globals['_TOKENIZERINFORESPONSE']._serialized_start=67
-  _globals['_TOKENIZERINFORESPONSE']._serialized_end=239
-  _globals['_ENCODEREQUEST']._serialized_start=241
-  _globals['_ENCODEREQUEST']._serialized_end=310
-  _globals['_ENCODERESPONSE']._serialized_start=312
-  _globals['_ENCODERESPONSE']._serialized_end=347
-  _globals['_DECODETOKENSREQUEST']._serialized_start=349
-  _globals['_DECODETOKENSREQUEST']._serialized_end=445
-  _globals['_DECODETOKENSRESPONSE']._serialized_start=447
-  _globals['_DECODETOKENSRESPONSE']._serialized_end=503
-  _globals['_CONTENTPART']._serialized_start=505
-  _globals['_CONTENTPART']._serialized_end=546
-  _globals['_TOOLCALL']._serialized_start=548
-  _globals['_TOOLCALL']._serialized_end=608
-  _globals['_CHATMESSAGE']._serialized_start=611
-  _globals['_CHATMESSAGE']._serialized_end=862
-  _globals['_CHATTEMPLATEREQUEST']._serialized_start=865
-  _globals['_CHATTEMPLATEREQUEST']._serialized_end=1067
-  _globals['_CHATTEMPLATERESPONSE']._serialized_start=1069
-  _globals['_CHATTEMPLATERESPONSE']._serialized_end=1124
-  _globals['_GETVOCABREQUEST']._serialized_start=1126
-  _globals['_GETVOCABREQUEST']._serialized_end=1143
-  _globals['_GETVOCABRESPONSE']._serialized_start=1146
-  _globals['_GETVOCABRESPONSE']._serialized_end=1280
-  _globals['_TOKENIZER']._serialized_start=1283
-  _globals['_TOKENIZER']._serialized_end=1712
+  _globals['_TOKENIZERINFORESPONSE']._serialized_end=306
+  _globals['_ENCODEREQUEST']._serialized_start=308
+  _globals['_ENCODEREQUEST']._serialized_end=377
+  _globals['_ENCODERESPONSE']._serialized_start=379
+  _globals['_ENCODERESPONSE']._serialized_end=414
+  _globals['_DECODETOKENSREQUEST']._serialized_start=416
+  _globals['_DECODETOKENSREQUEST']._serialized_end=512
+  _globals['_DECODETOKENSRESPONSE']._serialized_start=514
+  _globals['_DECODETOKENSRESPONSE']._serialized_end=570
+  _globals['_CONTENTPART']._serialized_start=572
+  _globals['_CONTENTPART']._serialized_end=613
+  _globals['_TOOLCALL']._serialized_start=615
+  _globals['_TOOLCALL']._serialized_end=675
+  _globals['_CHATMESSAGE']._serialized_start=678
+  _globals['_CHATMESSAGE']._serialized_end=929
+  _globals['_CHATTEMPLATEREQUEST']._serialized_start=932
+  _globals['_CHATTEMPLATEREQUEST']._serialized_end=1134
+  _globals['_CHATTEMPLATERESPONSE']._serialized_start=1136
+  _globals['_CHATTEMPLATERESPONSE']._serialized_end=1191
+  _globals['_GETVOCABREQUEST']._serialized_start=1193
+  _globals['_GETVOCABREQUEST']._serialized_end=1210
+  _globals['_GETVOCABRESPONSE']._serialized_start=1213
+  _globals['_GETVOCABRESPONSE']._serialized_end=1347
+  _globals['_TOKENIZER']._serialized_start=1350
+  _globals['_TOKENIZER']._serialized_end=1779
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,7 @@ class TokenizerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TokenizerInfoResponse(_message.Message):
-    __slots__ = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "stop_token_ids", "chat_template", "source")
+    __slots__ = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "stop_token_ids", "chat_template", "source", "family", "supports_tools", "supports_thinking")
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,9 @@ class TokenizerInfoResponse(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_TOOLS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_THINKING_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     bos_token_id: int
     eos_token_id: int
@@ -26,7 +29,10 @@ class TokenizerInfoResponse(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     chat_template: str
     source: str
-    def __init__(self, vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., chat_template: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    family: str
+    supports_tools: bool
+    supports_thinking: bool
+    def __init__(self, vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., chat_template: _Optional[str] = ..., source: _Optional[str] = ..., family: _Optional[str] = ..., supports_tools: _Optional[bool] = ..., supports_thinking: _Optional[bool] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("text", "add_bos", "parse_special")

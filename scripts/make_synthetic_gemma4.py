@@ -28,7 +28,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from model_worker.config import GEMMA4_E2B, GEMMA4_E4B, ModelConfig, gemma4_layers
+from families.gemma4.worker import GEMMA4_E2B, GEMMA4_E4B, gemma4_layers
+from model_worker.config import ModelConfig
 
 BF16 = ml_dtypes.bfloat16
 PREFIX = "model.language_model."

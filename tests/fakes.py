@@ -61,7 +61,7 @@ class FakeEngine:
         return HostOutput(np.array(tokens, np.int32), np.full(n, logprob, np.float32),
                           np.full((n, 20), -1, np.int32), np.zeros((n, 20), np.float32), np.zeros(n, bool))
 
-    def dispatch_compute(self, slot, token_ids, start, is_output, reset=False):
+    def dispatch_compute(self, slot, token_ids, start, is_output, clear_penalties=False):
         """Consume min(chunk, len(token_ids)) tokens (waits on `gate` first); pending = the last one consumed."""
         self.entered.set()
         self.gate.wait()
@@ -80,15 +80,16 @@ class FakeEngine:
         self.prompt_tokens += sum(not o for o in is_output)
         return types.SimpleNamespace(last=list(tokens), logprob=-0.25)
 
-    def dispatch_mixed(self, slot, token_ids, start, is_output, reset, slots, tokens, positions, decode_is_output):
+    def dispatch_mixed(self, slot, token_ids, start, is_output, clear_penalties, slots, tokens, positions,
+                       decode_is_output):
         """`dispatch_compute` then `dispatch_decode`, counted as one mixed call."""
         if slot in slots:
             raise ValueError(f"slot {slot} cannot take a chunk and decode in the same step")
         self.calls["mixed"] = self.calls.get("mixed", 0) + 1
-        pending, n = self.dispatch_compute(slot, token_ids, start, is_output, reset)
+        pending, n = self.dispatch_compute(slot, token_ids, start, is_output, clear_penalties)
         return pending, n, self.dispatch_decode(slots, tokens, positions, decode_is_output)
 
-    def sample(self, pending, sampling, reset, active):
+    def sample(self, pending, sampling, clear_penalties, active):
         """next = (last + 1) % vocab per row (masked: the smallest allowed token >= that, wrapping)."""
         return self._out([self._next(t, sampling, r) for r, t in enumerate(pending.last)], pending.logprob)
 

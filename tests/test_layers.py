@@ -14,12 +14,15 @@ import textwrap
 import grimp
 import pytest
 
-PACKAGES = ("gemma_serve", "model_worker", "tokenizer_svc", "gateway", "protos")
+PACKAGES = ("gemma_serve", "model_worker", "tokenizer_svc", "gateway", "protos", "families")
 LAUNCHER = ("gemma_serve.cli", "gemma_serve.launcher", "gemma_serve.models")
 SERVICES = ("model_worker", "tokenizer_svc", "gateway")
 # Components from the top down; an import may only point down or stay inside its component. Services may use one
-# another's pure-Python parts (the gateway renders with tokenizer_svc.chat_template), never in a cycle.
+# another's pure-Python parts (the gateway scans JSON prefixes with tokenizer_svc.json_prefix), never in a cycle.
 RANKS = {"launcher": 0, "model_worker": 1, "tokenizer_svc": 1, "gateway": 1, "base": 2}
+# A model family's package (families/<name>/) splits by part: each part belongs to the service that imports it; the
+# registry and the packages' descriptors are base.
+FAMILY_PARTS = {"worker": "model_worker", "tokenizer": "tokenizer_svc", "gateway": "gateway"}
 
 
 def build() -> grimp.ImportGraph:
@@ -38,7 +41,10 @@ def component(module: str) -> str:
     of gemma_serve and protos)."""
     if any(module == m or module.startswith(m + ".") for m in LAUNCHER):
         return "launcher"
-    top = module.split(".")[0]
+    parts = module.split(".")
+    if parts[0] == "families":
+        return FAMILY_PARTS.get(parts[2], "base") if len(parts) > 2 else "base"
+    top = parts[0]
     return top if top in SERVICES else "base"
 
 
@@ -58,17 +64,29 @@ def component_imports(graph: grimp.ImportGraph) -> dict[tuple[str, str], list[st
     return edges
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", SERVICES + ("families",))
 def test_services_never_import_the_launcher(graph, service):
     for launcher in LAUNCHER:
         chains = graph.find_shortest_chains(importer=service, imported=launcher, as_packages=True)
         assert not chains, f"{service} reaches {launcher}: {sorted(chains)}"
 
 
-@pytest.mark.parametrize("service", ["gateway", "tokenizer_svc"])
-def test_gateway_and_tokenizer_never_import_jax(graph, service):
-    chains = graph.find_shortest_chains(importer=service, imported="jax", as_packages=True)
-    assert not chains, f"{service} reaches jax: {sorted(chains)}"
+def _no_jax_importers(graph: grimp.ImportGraph) -> list[str]:
+    """The gateway, the tokenizer service and every family's gateway and tokenizer parts (modules or packages)."""
+    found = ["gateway", "tokenizer_svc"]
+    for module in sorted(graph.modules):
+        parts = module.split(".")
+        if parts[0] == "families" and len(parts) == 3 and FAMILY_PARTS.get(parts[2]) in ("gateway", "tokenizer_svc"):
+            found.append(module)
+    return found
+
+
+def test_gateway_and_tokenizer_never_import_jax(graph):
+    importers = _no_jax_importers(graph)
+    assert {"families.gemma3.gateway", "families.gemma4.tokenizer"} <= set(importers), importers
+    for importer in importers:
+        chains = graph.find_shortest_chains(importer=importer, imported="jax", as_packages=True)
+        assert not chains, f"{importer} reaches jax: {sorted(chains)}"
 
 
 def test_imports_only_point_down_and_components_form_no_cycle(graph):

@@ -29,21 +29,24 @@ from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokeniz
 from tokenizers.models import BPE
 
 __all__ = [
+    "TOKEN_BYTE",
+    "TOKEN_CONTROL",
     "TOKEN_NORMAL",
     "TOKEN_UNKNOWN",
-    "TOKEN_CONTROL",
-    "TOKEN_USER_DEFINED",
     "TOKEN_UNUSED",
-    "TOKEN_BYTE",
+    "TOKEN_USER_DEFINED",
     "GGUFVocab",
+    "build_and_cache",
+    "build_tokenizer",
+    "derive_merges",
+    "load_architecture",
+    "load_token_bytes",
+    "read_architecture",
     "read_gguf_vocab",
     "respell",
-    "derive_merges",
-    "build_tokenizer",
-    "token_bytes",
     "special_ids",
-    "build_and_cache",
-    "load_token_bytes",
+    "token_bytes",
+    "write_architecture",
 ]
 
 # llama.cpp `llama_token_type` values stored in `tokenizer.ggml.token_type` (docs/formats.md §3.6).
@@ -58,6 +61,8 @@ SPIECE_UNDERLINE = "\u2581"  # "▁", SentencePiece's escaped space
 TOKENIZER_FILE = "tokenizer.json"
 VOCAB_META_FILE = "vocab_meta.json"
 TOKEN_BYTES_FILE = "token_bytes.bin"
+ARCHITECTURE_FILE = "gguf_architecture.json"
+ARCHITECTURE_KEY = "general.architecture"
 _TOKEN_BYTES_MAGIC = b"GSTB"
 _TOKEN_BYTES_VERSION = 1
 _KEY = "tokenizer.ggml."
@@ -351,3 +356,34 @@ def build_and_cache(reader, out_dir: pathlib.Path) -> None:
     _atomic_write(out_dir / TOKEN_BYTES_FILE, lambda p: p.write_bytes(blob))
     meta = json.dumps(_vocab_meta(vocab), indent=1)
     _atomic_write(out_dir / VOCAB_META_FILE, lambda p: p.write_text(meta, encoding="utf-8"))
+
+
+def read_architecture(reader) -> dict[str, str]:
+    """``{"general.architecture": ...}`` of an open ``gguf.GGUFReader``: the metadata ``families.from_gguf``
+    reads to find the model family.
+
+    Raises:
+        ValueError: the GGUF has no ``general.architecture`` string.
+    """
+    arch = _field_contents(reader, ARCHITECTURE_KEY, required=False)
+    if not isinstance(arch, str):
+        raise ValueError(f"the GGUF's {ARCHITECTURE_KEY} is {arch!r}, not a name: its model family is unknown")
+    return {ARCHITECTURE_KEY: arch}
+
+
+def write_architecture(meta: dict[str, str], out_dir: pathlib.Path) -> None:
+    """Record :func:`read_architecture`'s metadata in ``out_dir/gguf_architecture.json`` (atomically; creates
+    ``out_dir``), so the tokenizer service knows a prepared GGUF's model family without opening the GGUF again."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(meta)
+    _atomic_write(out_dir / ARCHITECTURE_FILE, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def load_architecture(out_dir: pathlib.Path) -> dict[str, str]:
+    """The metadata :func:`write_architecture` recorded: ``{"general.architecture": ...}``.
+
+    Raises:
+        FileNotFoundError: the file is missing (the part was not prepared).
+    """
+    return json.loads((pathlib.Path(out_dir) / ARCHITECTURE_FILE).read_text(encoding="utf-8"))

@@ -12,6 +12,7 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+import families
 from gemma_serve import network, preparation
 from protos import tokenizer_pb2_grpc
 
@@ -31,46 +32,113 @@ def write_tokenizer(reader, out: pathlib.Path, name: str) -> None:
     build_and_cache(reader, out)
 
 
-PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"tokenizer": write_tokenizer}
-"""The prepared parts the tokenizer service reads (`gemma_serve.preparation.prepare`)."""
+def write_architecture(reader, out: pathlib.Path, name: str) -> None:
+    """The prepared GGUF's family key: its `general.architecture`, checked against the family registry and
+    recorded in gguf_architecture.json (`gguf_tokenizer.write_architecture`) for `load_tokenizer`. A part of its
+    own, prepared first: an unsupported GGUF fails before the tokenizer is built, and a directory prepared before
+    this part existed gains it on the next start. `name` is unused.
 
+    Raises:
+      UnknownFamilyError: no registered family serves the architecture (the message lists the supported ones).
+      ValueError: the GGUF has no `general.architecture`.
+    """
+    from tokenizer_svc import gguf_tokenizer
+
+    meta = gguf_tokenizer.read_architecture(reader)
+    families.from_gguf(meta)
+    gguf_tokenizer.write_architecture(meta, out)
+
+
+PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"architecture": write_architecture, "tokenizer": write_tokenizer}
+"""The prepared parts the tokenizer service reads (`gemma_serve.preparation.prepare`), in the order they are built."""
+
+
+def checkpoint_family(directory: pathlib.Path) -> families.Family:
+    """The model family of a checkpoint directory, from its config.json (`families.from_hf_config`: `model_type`,
+    `text_config.model_type` or `architectures`).
+
+    Raises:
+      UnknownFamilyError: config.json is missing or names no registered family (the message lists the supported
+        model types).
+    """
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    return families.from_hf_config(config if isinstance(config, dict) else {})
 
 
 def choose_template(directory: pathlib.Path, tokenizer):
-    """The chat template of a checkpoint directory: its own `chat_template.jinja` when present ("checkpoint",
-    rendered by `JinjaTemplate` with content kept as data), else the built-in "gemma4" when config.json's
-    `model_type` (or `text_config.model_type`) is gemma4 / gemma4_text, else the built-in "gemma3".
+    """The chat template of a checkpoint directory: its own `chat_template.jinja` when present ("checkpoint", a
+    `JinjaTemplate` with content kept as data and the checkpoint's family attached), else its family's built-in
+    template (named after the family). The family is known either way (`checkpoint_family`).
 
     Returns:
       (template name, renderer).
 
     Raises:
+      UnknownFamilyError: see `checkpoint_family`.
       TemplateError: chat_template.jinja does not parse.
     """
-    from tokenizer_svc.chat_template import TEMPLATES, JinjaTemplate
+    from tokenizer_svc.jinja_template import JinjaTemplate
 
+    family = checkpoint_family(directory)
     jinja = directory / "chat_template.jinja"
     if jinja.exists():
-        return "checkpoint", JinjaTemplate.from_file(jinja, tokenizer)
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    model_types = {config.get("model_type"), text_config.get("model_type")}
-    name = "gemma4" if model_types & {"gemma4", "gemma4_text"} else "gemma3"
-    return name, TEMPLATES[name]
+        return "checkpoint", JinjaTemplate.from_file(jinja, tokenizer, family)
+    return family.name, family.part("tokenizer").render
 
 
 def load_tokenizer(model: str, cache_dir: pathlib.Path):
-    """Prepare the model (if needed) and load its tokenizer and chat template (a GGUF is Gemma 3: "gemma3"; a
-    checkpoint directory: `choose_template`). Returns (TextTokenizer, template name, renderer)."""
-    from tokenizer_svc.chat_template import TEMPLATES
+    """Prepare the model (if needed) and load its tokenizer and chat template: a GGUF's family from its recorded
+    `general.architecture` (`families.from_gguf`), rendered by the family's built-in template; a checkpoint
+    directory's by `choose_template`. The family is looked up first, so an unsupported model fails at once.
+
+    Returns:
+      (TextTokenizer, template name, renderer).
+
+    Raises:
+      UnknownFamilyError: the model names no registered family (the message lists the supported ones).
+      TemplateError, ValueError, FileNotFoundError: see `choose_template` and `gemma_serve.preparation.prepare`.
+    """
     from tokenizer_svc.tokenizer import TextTokenizer
 
     prepared = preparation.prepare(model, cache_dir, PREPARE_PARTS)
     if prepared.kind == "gguf":
-        return TextTokenizer.from_prepared(prepared.dir), "gemma3", TEMPLATES["gemma3"]
+        family = families.from_gguf(_recorded_architecture(prepared, cache_dir))
+        return TextTokenizer.from_prepared(prepared.dir), family.name, family.part("tokenizer").render
+    checkpoint_family(prepared.dir)
     tokenizer = TextTokenizer.from_tokenizer_json(prepared.dir)
     return (tokenizer, *choose_template(prepared.dir, tokenizer))
+
+
+def _recorded_architecture(prepared: preparation.PreparedModel, cache_dir: pathlib.Path | None) -> dict[str, str]:
+    """A prepared GGUF's recorded `general.architecture` (the "architecture" part). A directory prepared by an
+    earlier release lacks it (its single READY marker stands for every part, this one included): then it is read
+    from the source GGUF the manifest names, once, and recorded.
+
+    Raises:
+      FileNotFoundError: neither recorded nor the source GGUF still there.
+      ValueError: the source GGUF has no `general.architecture`.
+    """
+    from tokenizer_svc import gguf_tokenizer
+
+    try:
+        return gguf_tokenizer.load_architecture(prepared.dir)
+    except FileNotFoundError:
+        pass
+    import gguf
+
+    source = json.loads((prepared.dir / preparation.MANIFEST).read_text()).get("source", "")
+    if source == preparation.EMBEDDED:
+        path = preparation.embedded_gguf(pathlib.Path(cache_dir or preparation.default_cache_dir()))
+    else:
+        path = pathlib.Path(source)
+    if not source or not path.is_file():
+        raise FileNotFoundError(f"{prepared.dir} was prepared by an earlier release without its model family, and "
+                                f"its source GGUF {source!r} is gone; prepare it again")
+    log.info("reading the model family of %s from %s", prepared.dir, path)
+    meta = gguf_tokenizer.read_architecture(gguf.GGUFReader(str(path)))
+    gguf_tokenizer.write_architecture(meta, prepared.dir)
+    return meta
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -98,14 +166,18 @@ async def serve(args: argparse.Namespace) -> int:
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
         tok, template, render = await asyncio.to_thread(load_tokenizer, args.model, pathlib.Path(args.cache_dir))
-    except Exception:  # noqa: BLE001 - report and exit non-zero
-        log.exception("failed to load the tokenizer")
+        servicer.set_ready(tok, template, render)
+    except Exception as err:
+        if isinstance(err, families.UnknownFamilyError):  # an unsupported model: its message says it all
+            log.error("failed to load the tokenizer: %s", err)
+        else:
+            log.exception("failed to load the tokenizer")
         await server.stop(0)
         return 1
-    servicer.set_ready(tok, template, render)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("tokenizer service SERVING (%d tokens, template %s)", tok.vocab_size, template)
+    log.info("tokenizer service SERVING (%d tokens, family %s, template %s)", tok.vocab_size, servicer.family.name,
+             template)
     await stop.wait()
     log.info("shutting down (running calls may finish within %.0f s)", args.drain_timeout)
     await server.stop(args.drain_timeout)  # new calls are refused at once; returns as soon as the running ones end

@@ -1,4 +1,5 @@
-"""The tokenizer service's gRPC servicer: proto <-> TextTokenizer and the chat templates."""
+"""The tokenizer service's gRPC servicer: proto <-> TextTokenizer and the chat templates; `Info` advertises the
+model family and its template's facts (`chat_template.TemplateFacts`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ import logging
 
 import grpc
 
+import families
 from protos import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.chat_template import (TEMPLATES, Message, Renderer, TemplateError, continue_final_message,
-                                         tokenize_segments)
+from tokenizer_svc.chat_template import (
+    TEMPLATES,
+    Message,
+    Renderer,
+    TemplateError,
+    continue_final_message,
+    tokenize_segments,
+)
 from tokenizer_svc.tokenizer import TextTokenizer
 
 SERVICE_NAME = "gemma_serve.v1.Tokenizer"
@@ -70,8 +78,14 @@ def message_from_pb(m: tokenizer_pb2.ChatMessage) -> Message:
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     """Tokenizer RPCs over one TextTokenizer and one chat template."""
 
-    def __init__(self, tokenizer: TextTokenizer | None = None, template: str = "gemma3", render: Renderer | None = None):
-        """Args: tokenizer: the loaded tokenizer (None until `set_ready`); template, render: see `set_ready`."""
+    def __init__(self, tokenizer: TextTokenizer | None = None, template: str | None = None,
+                 render: Renderer | None = None):
+        """Args: tokenizer: the loaded tokenizer (None until `set_ready`); template, render: see `set_ready`
+        (required with a tokenizer).
+
+        Raises:
+          UnknownFamilyError: see `set_ready`.
+        """
         self.tok: TextTokenizer | None = None
         if tokenizer is not None:
             self.set_ready(tokenizer, template, render)
@@ -81,9 +95,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
         Args:
           tokenizer: the loaded tokenizer.
-          template: the template's name, reported by Info ("gemma3", "gemma4" or "checkpoint").
-          render: the renderer (e.g. a `JinjaTemplate` for "checkpoint"); default `TEMPLATES[template]`.
+          template: the template's name, reported by Info: a family's name for its built-in template ("gemma3",
+            "gemma4"), or "checkpoint" for a checkpoint's `JinjaTemplate`.
+          render: the renderer (a `JinjaTemplate`, carrying its checkpoint's family, for "checkpoint"); default
+            the family's built-in one (`TEMPLATES[template]`).
+
+        Raises:
+          UnknownFamilyError: neither `render` carries a family nor `template` names a registered one.
         """
+        family = getattr(render, "family", None) or families.by_name(template)
+        self.family, self.facts = family, family.part("tokenizer").TEMPLATE_FACTS
         self.template_name, self.render = template, render if render is not None else TEMPLATES[template]
         self.tok = tokenizer
 
@@ -102,6 +123,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             stop_token_ids=t.stop_ids,
             chat_template=self.template_name,
             source=t.source,
+            family=self.family.name,
+            supports_tools=self.facts.supports_tools,
+            supports_thinking=self.facts.supports_thinking,
         )
 
     async def Encode(self, request, context):
@@ -132,7 +156,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         except RecursionError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the conversation's JSON (tools, tool-call "
                                 "arguments or template options) is nested too deeply")
-        except Exception:  # noqa: BLE001 - our bug: log it, never send internals
+        except Exception:
             log.exception("ApplyChatTemplate failed")
             await context.abort(grpc.StatusCode.INTERNAL, "the chat template failed on this conversation")
         return tokenizer_pb2.ChatTemplateResponse(token_ids=ids, text=text)

@@ -1,5 +1,5 @@
 """Tool calls with the embedded Gemma 3 270M, which has no native tool format: this project's JSON format
-(gateway/tool_calls.py docstring), declared in the first user turn by the built-in template and constrained by
+(families/gemma3/gateway.py docstring), declared in the first user turn by the built-in template and constrained by
 the grammar. Judged by the official `openai` client and jsonschema, not by the prose of a base model."""
 
 from __future__ import annotations

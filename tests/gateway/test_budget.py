@@ -14,12 +14,13 @@ import llguidance
 import numpy as np
 import pytest
 
+from families.gemma3.gateway import Gemma3ToolCallParser, gemma3_tool_grammar
+from families.gemma4.gateway import Gemma4ToolCallParser, gemma4_tool_grammar
 from gateway.budget import BudgetedUnits, JsonArrayProgress
 from gateway.chat_plan import _array_units
-from gateway.constraints import Constraint, grammar_for_json_schema
+from gateway.constraints import Constraint
+from gateway.grammar_cache import grammar_for_json_schema
 from gateway.reasoning import ThoughtFirst
-from gateway.tool_calls import gemma3_tool_grammar, gemma4_tool_grammar
-from gateway.tool_parsers import Gemma3ToolCallParser, Gemma4ToolCallParser
 
 N_VOCAB = 262144
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

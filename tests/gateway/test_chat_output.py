@@ -10,16 +10,18 @@ import json
 import numpy as np
 import pytest
 
+from families.gemma4.gateway import gemma4_tool_grammar
 from gateway.chat_output import ChatRoute
 from gateway.chat_plan import plan_chat
 from gateway.clients import ModelFacts
-from gateway.constraints import Constraint, grammar_for_json_schema
+from gateway.constraints import Constraint
+from gateway.grammar_cache import grammar_for_json_schema
 from gateway.errors import ApiError
 from gateway.generate import Delta
 from gateway.openai_types import ChatCompletionRequest
 from gateway.reasoning import ThoughtFirst
-from gateway.tool_calls import gemma4_tool_grammar
 from protos import common_pb2
+from tests.gemma4_tokenizer import GEMMA4_CONTROL_IDS
 
 CONTROL = {0, 1, 2, 46, 47, 48, 49, 50, 51, 52, 98, 100, 101, 105, 106}
 N = 262_144
@@ -62,7 +64,7 @@ def deltas(ids: list[int], split: int, finish: str = "stop") -> list[Delta]:
 
 
 def run(vocab: Vocab, ids: list[int], split: int, **kw) -> tuple[ChatRoute, list[dict]]:
-    route = ChatRoute(vocab.bytes, CONTROL, **kw)
+    route = ChatRoute(vocab.bytes, CONTROL, family="gemma4", **kw)
     sent = []
     for d in deltas(ids, split):
         sent += route.feed(d)
@@ -232,8 +234,12 @@ def run_with(route: ChatRoute, ids: list[int]):
 
 
 def facts(arch: str) -> ModelFacts:
-    return ModelFacts(name="m", max_model_len=512, vocab_size=N, token_bytes=[], special_ids=CONTROL, bos_id=2,
-                      stop_ids=[1, 106], architecture=arch)
+    spelled = {**GEMMA4_CONTROL_IDS, "<eos>": 1} if arch == "gemma4" else {"<end_of_turn>": 106, "<eos>": 1}
+    token_bytes = [b""] * N
+    for spelling, tid in spelled.items():
+        token_bytes[tid] = spelling.encode()
+    return ModelFacts(name="m", max_model_len=512, vocab_size=N, token_bytes=token_bytes, special_ids=CONTROL,
+                      bos_id=2, stop_ids=[1, 106], architecture=arch)
 
 
 def req(**kw) -> ChatCompletionRequest:

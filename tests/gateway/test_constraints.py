@@ -1,4 +1,5 @@
-"""gateway.constraints: JSON answers that always parse and validate.
+"""gateway.constraints (with gateway/schema_check.py and gateway/grammar_cache.py): JSON answers that always
+parse and validate.
 
 The core check is model-free: for every schema of the corpus (tests/gateway/constraint_schemas.py) a sampler
 picks tokens at random among those the mask allows, feeds them back with advance(), and every finished output
@@ -29,6 +30,8 @@ import numpy as np
 import pytest
 
 from gateway import constraints as C
+from gateway import grammar_cache
+from gateway import schema_check
 from tests.gateway.constraint_schemas import CORPUS
 
 STOP = [1, 106]  # <eos>, <end_of_turn>
@@ -241,20 +244,20 @@ def test_corpus_covers_every_supported_keyword_and_format():
     used = set()
     for _, s in CORPUS:
         _keywords(s, used)
-    assert C.SUPPORTED_KEYWORDS <= used, C.SUPPORTED_KEYWORDS - used
-    assert C.ANNOTATION_KEYWORDS <= used, C.ANNOTATION_KEYWORDS - used
+    assert schema_check.SUPPORTED_KEYWORDS <= used, schema_check.SUPPORTED_KEYWORDS - used
+    assert schema_check.ANNOTATION_KEYWORDS <= used, schema_check.ANNOTATION_KEYWORDS - used
     formats = set()
     for _, s in CORPUS:
         _formats(s, formats)
-    assert formats == C.SUPPORTED_FORMATS
+    assert formats == schema_check.SUPPORTED_FORMATS
     # every claimed format really is checked by the validator used below (jsonschema skips unknown formats)
-    assert C.SUPPORTED_FORMATS <= set(FORMATS.checkers)
+    assert schema_check.SUPPORTED_FORMATS <= set(FORMATS.checkers)
 
 
 @pytest.mark.parametrize("name,schema", CORPUS, ids=[n for n, _ in CORPUS])
 def test_corpus_schema_is_enforced(name, schema, llg_tok, vocab_size, tables):
-    C.check_schema(schema)
-    grammar = C.grammar_for_json_schema(schema)
+    grammar_cache.check_schema(schema)
+    grammar = grammar_cache.grammar_for_json_schema(schema)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     nbytes = (vocab_size + 7) // 8
     finished, invalid = 0, []
@@ -287,7 +290,7 @@ def test_corpus_summary():
 
 
 def test_json_object_grammar(llg_tok, vocab_size, tables):
-    grammar = C.grammar_for_json_object()
+    grammar = grammar_cache.grammar_for_json_object()
     rng = np.random.default_rng(7)
     nbytes = (vocab_size + 7) // 8
     start = C.Constraint(llg_tok, grammar, vocab_size, STOP)
@@ -349,8 +352,8 @@ REJECTED_EXAMPLES: dict[str, tuple[dict, object]] = {
 
 
 def test_every_rejected_keyword_has_an_example():
-    assert set(REJECTED_EXAMPLES) == set(C.REJECTED_KEYWORDS)
-    assert not set(C.REJECTED_KEYWORDS) & (C.SUPPORTED_KEYWORDS | C.ANNOTATION_KEYWORDS)
+    assert set(REJECTED_EXAMPLES) == set(schema_check.REJECTED_KEYWORDS)
+    assert not set(schema_check.REJECTED_KEYWORDS) & (schema_check.SUPPORTED_KEYWORDS | schema_check.ANNOTATION_KEYWORDS)
 
 
 @pytest.mark.parametrize("keyword", sorted(REJECTED_EXAMPLES))
@@ -359,8 +362,8 @@ def test_rejected_keyword(keyword, llg_tok):
     # refused at the root and nested, naming the keyword and where it is
     for schema, path in [(sub, ""), ({"type": "object", "properties": {"tags": sub}}, "/properties/tags"),
                          ({"$defs": {"unused": sub}, "type": "integer"}, "/$defs/unused")]:
-        with pytest.raises(C.SchemaError) as e:
-            C.check_schema(schema)
+        with pytest.raises(schema_check.SchemaError) as e:
+            grammar_cache.check_schema(schema)
         assert e.value.keyword == keyword and e.value.path == path, e.value
         expected = f"response_format.json_schema: keyword '{keyword}' at {path or '/'} cannot be enforced"
         assert expected in str(e.value)
@@ -384,7 +387,7 @@ def test_x_guidance_overrides_are_ours(llg_tok):
     """Even if a schema's x-guidance got through, our overrides win: lenient stays off."""
     schema = {"x-guidance": {"lenient": True, "whitespace_flexible": True}, "type": "array",
               "uniqueItems": True}
-    g = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=C._LLG_OPTIONS)
+    g = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=grammar_cache._LLG_OPTIONS)
     assert "Unimplemented keys" in llguidance.LLMatcher.validate_grammar(g)
 
 
@@ -403,8 +406,8 @@ def test_x_guidance_overrides_are_ours(llg_tok):
     ({"type": "string", "minLenght": 2}, "minLenght", ""),
 ])
 def test_other_refusals(schema, keyword, path):
-    with pytest.raises(C.SchemaError) as e:
-        C.check_schema(schema)
+    with pytest.raises(schema_check.SchemaError) as e:
+        grammar_cache.check_schema(schema)
     assert (e.value.keyword, e.value.path) == (keyword, path), e.value
     assert f"keyword '{keyword}' at {path or '/'}" in str(e.value)
 
@@ -430,18 +433,18 @@ def test_why_fractional_multiple_of_is_refused(llg_tok):
     ({"type": "array", "items": {"maxItems": 1.5}}, "maxItems", "/items"),
 ])
 def test_malformed_schema(schema, keyword, path):
-    with pytest.raises(C.SchemaError) as e:
-        C.check_schema(schema)
+    with pytest.raises(schema_check.SchemaError) as e:
+        grammar_cache.check_schema(schema)
     assert isinstance(e.value, ValueError)
     assert (e.value.keyword, e.value.path) == (keyword, path), e.value
     assert str(e.value).startswith("response_format.json_schema: malformed schema")
 
 
 @pytest.mark.parametrize("schema", ["string", [], True, None, 3, {"const": float("nan")}, {"enum": [{1, 2}]},
-                                    {"enum": ["x" * (C.MAX_SCHEMA_CHARS + 1)]}])
+                                    {"enum": ["x" * (grammar_cache.MAX_SCHEMA_CHARS + 1)]}])
 def test_not_a_schema_object(schema):
-    with pytest.raises(C.SchemaError):
-        C.check_schema(schema)
+    with pytest.raises(schema_check.SchemaError):
+        grammar_cache.check_schema(schema)
 
 
 @pytest.mark.parametrize("schema,keyword", [
@@ -457,27 +460,27 @@ def test_not_a_schema_object(schema):
     ({"$defs": {"a": {"$ref": "#/$defs/a", "type": "object"}}, "$ref": "#/$defs/a"}, "$ref"),
 ])
 def test_llguidance_refusals_become_schema_errors(schema, keyword):
-    with pytest.raises(C.SchemaError) as e:
-        C.check_schema(schema)
+    with pytest.raises(schema_check.SchemaError) as e:
+        grammar_cache.check_schema(schema)
     assert e.value.keyword == keyword, e.value
     assert "cannot be enforced" in str(e.value)
 
 
 def test_response_format_helper():
-    assert C.grammar_for_response_format(None) is None
-    assert C.grammar_for_response_format({"type": "text"}) is None
-    assert C.grammar_for_response_format({"type": "json_object"}) == C.grammar_for_json_object()
+    assert grammar_cache.grammar_for_response_format(None) is None
+    assert grammar_cache.grammar_for_response_format({"type": "text"}) is None
+    assert grammar_cache.grammar_for_response_format({"type": "json_object"}) == grammar_cache.grammar_for_json_object()
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     for strict in (True, False, None):
         rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}
-        assert C.grammar_for_response_format(rf) == C.grammar_for_json_schema(schema)
+        assert grammar_cache.grammar_for_response_format(rf) == grammar_cache.grammar_for_json_schema(schema)
     bad_formats = ({"type": "xml"}, {"type": "json_schema"},
                    {"type": "json_schema", "json_schema": {"name": "x"}},
                    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"uniqueItems": True}}},
                    "json")
     for bad in bad_formats:
-        with pytest.raises(C.SchemaError):
-            C.grammar_for_response_format(bad)
+        with pytest.raises(schema_check.SchemaError):
+            grammar_cache.grammar_for_response_format(bad)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -488,7 +491,7 @@ def test_response_format_helper():
 def test_generation_ends_right_after_the_value(llg_tok, vocab_size):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
-    c = C.Constraint(llg_tok, C.grammar_for_json_schema(schema), vocab_size, STOP)
+    c = C.Constraint(llg_tok, grammar_cache.grammar_for_json_schema(schema), vocab_size, STOP)
     for t in llg_tok.tokenize_str('{"a": 12'):
         assert not c.done()
         c.advance(t)
@@ -511,7 +514,7 @@ def test_generation_ends_right_after_the_value(llg_tok, vocab_size):
 
 def test_stop_ids_other_than_the_tokenizers_eos(llg_tok, vocab_size):
     """The tokenizer's EOS set is [1, 106]; a request stopping only on 106 gets exactly 106."""
-    c = C.Constraint(llg_tok, C.grammar_for_json_schema({"const": "x"}), vocab_size, [106])
+    c = C.Constraint(llg_tok, grammar_cache.grammar_for_json_schema({"const": "x"}), vocab_size, [106])
     for t in c.forced():
         c.advance(t)
     assert c.done() and ids_of(c.mask()).tolist() == [106]
@@ -521,7 +524,7 @@ def test_stop_ids_other_than_the_tokenizers_eos(llg_tok, vocab_size):
 
 
 def test_a_top_level_number_may_stop_or_continue(llg_tok, vocab_size):
-    c = C.Constraint(llg_tok, C.grammar_for_json_schema({"type": "integer"}), vocab_size, STOP)
+    c = C.Constraint(llg_tok, grammar_cache.grammar_for_json_schema({"type": "integer"}), vocab_size, STOP)
     assert not set(STOP) & set(ids_of(c.mask()).tolist())
     for t in llg_tok.tokenize_str("12"):
         c.advance(t)
@@ -531,7 +534,7 @@ def test_a_top_level_number_may_stop_or_continue(llg_tok, vocab_size):
 
 
 def test_forced_tokens_spell_the_expected_text(llg_tok, vocab_size):
-    c = C.Constraint(llg_tok, C.grammar_for_json_schema({"const": "exactly this"}), vocab_size, STOP)
+    c = C.Constraint(llg_tok, grammar_cache.grammar_for_json_schema({"const": "exactly this"}), vocab_size, STOP)
     forced = c.forced()
     assert llg_tok.decode_str(forced) == '"exactly this"'
     for t in forced:
@@ -540,7 +543,7 @@ def test_forced_tokens_spell_the_expected_text(llg_tok, vocab_size):
 
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
               "additionalProperties": False}
-    c = C.Constraint(llg_tok, C.grammar_for_json_schema(schema), vocab_size, STOP)
+    c = C.Constraint(llg_tok, grammar_cache.grammar_for_json_schema(schema), vocab_size, STOP)
     forced = c.forced()
     # llguidance forces the bytes {"answer": but holds back the token(s) whose tokenization could merge with
     # what follows (Gemma has both `":` and `": ` style tokens)
@@ -552,7 +555,7 @@ def test_forced_tokens_spell_the_expected_text(llg_tok, vocab_size):
     assert c.done() and c.text() == '{"answer": 4}'
 
     # a const object: forced in runs; only at the separators (optional space) is there a choice, a tiny one
-    c = C.Constraint(llg_tok, C.grammar_for_json_schema({"const": {"k": [1, None]}}), vocab_size, STOP)
+    c = C.Constraint(llg_tok, grammar_cache.grammar_for_json_schema({"const": {"k": [1, None]}}), vocab_size, STOP)
     target, forced_bytes, sampled = '{"k":[1,null]}', 0, 0
     while not c.done():
         rest = target[len(c.text()):]
@@ -573,7 +576,7 @@ def test_forced_tokens_spell_the_expected_text(llg_tok, vocab_size):
 
 
 def test_control_tokens_never_inside_json_strings(llg_tok, vocab_size, tables):
-    c = C.Constraint(llg_tok, C.grammar_for_json_object(), vocab_size, STOP)
+    c = C.Constraint(llg_tok, grammar_cache.grammar_for_json_object(), vocab_size, STOP)
     states = []
     for piece in ['{"', 'ke', 'y":', ' "', 'val']:  # inside a key, then inside a value
         for t in llg_tok.tokenize_str(piece):
@@ -595,7 +598,7 @@ def test_control_tokens_never_inside_json_strings(llg_tok, vocab_size, tables):
 
 
 def test_advance_refuses_and_keeps_state(llg_tok, vocab_size):
-    c = C.Constraint(llg_tok, C.grammar_for_json_schema({"type": "array", "items": {"type": "integer"}}),
+    c = C.Constraint(llg_tok, grammar_cache.grammar_for_json_schema({"type": "array", "items": {"type": "integer"}}),
                      vocab_size, STOP)
     for bad in [llg_tok.tokenize_str("{")[0], vocab_size + 5, -1, llg_tok.tokenize_str("a")[0]]:
         with pytest.raises(C.ConstraintError):
@@ -606,7 +609,7 @@ def test_advance_refuses_and_keeps_state(llg_tok, vocab_size):
 
 
 def test_one_line_json_only(llg_tok, vocab_size):
-    g = C.grammar_for_json_schema({"type": "object", "properties": {"a": {"type": "integer"},
+    g = grammar_cache.grammar_for_json_schema({"type": "object", "properties": {"a": {"type": "integer"},
                                                                    "b": {"type": "array"}}})
     for text, ok in [('{"a":1,"b":[1,2]}', True), ('{"a": 1, "b": [1, 2]}', True), ('{ "a":1}', False),
                      ('{"a":  1}', False), ('{"a":1 ,"b":[]}', False), ('{\n  "a": 1\n}', False),
@@ -615,7 +618,7 @@ def test_one_line_json_only(llg_tok, vocab_size):
 
 
 def test_date_formats_are_strict(llg_tok, vocab_size):
-    date = C.grammar_for_json_schema({"type": "string", "format": "date"})
+    date = grammar_cache.grammar_for_json_schema({"type": "string", "format": "date"})
     for text, ok in [("2024-02-29", True), ("2000-02-29", True), ("2023-02-28", True), ("2023-02-29", False),
                      ("1900-02-29", False), ("0000-01-01", False), ("0001-01-01", True),
                      ("2024-13-01", False),
@@ -623,11 +626,11 @@ def test_date_formats_are_strict(llg_tok, vocab_size):
         assert accepts(llg_tok, date, json.dumps(text), vocab_size) is ok, text
     # llguidance's own "date" allows 2023-02-29, which Python/jsonschema reject: that is why we rewrite it
     assert raw_accepts(llg_tok, {"type": "string", "format": "date"}, '"2023-02-29"')
-    t = C.grammar_for_json_schema({"type": "string", "format": "time"})
+    t = grammar_cache.grammar_for_json_schema({"type": "string", "format": "time"})
     for text, ok in [("12:00:00Z", True), ("23:59:59.123456789+05:30", True), ("23:59:60Z", False),
                      ("12:00:00z", False), ("12:00:00", False), ("24:00:00Z", False)]:
         assert accepts(llg_tok, t, json.dumps(text), vocab_size) is ok, text
-    dt = C.grammar_for_json_schema({"type": "string", "format": "date-time", "pattern": "^2"})
+    dt = grammar_cache.grammar_for_json_schema({"type": "string", "format": "date-time", "pattern": "^2"})
     for text, ok in [("2024-02-29T00:00:00Z", True), ("2024-02-29t00:00:00Z", False),
                      ("1999-01-01T00:00:00Z", False), ("2023-02-29T00:00:00Z", False)]:
         assert accepts(llg_tok, dt, json.dumps(text), vocab_size) is ok, text
@@ -635,7 +638,7 @@ def test_date_formats_are_strict(llg_tok, vocab_size):
 
 def test_mask_bit_layout_matches_llguidance(llg_tok, vocab_size):
     """llguidance's uint32 words, read little-endian, give the same bits as our LSB-first bytes."""
-    grammar = C.grammar_for_json_object()
+    grammar = grammar_cache.grammar_for_json_object()
     for prefix in ["", '{"']:
         c = C.Constraint(llg_tok, grammar, vocab_size, STOP)
         m = llguidance.LLMatcher(llg_tok, grammar, log_level=0)
@@ -652,7 +655,7 @@ def test_mask_bit_layout_matches_llguidance(llg_tok, vocab_size):
 
 
 def test_vocab_sizes(llg_tok, tokenizer_json, vocab_size):
-    g = C.grammar_for_json_object()
+    g = grammar_cache.grammar_for_json_object()
     # a model vocabulary larger than the tokenizer's, not a multiple of 8: padded with zero bits
     c = C.Constraint(llg_tok, g, vocab_size + 13, STOP)
     m = np.frombuffer(c.mask(), np.uint8)
@@ -682,54 +685,54 @@ def test_vocab_sizes(llg_tok, tokenizer_json, vocab_size):
 
 
 def test_grammar_cache_compiles_once(monkeypatch, llg_tok, vocab_size):
-    C.clear_grammar_cache()
+    grammar_cache.clear_grammar_cache()
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
               "required": ["a", "b"], "additionalProperties": False}
     same = json.loads(json.dumps(schema, indent=2))  # an equal object, parsed again
-    g = C.grammar_for_json_schema(schema)
-    C.check_schema(schema)
-    assert C.grammar_for_json_schema(same) == g
-    info = C.grammar_cache_info()
+    g = grammar_cache.grammar_for_json_schema(schema)
+    grammar_cache.check_schema(schema)
+    assert grammar_cache.grammar_for_json_schema(same) == g
+    info = grammar_cache.grammar_cache_info()
     assert info["compiles"] == 1 and info["misses"] == 1 and info["hits"] == 2 and info["size"] == 1
     # key order is meaning for generation (property order), so it is part of the key
     swapped = {**schema, "properties": {"b": schema["properties"]["b"], "a": schema["properties"]["a"]}}
-    g2 = C.grammar_for_json_schema(swapped)
-    assert C.grammar_cache_info()["compiles"] == 2
+    g2 = grammar_cache.grammar_for_json_schema(swapped)
+    assert grammar_cache.grammar_cache_info()["compiles"] == 2
     assert accepts(llg_tok, g, '{"a":1,"b":""}', vocab_size)
     assert not accepts(llg_tok, g, '{"b":"","a":1}', vocab_size)
     assert accepts(llg_tok, g2, '{"b":"","a":1}', vocab_size)
-    C.clear_grammar_cache()
-    C.grammar_for_json_schema(schema)
+    grammar_cache.clear_grammar_cache()
+    grammar_cache.grammar_for_json_schema(schema)
     # refused schemas are not cached: each check compiles (and fails) again
     for _ in range(2):
-        with pytest.raises(C.SchemaError):
-            C.check_schema({"type": "integer", "enum": ["a"]})
-    assert C.grammar_cache_info()["size"] == 1
+        with pytest.raises(schema_check.SchemaError):
+            grammar_cache.check_schema({"type": "integer", "enum": ["a"]})
+    assert grammar_cache.grammar_cache_info()["size"] == 1
     # LRU eviction by bytes: a budget that holds two of these (equal-sized) grammars
-    C.clear_grammar_cache()
-    C.grammar_for_json_schema({"const": 9})
-    monkeypatch.setattr(C._cache, "budget", int(2.5 * C.grammar_cache_info()["bytes"]))
-    C.clear_grammar_cache()
+    grammar_cache.clear_grammar_cache()
+    grammar_cache.grammar_for_json_schema({"const": 9})
+    monkeypatch.setattr(grammar_cache._cache, "budget", int(2.5 * grammar_cache.grammar_cache_info()["bytes"]))
+    grammar_cache.clear_grammar_cache()
     for i in range(3):
-        C.grammar_for_json_schema({"const": i})
-    assert C.grammar_cache_info()["size"] == 2
-    C.grammar_for_json_schema({"const": 2})
-    assert C.grammar_cache_info()["compiles"] == 3
-    C.grammar_for_json_schema({"const": 0})  # evicted first
-    assert C.grammar_cache_info()["compiles"] == 4
+        grammar_cache.grammar_for_json_schema({"const": i})
+    assert grammar_cache.grammar_cache_info()["size"] == 2
+    grammar_cache.grammar_for_json_schema({"const": 2})
+    assert grammar_cache.grammar_cache_info()["compiles"] == 3
+    grammar_cache.grammar_for_json_schema({"const": 0})  # evicted first
+    assert grammar_cache.grammar_cache_info()["compiles"] == 4
 
 
 def test_timing_report(llg_tok, vocab_size):
     """Prints the costs (run with -s); asserts only generous bounds."""
-    C.clear_grammar_cache()
+    grammar_cache.clear_grammar_cache()
     compile_ms = []
     for _, schema in CORPUS:
         t0 = time.perf_counter()
-        C.grammar_for_json_schema(schema)
+        grammar_cache.grammar_for_json_schema(schema)
         compile_ms.append((time.perf_counter() - t0) * 1e3)
     first_ms, copy_ms = [], []
     for _, schema in CORPUS:  # first Constraint of a grammar compiles the matcher; later ones deep_copy it
-        g = C.grammar_for_json_schema(schema)
+        g = grammar_cache.grammar_for_json_schema(schema)
         t0 = time.perf_counter()
         C.Constraint(llg_tok, g, vocab_size, STOP)
         first_ms.append((time.perf_counter() - t0) * 1e3)
@@ -737,7 +740,7 @@ def test_timing_report(llg_tok, vocab_size):
         C.Constraint(llg_tok, g, vocab_size, STOP)
         copy_ms.append((time.perf_counter() - t0) * 1e3)
     if not TIMES["mask"]:  # the corpus did not run: measure a short walk
-        c = C.Constraint(llg_tok, C.grammar_for_json_object(), vocab_size, STOP)
+        c = C.Constraint(llg_tok, grammar_cache.grammar_for_json_object(), vocab_size, STOP)
         for t in llg_tok.tokenize_str('{"key": "value with some words", "n": [1, 2, 3]}'):
             t0 = time.perf_counter()
             c.mask()
@@ -767,4 +770,4 @@ def test_timing_report(llg_tok, vocab_size):
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["z"]}, '{"z": 1}', True),
 ])
 def test_objects_with_properties_are_closed_unless_something_could_open_them(llg_tok, schema, text, ok):
-    assert accepts(llg_tok, C.grammar_for_json_schema(schema), text) is ok
+    assert accepts(llg_tok, grammar_cache.grammar_for_json_schema(schema), text) is ok

@@ -50,7 +50,7 @@ async def _serve():
     backends = Backends(f"127.0.0.1:{tok_port}", f"127.0.0.1:{worker_port}",
                         timeouts=Timeouts(tokenizer=0.5, worker=0.5))
     backends.facts = ModelFacts(name="m", max_model_len=100, vocab_size=10, token_bytes=[b"a"] * 10,
-                                special_ids=set(), bos_id=2, stop_ids=[1])
+                                special_ids=set(), bos_id=2, stop_ids=[1], architecture="gemma3")
     return backends, (server, server2)
 
 

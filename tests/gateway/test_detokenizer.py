@@ -91,7 +91,8 @@ def vocab(text_tokenizer):
     """(facts, byte-token ids): the real vocabulary and the id of each byte-fallback token `<0xNN>`."""
     tok = text_tokenizer
     facts = ModelFacts(name="m", max_model_len=512, vocab_size=tok.vocab_size, token_bytes=tok.token_bytes,
-                       special_ids=tok.special_ids, bos_id=tok.bos_id, stop_ids=tok.stop_ids)
+                       special_ids=tok.special_ids, bos_id=tok.bos_id, stop_ids=tok.stop_ids,
+                       architecture="gemma3")
     byte_ids = [tok.token_id(f"<0x{b:02X}>") for b in range(256)]
     assert [tok.token_bytes[i] for i in byte_ids] == [bytes([b]) for b in range(256)]
     return facts, byte_ids

@@ -45,11 +45,11 @@ class _Backends:
     def __init__(self):
         self.answers = AnswerHistory()
         # A toy vocabulary: token i spells chr(ord("a") + i % 26), but 150 spells "xy"; 100, 101 (thought
-        # channel), 48 (a Gemma 4 call) and the stop ids are control tokens.
-        specials = {1, 48, 50, 100, 101, 106}
-        self.facts = types.SimpleNamespace(stop_ids=[1, 106], special_ids=specials, architecture="gemma4",
-                                           token_bytes=[b"" if i in specials else bytes([97 + i % 26])
-                                                        for i in range(200)])
+        # channel), 48 (a Gemma 4 call) and the stop ids are control tokens, spelled as Gemma 4 spells them.
+        specials = {1: b"<eos>", 48: b"<|tool_call>", 50: b"<|tool_response>", 100: b"<|channel>",
+                    101: b"<channel|>", 106: b"<turn|>"}
+        self.facts = types.SimpleNamespace(stop_ids=[1, 106], special_ids=set(specials), architecture="gemma4",
+                                           token_bytes=[specials.get(i, bytes([97 + i % 26])) for i in range(200)])
         self.facts.token_bytes[150] = b"xy"
 
     def ready_facts(self):

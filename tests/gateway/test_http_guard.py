@@ -32,7 +32,7 @@ def _backends(max_waiting: int = 4) -> Backends:
     tok, worker = free_ports(2)  # nothing listens: any backend call would be a 503
     backends = Backends(f"127.0.0.1:{tok}", f"127.0.0.1:{worker}")
     backends.facts = ModelFacts(name="m", max_model_len=100, vocab_size=10, token_bytes=[b"ab"] * 10,
-                                special_ids=set(), bos_id=2, stop_ids=[1], max_waiting=max_waiting)
+                                special_ids=set(), bos_id=2, stop_ids=[1], max_waiting=max_waiting, architecture="gemma3")
     return backends
 
 

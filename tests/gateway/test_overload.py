@@ -15,7 +15,7 @@ def test_resource_exhausted_is_429_with_retry_after():
     tok, worker = free_ports(2)
     backends = Backends(f"127.0.0.1:{tok}", f"127.0.0.1:{worker}")
     backends.facts = ModelFacts(name="m", max_model_len=100, vocab_size=10, token_bytes=[b"a"] * 10,
-                                special_ids=set(), bos_id=2, stop_ids=[1])
+                                special_ids=set(), bos_id=2, stop_ids=[1], architecture="gemma3")
 
     async def refuse(backend, call):
         if hasattr(call, "cancel"):

@@ -14,7 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import constraints, patterns, tool_calls
+from families.gemma3.gateway import gemma3_tool_grammar
+from families.gemma4.gateway import gemma4_tool_grammar
+from gateway import grammar_cache, patterns, schema_check, tool_calls, tool_schema
 
 HOSTILE = "^(a+)+$"
 
@@ -64,7 +66,7 @@ def _byte_matcher(regex: str):
 def test_gemma4_pattern_terminal_agrees_with_the_checker(pattern, text):
     """The whole-string regex the Gemma 4 grammar uses for a `pattern` accepts exactly what the value checker
     (llguidance's JSON compiler) accepts, so enum filtering and the mask never disagree."""
-    schema = tool_calls._Gemma4Schema(tool_calls._Gemma4Grammar(), "t", {}, "r")
+    schema = tool_schema.SchemaRules(tool_schema.ValueGrammar(52), "t", {}, "r")
     matcher = _byte_matcher(schema.pattern(pattern, ""))
     data = text.encode()
     whole = matcher.try_consume_tokens(list(data)) == len(data) and matcher.is_accepting()
@@ -105,26 +107,26 @@ def test_hostile_pattern_never_reaches_python_re(no_python_re_for_client_regexes
     assert not validator.is_valid({"s": long_bad}) and validator.is_valid({"s": long_ok})
     assert not validator.is_valid({long_ok: "x"}) and validator.is_valid({long_bad: "x"})
     # response_format: the meta-schema's `format: regex` check and the grammar
-    constraints.check_schema({"type": "string", "pattern": HOSTILE})
-    constraints.check_schema({"type": "object", "patternProperties": {HOSTILE: {"type": "integer"}}})
+    grammar_cache.check_schema({"type": "string", "pattern": HOSTILE})
+    grammar_cache.check_schema({"type": "object", "patternProperties": {HOSTILE: {"type": "integer"}}})
     # tool parameters with pattern + enum (values filtered by the checker) in both tool formats
     values = ["a" * 40, "a" * 40 + "!", "b"]
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"s": {"type": "string", "pattern": HOSTILE, "enum": values}},
         "required": ["s"]}}}
-    g4 = tool_calls.gemma4_tool_grammar([tool], "required", False)
+    g4 = gemma4_tool_grammar([tool], "required", False)
     assert '"' + "a" * 40 + '"' in g4 and "!" not in g4  # only the matching value is offered
-    assert tool_calls.gemma3_tool_grammar([tool], "required", False)
+    assert gemma3_tool_grammar([tool], "required", False)
     args = '{"s": "' + long_bad + '"}'
     with pytest.raises(tool_calls.ToolCallParseError):
         tool_calls.validate_tool_arguments([tool], "f", args)
 
 
 def test_schema_regex_problems_are_400_kinds():
-    with pytest.raises(constraints.SchemaError, match="malformed schema"):
-        constraints.check_schema({"type": "string", "pattern": "("})
-    with pytest.raises(constraints.SchemaError, match="cannot be enforced"):
-        constraints.check_schema({"type": "string", "pattern": "^(?=a)a$"})
+    with pytest.raises(schema_check.SchemaError, match="malformed schema"):
+        grammar_cache.check_schema({"type": "string", "pattern": "("})
+    with pytest.raises(schema_check.SchemaError, match="cannot be enforced"):
+        grammar_cache.check_schema({"type": "string", "pattern": "^(?=a)a$"})
     meta_cls, formats = patterns.validator_class(jsonschema.Draft202012Validator)
     meta = meta_cls(jsonschema.Draft202012Validator.META_SCHEMA, format_checker=formats)
     assert meta.is_valid({"pattern": "a+"}) and not meta.is_valid({"pattern": "("})

@@ -54,8 +54,10 @@ class _Backends(Backends):
 
 def _backends() -> _Backends:
     backends = _Backends(*(f"127.0.0.1:{port}" for port in free_ports(2)))  # no worker: generation would 503
-    backends.facts = ModelFacts(name="m", max_model_len=100, vocab_size=10, token_bytes=[b"ab"] * 10,
-                                special_ids=set(), bos_id=2, stop_ids=[1])
+    # Token 9 is Gemma 3's end of turn (a chat with tools plans its tool grammar, which ends with it).
+    backends.facts = ModelFacts(name="m", max_model_len=100, vocab_size=10,
+                                token_bytes=[b"ab"] * 9 + [b"<end_of_turn>"], special_ids={9}, bos_id=2,
+                                stop_ids=[1], architecture="gemma3")
     backends.tokenizer = _RecordingTokenizer()
     return backends
 

@@ -21,9 +21,19 @@ import llguidance
 import numpy as np
 import pytest
 
-from gateway.tool_calls import (
+from families.gemma3.gateway import (
     GEMMA3_CALL_TRIGGER,
+    Gemma3ToolCallParser,
+    gemma3_tool_grammar,
+    parse_gemma3_tool_calls,
+)
+from families.gemma4.gateway import (
     GEMMA4_NONE_BANNED_IDS,
+    Gemma4ToolCallParser,
+    gemma4_tool_grammar,
+    parse_gemma4_tool_calls,
+)
+from gateway.tool_calls import (
     INTEGER_REGEX,
     MAX_PARALLEL_CALLS,
     NUMBER_REPR_REGEX,
@@ -31,20 +41,14 @@ from gateway.tool_calls import (
     ToolCallParseError,
     ToolChoiceError,
     ToolSchemaError,
-    gemma3_tool_grammar,
-    gemma4_tool_grammar,
     int_range_regex,
     resolve_tool_choice,
     validate_tool_arguments,
     validation_schema,
 )
-from gateway.tool_parsers import (
-    Gemma3ToolCallParser,
-    Gemma4ToolCallParser,
-    parse_gemma3_tool_calls,
-    parse_gemma4_tool_calls,
-)
-from tokenizer_svc.chat_template import Message, render_gemma3, render_gemma4, tokenize_segments
+from families.gemma3.tokenizer import render as render_gemma3
+from families.gemma4.tokenizer import render as render_gemma4
+from tokenizer_svc.chat_template import Message, tokenize_segments
 from tokenizer_svc.tokenizer import TextTokenizer
 
 N_VOCAB = 262144
@@ -394,7 +398,7 @@ def test_gemma3_sampled_tool_calls_parse_validate_and_stream(g3_sampler, text_to
 def test_gemma4_template_renders_calls_as_the_grammar_writes_them(g4_text_tok, kind):
     """Numbers, nested values and key order as the grammar allows them are what Google's template writes (the
     checkpoint Jinja file, rendered through JinjaTemplate, and our built-in renderer)."""
-    from tokenizer_svc.chat_template import JinjaTemplate
+    from tokenizer_svc.jinja_template import JinjaTemplate
 
     template = pathlib.Path(__file__).parents[1] / "tokenizer_svc" / "data" / "gemma4_chat_template.jinja"
     render = render_gemma4 if kind == "builtin" else JinjaTemplate.from_file(template, g4_text_tok)

@@ -1,5 +1,5 @@
-"""In-place attention over cache rows (`model._attend_in_place`, `model._attend_blocks`) against the one-shot
-`model.attend` over gathered keys, and a whole forward pass with many key blocks against one block.
+"""In-place attention over cache rows (`attention.attend_in_place`, `attention._attend_blocks`) against the
+one-shot `attention.attend` over gathered keys, and a whole forward pass with many key blocks against one block.
 
 `attend` is the reference here because it is itself pinned to transformers by the numerics tests; the blocked
 loop only changes the summation order (an online softmax), so results agree to float32 rounding.
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker import model
-from model_worker.kv_cache import KVCache
-from model_worker.model import attend, quantize_kv
+from model_worker import attention, model
+from model_worker.attention import attend
+from model_worker.kv_cache import KVCache, dequantize_kv, quantize_kv
 
 S, T, K, N, D = 3, 2048, 2, 4, 16
 TOL = 2e-5
@@ -33,8 +33,8 @@ def _cache(rng, int8: bool, length: int = T):
 
 def _reference(q, cache, slots, q_pos, window, scale):
     """One-shot attention over each row's gathered cache row (keys at index = position)."""
-    keys = model.dequantize_kv(jnp.take(cache.k[0], slots, axis=0), _take(cache.k_scale[0], slots), jnp.float32)
-    vals = model.dequantize_kv(jnp.take(cache.v[0], slots, axis=0), _take(cache.v_scale[0], slots), jnp.float32)
+    keys = dequantize_kv(jnp.take(cache.k[0], slots, axis=0), _take(cache.k_scale[0], slots), jnp.float32)
+    vals = dequantize_kv(jnp.take(cache.v[0], slots, axis=0), _take(cache.v_scale[0], slots), jnp.float32)
     length = keys.shape[1]
     k_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (len(slots), length))
     return attend(q, keys, vals, q_pos, k_pos, window, scale)
@@ -57,7 +57,7 @@ def test_blocked_full_layer_attention_equals_one_shot(int8, window):
     q = jnp.asarray(rng.standard_normal((3, 1, N, D), dtype=np.float32))
     for positions in ([[0], [511], [512]], [[1500], [-1], [2047]]):
         q_pos = jnp.asarray(positions, jnp.int32)
-        got = model._attend_in_place(q, cache, 0, slots, q_pos, None, window, scale, jnp.float32, T)
+        got = attention.attend_in_place(q, cache, 0, slots, q_pos, None, window, scale, jnp.float32, T)
         want = _reference(q, cache, slots, q_pos, window, scale)
         valid = np.asarray(q_pos)[:, 0] >= 0
         np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=TOL, rtol=TOL)
@@ -65,7 +65,7 @@ def test_blocked_full_layer_attention_equals_one_shot(int8, window):
     # a chunk of 4 tokens crossing a block boundary, with a padded tail, in a 1536-position KV bucket
     q = jnp.asarray(rng.standard_normal((1, 6, N, D), dtype=np.float32))
     q_pos = jnp.asarray([[1021, 1022, 1023, 1024, -1, -1]], jnp.int32)
-    got = model._attend_in_place(q, cache, 0, slots[:1], q_pos, None, window, scale, jnp.float32, 1536)
+    got = attention.attend_in_place(q, cache, 0, slots[:1], q_pos, None, window, scale, jnp.float32, 1536)
     want = _reference(q, cache, slots[:1], q_pos, window, scale)
     np.testing.assert_allclose(np.asarray(got)[0, :4], np.asarray(want)[0, :4], atol=TOL, rtol=TOL)
 
@@ -78,7 +78,7 @@ def test_cache_length_not_a_multiple_of_the_block():
     slots = jnp.asarray([0, 1, 2], jnp.int32)
     q = jnp.asarray(rng.standard_normal((3, 1, N, D), dtype=np.float32))
     q_pos = jnp.asarray([[1999], [1600], [1490]], jnp.int32)
-    got = model._attend_in_place(q, cache, 0, slots, q_pos, None, None, 0.25, jnp.float32, 2000)
+    got = attention.attend_in_place(q, cache, 0, slots, q_pos, None, None, 0.25, jnp.float32, 2000)
     want = _reference(q, cache, slots, q_pos, None, 0.25)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
 
@@ -90,13 +90,13 @@ def test_blocked_loop_reads_only_the_blocks_a_row_needs():
     q = jnp.asarray(rng.standard_normal((1, 1, N, D), dtype=np.float32))
     q_pos = jnp.asarray([[700]], jnp.int32)
     slots = jnp.asarray([1], jnp.int32)
-    want = model._attend_in_place(q, cache, 0, slots, q_pos, None, None, 0.25, jnp.float32, T)
+    want = attention.attend_in_place(q, cache, 0, slots, q_pos, None, None, 0.25, jnp.float32, T)
     poisoned = KVCache(k=[cache.k[0].at[1, 1024:].set(jnp.nan)], v=[cache.v[0].at[1, 1024:].set(jnp.nan)],
                        k_scale=[None], v_scale=[None])
-    got = model._attend_in_place(q, poisoned, 0, slots, q_pos, None, None, 0.25, jnp.float32, T)
+    got = attention.attend_in_place(q, poisoned, 0, slots, q_pos, None, None, 0.25, jnp.float32, T)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     poisoned = KVCache(k=[cache.k[0].at[1, 512:].set(jnp.nan)], v=[cache.v[0]], k_scale=[None], v_scale=[None])
-    got = model._attend_in_place(q, poisoned, 0, slots, q_pos, None, None, 0.25, jnp.float32, T)
+    got = attention.attend_in_place(q, poisoned, 0, slots, q_pos, None, None, 0.25, jnp.float32, T)
     assert np.isnan(np.asarray(got)).any()  # the block holding position 700 is read (the check can fail)
 
 
@@ -114,7 +114,7 @@ def test_forward_with_many_key_blocks_equals_one_block(monkeypatch, tmp_path):
     prompt = rng.integers(0, 512, 45).tolist()
 
     def run(block):
-        monkeypatch.setattr(model, "KEY_BLOCK", block)
+        monkeypatch.setattr(attention, "KEY_BLOCK", block)
         # jitted after the patch, so the trace reads this block size (eager dispatch took ~25 s)
         forward = jax.jit(functools.partial(model.forward, cfg=cfg, kv_len=128))
         cache = KVCache.zeros(cfg, 2, 128, jnp.float32, slack=4)

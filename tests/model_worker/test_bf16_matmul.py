@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from model_worker.config import GEMMA3_270M, gemma3_layers
+from families.gemma3.worker import GEMMA3_270M, gemma3_layers
 from model_worker.params import random_flat, to_device, with_bf16_matmuls
 from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight, bf16_linear, linear
 

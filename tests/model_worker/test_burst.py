@@ -38,17 +38,16 @@ def make(rid: str, prompt: list[int], max_tokens: int) -> tuple[Sequence, Sink]:
 
 
 def record_admissions(loop: EngineLoop) -> list[str]:
-    """The request ids in the order the prefix cache gives them a slot (admission order)."""
+    """The request ids in the order the scheduler gives them a slot (admission order, `Work.admitted`)."""
     order = []
-    place = loop.scheduler.cache.place
+    schedule = loop.scheduler.schedule
 
-    def recording(seq, reuse=True):
-        placement = place(seq, reuse)
-        if placement is not None:
-            order.append(seq.request_id)
-        return placement
+    def recording():
+        work = schedule()
+        order.extend(seq.request_id for seq in work.admitted)
+        return work
 
-    loop.scheduler.cache.place = recording
+    loop.scheduler.schedule = recording
     return order
 
 

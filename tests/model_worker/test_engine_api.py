@@ -14,8 +14,8 @@ import typing
 import jax.numpy as jnp
 import pytest
 
+from families.gemma3.worker import GEMMA3_270M, gemma3_layers
 from model_worker import engine_api
-from model_worker.config import GEMMA3_270M, gemma3_layers
 from model_worker.engine import Engine, EngineConfig
 from model_worker.params import random_flat, to_device
 from tests.fakes import FakeEngine
@@ -99,13 +99,13 @@ def test_violations_catches_a_renamed_parameter_a_changed_default_and_a_missing_
     """The checker is not vacuous: each kind of drift is reported."""
 
     class Drifted(FakeEngine):
-        def dispatch_compute(self, slot, token_ids, start, is_output, reset=True):  # default changed
+        def dispatch_compute(self, slot, token_ids, start, is_output, clear_penalties=True):  # default changed
             """A drifted double."""
 
         def copy_slot(self, source, dst):  # parameter renamed
             """A drifted double."""
 
-        def sample(self, pending, sampling, reset, *, active):  # kind changed
+        def sample(self, pending, sampling, clear_penalties, *, active):  # kind changed
             """A drifted double."""
 
     drifted = Drifted()

@@ -308,7 +308,8 @@ def test_a_lone_prompt_pads_only_its_last_chunk(engine):
     assert ran == {32: 2, 8: 3}
     start, pending = 0, None
     while start < len(prompt):  # the same prompt in 8-token chunks, by hand
-        pending, n = engine.dispatch_compute(3, prompt[start:start + 8], start, [False] * 8, reset=start == 0)
+        pending, n = engine.dispatch_compute(3, prompt[start:start + 8], start, [False] * 8,
+                                             clear_penalties=start == 0)
         start += n
     logprobs = jax.nn.log_softmax(pending.logits[0])
     assert sink.tokens[0] == int(np.argmax(logprobs))
@@ -318,7 +319,7 @@ def test_a_lone_prompt_pads_only_its_last_chunk(engine):
 def test_greedy_sampler_keeps_the_penalty_history_like_the_full_one():
     """The greedy program records input tokens by point updates; the history it leaves equals the full
     program's (active rows record their input token, generated ones also count; inactive rows and padding none)."""
-    from model_worker.engine import _sample, _sample_greedy
+    from model_worker.programs import SampleInputs, greedy_program, sample_program
     from model_worker.sampling import PenaltyState, SamplingArrays
 
     rng = np.random.default_rng(3)
@@ -332,10 +333,9 @@ def test_greedy_sampler_keeps_the_penalty_history_like_the_full_one():
     is_output = np.array([[True], [False], [True], [True]])
     active = np.array([True, True, True, False])
     sampling = SamplingArrays.defaults(4, V_)
-    full_out, full_state = jax.jit(_sample)(jax.tree.map(jnp.copy, pstate), logits, tokens, positions, slots,
-                                            is_output, np.zeros(4, bool), active, sampling)
-    fast_out, fast_state = jax.jit(_sample_greedy)(jax.tree.map(jnp.copy, pstate), logits, tokens, positions,
-                                                   slots, is_output, active, sampling)
+    inputs = SampleInputs(logits, tokens, positions, slots, is_output, np.zeros(4, bool), active, sampling)
+    full_out, full_state = jax.jit(sample_program)(jax.tree.map(jnp.copy, pstate), inputs)
+    fast_out, fast_state = jax.jit(greedy_program)(jax.tree.map(jnp.copy, pstate), inputs)
     np.testing.assert_array_equal(np.asarray(fast_out.tokens), np.asarray(full_out.tokens))
     np.testing.assert_array_equal(np.asarray(fast_state.counts), np.asarray(full_state.counts))
     np.testing.assert_array_equal(np.asarray(fast_state.seen), np.asarray(full_state.seen))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from model_worker.config import GEMMA4_E2B, GEMMA4_E4B, config_from_hf
+from families.gemma4.worker import GEMMA4_E2B, GEMMA4_E4B, config_from_hf
 from model_worker.hf_loader import load_checkpoint
 from scripts.make_synthetic_gemma4 import scaled_config, write
 

@@ -18,7 +18,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from model_worker.config import GEMMA3_270M, gemma3_layers
+from families.gemma3.worker import GEMMA3_270M, gemma3_layers
 from model_worker.gguf_int8 import SUPPORTED, int8_from_gguf
 from model_worker.kv_cache import KVCache
 from model_worker.model import forward_jit

@@ -5,6 +5,7 @@ k_eq_v; chunks cross the sliding window, so ring state and the ordering of ring 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -128,7 +129,7 @@ def test_batches_must_agree_on_logit_rows(tiny):
     cfg, params = tiny
     cache = KVCache.zeros(cfg, SLOTS, LEN, jnp.float32, slack=4)
     chunk = _chunk([1, 2, 3], 0, 0, 8)
-    dec = _decode([5], [0], [1])._replace(logit_rows=None)
+    dec = dataclasses.replace(_decode([5], [0], [1]), logit_rows=None)
     with pytest.raises(ValueError, match="logit_rows"):
         model.forward_batches(params, (chunk, dec), cache, cfg, LEN)
 
@@ -157,3 +158,17 @@ def test_warm_up_runs_every_forward_program_and_changes_no_state(tiny):
     assert np.asarray(before[1].counts).sum() > 0 and np.abs(np.asarray(before[0].k[0])).sum() > 0
     jax.tree.map(np.testing.assert_array_equal, before, after)
     assert dict(engine.calls) == calls
+
+
+def test_every_block_of_a_step_runs_under_a_named_scope(tiny):
+    """Device profiles name the blocks: the lowered step's ops carry `layer_<i>/attention`, `layer_<i>/mlp`,
+    `layer_<i>/per_layer_input` (Gemma 4 PLE) and `lm_head` in their names."""
+    cfg, params = tiny
+    cache = KVCache.zeros(cfg, SLOTS, LEN, jnp.float32, slack=4)
+    step = jax.jit(functools.partial(model.forward_batches, cfg=cfg, kv_len=LEN))
+    text = step.lower(params, (_chunk([1, 2, 3], 0, 0, 8), _decode([5], [0], [1])), cache).as_text(debug_info=True)
+    last = cfg.num_layers - 1
+    scopes = ["layer_0/attention/", f"layer_{last}/attention/", f"layer_{last}/mlp/", "lm_head/"]
+    scopes += [f"layer_{last}/per_layer_input/"] if cfg.ple_dim else []
+    missing = [scope for scope in scopes if scope not in text]
+    assert not missing, f"no op named under {missing}"

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker.config import GEMMA4_E2B
+from families.gemma4.worker import GEMMA4_E2B
 from model_worker.engine import Engine, EngineConfig
 from model_worker.hf_loader import load_checkpoint
 from model_worker.params import param_shapes, to_device

@@ -486,3 +486,24 @@ def test_greedy_sampler_equals_the_full_one():
         for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "mask_empty"):
             np.testing.assert_array_equal(np.asarray(getattr(fast, name)), np.asarray(getattr(full, name)), name)
         assert np.asarray(fast.mask_empty).tolist() == [False, False, masked, False]
+
+
+def test_every_sampling_setting_reaches_its_row():
+    """`loop.sampling_rows` copies each of a sequence's settings into its own row: a non-default value of every
+    `SamplingSpec` field lands in row 1 and row 0 keeps the defaults (a setting added to both dataclasses needs
+    no copying code, and one missing from SamplingArrays fails here)."""
+    from model_worker.loop import ROW_SETTINGS, sampling_rows
+    from model_worker.scheduler import SamplingSpec, Sequence
+
+    spec = SamplingSpec(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=(7 << 32) + 9, presence_penalty=0.5,
+                        frequency_penalty=-0.5, repetition_penalty=1.3, bias_ids=(3,), bias_vals=(2.0,),
+                        top_logprobs=4)
+    assert {f.name for f in dataclasses.fields(SamplingSpec)} == set(ROW_SETTINGS) | {"seed", "bias_ids",
+                                                                                       "bias_vals"}
+    rows = sampling_rows([Sequence("a", [1, 2], SamplingSpec(), 4, (), None),
+                          Sequence("b", [1, 2], spec, 4, (), None)], vocab=64)
+    defaults = S.SamplingArrays.defaults(1, 64)
+    for name in ROW_SETTINGS:
+        assert getattr(rows, name)[1] == pytest.approx(getattr(spec, name)), name
+        assert getattr(rows, name)[0] == getattr(defaults, name)[0], name
+    assert rows.seed[1].tolist() == [9, 7] and rows.bias_ids[1, 0] == 3 and rows.bias_vals[1, 0] == 2.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import time
@@ -35,11 +36,12 @@ def _shared_loop() -> asyncio.AbstractEventLoop:
 class Server:
     """A grpc.aio server with a WorkerServicer on the shared event loop, and a sync client stub."""
 
-    def __init__(self, engine: FakeEngine | None, attach_timeout: float = 30.0):
+    def __init__(self, engine: FakeEngine | None, attach_timeout: float = 30.0, **facts):
+        """`facts`: more WorkerInfoResponse fields for the Info reply."""
         self.loop = _shared_loop()
         self.info = model_worker_pb2.WorkerInfoResponse(
             model_name="fake", vocab_size=engine.vocab if engine else 1000, max_model_len=MAX_LEN,
-            num_slots=2, default_stop_token_ids=[999],
+            num_slots=2, default_stop_token_ids=[999], **facts,
         )
         self.servicer = WorkerServicer(model_worker_pb2.WorkerInfoResponse(), attach_timeout=attach_timeout)
         self.engine_loop = EngineLoop(engine) if engine else None
@@ -324,6 +326,29 @@ def test_queue_bound_answers_resource_exhausted():
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 1 and codes.count(grpc.StatusCode.OK) == 2
     finally:
         s.close()
+
+
+def test_info_reports_the_engine_facts(engine):
+    """Info carries the engine facts `engine_facts` derives from the configs, over the wire: Gemma 3 270M's
+    512-token window and 32768-token context (its Hugging Face config.json), int8 KV, prefix caching, the chunks
+    ascending; a model without sliding layers reports window 0, and float KV its dtype."""
+    from families.gemma3.worker import GEMMA3_270M
+    from model_worker.engine import EngineConfig
+    from model_worker.service import engine_facts
+
+    ecfg = EngineConfig(num_slots=2, max_model_len=MAX_LEN, prefill_chunks=(32, 8), kv_int8=True)
+    s = Server(engine, **engine_facts(GEMMA3_270M, ecfg))
+    try:
+        info = s.stub.Info(model_worker_pb2.WorkerInfoRequest())
+        assert (info.sliding_window, info.prefix_caching, info.max_position_embeddings, info.kv_cache_dtype,
+                list(info.prefill_chunks)) == (512, True, 32768, "int8", [8, 32])
+        assert info.max_model_len == MAX_LEN < info.max_position_embeddings
+    finally:
+        s.close()
+    global_only = dataclasses.replace(
+        GEMMA3_270M, layers=tuple(dataclasses.replace(spec, attention="full") for spec in GEMMA3_270M.layers))
+    facts = engine_facts(global_only, dataclasses.replace(ecfg, kv_int8=False))
+    assert (facts["sliding_window"], facts["kv_cache_dtype"]) == (0, "float32")
 
 
 def test_a_prompt_arriving_during_decode_runs_in_mixed_steps():

@@ -13,8 +13,10 @@ import json
 import jinja2
 import pytest
 
-from tokenizer_svc.chat_template import (JinjaTemplate, Message, TemplateError, continue_final_message, render_gemma3,
-                                         render_gemma4, tokenize_segments)
+from families.gemma3.tokenizer import render as render_gemma3
+from families.gemma4.tokenizer import render as render_gemma4
+from tokenizer_svc.chat_template import Message, TemplateError, continue_final_message, tokenize_segments
+from tokenizer_svc.jinja_template import JinjaTemplate
 
 pytestmark = pytest.mark.slow
 

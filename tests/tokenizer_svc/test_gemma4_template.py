@@ -21,16 +21,12 @@ import pytest
 
 from protos import tokenizer_pb2
 from tests.gemma4_tokenizer import GEMMA4_CONTROL_IDS
-from tokenizer_svc.chat_template import (
-    TEMPLATES,
-    JinjaTemplate,
-    Message,
-    TemplateError,
-    render_gemma3,
-    render_gemma4,
-    strip_thinking,
-    tokenize_segments,
-)
+from families import UnknownFamilyError
+from families.gemma3.tokenizer import render as render_gemma3
+from families.gemma4.tokenizer import render as render_gemma4
+from families.gemma4.tokenizer import strip_thinking
+from tokenizer_svc.chat_template import TEMPLATES, Message, TemplateError, tokenize_segments
+from tokenizer_svc.jinja_template import JinjaTemplate
 from tokenizer_svc.main import choose_template, load_tokenizer
 from tokenizer_svc.service import TokenizerServicer
 from tokenizer_svc.tokenizer import TextTokenizer
@@ -540,7 +536,8 @@ def test_gemma3_rejects_malformed_tools():
 
 
 def test_choose_template(g4dir, g4tok, tmp_path):
-    assert choose_template(tmp_path, g4tok)[0] == "gemma3"
+    with pytest.raises(UnknownFamilyError, match="supported model_type values: gemma3, gemma3_text, gemma4"):
+        choose_template(tmp_path, g4tok)  # no config.json: no family declared, and no fallback to Gemma 3's
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
     assert choose_template(tmp_path, g4tok)[0] == "gemma3"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4_text"}))

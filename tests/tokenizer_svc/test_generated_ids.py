@@ -7,7 +7,10 @@ import pathlib
 
 import pytest
 
-from tokenizer_svc.chat_template import JinjaTemplate, Message, render_gemma3, render_gemma4, tokenize_segments
+from families.gemma3.tokenizer import render as render_gemma3
+from families.gemma4.tokenizer import render as render_gemma4
+from tokenizer_svc.chat_template import Message, tokenize_segments
+from tokenizer_svc.jinja_template import JinjaTemplate
 
 pytestmark = pytest.mark.slow
 TEMPLATE = pathlib.Path(__file__).parent / "data" / "gemma4_chat_template.jinja"

@@ -21,11 +21,16 @@ from gateway.chat_output import ChatRoute
 from gateway.completions import remember_answer
 from gateway.generate import Delta
 from gateway.history import AnswerHistory, answer_key
-from gateway.tool_parsers import Gemma3ToolCallParser, Gemma4ToolCallParser
+from families.gemma3.gateway import Gemma3ToolCallParser
+from families.gemma4.gateway import Gemma4ToolCallParser
 from protos import common_pb2
-from tokenizer_svc.chat_template import (JinjaTemplate, Message, TemplateError, close_json_prefix,
-                                         gemma3_tool_calls_text, gemma4_arguments_prefix, render_gemma3,
-                                         render_gemma4, scan_json_prefix, tokenize_segments)
+from families.gemma3.tokenizer import gemma3_tool_calls_text
+from families.gemma3.tokenizer import render as render_gemma3
+from families.gemma4.tokenizer import gemma4_arguments_prefix
+from families.gemma4.tokenizer import render as render_gemma4
+from tokenizer_svc.chat_template import Message, TemplateError, tokenize_segments
+from tokenizer_svc.jinja_template import JinjaTemplate
+from tokenizer_svc.json_prefix import close_json_prefix, scan_json_prefix
 
 pytestmark = pytest.mark.slow
 TEMPLATE = pathlib.Path(__file__).parent / "data" / "gemma4_chat_template.jinja"
