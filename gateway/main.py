@@ -45,7 +45,7 @@ async def serve(args: argparse.Namespace) -> int:
     ready = asyncio.ensure_future(backends.watch())
     # Generate requests over the body limit are refused by gRPC itself (RESOURCE_EXHAUSTED) before parsing.
     grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", limits.max_body_bytes),
-                                           ("grpc.max_send_message_length", 64 << 20)])
+                                           ("grpc.max_send_message_length", network.MAX_MESSAGE_BYTES)])
     add_to_server(GatewayServicer(backends, limits, keys), grpc_server)
     address = f"{args.host}:{args.gateway_grpc_port}"
     if public_tls is None:

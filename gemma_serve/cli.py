@@ -112,9 +112,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16"],
         help="precision of the layer projections' and LM head's products with float32 activations: bfloat16 "
         "rounds the weights once and each input row to bfloat16 and sums in float32 (as TPUs and GPU servers do): "
-        "on CPU ~1.2-1.5x faster prompt chunks and B=8 decode steps, ~1.1x slower B=1 decode, 0.68 instead of "
-        "0.29 GiB of weights for the embedded model, logits within ~0.1-0.6 of float32 and greedy outputs that may "
-        "differ under different batching; float32 multiplies the exact weights (default: %(default)s)",
+        "faster batched and prompt steps on CPU for more weight memory, logits close to but not equal to "
+        "float32's, and greedy outputs that may differ under different batching (measured figures: "
+        "docs/performance.md); float32 multiplies the exact weights (default: %(default)s)",
     )
 
 

@@ -23,7 +23,9 @@ import grpc
 
 #: Message size limits of every internal link (a Gemma vocabulary's token table is near gRPC's 4 MiB default;
 #: figures: docs/performance.md).
-_MESSAGE_LIMITS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+MAX_MESSAGE_BYTES = 64 << 20
+_MESSAGE_LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 #: Internal servers: accept the clients' keepalive pings (gRPC's default would answer pings more often than every
 #: 5 minutes on an idle connection with GOAWAY "too_many_pings").

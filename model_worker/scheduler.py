@@ -375,17 +375,25 @@ class Scheduler:
 
     def _live_slots(self) -> dict[int, LiveSlot]:
         """The running slots as the prefix cache sees them (what each holds, the prompt it computes if any)."""
-        return {slot: LiveSlot(seq.tokens[: seq.num_computed],
-                               () if seq.leader is not None or seq.fork_of is not None else seq.prompt)
-                for slot, seq in self.running.items()}
+        return {slot: self._live_slot(seq) for slot, seq in self.running.items()}
+
+    @staticmethod
+    def _live_slot(seq: Sequence) -> LiveSlot:
+        """One running slot as the prefix cache sees it: its computed tokens, and the prompt it is computing
+        itself (none for a follower or a fork, which wait for a copy)."""
+        return LiveSlot(seq.tokens[: seq.num_computed],
+                        () if seq.leader is not None or seq.fork_of is not None else seq.prompt)
 
     def _admit(self) -> tuple[list[tuple[int, int]], list[Sequence]]:
         """Place waiting sequences in arrival order until one finds no slot; (copies to run, admitted)."""
         copies, admitted = [], []
+        if not self.waiting or not self.cache.has_free():
+            return copies, admitted  # nothing to place, or nowhere: skip copying the running histories
+        live = self._live_slots()  # once per iteration; an admitted sequence is added below
         while self.waiting:
             seq = self.waiting[0]
             reuse = seq.fork_of is None and seq.sampling.repetition_penalty == 1.0
-            placement = self.cache.place(seq.prompt, seq.cache_salt, self._live_slots(), reuse=reuse)
+            placement = self.cache.place(seq.prompt, seq.cache_salt, live, reuse=reuse)
             if placement is None:
                 break
             self.waiting.popleft()
@@ -397,23 +405,26 @@ class Scheduler:
             if placement.copy_from is not None:
                 copies.append((placement.copy_from, placement.slot))
             self.running[seq.slot] = seq
+            live[seq.slot] = self._live_slot(seq)
             admitted.append(seq)
         return copies, admitted
 
     def _take_shares(self) -> list[tuple[int, int]]:
         """Copies for the followers whose leader has computed their shared prefix (or is gone): each takes the
         longest exactly reusable prefix there is now (normally `share` tokens of its leader's slot)."""
-        copies = []
+        copies, live = [], None
         for seq in self.running.values():
             leader = seq.leader
             if leader is None or (leader.slot is not None and leader.finish == Finish.NONE
                                   and leader.num_computed < seq.share):
                 continue
             seq.leader = None
-            source, usable = self.cache.best_source(seq.prompt, seq.cache_salt, seq.slot, self._live_slots())
+            live = self._live_slots() if live is None else live  # built at most once, and only when needed
+            source, usable = self.cache.best_source(seq.prompt, seq.cache_salt, seq.slot, live)
             if usable:
                 copies.append((source, seq.slot))
                 seq.num_computed = seq.cached_tokens = usable
+                live[seq.slot] = self._live_slot(seq)
                 self.reused_tokens += usable
                 self.cache.hits += 1
         return copies

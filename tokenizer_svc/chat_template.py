@@ -269,10 +269,12 @@ class TemplateFacts:
         model's native call syntax, or this project's documented format for a model without one).
       supports_thinking: the template has a thinking mode (`chat_template_kwargs.enable_thinking`) and renders
         an assistant message's `reasoning_content`.
+      end_of_turn: spellings of the control tokens that end a model turn (stop ids by default, with EOS).
     """
 
     supports_tools: bool
     supports_thinking: bool
+    end_of_turn: tuple[str, ...] = ()
 
 
 class _BuiltinTemplates(Mapping[str, Renderer]):

@@ -20,37 +20,26 @@ log = logging.getLogger("gemma_serve.tokenizer")
 
 
 def write_tokenizer(reader, out: pathlib.Path, name: str) -> None:
-    """The tokenizer service's part of a prepared GGUF: the tokenizer rebuilt from the GGUF vocabulary
-    (`gguf_tokenizer.build_and_cache`: tokenizer.json, vocab_meta.json, token_bytes.bin, each atomic). `name` is
-    unused (the part builders' common signature).
-
-    Raises:
-      ValueError: an unsupported vocabulary.
-    """
-    from tokenizer_svc.gguf_tokenizer import build_and_cache
-
-    build_and_cache(reader, out)
-
-
-def write_architecture(reader, out: pathlib.Path, name: str) -> None:
-    """The prepared GGUF's family key: its `general.architecture`, checked against the family registry and
-    recorded in gguf_architecture.json (`gguf_tokenizer.write_architecture`) for `load_tokenizer`. A part of its
-    own, prepared first: an unsupported GGUF fails before the tokenizer is built, and a directory prepared before
-    this part existed gains it on the next start. `name` is unused.
+    """The tokenizer service's part of a prepared GGUF: first its model family (`general.architecture`, checked
+    against the family registry and recorded in gguf_architecture.json, so an unsupported GGUF fails before the
+    tokenizer is built), then the tokenizer rebuilt from the GGUF vocabulary (`gguf_tokenizer.build_and_cache`:
+    tokenizer.json, vocab_meta.json, token_bytes.bin, each atomic). `name` is unused (the part builders' common
+    signature). A directory prepared before the family was recorded learns it at load (`_recorded_architecture`).
 
     Raises:
       UnknownFamilyError: no registered family serves the architecture (the message lists the supported ones).
-      ValueError: the GGUF has no `general.architecture`.
+      ValueError: the GGUF has no `general.architecture`, or an unsupported vocabulary.
     """
     from tokenizer_svc import gguf_tokenizer
 
     meta = gguf_tokenizer.read_architecture(reader)
     families.from_gguf(meta)
     gguf_tokenizer.write_architecture(meta, out)
+    gguf_tokenizer.build_and_cache(reader, out)
 
 
-PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"architecture": write_architecture, "tokenizer": write_tokenizer}
-"""The prepared parts the tokenizer service reads (`gemma_serve.preparation.prepare`), in the order they are built."""
+PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"tokenizer": write_tokenizer}
+"""The prepared parts the tokenizer service reads (`gemma_serve.preparation.prepare`)."""
 
 
 def checkpoint_family(directory: pathlib.Path) -> families.Family:
@@ -104,16 +93,18 @@ def load_tokenizer(model: str, cache_dir: pathlib.Path):
     prepared = preparation.prepare(model, cache_dir, PREPARE_PARTS)
     if prepared.kind == "gguf":
         family = families.from_gguf(_recorded_architecture(prepared, cache_dir))
-        return TextTokenizer.from_prepared(prepared.dir), family.name, family.part("tokenizer").render
-    checkpoint_family(prepared.dir)
-    tokenizer = TextTokenizer.from_tokenizer_json(prepared.dir)
+        part = family.part("tokenizer")
+        return (TextTokenizer.from_prepared(prepared.dir, part.TEMPLATE_FACTS.end_of_turn), family.name,
+                part.render)
+    family = checkpoint_family(prepared.dir)
+    tokenizer = TextTokenizer.from_tokenizer_json(prepared.dir, family.part("tokenizer").TEMPLATE_FACTS.end_of_turn)
     return (tokenizer, *choose_template(prepared.dir, tokenizer))
 
 
 def _recorded_architecture(prepared: preparation.PreparedModel, cache_dir: pathlib.Path | None) -> dict[str, str]:
-    """A prepared GGUF's recorded `general.architecture` (the "architecture" part). A directory prepared by an
-    earlier release lacks it (its single READY marker stands for every part, this one included): then it is read
-    from the source GGUF the manifest names, once, and recorded.
+    """A prepared GGUF's recorded `general.architecture` (written with the tokenizer part). A directory whose
+    tokenizer part an earlier release prepared lacks it: then it is read from the source GGUF the manifest names,
+    once, and recorded, so such a directory keeps working (also when passed as `--model`).
 
     Raises:
       FileNotFoundError: neither recorded nor the source GGUF still there.

@@ -11,8 +11,11 @@ import dataclasses
 import json
 import pathlib
 import re
+from collections.abc import Sequence
 
 import tokenizers
+
+import families
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 #: Characters from which `encode` releases the GIL (encode_batch); below it the plain call is cheaper.
@@ -49,11 +52,13 @@ class TextTokenizer:
         return len(self.token_bytes)
 
     @classmethod
-    def from_prepared(cls, directory: pathlib.Path) -> TextTokenizer:
-        """Load a tokenizer prepared from a GGUF (tokenizer.json, vocab_meta.json, token_bytes.bin).
+    def from_prepared(cls, directory: pathlib.Path, end_of_turn: Sequence[str] | None = None) -> TextTokenizer:
+        """Load a tokenizer prepared from a GGUF (tokenizer.json, vocab_meta.json, token_bytes.bin). Stop ids: EOS,
+        then the end-of-turn tokens `end_of_turn` (None: those of the family the preparation recorded).
 
         Raises:
           FileNotFoundError: a file is missing (prepare the model first).
+          families.UnknownFamilyError: the recorded family is not registered.
         """
         from tokenizer_svc.gguf_tokenizer import load_token_bytes
 
@@ -61,7 +66,11 @@ class TextTokenizer:
         tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
         plain = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
         plain.encode_special_tokens = True
-        stop = [meta["eos_id"]] + _end_of_turn_ids(tok)
+        if end_of_turn is None:
+            from tokenizer_svc.gguf_tokenizer import load_architecture
+
+            end_of_turn = _family_end_of_turn(families.from_gguf(load_architecture(directory)))
+        stop = [meta["eos_id"]] + _end_of_turn_ids(tok, end_of_turn)
         return cls(
             tok=tok,
             plain=plain,
@@ -75,11 +84,12 @@ class TextTokenizer:
         )
 
     @classmethod
-    def from_tokenizer_json(cls, directory: pathlib.Path) -> TextTokenizer:
+    def from_tokenizer_json(cls, directory: pathlib.Path, end_of_turn: Sequence[str] | None = None) -> TextTokenizer:
         """Load a checkpoint directory's tokenizer.json (SentencePiece-style "▁" vocabulary with byte fallback, as
         every Gemma checkpoint has), taking BOS/EOS/PAD from tokenizer_config.json when present and extra stop ids
-        from generation_config.json `eos_token_id` (Gemma 4 IT: 1, 106, 50). Stop ids: EOS, the end-of-turn token
-        (`<end_of_turn>` or `<turn|>`), then the generation_config ids.
+        from generation_config.json `eos_token_id` (Gemma 4 IT: 1, 106, 50). Stop ids: EOS, the end-of-turn tokens
+        `end_of_turn` (None: those of the family config.json names, none without a config.json), then the
+        generation_config ids.
 
         Raises:
           FileNotFoundError: no tokenizer.json.
@@ -98,7 +108,10 @@ class TextTokenizer:
             ids[role] = tok.token_to_id(name)
             if ids[role] is None and role != "pad":
                 raise ValueError(f"{directory}: the {role} token {name!r} is not in tokenizer.json")
-        stop = [ids["eos"]] + _end_of_turn_ids(tok)
+        if end_of_turn is None:
+            config = _read_json(directory / "config.json")
+            end_of_turn = _family_end_of_turn(families.from_hf_config(config)) if config else ()
+        stop = [ids["eos"]] + _end_of_turn_ids(tok, end_of_turn)
         gen = _read_json(directory / "generation_config.json").get("eos_token_id", [])
         stop += [i for i in (gen if isinstance(gen, list) else [gen]) if i not in stop]
         return cls(
@@ -154,11 +167,15 @@ class TextTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-def _end_of_turn_ids(tok: tokenizers.Tokenizer) -> list[int]:
-    """Ids of the end-of-turn tokens in the vocabulary: Gemma 3's `<end_of_turn>`, Gemma 4's `<turn|>`
-    (docs/formats.md §4.1, §4.2; both are id 106 in their own vocabularies)."""
-    found = (tok.token_to_id(name) for name in ("<end_of_turn>", "<turn|>"))
+def _end_of_turn_ids(tok: tokenizers.Tokenizer, spellings: Sequence[str]) -> list[int]:
+    """Ids of the family's end-of-turn tokens (`TemplateFacts.end_of_turn`, e.g. Gemma 3's `<end_of_turn>`, Gemma
+    4's `<turn|>`: docs/formats.md §4.1, §4.2) present in the vocabulary."""
+    found = (tok.token_to_id(name) for name in spellings)
     return [i for i in found if i is not None]
+
+
+def _family_end_of_turn(family: families.Family) -> tuple[str, ...]:
+    return family.part("tokenizer").TEMPLATE_FACTS.end_of_turn
 
 
 def _read_json(path: pathlib.Path) -> dict:

@@ -24,7 +24,7 @@ from tokenizer_svc.chat_template import (
     tool_result_text,
 )
 
-TEMPLATE_FACTS = TemplateFacts(supports_tools=True, supports_thinking=False)
+TEMPLATE_FACTS = TemplateFacts(supports_tools=True, supports_thinking=False, end_of_turn=("<end_of_turn>",))
 """Tools in this project's JSON format (the template declares them); no thinking mode."""
 ANSWER_FORMAT = None
 """No native call syntax for a checkpoint template to write (`tokenizer_svc.jinja_template.AnswerFormat`)."""

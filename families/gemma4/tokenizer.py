@@ -26,7 +26,7 @@ from tokenizer_svc.chat_template import (
 from tokenizer_svc.jinja_template import AnswerFormat
 from tokenizer_svc.json_prefix import close_json_prefix, scan_json_prefix
 
-TEMPLATE_FACTS = TemplateFacts(supports_tools=True, supports_thinking=True)
+TEMPLATE_FACTS = TemplateFacts(supports_tools=True, supports_thinking=True, end_of_turn=("<turn|>",))
 """Native tool calls and the thinking mode (`enable_thinking`, the thought channel)."""
 
 _Q = '<|"|>'  # Gemma 4's string delimiter token (id 52)

@@ -102,15 +102,17 @@ class _Stub:
         return call
 
 
-@pytest.mark.parametrize("architecture, vocab, words", [
-    ("llama", [b"<end_of_turn>"], ["'llama'", "gemma3", "gemma4"]),
-    ("gemma4", [b"<end_of_turn>"], ["'gemma4'", "<|tool_call>"]),
+@pytest.mark.parametrize("architecture, vocab, words, tokenizer_family", [
+    ("llama", [b"<end_of_turn>"], ["'llama'", "gemma3", "gemma4"], ""),
+    ("gemma4", [b"<end_of_turn>"], ["'gemma4'", "<|tool_call>"], ""),
+    ("gemma3", [b"<end_of_turn>"], ["'gemma4'", "'gemma3'", "same model"], "gemma4"),  # backends disagree
 ])
-def test_the_facts_fetch_refuses_a_model_the_gateway_cannot_serve(architecture, vocab, words):
+def test_the_facts_fetch_refuses_a_model_the_gateway_cannot_serve(architecture, vocab, words, tokenizer_family):
     backends = _Backends(*(f"127.0.0.1:{port}" for port in free_ports(2)))
     backends.worker = _Stub(Info=model_worker_pb2.WorkerInfoResponse(
         model_name="m", max_model_len=64, vocab_size=8, default_stop_token_ids=[0], architecture=architecture))
-    backends.tokenizer = _Stub(Info=tokenizer_pb2.TokenizerInfoResponse(bos_token_id=1, eos_token_id=0),
+    backends.tokenizer = _Stub(Info=tokenizer_pb2.TokenizerInfoResponse(bos_token_id=1, eos_token_id=0,
+                                                                        family=tokenizer_family),
                                GetVocab=tokenizer_pb2.GetVocabResponse(token_bytes=vocab + [b"a"] * 7,
                                                                        special_token_ids=[0]))
     assert not asyncio.run(backends._refresh_facts())
