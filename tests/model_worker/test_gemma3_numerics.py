@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 TOL = 2e-3
 CHUNK = 256
 MAX_LEN = 1024
-FULL_LEN = 768  # the one padded shape of the from-scratch re-forward (> 700 + 8 decode steps)
+FULL_LEN = 768  # the padded shape of the from-scratch re-forward of sequences longer than a chunk (> 700 + 8)
 
 SHORT = "The capital of France is"
 LONG = (
@@ -38,8 +38,10 @@ def _ids(text_tokenizer, text: str) -> np.ndarray:
     return np.asarray(text_tokenizer.encode(text, add_bos=True), np.int32)
 
 
-def chunked_logits(cfg, params, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:
-    """All-position logits computed chunk by chunk through the cache (slot 0 of a 1-slot cache)."""
+def chunked_logits(cfg, params, ids: np.ndarray, last_only: bool = False) -> tuple[np.ndarray, KVCache]:
+    """Logits computed chunk by chunk through the cache (slot 0 of a 1-slot cache): every position's [T, V], or
+    with `last_only` the last position's [1, V] only (the LM head then runs on one row of each chunk, as the
+    engine's prefill does: ~1 s less per chunk for tests that read nothing else)."""
     cache = KVCache.zeros(cfg, 1, MAX_LEN, jnp.float32)
     out = []
     for start in range(0, len(ids), CHUNK):
@@ -48,9 +50,11 @@ def chunked_logits(cfg, params, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:
         positions = np.full((1, CHUNK), -1, np.int32)
         tokens[0, : len(piece)] = piece
         positions[0, : len(piece)] = np.arange(start, start + len(piece))
-        logits, cache = forward_jit(params, tokens, positions, cache, None, cfg=cfg, kv_len=MAX_LEN)
-        out.append(np.asarray(logits[0, : len(piece)]))
-    return np.concatenate(out), cache
+        rows = np.array([len(piece) - 1], np.int32) if last_only else None
+        logits, cache = forward_jit(params, tokens, positions, cache, None, cfg=cfg, kv_len=MAX_LEN,
+                                    logit_rows=rows)
+        out.append(logits if last_only else np.asarray(logits[0, : len(piece)]))
+    return (np.asarray(out[-1]) if last_only else np.concatenate(out)), cache
 
 
 _HF_LOGITS: dict[bytes, np.ndarray] = {}  # LONG's reference logits (~1 GB), shared by the two prompt tests
@@ -62,16 +66,17 @@ def _free_reference_logits():
     _HF_LOGITS.clear()
 
 
-def hf_logits(hf_model, ids: np.ndarray, keep: bool = False) -> np.ndarray:
-    """transformers' logits [T, V] float32 for `ids`; with `keep`, computed once per sequence in this module (the
-    float32 and bfloat16 prompt tests share LONG's, ~15 s)."""
+def hf_logits(hf_model, ids: np.ndarray, keep: bool = False, last: int = 0) -> np.ndarray:
+    """transformers' logits [T, V] float32 for `ids` (with `last` > 0, only the last `last` positions': its LM head
+    runs on those rows alone); with `keep`, computed once per sequence in this module (the float32 and bfloat16
+    prompt tests share LONG's, ~15 s)."""
     import torch
 
     key = np.asarray(ids, np.int64).tobytes()
     if key in _HF_LOGITS:
         return _HF_LOGITS[key]
     with torch.no_grad():
-        logits = hf_model(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
+        logits = hf_model(torch.tensor(ids[None].astype(np.int64)), logits_to_keep=last).logits[0].float().numpy()
     if keep:
         _HF_LOGITS[key] = logits
     return logits
@@ -101,14 +106,15 @@ def test_greedy_continuation_matches_transformers(gemma3, hf_gemma3, text_tokeni
     """Our cached greedy decode picks the reference's argmax at every step with a clear top-2 gap."""
     cfg, params = gemma3
     prompt = _ids(text_tokenizer, LONG)[: cfg.sliding_window - 6]  # decoding crosses the window boundary
-    prompt_logits, cache = chunked_logits(cfg, params, prompt)
+    prompt_logits, cache = chunked_logits(cfg, params, prompt, last_only=True)
     tokens = [int(prompt_logits[-1].argmax())]
     for step in range(15):
         pos = len(prompt) + step
         logits, cache = forward_jit(params, np.array([[tokens[-1]]], np.int32), np.array([[pos]], np.int32), cache,
                                     None, cfg=cfg, kv_len=MAX_LEN)
         tokens.append(int(np.asarray(logits)[0, 0].argmax()))
-    ref = hf_logits(hf_gemma3, np.concatenate([prompt, tokens[:-1]]).astype(np.int32))[len(prompt) - 1 :]
+    # the reference's rows from the prompt's last position on, one per sampled token
+    ref = hf_logits(hf_gemma3, np.concatenate([prompt, tokens[:-1]]).astype(np.int32), last=len(tokens))
     top2 = _top2(ref)
     clear = (top2[:, 1] - top2[:, 0]) > 2 * TOL
     assert clear.sum() >= len(tokens) // 2, "too few steps with a clear reference choice to test anything"
@@ -185,12 +191,13 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("prompt_len,steps", [(7, 4), (505, 8), (700, 4)],
                          ids=["short", "crosses-window-in-decode", "past-window"])
 def test_cached_decode_equals_full_reforward(gemma3, text_tokenizer, prompt_len, steps):
-    """Each decode step's logits equal a from-scratch forward of the whole sequence (padded to one shape); 8 steps
-    from position 505 cross the 512-token window. (One from-scratch forward of the final sequence serves every
-    step: attention is causal, so its logits at a step's position are those of the sequence up to that step.)"""
+    """Each decode step's logits equal a from-scratch forward of the whole sequence in one call (padded to one
+    chunk, the prompt tests' program, when it fits, else to FULL_LEN); 8 steps from position 505 cross the
+    512-token window. (One from-scratch forward of the final sequence serves every step: attention is causal, so
+    its logits at a step's position are those of the sequence up to that step.)"""
     cfg, params = gemma3
     ids = _ids(text_tokenizer, LONG)[:prompt_len]
-    logits, cache = chunked_logits(cfg, params, ids)
+    logits, cache = chunked_logits(cfg, params, ids, last_only=True)
     seq = list(ids) + [int(logits[-1].argmax())]
     decoded = []
     for _ in range(steps):
@@ -199,12 +206,13 @@ def test_cached_decode_equals_full_reforward(gemma3, text_tokenizer, prompt_len,
                                   cfg=cfg, kv_len=MAX_LEN)
         decoded.append((pos, np.asarray(step)[0, 0]))
         seq.append(int(decoded[-1][1].argmax()))
-    tokens = np.zeros((1, FULL_LEN), np.int32)
-    positions = np.full((1, FULL_LEN), -1, np.int32)
+    width, kv_len = (CHUNK, MAX_LEN) if len(seq) <= CHUNK else (FULL_LEN, FULL_LEN)
+    tokens = np.zeros((1, width), np.int32)
+    positions = np.full((1, width), -1, np.int32)
     tokens[0, : len(seq)] = seq
     positions[0, : len(seq)] = np.arange(len(seq))
-    fresh = KVCache.zeros(cfg, 1, FULL_LEN, jnp.float32)
-    full, _ = forward_jit(params, tokens, positions, fresh, None, cfg=cfg, kv_len=FULL_LEN)  # every position
+    fresh = KVCache.zeros(cfg, 1, kv_len, jnp.float32)
+    full, _ = forward_jit(params, tokens, positions, fresh, None, cfg=cfg, kv_len=kv_len)  # every position
     refs = np.asarray(full[0, np.array([pos for pos, _ in decoded])])
     del full
     for (pos, step), ref in zip(decoded, refs):

@@ -29,6 +29,9 @@ TOL = 2e-4  # same-code comparisons (padding, slicing): float32 summation-order 
 MAX_LEN = 64
 PROMPT = 20  # > 2 sliding windows (8)
 STEPS = 16  # 2x the window
+# Shapes are shared, as each one more is a compilation (~1 s) per configuration: the padding test pads to the
+# prompt test's one-shot chunk (PROMPT), and the slicing test runs the padding test's unpadded shape (PADDED_LEN).
+PADDED_LEN = 13  # > the window (8)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -110,9 +113,9 @@ def test_every_cached_decode_step_matches_transformers(tiny):
 def test_padded_bucket_equals_unpadded_at_every_step(tiny):
     """A prompt padded to a length bucket gives the same logits as unpadded, at the prompt and every decode step."""
     _, _, cfg, params = tiny
-    ids = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 13))  # window 8 < 13
+    ids = list(np.random.default_rng(3).integers(0, cfg.vocab_size, PADDED_LEN))
     exact, cache_a = prefill(cfg, params, ids, len(ids))
-    padded, cache_b = prefill(cfg, params, ids, len(ids), bucket=32)
+    padded, cache_b = prefill(cfg, params, ids, len(ids), bucket=PROMPT)
     # Different shapes change XLA's summation order (f32 noise); a padding leak would be O(1).
     assert np.abs(exact - padded).max() < TOL
     token = int(exact[-1].argmax())
@@ -126,12 +129,12 @@ def test_padded_bucket_equals_unpadded_at_every_step(tiny):
 def test_prefill_slices_shared_layers_to_the_wanted_row(tiny):
     """Asking only for the last row's logits (what prefill does) gives the same logits and the same cache."""
     _, _, cfg, params = tiny
-    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 12).astype(np.int32)
-    positions = np.arange(12, dtype=np.int32)[None]
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, PADDED_LEN).astype(np.int32)
+    positions = np.arange(PADDED_LEN, dtype=np.int32)[None]
     full, cache_a = forward_jit(params, ids[None], positions, KVCache.zeros(cfg, 1, MAX_LEN, jnp.float32), None,
                                 cfg=cfg, kv_len=MAX_LEN)
     last, cache_b = forward_jit(params, ids[None], positions, KVCache.zeros(cfg, 1, MAX_LEN, jnp.float32), None,
-                                cfg=cfg, kv_len=MAX_LEN, logit_rows=np.array([11], np.int32))
+                                cfg=cfg, kv_len=MAX_LEN, logit_rows=np.array([PADDED_LEN - 1], np.int32))
     assert np.abs(np.asarray(full)[0, -1] - np.asarray(last)[0]).max() < TOL
     for a, b in zip(cache_a.k + cache_a.v, cache_b.k + cache_b.v):
         if a is not None:
