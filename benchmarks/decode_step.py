@@ -34,8 +34,8 @@ from model_worker.sampling import SamplingArrays  # noqa: E402
 
 def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "float32"):
     """(config, params) for the embedded model, a .gguf, or a checkpoint directory, at the worker's
-    `--matmul-precision` `precision` ("float32" or "bfloat16", see `params.with_bf16_matmuls`)."""
-    from model_worker.params import to_device, with_bf16_matmuls
+    `--matmul-precision` `precision` ("float32" or "bfloat16", see `params.for_matmul_precision`)."""
+    from model_worker.params import for_matmul_precision, to_device
 
     prepared = prepare(model, cache_dir)
     if prepared.kind == "checkpoint":
@@ -49,10 +49,7 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "floa
 
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))
-    params = to_device(cfg, flat, jnp.dtype(dtype))
-    if precision == "bfloat16":
-        params = with_bf16_matmuls(params)
-    return cfg, params
+    return for_matmul_precision(cfg, to_device(cfg, flat, jnp.dtype(dtype)), precision)
 
 
 def measure_bandwidth(nbytes: int = 1 << 30) -> float:

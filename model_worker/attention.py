@@ -169,6 +169,9 @@ def attention_block(
         q = q.reshape(q.shape[:2] + (cfg.num_heads, spec.head_dim))
         q = rope(rms_norm(q, lp.q_norm, cfg.rms_norm_eps), st.positions, spec)
         keys, vals, k_pos, in_place = st.sources[spec.kv_source]
+        if cfg.batch_invariant:
+            return attend_invariant(q, st, st.sources[spec.kv_source], cache, spec.kv_source, window, cfg.attn_scale,
+                                    q.dtype, kv_len)
         if in_place:
             return attend_in_place(q, cache, spec.kv_source, st.slots, st.positions, k_pos, window, cfg.attn_scale,
                                    q.dtype, kv_len)
@@ -339,3 +342,176 @@ def _attend_blocks(q, arrays, row, q_pos, block: int, bound: int, window, scale:
     _, l, acc = lax.fori_loop(0, blocks, body, init)
     out = (acc / l[..., None]).astype(q.dtype)  # [K, G, C, D]
     return out.transpose(2, 0, 1, 3).reshape(C, N * D)
+
+
+# ----- batch-invariant attention (`ModelConfig.batch_invariant`) -----------------------------------------------------
+# Every query's attention is the same sequence of operations whatever chunk, batch or program computes it: keys are
+# visited in blocks aligned to absolute positions (block b holds positions [b * T0, (b + 1) * T0), in position order
+# within the block), in ascending order, with an online softmax; scores and P·V are bfloat16 products with float32
+# sums (XLA CPU's bfloat16 GEMM computes each output row independently of the other rows and of their number:
+# tests/model_worker/test_batch_invariance.py pins it), and the softmax denominator is one more column of the P·V
+# product (a sum of the same rounded probabilities, not a separate reduction). Blocks that hold no visible key
+# change nothing bit for bit: before the first visible block they are erased by the rescale exp(-1e30 - m) = 0,
+# after it they add exact zeros with a rescale of exactly 1. So the result depends only on the visible keys.
+
+
+def invariant_block(ring: int) -> int:
+    """Keys per block of the batch-invariant sliding-layer loop: the largest power of two <= 256 dividing the ring
+    length (so each position block is a contiguous run of ring indices)."""
+    block = 256
+    while ring % block:
+        block //= 2
+    return block
+
+
+def _block_step(carry, q, keys, vals, k_pos, q_pos, window, scale):
+    """One key block of the batch-invariant online softmax.
+
+    Args:
+      carry: (m [K, G, C], acc [K, G, C, D + 1]) float32: running max and unnormalized output whose last column
+        is the running denominator.
+      q: [C, K, G, D] bfloat16; keys, vals: [T0, K, D] float; k_pos: [T0] positions held (a key is visible iff its
+        position is in the query's causal window); q_pos: [C].
+    """
+    m, acc = carry
+    s = jnp.einsum("ckgd,tkd->kgct", q, keys.astype(jnp.bfloat16), preferred_element_type=jnp.float32) * scale
+    visible = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] >= 0)
+    if window is not None:
+        visible &= q_pos[:, None] - k_pos[None, :] < window
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.exp(s - m_new[..., None]).astype(jnp.bfloat16)
+    ones = jnp.ones(vals.shape[:-1] + (1,), jnp.bfloat16)
+    v_ext = jnp.concatenate([vals.astype(jnp.bfloat16), ones], axis=-1)  # [T0, K, D + 1]
+    pv = jnp.einsum("kgct,tkd->kgcd", p, v_ext, preferred_element_type=jnp.float32)
+    return m_new, acc * jnp.exp(m - m_new)[..., None] + pv
+
+
+def attend_position_blocks(q, read_block, q_pos, first: jax.Array, count: jax.Array, block: int, window,
+                           scale: float, dtype) -> jax.Array:
+    """One batch row's batch-invariant attention (see the comment above).
+
+    Args:
+      q: [C, N, D] queries; q_pos: [C] int32 positions (-1 = padding).
+      read_block: b -> (keys [T0, K, D], values [T0, K, D], k_pos [T0]) for position block b (k_pos: the position
+        each entry holds, negative = empty; entries holding other positions are masked by position).
+      first, count: int32 scalars, the blocks [first, first + count) visited (any superset of the visible ones).
+      block: T0.
+    Returns:
+      [C, N*D] in `dtype`.
+    """
+    C, N, D = q.shape
+    keys0 = read_block(first)[0]
+    K = keys0.shape[1]
+    G = N // K
+    pad = 2 - C * G if C * G < 2 else 0  # one output row would take XLA's matrix-vector product, not the GEMM
+    qb = jnp.pad(q.astype(jnp.bfloat16), ((0, pad), (0, 0), (0, 0))).reshape(C + pad, K, G, D)
+    qp = jnp.pad(q_pos, (0, pad), constant_values=-1)
+
+    def body(b, carry):
+        keys, vals, k_pos = read_block(b)
+        # Only the block's own positions: a ring row can hold a later lap's key at the same index.
+        k_pos = jnp.where((k_pos >= b * block) & (k_pos < (b + 1) * block), k_pos, -1)
+        return _block_step(carry, qb, keys, vals, k_pos, qp, window, scale)
+
+    init = (jnp.full((K, G, C + pad), MASK_VALUE, jnp.float32), jnp.zeros((K, G, C + pad, D + 1), jnp.float32))
+    _, acc = lax.fori_loop(first, first + count, body, init)
+    out = (acc[..., :D] / acc[..., D:]).astype(dtype)  # [K, G, C, D]
+    return out.transpose(2, 0, 1, 3).reshape(C + pad, N * D)[:C]
+
+
+def _blocks_of(q_pos: jax.Array, block: int, window: int | None, limit: int) -> tuple[jax.Array, jax.Array]:
+    """(first, count) of the position blocks that can hold a key visible to queries at q_pos ([C], -1 = padding):
+    from the block of the earliest query's window start (0 without a window) to the latest query's block, at most
+    `limit` blocks."""
+    valid = q_pos >= 0
+    hi = jnp.max(jnp.where(valid, q_pos, 0))
+    lo = jnp.min(jnp.where(valid, q_pos, hi))
+    first = jnp.maximum(lo - window + 1, 0) // block if window is not None else jnp.int32(0)
+    count = jnp.minimum(hi // block - first + 1, limit)
+    return first.astype(jnp.int32), count.astype(jnp.int32)
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= cap that divides n."""
+    block = cap
+    while n % block:
+        block //= 2
+    return block
+
+
+def attend_invariant(q, st: BatchKV, source: tuple, cache: KVCache, src: int, window, scale: float, dtype,
+                     kv_len: int) -> jax.Array:
+    """Batch-invariant attention of a batch's queries (`attend_position_blocks` per batch row).
+
+    Args:
+      q: [B, C, N, D]; st: the batch (positions, start, slots).
+      source: the layer's `BatchKV.sources` entry (keys, values, k_pos, in place): keys/values [B, R + C, K, D]
+        gathered ring + chunk with k_pos [B, R + C] (a sliding chunk), or the cache read in place: k_pos [B, R]
+        for a sliding ring, None for a full layer.
+      cache, src: the KV cache and the KV-source layer (in-place reads).
+      kv_len: static; full layers read positions [0, kv_len) at most.
+    Returns:
+      [B, C, N*D] in `dtype`.
+    """
+    keys, vals, k_pos, in_place = source
+    rows = _batch_rows(st.slots, q.shape[0])
+    arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
+
+    def sliced(row, start, length):
+        return tuple(None if a is None else lax.dynamic_slice(a, (row, start) + (0,) * (a.ndim - 2),
+                                                              (1, length) + a.shape[2:])[0] for a in arrays)
+
+    if in_place and k_pos is None:  # a full layer: index = position
+        T = arrays[0].shape[1]
+        block = _pow2_divisor(T, KEY_BLOCK)
+        limit = -(-min(kv_len, T) // block)
+
+        def full(args):
+            qb, row, qp = args
+
+            def read(b):
+                k, v, ks, vs = sliced(row, b * block, block)
+                return dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype), b * block + jnp.arange(block)
+
+            first, count = _blocks_of(qp, block, None, limit)
+            return attend_position_blocks(qb, read, qp, first, count, block, window, scale, dtype)
+
+        return lax.map(full, (q, rows, st.positions))
+    if in_place:  # a sliding ring (decode)
+        R = k_pos.shape[1]
+        block = invariant_block(R)
+
+        def ring(args):
+            qb, row, qp, kp = args
+
+            def read(b):
+                at = (b * block) % R
+                k, v, ks, vs = sliced(row, at, block)
+                return (dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype),
+                        lax.dynamic_slice(kp, (at,), (block,)))
+
+            first, count = _blocks_of(qp, block, window, R // block + 1)
+            return attend_position_blocks(qb, read, qp, first, count, block, window, scale, dtype)
+
+        return lax.map(ring, (q, rows, st.positions, k_pos))
+    # A sliding chunk over its gathered ring + its own keys (the queries may be fewer than the chunk's keys: KV-shared
+    # layers compute only the rows whose logits are wanted).
+    R = arrays[0].shape[1]
+    C = keys.shape[1] - R
+    block = invariant_block(R)
+
+    def chunk(args):
+        qb, kb, vb, kp, qp, start = args
+
+        def read(b):
+            pos = b * block + jnp.arange(block, dtype=jnp.int32)
+            idx = jnp.where(pos >= start, R + pos - start, pos % R)
+            ok = pos < start + C
+            idx = jnp.where(ok, idx, 0)
+            return (jnp.take(kb, idx, axis=0), jnp.take(vb, idx, axis=0), jnp.where(ok, jnp.take(kp, idx), -1))
+
+        first, count = _blocks_of(qp, block, window, (R + C) // block + 2)
+        return attend_position_blocks(qb, read, qp, first, count, block, window, scale, dtype)
+
+    return lax.map(chunk, (q, keys, vals, k_pos, st.positions, st.start))

@@ -71,6 +71,9 @@ class ModelConfig:
       bos_token_id: beginning-of-sequence id.
       stop_token_ids: ids that end a sequence by default (EOS, end-of-turn).
       max_position_embeddings: the longest context the model was trained for.
+      batch_invariant: a compute choice, not a checkpoint fact (the worker sets it with its matmul precision):
+        attention in position-aligned key blocks with bfloat16 products (`attention.attend_invariant`), so that a
+        row's result does not depend on the rows computed with it.
     """
 
     name: str
@@ -91,6 +94,7 @@ class ModelConfig:
     bos_token_id: int = 2
     stop_token_ids: tuple[int, ...] = (1,)
     max_position_embeddings: int = 32768
+    batch_invariant: bool = False
 
     @property
     def num_layers(self) -> int:

@@ -15,13 +15,32 @@ from model_worker.params import LayerParams, Params
 from model_worker.quant import Bf16Weight, Int8Weight, bf16_linear, int8_linear, linear
 
 
+def fixed_order_sum(x: jax.Array) -> jax.Array:
+    """Σ over the last axis as a fixed tree of elementwise adds (halves added pairwise; an odd element joins the
+    last pair): [..., n] -> [...] float.
+
+    Why not `jnp.sum`: XLA CPU's reduction orders its terms differently for different shapes of the whole array
+    (a [4, 1, 640] and a [4, 64, 640] sum of squares differ in the last bit for the same row), which would make a
+    row's norm depend on the rows computed with it. Elementwise adds have one order, whatever the shape.
+    """
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        half = n // 2
+        y = x[..., :half] + x[..., half:2 * half]
+        if n % 2:
+            y = jnp.concatenate([y[..., :-1], y[..., -1:] + x[..., 2 * half:]], axis=-1)
+        x = y
+    return x[..., 0]
+
+
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
     """RMSNorm over the last axis, `x / sqrt(mean(x²) + eps) * w`, computed in float32, returned in x.dtype.
 
     `w` is the effective multiplier (see params.py); None means no weight (Gemma 4 v_norm).
     """
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    mean_square = fixed_order_sum(xf * xf)[..., None] / xf.shape[-1]
+    y = xf * jax.lax.rsqrt(mean_square + eps)
     if w is not None:
         y = y * w.astype(jnp.float32)
     return y.astype(x.dtype)

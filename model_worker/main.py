@@ -73,7 +73,7 @@ def load_engine(prepared, args: argparse.Namespace):
 
     from model_worker.config import config_from_dict
     from model_worker.engine import Engine, EngineConfig, enable_compilation_cache
-    from model_worker.params import to_device, with_bf16_matmuls
+    from model_worker.params import for_matmul_precision, to_device
     from model_worker.service import engine_facts
 
     backend = jax.default_backend()
@@ -91,7 +91,7 @@ def load_engine(prepared, args: argparse.Namespace):
         flat = load_file(str(prepared.dir / "model.safetensors"))
     params = to_device(cfg, flat, jnp.dtype(dtype))
     if args.matmul_precision == "bfloat16" and dtype == "float32":
-        params = with_bf16_matmuls(params)
+        cfg, params = for_matmul_precision(cfg, params, "bfloat16")
     elif args.matmul_precision == "bfloat16":
         log.info("--matmul-precision bfloat16 changes nothing with %s activations (their products already have "
                  "bfloat16 operands)", dtype)

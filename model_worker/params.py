@@ -238,3 +238,22 @@ def with_bf16_matmuls(params: Params) -> Params:
     if head is None:  # the table [V, H] is already the head's [out, in]
         head = Bf16Weight.of(embed) if isinstance(embed, Int8Weight) else Bf16Weight(embed.astype(jnp.bfloat16))
     return dataclasses.replace(params, layers=[convert(lp) for lp in params.layers], lm_head=head)
+
+
+
+def for_matmul_precision(cfg: ModelConfig, params: Params, precision: str) -> tuple[ModelConfig, Params]:
+    """The config and weights of a worker at `--matmul-precision` `precision`.
+
+    "bfloat16": `with_bf16_matmuls` and `ModelConfig.batch_invariant` (bfloat16 products with float32 sums
+    everywhere, attention in position-aligned key blocks), so that every row's logits are a function of that row
+    alone: a prefix hit equals a cold run and a seeded request repeats exactly, whatever it is batched with.
+    "float32": unchanged (exact weights, float32 products; batch shape changes the last bits).
+
+    Raises:
+      ValueError: an unknown precision.
+    """
+    if precision == "float32":
+        return cfg, params
+    if precision != "bfloat16":
+        raise ValueError(f"unknown matmul precision {precision!r} (float32 or bfloat16)")
+    return dataclasses.replace(cfg, batch_invariant=True), with_bf16_matmuls(params)

@@ -425,33 +425,24 @@ def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
       w: Bf16Weight [N, K].
       out_dtype: dtype of y, default x's (the LM head asks for float32).
     Returns:
-      [..., N]. Both paths below compute the same products, so a row's result differs between them only by float32
-      summation order (it does not depend on how many rows it is batched with). Through a whole model that is no
-      longer so: rounding to bfloat16 is discontinuous, so summation-order noise upstream flips the rounding of
-      some inputs downstream, and logits of different batch shapes differ by bfloat16-sized amounts (~0.1), as on
-      any bfloat16 server.
+      [..., N]. Each row of y is a function of that row of x alone, bit for bit: every call is one bfloat16 GEMM
+      (a single row is padded to two, since XLA's matrix-vector product sums in another order), and XLA CPU's
+      bfloat16 GEMM computes each output row independently of the other rows and of their number
+      (tests/model_worker/test_batch_invariance.py pins it). This is what makes `--matmul-precision bfloat16`
+      batch-invariant (docs/architecture.md); the price is a one-row product (a B=1 decode step's LM head) at
+      GEMM speed rather than a fused float32 matrix-vector product's (figures: docs/performance.md).
     Raises:
       ValueError: x's last axis is not K.
-
-    Paths: one bfloat16 GEMM with float32 accumulation, except for a single row of x on CPU (a B=1 decode step):
-    there XLA's bfloat16 matrix-vector product is many times slower than float32, so the whole weight is converted
-    to float32 (exactly) in front of a float32 product, which XLA CPU fuses into its matrix-vector loop (no float32
-    copy is made; row blocks under `lax.map`, as `int8_linear` uses, stop that fusion). Other platforms always take
-    the GEMM (not measured: no accelerator was available). On CPU this makes batched decode steps and prompt
-    chunks faster than float32 products on int8 weights and a B=1 step slightly slower (figures:
-    docs/performance.md).
     """
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"bf16_linear: x has {x.shape[-1]} features, weight expects {k}")
     lead = x.shape[:-1]
     xb = x.reshape(-1, k).astype(jnp.bfloat16)
-    gemm = lambda xb, wb: lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    if xb.shape[0] == 1:
-        one_row = lambda xb, wb: _matmul_t(xb.astype(jnp.float32), wb.astype(jnp.float32))
-        y = lax.platform_dependent(xb, w.w, cpu=one_row, default=gemm)
-    else:
-        y = gemm(xb, w.w)
+    rows = xb.shape[0]
+    if rows == 1:  # XLA's matrix-vector product sums in another order than its GEMM: keep every row on the GEMM
+        xb = jnp.concatenate([xb, jnp.zeros_like(xb)])
+    y = lax.dot_general(xb, w.w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:rows]
     return y.astype(out_dtype or x.dtype).reshape(*lead, n)
 
 

@@ -1,0 +1,158 @@
+"""Batch invariance at bfloat16 matmul precision (`params.for_matmul_precision(..., "bfloat16")`): a row's logits
+are bit-identical however it is computed - alone or next to other rows in a decode step, inside a prompt chunk at
+any alignment (a prefix hit against a cold run), or in a mixed step - for the embedded Gemma 3 and the tiny Gemma 4
+configs (sliding and full layers, KV sharing, PLE). Equality is exact (`np.array_equal`), not within a tolerance.
+
+The kernel-level tests pin what the design relies on (docs/architecture.md, "Batch invariance"): XLA CPU's
+bfloat16 GEMM computes each output row independently of the other rows and of their number (from 2 rows up),
+and `layers.fixed_order_sum` is one order whatever the array's shape.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from model_worker import model
+from model_worker.hf_loader import load_checkpoint
+from model_worker.kv_cache import KVCache
+from model_worker.layers import fixed_order_sum
+from model_worker.params import for_matmul_precision, to_device
+from tests.gemma4_tiny import CONFIGS, write_checkpoint
+
+SLOTS = 4
+
+
+@pytest.mark.parametrize("n,k", [(1024, 640), (640, 2048), (300, 256)])
+def test_bf16_gemm_rows_do_not_depend_on_the_other_rows(n, k):
+    """Row 0 of x Wᵀ (bfloat16 operands, float32 sums) is bit-identical for 2 to 64 rows, with random neighbours,
+    and at another row index: the property every product of the batch-invariant path relies on. (One row takes
+    XLA's matrix-vector product, which sums in another order: `quant.bf16_linear` pads it to two.)"""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((n, k), np.float32)).astype(jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((64, k), np.float32)).astype(jnp.bfloat16)
+    dot = jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
+    ref = np.asarray(dot(x[:2], w))[0]
+    for m in (2, 3, 8, 17, 64):
+        others = jnp.asarray(rng.standard_normal((m - 1, k), np.float32)).astype(jnp.bfloat16)
+        assert np.array_equal(np.asarray(dot(jnp.concatenate([x[:1], others]), w))[0], ref), m
+        assert np.array_equal(np.asarray(dot(jnp.concatenate([others, x[:1]]), w))[-1], ref), m
+
+
+def test_fixed_order_sum_is_one_order_for_every_shape():
+    """The same row summed inside arrays of different shapes gives the same bits, close to float64's sum."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((4, 64, 640), np.float32) * 3)
+    f = jax.jit(fixed_order_sum)
+    whole = np.asarray(f(x))
+    for rows, cols in [(1, 1), (4, 1), (1, 64), (2, 7)]:
+        assert np.array_equal(np.asarray(f(x[:rows, :cols])), whole[:rows, :cols])
+    np.testing.assert_allclose(whole, np.asarray(x, np.float64).sum(-1), rtol=1e-5, atol=1e-4)
+    for n in (1, 2, 5, 257):
+        y = rng.standard_normal((3, n)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(f(jnp.asarray(y))), y.astype(np.float64).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+class Runner:
+    """Drives `model.forward_batches` on one cache: prompt chunks of one slot, decode steps, mixed steps."""
+
+    def __init__(self, cfg, params, max_len: int, chunk: int, slack: int):
+        self.cfg, self.params, self.max_len, self.chunk, self.slack = cfg, params, max_len, chunk, slack
+        self.step = jax.jit(functools.partial(model.forward_batches, cfg=cfg, kv_len=max_len), donate_argnums=2)
+
+    def cache(self) -> KVCache:
+        return KVCache.zeros(self.cfg, SLOTS, self.max_len, jnp.float32, slack=self.slack)
+
+    def chunk_batch(self, ids, start: int, slot: int) -> model.Batch:
+        toks = np.zeros((1, self.chunk), np.int32)
+        pos = np.full((1, self.chunk), -1, np.int32)
+        toks[0, :len(ids)] = ids
+        pos[0, :len(ids)] = np.arange(start, start + len(ids))
+        return model.Batch(jnp.asarray(toks), jnp.asarray(pos), jnp.asarray([slot], jnp.int32),
+                           jnp.asarray([len(ids) - 1], jnp.int32))
+
+    @staticmethod
+    def decode_batch(tokens, positions, slots) -> model.Batch:
+        col = lambda v: jnp.asarray(np.asarray(v, np.int32)[:, None])
+        return model.Batch(col(tokens), col(positions), jnp.asarray(slots, jnp.int32),
+                           jnp.zeros(len(slots), jnp.int32))
+
+    def run(self, cache, *batches):
+        logits, cache = self.step(self.params, batches, cache)
+        return [np.asarray(lg) for lg in logits], cache
+
+    def prefill(self, cache, ids, slot: int, start: int = 0, end: int | None = None):
+        """Chunks of ids[start:end] (positions start..): the last chunk's last-token logits [V] and the cache."""
+        end = len(ids) if end is None else end
+        logits = None
+        while start < end:
+            piece = ids[start:min(start + self.chunk, end)]
+            (logits,), cache = self.run(cache, self.chunk_batch(piece, start, slot))
+            logits = logits[0]
+            start += len(piece)
+        return logits, cache
+
+
+def check_invariance(runner: Runner, n: int, decode: int, split: int, seed: int = 0) -> None:
+    """The logits of token n-1 of one sequence, computed six ways, are bit-identical."""
+    rng = np.random.default_rng(seed)
+    vocab = runner.cfg.vocab_size
+    ids = rng.integers(3, vocab, n).astype(np.int32)
+    others = [rng.integers(3, vocab, n).astype(np.int32) for _ in range(SLOTS - 1)]
+    lens = [n - decode - 3, n // 2, n - decode - 1]
+
+    cold, _ = runner.prefill(runner.cache(), ids, 0)  # one sequence, chunks from position 0
+
+    cache = runner.cache()  # the prompt as a prefix hit: chunks from another position (another alignment)
+    _, cache = runner.prefill(cache, ids, 0, 0, split)
+    hit, _ = runner.prefill(cache, ids, 0, split)
+
+    cache = runner.cache()  # the last tokens as decode steps, alone
+    _, cache = runner.prefill(cache, ids, 0, 0, n - decode)
+    for pos in range(n - decode, n):
+        (alone,), cache = runner.run(cache, runner.decode_batch([ids[pos]], [pos], [0]))
+
+    cache = runner.cache()  # ... and next to three other sequences (this one in the middle of the batch)
+    for slot, (other, length) in enumerate(zip(others, lens), start=1):
+        _, cache = runner.prefill(cache, other, slot, 0, length)
+    _, cache = runner.prefill(cache, ids, 0, 0, n - decode)
+    for i, pos in enumerate(range(n - decode, n)):
+        toks = [others[0][lens[0] + i], ids[pos], others[1][lens[1] + i], others[2][lens[2] + i]]
+        (batched,), cache = runner.run(cache, runner.decode_batch(toks, [lens[0] + i, pos, lens[1] + i, lens[2] + i],
+                                                                  [1, 0, 2, 3]))
+
+    cache = runner.cache()  # the last chunk in a mixed step with the others' decode tokens
+    for slot, (other, length) in enumerate(zip(others, lens), start=1):
+        _, cache = runner.prefill(cache, other, slot, 0, length)
+    last = (n - 1) // runner.chunk * runner.chunk
+    _, cache = runner.prefill(cache, ids, 0, 0, last)
+    toks = [o[length] for o, length in zip(others, lens)]
+    (mixed, _), _ = runner.run(cache, runner.chunk_batch(ids[last:], last, 0),
+                               runner.decode_batch(toks, lens, [1, 2, 3]))
+
+    assert np.isfinite(cold).all() and np.abs(cold).max() > 0
+    for name, row in [("prefix hit", hit), ("decode alone", alone[0]), ("decode batched", batched[1]),
+                      ("mixed step", mixed[0])]:
+        assert np.array_equal(row, cold), (name, float(np.abs(row - cold).max()))
+
+
+def test_embedded_model_rows_are_batch_invariant(gemma3):
+    """Gemma 3 270M at bfloat16 matmul precision: 600 tokens (past the 512-token sliding window), chunks of 64."""
+    cfg, params = for_matmul_precision(*gemma3, "bfloat16")
+    runner = Runner(cfg, params, max_len=1024, chunk=64, slack=64)
+    check_invariance(runner, n=600, decode=3, split=100)
+
+
+@pytest.mark.parametrize("name,chunk", [("kv-shared-ple", 16), ("k-eq-v", 8)])
+def test_tiny_gemma4_rows_are_batch_invariant(name, chunk, tmp_path):
+    """The tiny Gemma 4 configs (window 8, ring 12; full and KV-shared layers, PLE, k_eq_v): 45 tokens, in chunks
+    longer than the ring (16: whole-ring rewrites) or window-sized (8: ring scatters)."""
+    write_checkpoint(CONFIGS[name], tmp_path)
+    cfg, flat = load_checkpoint(tmp_path, jnp.float32)
+    cfg, params = for_matmul_precision(cfg, to_device(cfg, flat, jnp.float32), "bfloat16")
+    check_invariance(Runner(cfg, params, max_len=64, chunk=chunk, slack=4), n=45, decode=4, split=13)
