@@ -41,6 +41,7 @@ slows down several-fold when anything else competes for them.
   python benchmarks/agent_fleet.py --base-url http://127.0.0.1:8000/v1 --model gemma-3-270m
   python benchmarks/agent_fleet.py --agents 1 8 --quick --json /tmp/fleet.json
   benchmarks/llama_cpp_server.sh bench 1 8 -- --quick         # the same against llama.cpp
+  python benchmarks/agent_fleet.py --compare --agents 1 8 --quick   # ours, then llama.cpp, and the ratios
 """
 
 from __future__ import annotations
@@ -713,6 +714,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--all-turns", action="store_true", help="print every turn (default: first/quartiles/last)"
     )
     p.add_argument("--label", default="", help="free-form label stored in the JSON (e.g. the server's name)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="start our stack (gemma-serve up), run the fleet sizes, stop it; then the same against llama.cpp "
+        "(benchmarks/llama_cpp_server.sh, built on first use); print ours / llama.cpp ratios "
+        "(benchmarks/fleet_compare.py). --base-url is ignored",
+    )
+    p.add_argument(
+        "--ours-args",
+        default="--num-slots 16",
+        help="with --compare: extra `gemma-serve up` flags (e.g. \"--num-slots 16 --matmul-precision bfloat16\")",
+    )
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="with --compare: seconds for our stack")
+    p.add_argument("--compare-dir", default=None, help="with --compare: where the JSONs and the table go "
+                   "[benchmarks/.compare/<time>]")
     return p.parse_args(argv)
 
 
@@ -761,7 +777,13 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
-    return asyncio.run(main_async(parse_args(argv)))
+    args = parse_args(argv)
+    if args.compare:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+        from fleet_compare import compare
+
+        return compare(args)
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

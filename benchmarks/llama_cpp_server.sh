@@ -94,10 +94,12 @@ build() {
   fetch_source
   local t0 t1
   t0=$(date +%s)
+  # AMX off: GGML_NATIVE enables it on a CPU that advertises it, and a VM that does not enable the AMX tiles then
+  # kills llama-server with SIGILL in an AMX kernel (seen on a 2-vCPU Xeon).
   # LLAMA_CURL is deprecated in recent llama.cpp (warning only); HTTPS and the web UI are not needed, and the
   # prebuilt web UI would be downloaded from Hugging Face, so both are off.
   cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
   cmake --build "$BUILD" --config Release --target llama-server -j "$JOBS" >&2

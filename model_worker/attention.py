@@ -158,6 +158,8 @@ def attention_block(
         v_raws = k_raws if spec.k_eq_v else joint(lambda h: linear(h, lp.v), hs)
         int8 = cache.k_scale[i] is not None
         new = [_kv_from_raw(lp, spec, k, v, st.positions, int8, cfg) for k, v, st in zip(k_raws, v_raws, batches)]
+        if not int8 and cache.k[i].dtype != new[0][0].dtype:  # a bfloat16 store (`kv_cache.storage_dtype`)
+            new = [(k.astype(cache.k[i].dtype), v.astype(cache.k[i].dtype), None, None) for k, v, _, _ in new]
         for st, kv in zip(batches, new):
             if spec.attention == "sliding" and st.chunk > 1:
                 _gather_ring(cache, i, kv, st, hs[0].dtype)

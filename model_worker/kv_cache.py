@@ -65,10 +65,10 @@ class KVCache:
     def zeros(
         cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype, int8: bool = False, slack: int = 0
     ) -> KVCache:
-        """An all-zero cache for `num_slots` sequences of up to `max_len` positions (int8 + scales if `int8`;
-        sliding rings of window + `slack` positions)."""
+        """An all-zero cache for `num_slots` sequences of up to `max_len` positions (stored as `storage_dtype`:
+        int8 + scales if `int8`; sliding rings of window + `slack` positions)."""
         shapes = cls.shapes(cfg, num_slots, max_len, slack)
-        store = jnp.int8 if int8 else dtype
+        store = storage_dtype(cfg, dtype, int8)
         k = [None if s is None else jnp.zeros(s, store) for s in shapes]
         v = [None if s is None else jnp.zeros(s, store) for s in shapes]
         k_scale = [None if s is None or not int8 else jnp.zeros(s[:-1], jnp.float32) for s in shapes]
@@ -207,3 +207,12 @@ def write_rings(cache: KVCache, deferred: list, anchor, positions, start, n_vali
             else:
                 rows_value = _update_ring(old, after_value(chunk, anchor), start, n_valid)
                 arrays[i] = _set_rows(arrays[i], rows_value, slots)
+
+
+def storage_dtype(cfg: ModelConfig, dtype, int8: bool):
+    """The dtype K and V are stored in: int8 with `int8`; bfloat16 when `cfg.batch_invariant` (its attention reads
+    them only as bfloat16, so storing them rounded gives the same results at half the bytes and without a
+    conversion per read); else the activation dtype."""
+    if int8:
+        return jnp.int8
+    return jnp.bfloat16 if cfg.batch_invariant else jnp.dtype(dtype)

@@ -138,7 +138,7 @@ def engine_facts(cfg: ModelConfig, ecfg: EngineConfig) -> dict[str, object]:
         "sliding_window": cfg.sliding_window if sliding else 0,
         "prefix_caching": True,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "kv_cache_dtype": "int8" if ecfg.kv_int8 else ecfg.dtype,
+        "kv_cache_dtype": "int8" if ecfg.kv_int8 else "bfloat16" if cfg.batch_invariant else ecfg.dtype,
         "prefill_chunks": sorted(ecfg.prefill_chunks),
     }
 

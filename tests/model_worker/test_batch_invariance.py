@@ -65,8 +65,10 @@ class Runner:
         self.cfg, self.params, self.max_len, self.chunk, self.slack = cfg, params, max_len, chunk, slack
         self.step = jax.jit(functools.partial(model.forward_batches, cfg=cfg, kv_len=max_len), donate_argnums=2)
 
-    def cache(self) -> KVCache:
-        return KVCache.zeros(self.cfg, SLOTS, self.max_len, jnp.float32, slack=self.slack)
+    def cache(self, store=None) -> KVCache:
+        """An empty cache (K/V stored as `kv_cache.storage_dtype`, bfloat16 here; `store` overrides it)."""
+        cache = KVCache.zeros(self.cfg, SLOTS, self.max_len, jnp.float32, slack=self.slack)
+        return cache if store is None else jax.tree.map(lambda a: a.astype(store), cache)
 
     def chunk_batch(self, ids, start: int, slot: int) -> model.Batch:
         toks = np.zeros((1, self.chunk), np.int32)
@@ -107,6 +109,8 @@ def check_invariance(runner: Runner, n: int, decode: int, split: int, seed: int 
     lens = [n - decode - 3, n // 2, n - decode - 1]
 
     cold, _ = runner.prefill(runner.cache(), ids, 0)  # one sequence, chunks from position 0
+    # K/V stored in float32 instead: attention reads them as bfloat16 either way
+    stored_f32, _ = runner.prefill(runner.cache(jnp.float32), ids, 0)
 
     cache = runner.cache()  # the prompt as a prefix hit: chunks from another position (another alignment)
     _, cache = runner.prefill(cache, ids, 0, 0, split)
@@ -136,7 +140,7 @@ def check_invariance(runner: Runner, n: int, decode: int, split: int, seed: int 
                                runner.decode_batch(toks, lens, [1, 2, 3]))
 
     assert np.isfinite(cold).all() and np.abs(cold).max() > 0
-    for name, row in [("prefix hit", hit), ("decode alone", alone[0]), ("decode batched", batched[1]),
+    for name, row in [("float32 K/V storage", stored_f32), ("prefix hit", hit), ("decode alone", alone[0]), ("decode batched", batched[1]),
                       ("mixed step", mixed[0])]:
         assert np.array_equal(row, cold), (name, float(np.abs(row - cold).max()))
 

@@ -1,0 +1,145 @@
+"""`agent_fleet.py --compare`: the same fleet workload against our stack and llama.cpp's llama-server, one right
+after the other on this machine, then a table of ratios (ours / llama.cpp).
+
+Ours: `gemma-serve up` on the embedded model (plus `--ours-args`), started once, every fleet size run against it,
+then stopped. llama.cpp: `benchmarks/llama_cpp_server.sh bench N ...` (built on first use; one server per N,
+since llama-server's slot count is fixed at start). Each side runs `agent_fleet.py` as a subprocess with the same
+workload flags and writes its JSON; the ratios come from those files. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+# Workload flags passed through unchanged to both sides (agent_fleet.py's own names).
+WORKLOAD_FLAGS = ("turns", "tool_tokens", "short_tokens", "long_tokens", "long_frac", "quick", "seed",
+                  "slo_ttft", "slo_tpot", "no_cache_bust", "request_timeout")
+# The figures the ratio table compares: (summary key, column title, higher is better).
+COLUMNS = (("output_tok_s", "out tok/s", True), ("goodput_tok_s", "good tok/s", True),
+           ("ttft_p50", "TTFT p50", False), ("tpot_p50", "TPOT p50", False), ("itl_p99", "ITL p99", False))
+
+
+def workload_argv(args) -> list[str]:
+    """The workload flags of `args` (an agent_fleet.py namespace) as a command line."""
+    out = []
+    for name in WORKLOAD_FLAGS:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Poll `url` until it answers 200; raise if the process exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def run_ours(args, out_dir: pathlib.Path) -> pathlib.Path:
+    """Start `gemma-serve up` (free ports, `--ours-args`), run every fleet size against it, stop it; returns the
+    JSON path."""
+    ports = {flag: _free_port() for flag in ("--http-port", "--gateway-grpc-port", "--tokenizer-port",
+                                              "--worker-port", "--worker-metrics-port")}
+    cmd = [sys.executable, "-m", "gemma_serve.cli", "up", *(x for kv in ports.items() for x in map(str, kv)),
+           *shlex.split(args.ours_args)]
+    log = (out_dir / "ours-server.log").open("w")
+    print(f"[compare] ours: {' '.join(cmd)} (log: {log.name})", flush=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{ports['--http-port']}"
+    try:
+        _wait_ready(base + "/health", proc, args.startup_timeout)
+        out = out_dir / "ours.json"
+        subprocess.run([sys.executable, str(HERE / "agent_fleet.py"), "--base-url", base + "/v1", "--model",
+                        args.model, "--agents", *map(str, args.agents), "--label", f"gemma-serve {args.ours_args}",
+                        "--json", str(out), *workload_argv(args)], check=False)
+        return out
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_llama(args, out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """`llama_cpp_server.sh bench N... -- workload` with its results in out_dir; returns the JSON paths."""
+    env = dict(os.environ, RESULTS_DIR=str(out_dir), PYTHON=sys.executable)
+    cmd = [str(HERE / "llama_cpp_server.sh"), "bench", *map(str, args.agents), "--", *workload_argv(args)]
+    print(f"[compare] llama.cpp: {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, cwd=REPO, env=env, check=False)
+    return [out_dir / f"llama_cpp_N{n}.json" for n in args.agents]
+
+
+def summaries(paths: list[pathlib.Path]) -> dict[int, dict]:
+    """Fleet size -> its overall summary, from agent_fleet.py JSON files (missing files are skipped)."""
+    out = {}
+    for path in paths:
+        if path.exists():
+            for run in json.loads(path.read_text())["runs"]:
+                out[run["agents"]] = run["summary"]["overall"]
+    return out
+
+
+def ratio_table(ours: dict[int, dict], llama: dict[int, dict]) -> str:
+    """Per fleet size, each figure for both servers and ours / llama.cpp (times in ms)."""
+    head = f"{'N':>3} " + " ".join(f"{title:>26}" for _, title, _ in COLUMNS)
+    sub = "    " + " ".join(f"{'ours':>8} {'llama':>8} {'ratio':>8}" for _ in COLUMNS)
+    lines = [head, sub]
+    for n in sorted(set(ours) | set(llama)):
+        cells = []
+        for key, _, higher in COLUMNS:
+            a, b = (ours.get(n) or {}).get(key), (llama.get(n) or {}).get(key)
+            scale = 1.0 if higher else 1e3
+            fmt = lambda v: "-" if v is None else f"{v * scale:.1f}"
+            ratio = "-" if a is None or b is None or not b else f"{a / b:.2f}x"
+            cells.append(f"{fmt(a):>8} {fmt(b):>8} {ratio:>8}")
+        lines.append(f"{n:>3} " + " ".join(cells))
+    lines.append("ratio = ours / llama.cpp (for tok/s higher is better, for times lower is better)")
+    return "\n".join(lines)
+
+
+def compare(args) -> int:
+    """Run both sides (ours first), print the table, write both JSONs and the table under --compare-dir."""
+    out_dir = pathlib.Path(args.compare_dir or REPO / "benchmarks" / ".compare" / time.strftime("%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ours = summaries([run_ours(args, out_dir)])
+    llama = summaries(run_llama(args, out_dir))
+    table = ratio_table(ours, llama)
+    print("\n== ours vs llama.cpp, same workload, one after the other\n" + table)
+    (out_dir / "compare.txt").write_text(table + "\n")
+    print(f"wrote {out_dir}")
+    return 0 if ours and llama else 1
