@@ -169,7 +169,7 @@ def attention_block(
     def attention(s: int) -> jax.Array:
         q, st = qs[s], batches[s]
         q = q.reshape(q.shape[:2] + (cfg.num_heads, spec.head_dim))
-        q = rope(rms_norm(q, lp.q_norm, cfg.rms_norm_eps), st.positions, spec)
+        q = rope(rms_norm(q, lp.q_norm, cfg), st.positions, spec)
         keys, vals, k_pos, in_place = st.sources[spec.kv_source]
         if cfg.batch_invariant:
             return attend_invariant(q, st, st.sources[spec.kv_source], cache, spec.kv_source, window, cfg.attn_scale,
@@ -241,12 +241,11 @@ def _kv_from_raw(lp, spec: LayerSpec, k_raw, v_raw, positions, int8: bool, cfg):
     v_scale), scales [B, C, K] float32 or None."""
     B, C = k_raw.shape[:2]
     D, K = spec.head_dim, spec.num_kv_heads
-    eps = cfg.rms_norm_eps
     k_raw = k_raw.reshape(B, C, K, D)
-    k = rope(rms_norm(k_raw, lp.k_norm, eps), positions, spec)
+    k = rope(rms_norm(k_raw, lp.k_norm, cfg), positions, spec)
     v = v_raw.reshape(B, C, K, D)
     if cfg.v_norm:
-        v = rms_norm(v, None, eps)
+        v = rms_norm(v, None, cfg)
     if not int8:
         return k, v, None, None
     (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)

@@ -33,14 +33,18 @@ def fixed_order_sum(x: jax.Array) -> jax.Array:
     return x[..., 0]
 
 
-def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array | None, cfg: ModelConfig) -> jax.Array:
     """RMSNorm over the last axis, `x / sqrt(mean(x²) + eps) * w`, computed in float32, returned in x.dtype.
 
-    `w` is the effective multiplier (see params.py); None means no weight (Gemma 4 v_norm).
+    `w` is the effective multiplier (see params.py); None means no weight (Gemma 4 v_norm). eps is
+    `cfg.rms_norm_eps`; with `cfg.batch_invariant` the sum of squares is `fixed_order_sum` (one order for every
+    array shape), else XLA's reduction (cheaper to compile: the fixed tree made the embedded model's programs
+    ~17% slower to compile).
     """
     xf = x.astype(jnp.float32)
-    mean_square = fixed_order_sum(xf * xf)[..., None] / xf.shape[-1]
-    y = xf * jax.lax.rsqrt(mean_square + eps)
+    squares = xf * xf
+    total = fixed_order_sum(squares) if cfg.batch_invariant else jnp.sum(squares, axis=-1)
+    y = xf * jax.lax.rsqrt(total[..., None] / xf.shape[-1] + cfg.rms_norm_eps)
     if w is not None:
         y = y * w.astype(jnp.float32)
     return y.astype(x.dtype)
@@ -79,15 +83,15 @@ def per_layer_inputs(params: Params, tokens: jax.Array, x: jax.Array, cfg: Model
     ids = jnp.where(tokens < cfg.ple_vocab, tokens, 0)
     token_part = jnp.take(params.ple_embed, ids, axis=0) * jnp.asarray(P**0.5, x.dtype)
     context = linear(x, params.ple_proj) * jnp.asarray(H**-0.5, x.dtype)
-    context = rms_norm(context.reshape(B, C, L, P), params.ple_norm, cfg.rms_norm_eps)
+    context = rms_norm(context.reshape(B, C, L, P), params.ple_norm, cfg)
     return (context + token_part.reshape(B, C, L, P)) * jnp.asarray(2**-0.5, x.dtype)
 
 
-def ple_block(lp: LayerParams, x: jax.Array, pli: jax.Array, eps: float) -> jax.Array:
+def ple_block(lp: LayerParams, x: jax.Array, pli: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The per-layer-input residual branch: post_norm(proj(gelu_tanh(gate(x)) * pli)); x [B, C, H], pli
     [B, C, P] -> [B, C, H]."""
     h = jax.nn.gelu(linear(x, lp.ple_gate), approximate=True) * pli
-    return rms_norm(linear(h, lp.ple_proj), lp.ple_post_norm, eps)
+    return rms_norm(linear(h, lp.ple_proj), lp.ple_post_norm, cfg)
 
 
 def embed_rows(embed: jax.Array | Int8Weight, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:

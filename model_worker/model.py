@@ -107,7 +107,6 @@ def forward_batches(
     if len({b.logit_rows is None for b in batches}) != 1:
         raise ValueError("forward_batches: either every batch has logit_rows or none has")
     dtype = params.final_norm.dtype  # the activation dtype (the embedding may be stored as Int8Weight)
-    eps = cfg.rms_norm_eps
     states = [BatchKV.of(b.positions, b.slots) for b in batches]
     xs = [embed_rows(params.embed, b.tokens, dtype) * jnp.asarray(cfg.embed_scale, dtype) for b in batches]
     with jax.named_scope("per_layer_inputs"):
@@ -124,15 +123,15 @@ def forward_batches(
                 plis[s] = _pick(plis[s], b.logit_rows) if plis[s] is not None else None
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
-                hs = [rms_norm(x, lp.input_norm, eps) for x in xs]
+                hs = [rms_norm(x, lp.input_norm, cfg) for x in xs]
                 attn = attention_block(lp, spec, i, hs, states, cache, kv_len, cfg)
-                xs = [x + rms_norm(a, lp.post_attn_norm, eps) for x, a in zip(xs, attn)]
+                xs = [x + rms_norm(a, lp.post_attn_norm, cfg) for x, a in zip(xs, attn)]
             with jax.named_scope("mlp"):
-                ffw = joint(functools.partial(mlp, lp), [rms_norm(x, lp.pre_ffw_norm, eps) for x in xs])
-                xs = [x + rms_norm(f, lp.post_ffw_norm, eps) for x, f in zip(xs, ffw)]
+                ffw = joint(functools.partial(mlp, lp), [rms_norm(x, lp.pre_ffw_norm, cfg) for x in xs])
+                xs = [x + rms_norm(f, lp.post_ffw_norm, cfg) for x, f in zip(xs, ffw)]
             if cfg.ple_dim:
                 with jax.named_scope("per_layer_input"):
-                    xs = [x + ple_block(lp, x, pli[:, :, i], eps) for x, pli in zip(xs, plis)]
+                    xs = [x + ple_block(lp, x, pli[:, :, i], cfg) for x, pli in zip(xs, plis)]
             if cfg.layer_scalar:
                 xs = [x * lp.layer_scalar.astype(x.dtype) for x in xs]
     with jax.named_scope("write_rings"):
@@ -153,7 +152,7 @@ def _pick(a: jax.Array, rows: jax.Array) -> jax.Array:
 def _logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm, tied LM head and optional soft cap: x [..., H] -> logits float32 [..., V]."""
     head = params.embed if params.lm_head is None else params.lm_head
-    logits = lm_head(rms_norm(x, params.final_norm, cfg.rms_norm_eps), head)
+    logits = lm_head(rms_norm(x, params.final_norm, cfg), head)
     if cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits
