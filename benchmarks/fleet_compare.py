@@ -114,6 +114,11 @@ def summaries(paths: list[pathlib.Path]) -> dict[int, dict]:
     return out
 
 
+def _cell(value: float | None, rate: bool) -> str:
+    """A rate as is, a time in ms, or '-' when missing."""
+    return "-" if value is None else f"{value * (1.0 if rate else 1e3):.1f}"
+
+
 def ratio_table(ours: dict[int, dict], llama: dict[int, dict]) -> str:
     """Per fleet size, each figure for both servers and ours / llama.cpp (times in ms)."""
     head = f"{'N':>3} " + " ".join(f"{title:>26}" for _, title, _ in COLUMNS)
@@ -123,10 +128,8 @@ def ratio_table(ours: dict[int, dict], llama: dict[int, dict]) -> str:
         cells = []
         for key, _, higher in COLUMNS:
             a, b = (ours.get(n) or {}).get(key), (llama.get(n) or {}).get(key)
-            scale = 1.0 if higher else 1e3
-            fmt = lambda v: "-" if v is None else f"{v * scale:.1f}"
             ratio = "-" if a is None or b is None or not b else f"{a / b:.2f}x"
-            cells.append(f"{fmt(a):>8} {fmt(b):>8} {ratio:>8}")
+            cells.append(f"{_cell(a, higher):>8} {_cell(b, higher):>8} {ratio:>8}")
         lines.append(f"{n:>3} " + " ".join(cells))
     lines.append("ratio = ours / llama.cpp (for tok/s higher is better, for times lower is better)")
     return "\n".join(lines)

@@ -86,6 +86,7 @@ UNIT_ORDER = (
     "tests/tokenizer_svc/test_gguf_tokenizer.py",  # 15 s
     "tests/model_worker/test_gemma3_numerics.py",  # 140 s
     "tests/model_worker/test_mixed_step.py",  # 146 s
+    "tests/model_worker/test_batch_invariance.py",  # 100 s
     "tests/model_worker/test_gemma4_numerics.py",  # 37 s
     "tests/model_worker/test_engine_batching.py",  # 34 s
     "tests/model_worker/test_sampling.py",  # 22 s
