@@ -32,9 +32,10 @@ from model_worker.engine import Engine, EngineConfig, enable_compilation_cache  
 from model_worker.sampling import SamplingArrays  # noqa: E402
 
 
-def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "float32"):
+def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "float32", invariant: bool = False):
     """(config, params) for the embedded model, a .gguf, or a checkpoint directory, at the worker's
-    `--matmul-precision` `precision` ("float32" or "bfloat16", see `params.for_matmul_precision`)."""
+    `--matmul-precision` `precision` ("float32" or "bfloat16") and `--batch-invariant` `invariant` (see
+    `params.for_matmul_precision`)."""
     from model_worker.params import for_matmul_precision, to_device
 
     prepared = prepare(model, cache_dir)
@@ -49,7 +50,7 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "floa
 
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))
-    return for_matmul_precision(cfg, to_device(cfg, flat, jnp.dtype(dtype)), precision)
+    return for_matmul_precision(cfg, to_device(cfg, flat, jnp.dtype(dtype)), precision, invariant)
 
 
 def measure_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--matmul-precision", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch-invariant", action="store_true", help="with --matmul-precision bfloat16")
     parser.add_argument("--kv-int8", action="store_true")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--kv", type=int, nargs="+", default=[512, 2048, 8192])
@@ -101,7 +103,8 @@ def main() -> None:
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))
-    cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir), args.matmul_precision)
+    cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir), args.matmul_precision,
+                       args.batch_invariant)
     slots = max(args.batches)
     kv_buckets = sorted(set(args.kv))
     ecfg = EngineConfig(num_slots=slots, max_model_len=max(kv_buckets), prefill_chunks=(min(kv_buckets),),

@@ -57,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--matmul-precision", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch-invariant", action="store_true", help="with --matmul-precision bfloat16")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--position", type=int, default=1500)
@@ -68,7 +69,8 @@ def main() -> None:
     backend = jax.default_backend()
     dtype = "float32" if backend == "cpu" else "bfloat16"
     enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))
-    cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir), args.matmul_precision)
+    cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir), args.matmul_precision,
+                       args.batch_invariant)
     ecfg = EngineConfig(num_slots=max(args.batches) + 1, max_model_len=args.max_model_len,
                         prefill_chunks=(args.chunk,), dtype=dtype)
     engine = Engine(cfg, params, ecfg)

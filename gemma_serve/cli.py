@@ -110,12 +110,18 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "--matmul-precision",
         default="float32",
         choices=["float32", "bfloat16"],
-        help="precision of every product with float32 activations (projections, LM head, attention): bfloat16 "
-        "rounds the weights once and each operand to bfloat16 and sums in float32 (as TPUs and GPU servers do), "
-        "batch-invariantly: a row's logits are bit-identical whatever it is batched with, so prefix hits equal "
-        "cold runs and seeded requests repeat exactly; faster mixed and batched steps on CPU, a slower one-row "
-        "decode step, more weight memory, logits close to but not equal to float32's (measured figures: "
-        "docs/performance.md); float32 multiplies the exact weights (default: %(default)s)",
+        help="precision of the layer projections' and LM head's products with float32 activations: bfloat16 "
+        "rounds the weights once and each input row to bfloat16 and sums in float32 (as TPUs and GPU servers do): "
+        "faster batched and prompt steps on CPU for more weight memory, logits close to but not equal to "
+        "float32's, and greedy outputs that may differ under different batching unless --batch-invariant "
+        "(measured figures: docs/performance.md); float32 multiplies the exact weights (default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="with --matmul-precision bfloat16: every product (attention too) computed so that a request's logits "
+        "are bit-identical whatever it is batched with (prefix hits equal cold runs, seeded requests repeat "
+        "exactly); slower than plain bfloat16 today, especially at long KV caches (docs/performance.md)",
     )
 
 

@@ -90,8 +90,10 @@ def load_engine(prepared, args: argparse.Namespace):
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))
     params = to_device(cfg, flat, jnp.dtype(dtype))
+    if args.batch_invariant and (args.matmul_precision != "bfloat16" or dtype != "float32"):
+        raise SystemExit("--batch-invariant needs --matmul-precision bfloat16 with float32 activations")
     if args.matmul_precision == "bfloat16" and dtype == "float32":
-        cfg, params = for_matmul_precision(cfg, params, "bfloat16")
+        cfg, params = for_matmul_precision(cfg, params, "bfloat16", args.batch_invariant)
     elif args.matmul_precision == "bfloat16":
         log.info("--matmul-precision bfloat16 changes nothing with %s activations (their products already have "
                  "bfloat16 operands)", dtype)

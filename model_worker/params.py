@@ -211,7 +211,7 @@ def _place(v, dtype: jnp.dtype):
 _LINEARS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_proj")
 
 
-def with_bf16_matmuls(params: Params) -> Params:
+def with_bf16_matmuls(params: Params, row_invariant: bool = False) -> Params:
     """`params` at bfloat16 matmul precision (`quant.bf16_linear`, the worker's `--matmul-precision bfloat16`).
 
     Each layer projection that is a dense float weight or an `Int8Weight` becomes a `Bf16Weight`, its values
@@ -224,6 +224,7 @@ def with_bf16_matmuls(params: Params) -> Params:
     Args:
       params: weights with float activations (the worker only calls this with float32 ones: with bfloat16
         activations every product already has bfloat16 operands).
+      row_invariant: every product on the GEMM (`Bf16Weight.row_invariant`), for the batch-invariant mode.
     Returns:
       New Params sharing every untouched array with `params`.
     Raises:
@@ -231,29 +232,35 @@ def with_bf16_matmuls(params: Params) -> Params:
     """
     def convert(lp: LayerParams) -> LayerParams:
         linears = {n: getattr(lp, n) for n in _LINEARS}
-        return dataclasses.replace(lp, **{n: Bf16Weight.of(w) for n, w in linears.items()
+        return dataclasses.replace(lp, **{n: mark(Bf16Weight.of(w)) for n, w in linears.items()
                                           if w is not None and not isinstance(w, (Int4Weight, Bf16Weight))})
 
+    mark = lambda w: w if w.row_invariant == row_invariant else dataclasses.replace(w, row_invariant=row_invariant)
     head, embed = params.lm_head, params.embed
     if head is None:  # the table [V, H] is already the head's [out, in]
         head = Bf16Weight.of(embed) if isinstance(embed, Int8Weight) else Bf16Weight(embed.astype(jnp.bfloat16))
-    return dataclasses.replace(params, layers=[convert(lp) for lp in params.layers], lm_head=head)
+    return dataclasses.replace(params, layers=[convert(lp) for lp in params.layers], lm_head=mark(head))
 
 
 
-def for_matmul_precision(cfg: ModelConfig, params: Params, precision: str) -> tuple[ModelConfig, Params]:
-    """The config and weights of a worker at `--matmul-precision` `precision`.
+def for_matmul_precision(cfg: ModelConfig, params: Params, precision: str,
+                         batch_invariant: bool = False) -> tuple[ModelConfig, Params]:
+    """The config and weights of a worker at `--matmul-precision` `precision` (and `--batch-invariant`).
 
-    "bfloat16": `with_bf16_matmuls` and `ModelConfig.batch_invariant` (bfloat16 products with float32 sums
-    everywhere, attention in position-aligned key blocks), so that every row's logits are a function of that row
-    alone: a prefix hit equals a cold run and a seeded request repeats exactly, whatever it is batched with.
+    "bfloat16": `with_bf16_matmuls` (bfloat16 products with float32 sums in the projections and the LM head).
+    With `batch_invariant` also every product on the GEMM and `ModelConfig.batch_invariant` (attention in
+    position-aligned key blocks with bfloat16 products, RMSNorm summed in a fixed order, K/V stored in bfloat16),
+    so that every row's logits are a function of that row alone: a prefix hit equals a cold run and a seeded
+    request repeats exactly, whatever it is batched with (slower: docs/performance.md).
     "float32": unchanged (exact weights, float32 products; batch shape changes the last bits).
 
     Raises:
-      ValueError: an unknown precision.
+      ValueError: an unknown precision, or batch_invariant with float32 (only the bfloat16 path is invariant).
     """
+    if precision not in ("float32", "bfloat16"):
+        raise ValueError(f"unknown matmul precision {precision!r} (float32 or bfloat16)")
+    if batch_invariant and precision != "bfloat16":
+        raise ValueError("batch invariance needs bfloat16 matmul precision (--matmul-precision bfloat16)")
     if precision == "float32":
         return cfg, params
-    if precision != "bfloat16":
-        raise ValueError(f"unknown matmul precision {precision!r} (float32 or bfloat16)")
-    return dataclasses.replace(cfg, batch_invariant=True), with_bf16_matmuls(params)
+    return dataclasses.replace(cfg, batch_invariant=batch_invariant), with_bf16_matmuls(params, batch_invariant)

@@ -127,9 +127,12 @@ class Bf16Weight:
     Attributes:
       w: bfloat16 [N, K], Hugging Face [out, in] orientation like `Int8Weight` (each value the float32 weight
         rounded to nearest-even bfloat16).
+      row_invariant: static; every product on the GEMM, a single row padded to two (`bf16_linear`), for the
+        batch-invariant mode.
     """
 
     w: jax.Array
+    row_invariant: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @staticmethod
     def of(weight: jax.Array | Int8Weight) -> Bf16Weight:
@@ -425,12 +428,12 @@ def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
       w: Bf16Weight [N, K].
       out_dtype: dtype of y, default x's (the LM head asks for float32).
     Returns:
-      [..., N]. Each row of y is a function of that row of x alone, bit for bit: every call is one bfloat16 GEMM
-      (a single row is padded to two, since XLA's matrix-vector product sums in another order), and XLA CPU's
-      bfloat16 GEMM computes each output row independently of the other rows and of their number
-      (tests/model_worker/test_batch_invariance.py pins it). This is what makes `--matmul-precision bfloat16`
-      batch-invariant (docs/architecture.md); the price is a one-row product (a B=1 decode step's LM head) at
-      GEMM speed rather than a fused float32 matrix-vector product's (figures: docs/performance.md).
+      [..., N]. From 2 rows up, one bfloat16 GEMM: XLA CPU's computes each output row independently of the other
+      rows and of their number (tests/model_worker/test_batch_invariance.py pins it). One row on CPU: the weight
+      converted to float32 in front of a float32 product, which XLA fuses into its matrix-vector loop (its
+      bfloat16 matrix-vector product is many times slower), unless `w.row_invariant`: then the row is padded to
+      two and takes the GEMM too, so that its result equals the same row's in any batch (`--batch-invariant`;
+      a B=1 decode step's LM head then runs at GEMM speed; figures: docs/performance.md).
     Raises:
       ValueError: x's last axis is not K.
     """
@@ -440,9 +443,14 @@ def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
     lead = x.shape[:-1]
     xb = x.reshape(-1, k).astype(jnp.bfloat16)
     rows = xb.shape[0]
-    if rows == 1:  # XLA's matrix-vector product sums in another order than its GEMM: keep every row on the GEMM
-        xb = jnp.concatenate([xb, jnp.zeros_like(xb)])
-    y = lax.dot_general(xb, w.w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:rows]
+    gemm = lambda xb, wb: lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if rows == 1 and w.row_invariant:  # the matrix-vector product sums in another order than the GEMM
+        y = gemm(jnp.concatenate([xb, jnp.zeros_like(xb)]), w.w)[:1]
+    elif rows == 1:
+        one_row = lambda xb, wb: _matmul_t(xb.astype(jnp.float32), wb.astype(jnp.float32))
+        y = lax.platform_dependent(xb, w.w, cpu=one_row, default=gemm)
+    else:
+        y = gemm(xb, w.w)
     return y.astype(out_dtype or x.dtype).reshape(*lead, n)
 
 

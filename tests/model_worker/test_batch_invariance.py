@@ -1,4 +1,4 @@
-"""Batch invariance at bfloat16 matmul precision (`params.for_matmul_precision(..., "bfloat16")`): a row's logits
+"""Batch invariance at bfloat16 matmul precision (`params.for_matmul_precision(..., "bfloat16", batch_invariant=True)`, `--batch-invariant`): a row's logits
 are bit-identical however it is computed - alone or next to other rows in a decode step, inside a prompt chunk at
 any alignment (a prefix hit against a cold run), or in a mixed step - for the embedded Gemma 3 and the tiny Gemma 4
 configs (sliding and full layers, KV sharing, PLE). Equality is exact (`np.array_equal`), not within a tolerance.
@@ -152,7 +152,7 @@ def test_embedded_model_rows_are_batch_invariant(gemma3):
     """Gemma 3 270M at bfloat16 matmul precision: 560 tokens (past the 512-token sliding window), chunks of 64,
     prefix hit, decode alone and batched (the mixed step and the storage dtype: the tiny configs below, whose
     programs compile in a fraction of the time)."""
-    cfg, params = for_matmul_precision(*gemma3, "bfloat16")
+    cfg, params = for_matmul_precision(*gemma3, "bfloat16", batch_invariant=True)
     runner = Runner(cfg, params, max_len=1024, chunk=64, slack=64)
     check_invariance(runner, n=560, decode=3, split=100, full=False)
 
@@ -163,5 +163,13 @@ def test_tiny_gemma4_rows_are_batch_invariant(name, chunk, tmp_path):
     longer than the ring (16: whole-ring rewrites) or window-sized (8: ring scatters), all six ways."""
     write_checkpoint(CONFIGS[name], tmp_path)
     cfg, flat = load_checkpoint(tmp_path, jnp.float32)
-    cfg, params = for_matmul_precision(cfg, to_device(cfg, flat, jnp.float32), "bfloat16")
+    cfg, params = for_matmul_precision(cfg, to_device(cfg, flat, jnp.float32), "bfloat16", batch_invariant=True)
     check_invariance(Runner(cfg, params, max_len=64, chunk=chunk, slack=4), n=33, decode=4, split=13)
+
+
+def test_batch_invariance_needs_bfloat16_precision():
+    """Only the bfloat16 path is invariant: asking for invariance at float32 (or an unknown precision) is refused."""
+    with pytest.raises(ValueError, match="bfloat16"):
+        for_matmul_precision(None, None, "float32", batch_invariant=True)
+    with pytest.raises(ValueError, match="unknown matmul precision"):
+        for_matmul_precision(None, None, "int8")

@@ -158,5 +158,7 @@ def test_the_flag_reaches_the_worker():
     parser = build_parser()
     worker = service_commands(parser.parse_args(["up", "--matmul-precision", "bfloat16"]))["worker"]
     args = parser.parse_args(worker[worker.index("worker"):])
-    assert args.command == "worker" and args.matmul_precision == "bfloat16"
+    assert args.command == "worker" and args.matmul_precision == "bfloat16" and not args.batch_invariant
     assert parser.parse_args(["worker"]).matmul_precision == "float32"
+    worker = service_commands(parser.parse_args(["up", "--matmul-precision", "bfloat16", "--batch-invariant"]))["worker"]
+    assert parser.parse_args(worker[worker.index("worker"):]).batch_invariant

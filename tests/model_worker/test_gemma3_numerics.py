@@ -125,7 +125,7 @@ def test_greedy_continuation_matches_transformers(gemma3, hf_gemma3, text_tokeni
 def gemma3_bf16(gemma3):
     """The embedded model at bfloat16 matmul precision (`--matmul-precision bfloat16`: bfloat16 products with
     float32 sums everywhere, attention included, batch-invariant)."""
-    return for_matmul_precision(*gemma3, "bfloat16")
+    return for_matmul_precision(*gemma3, "bfloat16", batch_invariant=True)
 
 
 # bfloat16 matmul precision against the float32 reference. Rounding each product's operands to bfloat16 (relative
