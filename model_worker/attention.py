@@ -170,10 +170,10 @@ def attention_block(
         q, st = qs[s], batches[s]
         q = q.reshape(q.shape[:2] + (cfg.num_heads, spec.head_dim))
         q = rope(rms_norm(q, lp.q_norm, cfg), st.positions, spec)
-        keys, vals, k_pos, in_place = st.sources[spec.kv_source]
         if cfg.batch_invariant:
             return attend_invariant(q, st, st.sources[spec.kv_source], cache, spec.kv_source, window, cfg.attn_scale,
                                     q.dtype, kv_len)
+        keys, vals, k_pos, in_place = st.sources[spec.kv_source]
         if in_place:
             return attend_in_place(q, cache, spec.kv_source, st.slots, st.positions, k_pos, window, cfg.attn_scale,
                                    q.dtype, kv_len)
@@ -356,15 +356,6 @@ def _attend_blocks(q, arrays, row, q_pos, block: int, bound: int, window, scale:
 # after it they add exact zeros with a rescale of exactly 1. So the result depends only on the visible keys.
 
 
-def invariant_block(ring: int) -> int:
-    """Keys per block of the batch-invariant sliding-layer loop: the largest power of two <= 256 dividing the ring
-    length (so each position block is a contiguous run of ring indices)."""
-    block = 256
-    while ring % block:
-        block //= 2
-    return block
-
-
 def _block_step(carry, q, keys, vals, k_pos, q_pos, window, scale):
     """One key block of the batch-invariant online softmax.
 
@@ -388,8 +379,8 @@ def _block_step(carry, q, keys, vals, k_pos, q_pos, window, scale):
     return m_new, acc * jnp.exp(m - m_new)[..., None] + pv
 
 
-def attend_position_blocks(q, read_block, q_pos, first: jax.Array, count: jax.Array, block: int, window,
-                           scale: float, dtype) -> jax.Array:
+def attend_position_blocks(q, read_block, q_pos, first: jax.Array, count: jax.Array, block: int, kv_heads: int,
+                           window, scale: float, dtype) -> jax.Array:
     """One batch row's batch-invariant attention (see the comment above).
 
     Args:
@@ -397,13 +388,12 @@ def attend_position_blocks(q, read_block, q_pos, first: jax.Array, count: jax.Ar
       read_block: b -> (keys [T0, K, D], values [T0, K, D], k_pos [T0]) for position block b (k_pos: the position
         each entry holds, negative = empty; entries holding other positions are masked by position).
       first, count: int32 scalars, the blocks [first, first + count) visited (any superset of the visible ones).
-      block: T0.
+      block: T0; kv_heads: K.
     Returns:
       [C, N*D] in `dtype`.
     """
     C, N, D = q.shape
-    keys0 = read_block(first)[0]
-    K = keys0.shape[1]
+    K = kv_heads
     G = N // K
     pad = 2 - C * G if C * G < 2 else 0  # one output row would take XLA's matrix-vector product, not the GEMM
     qb = jnp.pad(q.astype(jnp.bfloat16), ((0, pad), (0, 0), (0, 0))).reshape(C + pad, K, G, D)
@@ -458,6 +448,7 @@ def attend_invariant(q, st: BatchKV, source: tuple, cache: KVCache, src: int, wi
     keys, vals, k_pos, in_place = source
     rows = _batch_rows(st.slots, q.shape[0])
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
+    K = arrays[0].shape[2]
 
     def sliced(row, start, length):
         return tuple(None if a is None else lax.dynamic_slice(a, (row, start) + (0,) * (a.ndim - 2),
@@ -476,12 +467,12 @@ def attend_invariant(q, st: BatchKV, source: tuple, cache: KVCache, src: int, wi
                 return dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype), b * block + jnp.arange(block)
 
             first, count = _blocks_of(qp, block, None, limit)
-            return attend_position_blocks(qb, read, qp, first, count, block, window, scale, dtype)
+            return attend_position_blocks(qb, read, qp, first, count, block, K, window, scale, dtype)
 
         return lax.map(full, (q, rows, st.positions))
     if in_place:  # a sliding ring (decode)
         R = k_pos.shape[1]
-        block = invariant_block(R)
+        block = _pow2_divisor(R, 256)  # a position block is then a contiguous run of ring indices
 
         def ring(args):
             qb, row, qp, kp = args
@@ -493,14 +484,14 @@ def attend_invariant(q, st: BatchKV, source: tuple, cache: KVCache, src: int, wi
                         lax.dynamic_slice(kp, (at,), (block,)))
 
             first, count = _blocks_of(qp, block, window, R // block + 1)
-            return attend_position_blocks(qb, read, qp, first, count, block, window, scale, dtype)
+            return attend_position_blocks(qb, read, qp, first, count, block, K, window, scale, dtype)
 
         return lax.map(ring, (q, rows, st.positions, k_pos))
     # A sliding chunk over its gathered ring + its own keys (the queries may be fewer than the chunk's keys: KV-shared
     # layers compute only the rows whose logits are wanted).
     R = arrays[0].shape[1]
     C = keys.shape[1] - R
-    block = invariant_block(R)
+    block = _pow2_divisor(R, 256)  # a position block is then a contiguous run of ring indices
 
     def chunk(args):
         qb, kb, vb, kp, qp, start = args
@@ -513,6 +504,6 @@ def attend_invariant(q, st: BatchKV, source: tuple, cache: KVCache, src: int, wi
             return (jnp.take(kb, idx, axis=0), jnp.take(vb, idx, axis=0), jnp.where(ok, jnp.take(kp, idx), -1))
 
         first, count = _blocks_of(qp, block, window, (R + C) // block + 2)
-        return attend_position_blocks(qb, read, qp, first, count, block, window, scale, dtype)
+        return attend_position_blocks(qb, read, qp, first, count, block, K, window, scale, dtype)
 
     return lax.map(chunk, (q, keys, vals, k_pos, st.positions, st.start))
