@@ -21,6 +21,7 @@ from model_worker.kv_cache import (
     dequantize_kv,
     quantize_kv,
     ring_positions,
+    to_storage,
     write_in_place,
 )
 from model_worker.layers import joint, rms_norm
@@ -159,7 +160,8 @@ def attention_block(
         int8 = cache.k_scale[i] is not None
         new = [_kv_from_raw(lp, spec, k, v, st.positions, int8, cfg) for k, v, st in zip(k_raws, v_raws, batches)]
         if not int8 and cache.k[i].dtype != new[0][0].dtype:  # a bfloat16 store (`kv_cache.storage_dtype`)
-            new = [(k.astype(cache.k[i].dtype), v.astype(cache.k[i].dtype), None, None) for k, v, _, _ in new]
+            store = cache.k[i].dtype
+            new = [(to_storage(k, store), to_storage(v, store), None, None) for k, v, _, _ in new]
         for st, kv in zip(batches, new):
             if spec.attention == "sliding" and st.chunk > 1:
                 _gather_ring(cache, i, kv, st, hs[0].dtype)

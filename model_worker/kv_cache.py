@@ -22,6 +22,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from model_worker.config import LayerSpec, ModelConfig
 from model_worker.quant import zero_from
@@ -90,9 +91,10 @@ def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize_kv(q: jax.Array, scale: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
-    """Inverse of quantize_kv (identity when scale is None)."""
+    """Inverse of quantize_kv; with no scale, the stored K or V as a float array: bfloat16 bit patterns (uint16,
+    see `storage_dtype`) as bfloat16, any float store unchanged."""
     if scale is None:
-        return q
+        return lax.bitcast_convert_type(q, jnp.bfloat16) if q.dtype == BF16_BITS else q
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
@@ -209,10 +211,27 @@ def write_rings(cache: KVCache, deferred: list, anchor, positions, start, n_vali
                 arrays[i] = _set_rows(arrays[i], rows_value, slots)
 
 
+BF16_BITS = jnp.uint16
+"""The store of bfloat16 K/V: their bit patterns. XLA CPU has no in-place bfloat16 scatter: it converts the whole
+cache array to float32 and back to write one token (18 ms for one 8-slot x 8192-position layer array, against
+7 us for the same uint16 write; docs/performance.md), so bfloat16 K/V are written and kept as uint16 and
+bit-cast back on every read (free)."""
+
+
 def storage_dtype(cfg: ModelConfig, dtype, int8: bool):
-    """The dtype K and V are stored in: int8 with `int8`; bfloat16 when `cfg.batch_invariant` (its attention reads
-    them only as bfloat16, so storing them rounded gives the same results at half the bytes and without a
-    conversion per read); else the activation dtype."""
+    """The dtype K and V are stored in: int8 with `int8`; bfloat16 (as `BF16_BITS`) when `cfg.batch_invariant` (its
+    attention reads them only as bfloat16, so storing them rounded gives the same results at half the bytes and
+    without a conversion per read) or when the activations are bfloat16; else the activation dtype."""
     if int8:
         return jnp.int8
-    return jnp.bfloat16 if cfg.batch_invariant else jnp.dtype(dtype)
+    if cfg.batch_invariant or jnp.dtype(dtype) == jnp.bfloat16:
+        return BF16_BITS
+    return jnp.dtype(dtype)
+
+
+def to_storage(x: jax.Array, store) -> jax.Array:
+    """K or V ([..., D] float) in the cache's dtype `store` (`storage_dtype`; not int8, which `quantize_kv`
+    writes): rounded to bfloat16 and bit-cast for `BF16_BITS`, else cast."""
+    if jnp.dtype(store) == BF16_BITS:
+        return lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+    return x.astype(store)

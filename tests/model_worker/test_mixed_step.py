@@ -105,23 +105,33 @@ def test_mixed_step_equals_the_two_batches_run_apart(tiny, int8, chunk):
                 np.testing.assert_allclose(a, b, atol=TOL, rtol=1e-5, err_msg=f"{name}[{i}]")
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["f32-kv", "int8-kv"])
-def test_mixed_program_updates_the_cache_in_place(tiny, int8):
-    """The compiled mixed program holds no copy of a KV cache array: its gathered-ring reads, in-place writes and
-    in-place reads are ordered so that XLA can update the donated cache in place (in another order it copied
-    every cache array of the model, each step)."""
+@pytest.mark.parametrize("store", ["f32", "int8", "bf16"], ids=["f32-kv", "int8-kv", "bf16-kv"])
+def test_programs_update_the_cache_in_place(tiny, store):
+    """The compiled mixed and decode programs hold no copy of a KV cache array and no float32 image of a
+    bfloat16 one: their gathered-ring reads, in-place writes and in-place reads are ordered so that XLA can update
+    the donated cache in place (in another order it copied every cache array of the model, each step), and
+    bfloat16 K/V (the batch-invariant mode's store) are written as their uint16 bit patterns (XLA CPU converted a
+    bfloat16 cache array to float32 and back to write one token into it)."""
     from model_worker.engine import Engine, EngineConfig
+    from model_worker.params import for_matmul_precision
 
     cfg, params = tiny
+    if store == "bf16":
+        cfg, params = for_matmul_precision(cfg, params, "bfloat16", batch_invariant=True)
     engine = Engine(cfg, params, EngineConfig(num_slots=4, max_model_len=LEN, prefill_chunks=(8, 32),
-                                              kv_bucket_factor=16, prefix_slack=4, kv_int8=int8))
+                                              kv_bucket_factor=16, prefix_slack=4, kv_int8=store == "int8"))
     arrays = [a for group in (engine.cache.k, engine.cache.v, engine.cache.k_scale, engine.cache.v_scale)
               for a in group if a is not None]
-    hlo_type = {"float32": "f32", "int8": "s8"}
-    cache_shapes = {f"{hlo_type[str(a.dtype)]}[{','.join(map(str, a.shape))}]" for a in arrays}
-    text = engine._lower(("mixed", 2, 8, LEN)).compile().as_text()
-    copied = [shape for shape in re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", text) if shape in cache_shapes]
-    assert not copied, f"the mixed program copies cache arrays: {copied}"
+    hlo_type = {"float32": "f32", "int8": "s8", "uint16": "u16", "bfloat16": "bf16"}
+    shape = lambda a, t: f"{t}[{','.join(map(str, a.shape))}]"
+    cache_shapes = {shape(a, hlo_type[str(a.dtype)]) for a in arrays}
+    images = {shape(a, "f32") for a in arrays if a.dtype != jnp.float32} - cache_shapes
+    for key in (("mixed", 2, 8, LEN), ("decode", 2, 1, LEN)):
+        text = engine._lower(key).compile().as_text()
+        copied = [s for s in re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", text) if s in cache_shapes]
+        assert not copied, f"the {key[0]} program copies cache arrays: {copied}"
+        converted = [s for s in re.findall(r"(\w+\[[\d,]*\])\{", text) if s in images]
+        assert not converted, f"the {key[0]} program makes float32 images of cache arrays: {converted[:3]}"
 
 
 def test_batches_must_agree_on_logit_rows(tiny):
