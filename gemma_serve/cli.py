@@ -108,20 +108,23 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--matmul-precision",
-        default="float32",
-        choices=["float32", "bfloat16"],
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
         help="precision of the layer projections' and LM head's products with float32 activations: bfloat16 "
         "rounds the weights once and each input row to bfloat16 and sums in float32 (as TPUs and GPU servers do): "
         "faster batched and prompt steps on CPU for more weight memory, logits close to but not equal to "
-        "float32's, and greedy outputs that may differ under different batching unless --batch-invariant "
-        "(measured figures: docs/performance.md); float32 multiplies the exact weights (default: %(default)s)",
+        "float32's; batch-invariant unless --no-batch-invariant. float32 multiplies the exact weights, for "
+        "numerics work. auto = bfloat16 (with bfloat16 activations, the GPU/TPU default, there is nothing to "
+        "choose) (measured figures: docs/performance.md) (default: %(default)s)",
     )
     p.add_argument(
         "--batch-invariant",
-        action="store_true",
-        help="with --matmul-precision bfloat16: every product (attention too) computed so that a request's logits "
-        "are bit-identical whatever it is batched with (prefix hits equal cold runs, seeded requests repeat "
-        "exactly); slower than plain bfloat16 today, especially at long KV caches (docs/performance.md)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with bfloat16 matmul precision and float32 activations (the CPU default): every product (attention "
+        "too) computed so that a request's logits are bit-identical whatever it is batched with (prefix hits "
+        "equal cold runs, seeded requests repeat exactly); --no-batch-invariant keeps the plain bfloat16 "
+        "products, faster for one sequence (docs/performance.md) (default: on where it applies)",
     )
 
 

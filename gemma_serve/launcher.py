@@ -64,8 +64,8 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
               "--prefix-slack", str(args.prefix_slack)]
     if args.prefill_token_budget:
         engine += ["--prefill-token-budget", str(args.prefill_token_budget)]
-    if args.batch_invariant:
-        engine += ["--batch-invariant"]
+    if args.batch_invariant is not None:
+        engine += ["--batch-invariant" if args.batch_invariant else "--no-batch-invariant"]
     engine += ["--prefill-chunks", *map(str, args.prefill_chunks)]
     gateway = ["--host", args.host, "--http-port", str(args.http_port), "--gateway-grpc-port",
                str(args.gateway_grpc_port), "--tokenizer-addr", f"{inner}:{args.tokenizer_port}",

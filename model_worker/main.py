@@ -73,7 +73,7 @@ def load_engine(prepared, args: argparse.Namespace):
 
     from model_worker.config import config_from_dict
     from model_worker.engine import Engine, EngineConfig, enable_compilation_cache
-    from model_worker.params import for_matmul_precision, to_device
+    from model_worker.params import for_matmul_precision, matmul_mode, to_device
     from model_worker.service import engine_facts
 
     backend = jax.default_backend()
@@ -90,15 +90,15 @@ def load_engine(prepared, args: argparse.Namespace):
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))
     params = to_device(cfg, flat, jnp.dtype(dtype))
-    if args.batch_invariant and (args.matmul_precision != "bfloat16" or dtype != "float32"):
-        raise SystemExit("--batch-invariant needs --matmul-precision bfloat16 with float32 activations")
-    if args.matmul_precision == "bfloat16" and dtype == "float32":
-        cfg, params = for_matmul_precision(cfg, params, "bfloat16", args.batch_invariant)
-    elif args.matmul_precision == "bfloat16":
-        log.info("--matmul-precision bfloat16 changes nothing with %s activations (their products already have "
-                 "bfloat16 operands)", dtype)
-    log.info("weights loaded in %.1f s (%.2f GiB on the device; %s matmul precision)", time.perf_counter() - t0,
-             params.nbytes() / 2**30, args.matmul_precision)
+    try:
+        precision, invariant = matmul_mode(args.matmul_precision, args.batch_invariant, dtype)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    if dtype == "float32":
+        cfg, params = for_matmul_precision(cfg, params, precision, invariant)
+    log.info("weights loaded in %.1f s (%.2f GiB on the device; %s activations, %s matmul precision%s)",
+             time.perf_counter() - t0, params.nbytes() / 2**30, dtype, precision,
+             ", batch-invariant" if invariant else "")
     ecfg = EngineConfig(
         num_slots=args.num_slots,
         max_model_len=args.max_model_len,

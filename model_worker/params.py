@@ -264,3 +264,27 @@ def for_matmul_precision(cfg: ModelConfig, params: Params, precision: str,
     if precision == "float32":
         return cfg, params
     return dataclasses.replace(cfg, batch_invariant=batch_invariant), with_bf16_matmuls(params, batch_invariant)
+
+
+def matmul_mode(precision: str, batch_invariant: bool | None, dtype: str) -> tuple[str, bool]:
+    """The worker's (matmul precision, batch invariance) from its flags and activation dtype.
+
+    Args:
+      precision: `--matmul-precision`: "auto" (= "bfloat16"), "float32" or "bfloat16".
+      batch_invariant: `--batch-invariant` / `--no-batch-invariant`, or None (not given): on wherever it applies,
+        i.e. bfloat16 products with float32 activations (CPU's default), so that the default is reproducible.
+      dtype: the activation dtype ("float32" or "bfloat16"); with bfloat16 activations (GPU/TPU) the products
+        already have bfloat16 operands and there is nothing to choose.
+    Returns:
+      ("float32" or "bfloat16", bool), for `for_matmul_precision` (which is only applied to float32 activations).
+    Raises:
+      ValueError: an unknown precision; --batch-invariant asked for where it does not apply.
+    """
+    if precision not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"unknown matmul precision {precision!r} (auto, float32 or bfloat16)")
+    precision = "bfloat16" if precision == "auto" else precision
+    applies = precision == "bfloat16" and dtype == "float32"
+    if batch_invariant and not applies:
+        raise ValueError("--batch-invariant needs bfloat16 matmul precision with float32 activations (the CPU "
+                         f"default); got --matmul-precision {precision} with {dtype} activations")
+    return precision, applies if batch_invariant is None else bool(batch_invariant)

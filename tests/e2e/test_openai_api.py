@@ -22,6 +22,10 @@ def client(stack):
 def model_id(client):
     return client.models.list().data[0].id
 
+# A top-2 gap the default bfloat16 products cannot flip: their logits differ from float32's by at most ~0.3-0.55 on
+# the embedded model (tests/model_worker/test_gemma3_numerics.py), so only a gap above 0.5 must keep its argmax.
+CLEAR_GAP = 0.5
+
 
 def test_models_and_health(stack, client, model_id):
     assert model_id == "gemma-3-270m"
@@ -42,7 +46,7 @@ def test_completion_is_the_model_greedy_continuation(client, model_id, text_toke
     with torch.no_grad():
         ref = hf_gemma3(torch.tensor([prompt_ids + out_ids])).logits[0, len(prompt_ids) - 1 : -1].numpy()
     top2 = np.sort(ref, axis=-1)[:, -2:]
-    clear = top2[:, 1] - top2[:, 0] > 4e-3
+    clear = top2[:, 1] - top2[:, 0] > CLEAR_GAP
     assert np.array_equal(np.asarray(out_ids)[clear], ref.argmax(-1)[clear]), (choice.text, out_ids)
 
 

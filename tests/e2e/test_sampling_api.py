@@ -9,6 +9,11 @@ import pytest
 
 pytestmark = pytest.mark.slow
 PROMPT = "The history of the city begins"
+# |our logprob - transformers' float32 one|: the stack runs the default bfloat16 products (batch-invariant), whose
+# logits sit within a mean of ~0.04 of float32's on this model (tests/model_worker/test_gemma3_numerics.py); on this
+# short prompt the largest logprob difference measured 0.014. A wrong formula (a temperature applied to logprobs, a
+# missing normalisation, an off-by-one position) moves them by tenths or more.
+LOGPROB_TOL = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +40,11 @@ def test_logprobs_equal_log_softmax_of_reference_logits(client, text_tokenizer, 
     ref = ref_logprobs(hf_gemma3, prompt_ids + out_ids)[len(prompt_ids) - 1 : -1]
     ours = np.asarray(lp.token_logprobs)
     expected = ref[np.arange(6), out_ids]
-    assert np.abs(ours - expected).max() < 2e-3, (ours, expected)
+    assert np.abs(ours - expected).max() < LOGPROB_TOL, (ours, expected)
     for step, top in enumerate(lp.top_logprobs):
         assert len(top) == 5
         best = np.argsort(-ref[step])[:5]
-        assert np.allclose(sorted(top.values(), reverse=True), ref[step][best], atol=2e-3)
+        assert np.allclose(sorted(top.values(), reverse=True), ref[step][best], atol=LOGPROB_TOL)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
@@ -101,7 +106,7 @@ def test_penalties_follow_the_openai_formula_on_reference_logits(client, text_to
     for step, token in enumerate(out_ids):
         adjusted = logits[step] - frequency * counts - presence * (counts > 0)
         top2 = np.sort(adjusted)[-2:]
-        if top2[1] - top2[0] > 1e-2:
+        if top2[1] - top2[0] > 0.5:  # a gap the default bfloat16 products cannot flip (test_openai_api)
             assert token == int(adjusted.argmax()), step
         counts[token] += 1
     plain = client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=10, temperature=0)
@@ -134,3 +139,36 @@ def test_grpc_generate_n_logprobs_and_bias(stack, text_tokenizer):
         assert [t.token_id for t in tokens] == [target] * 3
         assert all(len(t.top_logprobs) == 4 and t.top_logprobs[0].token_id == target for t in tokens)
     assert sum(r.usage.completion_tokens for r in replies if r.finish_reason) == 6
+
+
+def test_seeded_and_greedy_requests_repeat_exactly_alone_batched_and_as_prefix_hits(client):
+    """The default worker mode is batch-invariant (docs/architecture.md): one seeded sampled request gives one
+    text sent alone three times (the first computes its prompt cold, the next ones hit the prefix cache) and once
+    among concurrent other requests (batched with them, in mixed steps while they prefill); a greedy request
+    gives the same tokens as a prefix hit and cold (another `cache_salt` shares no cached prefix)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 12},
+                {"role": "user", "content": "Write one sentence about the sea."}]
+    seeded = dict(model="gemma-3-270m", messages=messages, max_tokens=24, temperature=1.0, top_p=0.95, seed=1234)
+
+    def ask(salt: str, **kw):
+        r = client.chat.completions.create(**kw, extra_body={"cache_salt": salt})
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+    alone = [ask("repro-seeded", **seeded) for _ in range(3)]
+    assert alone[0][1] == 0 and alone[1][1] > 0, f"expected a cold run, then prefix hits: {alone}"
+    others = [dict(model="gemma-3-270m", max_tokens=24, temperature=1.0, seed=i,
+                   messages=[{"role": "user", "content": f"Tell a story about the number {i}. " * (1 + 3 * i)}])
+              for i in range(3)]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(ask, f"repro-other-{i}", **kw) for i, kw in enumerate(others)]
+        batched = pool.submit(ask, "repro-batched", **seeded)
+        [f.result() for f in futures]
+        batched = batched.result()
+    assert {text for text, _ in alone} == {batched[0]}, (alone, batched)
+
+    greedy = dict(model="gemma-3-270m", messages=messages, max_tokens=24, temperature=0)
+    cold, hit, cold_again = ask("repro-greedy", **greedy), ask("repro-greedy", **greedy), ask("repro-cold", **greedy)
+    assert hit[1] > 0 and cold_again[1] == 0
+    assert cold[0] == hit[0] == cold_again[0]

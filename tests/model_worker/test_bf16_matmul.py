@@ -149,16 +149,33 @@ def test_gemma4_projections_convert_and_the_forward_stays_close(tmp_path):
     assert 0 < rel < 2**-4, rel
 
 
-def test_the_flag_reaches_the_worker():
-    """`gemma-serve up --matmul-precision bfloat16` passes the flag to the worker process, whose parser takes it;
-    the default is float32 (exact products)."""
+def test_the_flags_reach_the_worker_and_resolve_to_the_default_mode():
+    """`gemma-serve up --matmul-precision ... --[no-]batch-invariant` passes both flags to the worker process, whose
+    parser takes them; the default (auto, not given) resolves to batch-invariant bfloat16 products with float32
+    activations (the CPU default), to nothing to choose with bfloat16 activations, and an impossible combination
+    is refused."""
     from gemma_serve.cli import build_parser
     from gemma_serve.launcher import service_commands
+    from model_worker.params import matmul_mode
 
     parser = build_parser()
-    worker = service_commands(parser.parse_args(["up", "--matmul-precision", "bfloat16"]))["worker"]
-    args = parser.parse_args(worker[worker.index("worker"):])
-    assert args.command == "worker" and args.matmul_precision == "bfloat16" and not args.batch_invariant
-    assert parser.parse_args(["worker"]).matmul_precision == "float32"
-    worker = service_commands(parser.parse_args(["up", "--matmul-precision", "bfloat16", "--batch-invariant"]))["worker"]
-    assert parser.parse_args(worker[worker.index("worker"):]).batch_invariant
+
+    def worker_args(*flags):
+        worker = service_commands(parser.parse_args(["up", *flags]))["worker"]
+        args = parser.parse_args(worker[worker.index("worker"):])
+        assert args.command == "worker"
+        return args.matmul_precision, args.batch_invariant
+
+    assert worker_args() == ("auto", None)
+    assert worker_args("--matmul-precision", "bfloat16", "--no-batch-invariant") == ("bfloat16", False)
+    assert worker_args("--matmul-precision", "float32") == ("float32", None)
+    assert worker_args("--batch-invariant") == ("auto", True)
+    assert matmul_mode("auto", None, "float32") == ("bfloat16", True)
+    assert matmul_mode("bfloat16", False, "float32") == ("bfloat16", False)
+    assert matmul_mode("float32", None, "float32") == ("float32", False)
+    assert matmul_mode("auto", None, "bfloat16") == ("bfloat16", False)
+    for bad in (("float32", True, "float32"), ("auto", True, "bfloat16")):
+        with pytest.raises(ValueError, match="--batch-invariant needs"):
+            matmul_mode(*bad)
+    with pytest.raises(ValueError, match="unknown matmul precision"):
+        matmul_mode("float16", None, "float32")
