@@ -163,7 +163,7 @@ def create_app(backends: Backends, limits: Limits | None = None,
         ok = all(s == "SERVING" for s in statuses.values()) and backends.facts is not None
         ok = ok and not backends.admission.draining
         status = "draining" if backends.admission.draining else "ok" if ok else "unavailable"
-        body = {"status": status, "backends": statuses}
+        body = {"status": status, "backends": statuses, "workers": backends.worker_statuses}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
@@ -177,12 +177,12 @@ def create_app(backends: Backends, limits: Limits | None = None,
 
     @app.post("/v1/completions", responses=_STREAM_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
-        work = _completions(backends, limits, body, request.state.tenant)
+        work = _completions(backends, limits, body, request.state.tenant, _session(request))
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     @app.post("/v1/chat/completions", responses=_STREAM_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        work = _chat(backends, limits, body, request.state.tenant)
+        work = _chat(backends, limits, body, request.state.tenant, _session(request))
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     async def tenant_of(request: Request) -> str:
@@ -219,9 +219,18 @@ def create_app(backends: Backends, limits: Limits | None = None,
 
 
 # ----- /v1/completions -----------------------------------------------------------------------------------------
-async def _completions(backends: Backends, limits: Limits, req: CompletionRequest, tenant: str):
+def _session(request: Request) -> str | None:
+    """The explicit session key of a request (`x-session-id`; at most 256 characters are used): its
+    conversation's turns then go to one worker (gateway/routing.py)."""
+    value = request.headers.get("x-session-id")
+    return value[:256] if value else None
+
+
+async def _completions(backends: Backends, limits: Limits, req: CompletionRequest, tenant: str,
+                       session: str | None = None):
     ids = ResponseIds("cmpl", "")
-    plan = await plan_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_", tenant=tenant)
+    plan = await plan_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_", tenant=tenant,
+                                 session=session)
     ids.model = plan.model
     echoes = [await _echo_text(backends, p_ids, text) if req.echo else "" for p_ids, text in plan.prompts]
     if req.stream:
@@ -322,9 +331,11 @@ async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: 
 
 
 # ----- /v1/chat/completions ------------------------------------------------------------------------------------
-async def _chat(backends: Backends, limits: Limits, req: ChatCompletionRequest, tenant: str):
+async def _chat(backends: Backends, limits: Limits, req: ChatCompletionRequest, tenant: str,
+                session: str | None = None):
     ids = ResponseIds("chatcmpl", "")
-    plan = await plan_chat_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_", tenant=tenant)
+    plan = await plan_chat_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_", tenant=tenant,
+                                      session=session)
     ids.model = plan.model
     if req.stream:
         stream = await _primed(run_choices(backends, plan.jobs))

@@ -20,7 +20,9 @@ from gateway.admission import Admission
 from gateway.errors import ApiError, from_rpc_error
 from gateway.history import AnswerHistory
 from gateway.metrics import GatewayMetrics
+from gateway.routing import NoWorkerError
 from gateway.tool_format import FamilyFormat, SpecialTokens, UnknownTokenError, family_format
+from gateway.workers import WorkerPool
 from gemma_serve.network import InternalTls, aio_channel
 from protos import model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -79,6 +81,7 @@ class ModelFacts:
     eos_id: int = 1
     max_waiting: int = 64
     max_token_bytes: int = 64
+    worker_name: str = ""  # the model name the workers report (`name` may be --served-model-name)
     special_tokens: SpecialTokens = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -107,14 +110,21 @@ class ModelFacts:
 class Backends:
     """Channels and stubs for both backends; `facts` is None until they are ready."""
 
-    def __init__(self, tokenizer_addr: str, worker_addr: str, served_model_name: str | None = None,
-                 tls: InternalTls | None = None, timeouts: Timeouts | None = None):
-        """Args: *_addr: host:port of each backend; served_model_name: overrides the model id in the API;
-        tls: mutual TLS for both links (None: plain text, for loopback or a trusted network); timeouts: call
-        deadlines (default: Timeouts())."""
-        self.tokenizer_addr, self.worker_addr = tokenizer_addr, worker_addr
+    def __init__(self, tokenizer_addr: str, worker_addrs: list[str] | str, served_model_name: str | None = None,
+                 tls: InternalTls | None = None, timeouts: Timeouts | None = None, refresh_s: float = 5.0):
+        """Args: tokenizer_addr: host:port of the tokenizer service; worker_addrs: host:port of each model worker
+        (a name may stand for several: gateway/workers.py); served_model_name: overrides the model id in the
+        API; tls: mutual TLS for every link (None: plain text, for loopback or a trusted network); timeouts: call
+        deadlines (default: Timeouts()); refresh_s: seconds between DNS resolutions of the worker addresses.
+
+        Raises:
+          ValueError: no worker address, or a malformed one.
+        """
+        self.tokenizer_addr = tokenizer_addr
         self.tls = tls
         self.timeouts = timeouts or Timeouts()
+        targets = [worker_addrs] if isinstance(worker_addrs, str) else list(worker_addrs)
+        self.pool = WorkerPool(targets, tls, [_DefaultDeadline(self.timeouts.worker)], refresh_s)
         self.served_model_name = served_model_name
         self.facts: ModelFacts | None = None
         self.facts_error: str | None = None  # why the last facts fetch refused the served model, if it did
@@ -123,7 +133,8 @@ class Backends:
         self.metrics = GatewayMetrics()
         self._lltokenizer = None
         self._lltokenizer_lock = asyncio.Lock()
-        self._channels: tuple[grpc.aio.Channel, grpc.aio.Channel] | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self.worker_statuses: dict[str, str] = {}  # each worker's health at the last poll, by address
 
     async def grammar_tokenizer(self):
         """The llguidance tokenizer of the served vocabulary, built once when the backends become ready (a costly
@@ -146,20 +157,14 @@ class Backends:
                 self._lltokenizer = await asyncio.to_thread(
                     build_tokenizer, facts.tokenizer_json, facts.vocab_size, [facts.eos_id])
 
-    def _connect(self) -> tuple[grpc.aio.Channel, grpc.aio.Channel]:
-        """Create the channels on first use, inside the running event loop (grpc.aio binds them to it)."""
-        if self._channels is None:
-            self._channels = (
-                aio_channel(self.tokenizer_addr, self.tls, interceptors=[_DefaultDeadline(self.timeouts.tokenizer)]),
-                aio_channel(self.worker_addr, self.tls, interceptors=[_DefaultDeadline(self.timeouts.worker)]),
-            )
-            self._tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._channels[0])
-            self._worker = model_worker_pb2_grpc.ModelWorkerStub(self._channels[1])
-            self._health = {
-                "tokenizer service": health_pb2_grpc.HealthStub(self._channels[0]),
-                "model worker": health_pb2_grpc.HealthStub(self._channels[1]),
-            }
-        return self._channels
+    def _connect(self) -> grpc.aio.Channel:
+        """Create the tokenizer channel on first use, inside the running event loop (grpc.aio binds it to it)."""
+        if self._channel is None:
+            self._channel = aio_channel(self.tokenizer_addr, self.tls,
+                                        interceptors=[_DefaultDeadline(self.timeouts.tokenizer)])
+            self._tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+            self._tokenizer_health = health_pb2_grpc.HealthStub(self._channel)
+        return self._channel
 
     @property
     def tokenizer(self) -> tokenizer_pb2_grpc.TokenizerStub:
@@ -167,26 +172,49 @@ class Backends:
         self._connect()
         return self._tokenizer
 
-    @property
-    def worker(self) -> model_worker_pb2_grpc.ModelWorkerStub:
-        """Model worker stub."""
-        self._connect()
-        return self._worker
+    def worker(self, addr: str) -> model_worker_pb2_grpc.ModelWorkerStub:
+        """The stub of the worker a request was routed to (`route`).
+
+        Raises:
+          ApiError: 503 when that worker has left the pool since.
+        """
+        try:
+            return self.pool.stub(addr)
+        except KeyError:
+            raise ApiError(503, f"model worker {addr} is gone; retry", code="backend_unavailable") from None
+
+    def route(self, session_key: str | None, prompt_ids: list[int], salt: str, tiebreak: str) -> str:
+        """The worker address for one request (every RPC of all its choices goes there); see
+        `WorkerPool.route`.
+
+        Raises:
+          ApiError: 503 when no worker serves.
+        """
+        try:
+            choice = self.pool.route(session_key, prompt_ids, salt, tiebreak)
+        except NoWorkerError:
+            raise ApiError(503, "no model worker is available; retry shortly", code="backend_unavailable") from None
+        self.metrics.routed.labels(choice.addr, choice.reason).inc()
+        return choice.addr
 
     async def health(self, timeout: float = 2.0) -> dict[str, str]:
-        """Each backend's status name ("SERVING", "NOT_SERVING" or "UNREACHABLE")."""
+        """Each backend's status name ("SERVING", "NOT_SERVING" or "UNREACHABLE"): the tokenizer service, and
+        the model workers as one ("SERVING" when at least one serves the gateway's model; each worker's own
+        status is in `worker_statuses`)."""
+        self._connect()
 
-        async def one(stub):
+        async def tokenizer():
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+                reply = await self._tokenizer_health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
                 return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             except grpc.aio.AioRpcError:
                 return "UNREACHABLE"
 
-        self._connect()
-        names = list(self._health)
-        statuses = await asyncio.gather(*(one(self._health[n]) for n in names))
-        return dict(zip(names, statuses))
+        tok, workers = await asyncio.gather(tokenizer(), self.pool.poll(timeout))
+        self.worker_statuses = workers
+        usable = [a for a, s in workers.items() if s == "SERVING" and a not in self.pool.refused]
+        worst = "NOT_SERVING" if "NOT_SERVING" in workers.values() else "UNREACHABLE"
+        return {"tokenizer service": tok, "model worker": "SERVING" if usable else worst}
 
     async def wait_ready(self, poll: float = 0.5) -> None:
         """Poll health until both backends serve, then fetch the model facts."""
@@ -198,20 +226,48 @@ class Backends:
 
     async def watch(self, poll: float = 0.5) -> None:
         """Follow the backends' health for the gateway's life (a background task): fetch the facts when both
-        serve, and again after one was away (restarted: its facts may differ). Requests meanwhile fail on their
-        own calls (503), so this only decides when the facts are trusted again."""
+        serve, and again after they were away (restarted: their facts may differ); check each worker that
+        (re)joins against the facts (`_check_worker`). Requests meanwhile fail on their own calls (503), so this
+        only decides when the facts are trusted again. Also polls load for routing (`WorkerPool.poll`)."""
         await self.wait_ready(poll)
-        away = False
+        away, joined = False, set(self._serving_workers())
         while True:
             await asyncio.sleep(poll)
             statuses = await self.health()
-            if any(s != "SERVING" for s in statuses.values()):
+            if any(s != "SERVING" for s in statuses.values()) and not self._serving_workers():
                 if not away:
                     log.warning("backend away: %s", ", ".join(f"{k} {v}" for k, v in statuses.items()))
+                away, joined = True, set()
+            elif statuses["tokenizer service"] != "SERVING":
+                if not away:
+                    log.warning("backend away: tokenizer service %s", statuses["tokenizer service"])
                 away = True
             elif away and await self._refresh_facts():
                 log.info("backends serving again")
-                away = False
+                away, joined = False, set(self._serving_workers())
+            elif not away:
+                for addr in set(self._serving_workers()) - joined:
+                    await self._check_worker(addr)
+                joined = set(self._serving_workers())
+
+    def _serving_workers(self) -> list[str]:
+        return [w.addr for w in self.pool.serving()]
+
+    async def _check_worker(self, addr: str) -> None:
+        """A worker that (re)joined serves the gateway's model (name, family, vocabulary, context) or is kept
+        out of the ring (`WorkerPool.refuse`): its answers would not be this model's."""
+        facts = self.facts
+        try:
+            info = await self.pool.stub(addr).Info(model_worker_pb2.WorkerInfoRequest(), timeout=10)
+        except (grpc.aio.AioRpcError, KeyError):
+            return
+        theirs = (info.model_name, info.architecture, info.vocab_size, info.max_model_len)
+        ours = (facts.worker_name, facts.architecture, facts.vocab_size, facts.max_model_len)
+        if theirs != ours:
+            self.pool.refuse(addr, f"it serves {theirs} and the other workers {ours} (model, family, vocabulary, "
+                                   "max_model_len)")
+        else:
+            self.pool.admit(addr)
 
     async def _refresh_facts(self) -> bool:
         """Fetch the model facts; rebuild the grammar tokenizer when the vocabulary changed. Returns success."""
@@ -223,6 +279,8 @@ class Backends:
                 self._lltokenizer = None
                 await self._build_grammar_tokenizer(facts)
             self.facts, self.facts_error = facts, None
+            for addr in self._serving_workers():  # one model behind the gateway: every worker serves the same
+                await self._check_worker(addr)
             log.info("backends ready: %s, max_model_len %d", facts.name, facts.max_model_len)
             return True
         except (grpc.aio.AioRpcError, ApiError) as err:
@@ -247,7 +305,11 @@ class Backends:
           UnknownTokenError: the vocabulary lacks a control token the family's formats need.
           FamilyMismatchError: the tokenizer service and the worker serve different model families.
         """
-        info = await self.worker.Info(model_worker_pb2.WorkerInfoRequest(), timeout=10)
+        serving = [w for w in self.pool.serving() if w.addr not in self.pool.refused] or self.pool.serving()
+        if not serving:
+            raise ApiError(503, "no model worker serves yet", code="model_loading")
+        worker = serving[0]
+        info = await worker.stub.Info(model_worker_pb2.WorkerInfoRequest(), timeout=10)
         tinfo = await self.tokenizer.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=10)
         if tinfo.family and tinfo.family != info.architecture:
             raise FamilyMismatchError(f"the tokenizer service serves the model family {tinfo.family!r} and the worker "
@@ -267,6 +329,7 @@ class Backends:
             architecture=info.architecture,
             eos_id=tinfo.eos_token_id,
             max_waiting=info.max_waiting,
+            worker_name=info.model_name,
         )
         try:
             facts.output_format().resolve(facts.special_tokens)
@@ -299,7 +362,7 @@ class Backends:
             raise from_rpc_error(err, backend) from None
 
     async def close(self) -> None:
-        """Close both channels."""
-        if self._channels is not None:
-            for channel in self._channels:
-                await channel.close()
+        """Close every channel."""
+        if self._channel is not None:
+            await self._channel.close()
+        await self.pool.close()

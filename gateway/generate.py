@@ -51,6 +51,10 @@ class GenParams:
         here).
       constraint_param: the request field the grammar comes from ("response_format" or "tools"), named in errors.
       cache_salt: the prefix-cache scope on the worker (see PrefillRequest.cache_salt).
+      worker: the address of the model worker the request was routed to (`Backends.route`; every choice of a
+        request goes to one worker); "" routes this generation by its prompt alone.
+      reservation: the routed request's in-flight count on that worker (`workers.Reservation`), released when
+        this generation ends; None: counted here.
     """
 
     sampling: common_pb2.SamplingParams
@@ -65,6 +69,8 @@ class GenParams:
     initial_mask: bytes | None = None
     constraint_param: str = "response_format"
     cache_salt: str = ""
+    worker: str = ""
+    reservation: object | None = None
 
 
 @dataclasses.dataclass
@@ -193,20 +199,60 @@ async def generate(
         prefill.initial_mask.allowed = params.initial_mask if params.initial_mask is not None else \
             await asyncio.to_thread(driver.initial_mask)
     metrics = backends.metrics
-    metrics.waiting.inc()
+    addr = params.worker or backends.route(None, prompt_ids, params.cache_salt, "")
+    reservation = params.reservation or backends.pool.reserve(addr, 1)
     try:
-        reply = await backends.call("model worker", backends.worker.Prefill(prefill))
+        worker = _Routed(backends, addr)
+        metrics.waiting.inc()
+        try:
+            reply = await worker.call(worker.stub.Prefill(prefill))
+        finally:
+            metrics.waiting.dec()
+        metrics.running.inc()
+        try:
+            async for delta in _decode(worker, rid, reply, stream, clock, driver):
+                yield delta
+        finally:
+            metrics.running.dec()
     finally:
-        metrics.waiting.dec()
-    metrics.running.inc()
-    try:
-        async for delta in _decode(backends, rid, reply, stream, clock, driver):
-            yield delta
-    finally:
-        metrics.running.dec()
+        reservation.release()
 
 
-async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillResponse, stream: _AnswerText,
+class _Routed:
+    """The worker one generation was routed to: its stub, and failover (an unreachable worker leaves the ring at
+    once: `WorkerPool.mark_failed`)."""
+
+    def __init__(self, backends: Backends, addr: str):
+        self.backends, self.addr = backends, addr
+        self.stub = backends.worker(addr)
+
+    def failed(self, err: grpc.aio.AioRpcError) -> ApiError:
+        """The ApiError of a failed call, noting an unreachable worker."""
+        self._note(err)
+        return from_rpc_error(err, "model worker")
+
+    def _note(self, err: grpc.aio.AioRpcError) -> None:
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            self.backends.metrics.failovers.labels(self.addr).inc()
+            self.backends.pool.mark_failed(self.addr)
+
+    async def _noting(self, coro):
+        try:
+            return await coro
+        except grpc.aio.AioRpcError as err:
+            self._note(err)
+            raise
+
+    async def call(self, coro):
+        """Await a unary RPC to this worker (through `Backends.call`).
+
+        Raises:
+          ApiError: the translated error.
+        """
+        return await self.backends.call("model worker", self._noting(coro))
+
+
+async def _decode(worker: _Routed, rid: str, reply: model_worker_pb2.PrefillResponse, stream: _AnswerText,
                   clock: _Clock, driver: ConstraintDriver | None) -> AsyncIterator[Delta]:
     """The rest of a generation after its Prefill reply: the Decode stream, the constraint's masks, the deltas."""
     prompt_tokens = reply.usage.prompt_tokens
@@ -214,11 +260,12 @@ async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillR
     delta = clock.tick(stream.feed([reply.first_token]))
     if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or stream.stops.stopped:
         if stream.stops.stopped and reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-            await _abort(backends, rid)
+            await _abort(worker, rid)
         clock.done()
         yield stream.close(delta, reply.finish_reason, prompt_tokens)
         return
-    call = backends.worker.Decode()
+    backends = worker.backends
+    call = worker.stub.Decode()
     try:
         await call.write(model_worker_pb2.DecodeRequest(request_id=rid))
         if driver is not None:
@@ -247,11 +294,11 @@ async def _decode(backends: Backends, rid: str, reply: model_worker_pb2.PrefillR
                 yield delta
         raise ApiError(500, "the model worker closed the stream early", code="backend_error")
     except grpc.aio.AioRpcError as err:
-        raise from_rpc_error(err, "model worker") from None
+        raise worker.failed(err) from None
     finally:
         call.cancel()
         if not stream.done or stream.stops.stopped:
-            await _abort(backends, rid)
+            await _abort(worker, rid)
 
 
 def _count_budget_ending(backends: Backends, driver: ConstraintDriver | None, finish: int) -> None:
@@ -414,9 +461,9 @@ def allowed_mask_bytes(token_ids: list[int], vocab_size: int) -> bytes:
     return bytes(bits)
 
 
-async def _abort(backends: Backends, rid: str) -> None:
+async def _abort(worker: _Routed, rid: str) -> None:
     """Best-effort Abort (the request may already have ended)."""
     try:
-        await backends.worker.Abort(model_worker_pb2.AbortRequest(request_id=rid), timeout=5)
+        await worker.stub.Abort(model_worker_pb2.AbortRequest(request_id=rid), timeout=5)
     except grpc.aio.AioRpcError as err:
         log.debug("abort of %s failed: %s", rid, err)

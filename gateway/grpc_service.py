@@ -144,13 +144,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                     "malformed bytes)")
             req = request_model(request)
             prefix = f"call_{rid[-12:]}_"
+            session = (_metadata(context, "x-session-id") or "")[:256] or None  # as the REST header
             with self.backends.admission.serving():
                 if isinstance(req, ChatCompletionRequest):
                     plan = await plan_chat_completion(self.backends, req, self.limits, call_prefix=prefix,
-                                                      request_id=rid, tenant=tenant)
+                                                      request_id=rid, tenant=tenant, session=session)
                 else:
                     plan = await plan_completion(self.backends, req, self.limits, call_prefix=prefix,
-                                                 request_id=rid, tenant=tenant)
+                                                 request_id=rid, tenant=tenant, session=session)
                 async for index, delta in run_choices(self.backends, plan.jobs):
                     yield _reply(plan.routes[index], index, delta)
         except ApiError as err:

@@ -41,7 +41,12 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("%s", err)
         return 2
     timeouts = Timeouts(tokenizer=args.tokenizer_timeout, worker=args.worker_timeout)
-    backends = Backends(args.tokenizer_addr, args.worker_addr, args.served_model_name, tls, timeouts)
+    try:
+        backends = Backends(args.tokenizer_addr, args.worker_addr or ["127.0.0.1:50052"], args.served_model_name,
+                            tls, timeouts, args.worker_refresh)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
     ready = asyncio.ensure_future(backends.watch())
     # Generate requests over the body limit are refused by gRPC itself (RESOURCE_EXHAUSTED) before parsing.
     grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", limits.max_body_bytes),

@@ -49,6 +49,14 @@ class GatewayMetrics:
         self.budget_endings = Counter(p + "budget_endings", "Constrained answers ended after a complete unit "
                                       "because max_tokens could not fit another (gateway/budget.py), by kind "
                                       "of unit.", ["kind"], registry=r)
+        self.routed = Counter(p + "routed_requests", "Requests routed to a model worker, by worker and reason "
+                              "(session: its session key's worker; session_spill: the next one, the first being "
+                              "over its load bound; prefix: the worker holding its prompt's prefix; hash / "
+                              "hash_spill: by a hash of the conversation; gateway/routing.py).",
+                              ["worker", "reason"], registry=r)
+        self.failovers = Counter(p + "worker_failovers", "Calls that found their model worker unreachable (the "
+                                 "worker leaves the routing ring until its health check passes).", ["worker"],
+                                 registry=r)
 
     def exposition(self) -> tuple[bytes, str]:
         """(body, content type) of the /metrics response."""

@@ -46,6 +46,7 @@ from gateway.openai_types import (
     TokenizeCompletionRequest,
 )
 from gateway.tool_calls import resolve_tool_choice
+from gateway.workers import tiebreak_key
 from protos import common_pb2, tokenizer_pb2
 from tokenizer_svc.json_prefix import scan_json_prefix
 
@@ -98,13 +99,15 @@ class Plan:
 
 
 async def plan_completion(backends: Backends, req: CompletionRequest, limits: Limits, *, call_prefix: str,
-                          request_id: str | None = None, tenant: str = "") -> Plan:
+                          request_id: str | None = None, tenant: str = "", session: str | None = None) -> Plan:
     """Plan a `/v1/completions` request (or a gRPC `text`/`tokens` input).
 
     Args:
       call_prefix: prefix of tool-call ids (unused without tools; routes are still made for gRPC).
       request_id: the worker request id of choice 0 of the first prompt (default: a new one).
       tenant: the caller's tenant (gateway/auth.py; "" when the API is open): part of the answer-history scope.
+      session: the request's explicit session key (the `x-session-id` header), else its `user` field decides
+        which worker serves it (`Backends.route`).
     """
     max_tokens = req.completion_limit(limits.max_tokens_cap)
     check_request(req, max_tokens, "max_tokens", limits)
@@ -122,11 +125,12 @@ async def plan_completion(backends: Backends, req: CompletionRequest, limits: Li
     chat.channels = False  # raw prompts: the text as generated
     prompts = [await _completion_prompt(backends, item) for item in texts]
     return await _finish(backends, req, limits, model, prompts, max_tokens, "max_tokens", req.logprobs or 0,
-                         chat, call_prefix, request_id, history_scope(tenant, req.cache_salt))
+                         chat, call_prefix, request_id, history_scope(tenant, req.cache_salt), session)
 
 
 async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, limits: Limits, *,
-                               call_prefix: str, request_id: str | None = None, tenant: str = "") -> Plan:
+                               call_prefix: str, request_id: str | None = None, tenant: str = "",
+                               session: str | None = None) -> Plan:
     """Plan a `/v1/chat/completions` request (or a gRPC `chat` input); arguments as `plan_completion`'s."""
     max_tokens, param = req.completion_limit()
     check_request(req, max_tokens, param, limits)
@@ -140,7 +144,7 @@ async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, l
     scope = history_scope(tenant, req.cache_salt)
     prompt = await _chat_prompt(backends, req, chat.template_kwargs, scope)
     return await _finish(backends, req, limits, model, [(prompt, "")], max_tokens, param, req.top_logprobs or 0,
-                         chat, call_prefix, request_id, scope)
+                         chat, call_prefix, request_id, scope, session)
 
 
 async def tokenize(backends: Backends, req: TokenizeCompletionRequest | TokenizeChatRequest, limits: Limits,
@@ -482,8 +486,10 @@ async def _chat_plan(backends: Backends, req) -> ChatPlan:
 
 async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model: str,
                   prompts: list[tuple[list[int], str]], max_tokens: int | None, param: str, top_logprobs: int,
-                  chat: ChatPlan, call_prefix: str, request_id: str | None, scope: str) -> Plan:
-    """Check lengths, then build every job (with its constraint and first mask) and route."""
+                  chat: ChatPlan, call_prefix: str, request_id: str | None, scope: str,
+                  session: str | None = None) -> Plan:
+    """Check lengths, then build every job (with its constraint and first mask), and route the request to one
+    worker (all its prompts and choices: `n` choices share their prompt's KV there)."""
     facts = backends.ready_facts()
     for ids, _ in prompts:
         resolve_max_tokens(len(ids), max_tokens, facts.max_model_len, param)
@@ -504,8 +510,27 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(_COMPILE_POOL, _attach_constraints, jobs, factory, chat.param,
                                    facts.max_model_len)
+    worker = backends.route(session or req.user or None, prompts[0][0], req.cache_salt or "", _tiebreak(req, prompts))
+    reservation = backends.pool.reserve(worker, len(jobs))
+    for job in jobs:
+        job.params.worker, job.params.reservation = worker, reservation
     routes = [chat.route(facts, req.stop_list(), f"{call_prefix}{job.index}_") for job in jobs]
     return Plan(model, prompts, req.n, jobs, chat, routes, scope)
+
+
+def _tiebreak(req, prompts: list[tuple[list[int], str]]) -> str:
+    """The conversation key that places a request no session or prefix places (gateway/workers.py): a chat's
+    messages up to its first user message (what a conversation keeps from turn to turn, and what tells two
+    conversations under one system prompt apart), else the head of the first prompt."""
+    messages = getattr(req, "messages", None)
+    if messages:
+        parts = []
+        for m in messages:
+            parts.append(f"{m.role}:{m.content}")
+            if m.role == "user":
+                break
+        return tiebreak_key(parts)
+    return tiebreak_key([" ".join(map(str, prompts[0][0][:256]))])
 
 
 def _attach_constraints(jobs: list[Job], factory, param: str, max_model_len: int) -> None:

@@ -131,7 +131,13 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
 def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:
     if with_addrs:
         p.add_argument("--tokenizer-addr", default="127.0.0.1:50051", help="tokenizer service address (default: %(default)s)")
-        p.add_argument("--worker-addr", default="127.0.0.1:50052", help="model worker address (default: %(default)s)")
+        p.add_argument("--worker-addr", action="append", default=None, metavar="HOST:PORT",
+                       help="a model worker's address; repeat it for several workers, or give a name that resolves "
+                       "to several addresses (a Kubernetes headless Service): one worker per address, resolved "
+                       "again every --worker-refresh seconds. Requests are routed among them by session, prompt "
+                       "prefix and load (default: 127.0.0.1:50052)")
+        p.add_argument("--worker-refresh", type=float, default=5.0,
+                       help="seconds between DNS resolutions of the --worker-addr names (default: %(default)s)")
     p.add_argument(
         "--served-model-name", default=None, help="model id reported by /v1/models (default: the model's own name)"
     )
@@ -146,6 +152,13 @@ def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:
     auth.add_flags(p)
     network.add_public_tls_flags(p)
     limits.add_flags(p)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ports(up, tuple(DEFAULT_PORTS))
     _add_engine(up)
     _add_gateway(up, with_addrs=False)
+    up.add_argument(
+        "--workers", type=_positive_int, default=1,
+        help="model worker processes behind the gateway; worker i listens on --worker-port + i and serves metrics on "
+        "--worker-metrics-port + i, and the gateway routes among them (default: %(default)s)",
+    )
     up.add_argument(
         "--ready-timeout", type=float, default=1800, help="seconds to wait for all services to be healthy (default: %(default)s)"
     )

@@ -5,7 +5,7 @@ with the launcher (PR_SET_PDEATHSIG on Linux). Their logs go to this terminal, e
 service name. `up` is their supervisor: a service that exits is restarted with backoff (the gateway answers 503
 meanwhile and recovers on its own); a crash loop stops everything with the reason. On SIGTERM or Ctrl-C it
 drains: the gateway first (running requests finish, new ones get 503, up to --drain-timeout), then the worker
-and the tokenizer service.
+and the tokenizer service. `--workers N` runs N model workers (ports from --worker-port up) behind the gateway.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
     engine += ["--prefill-chunks", *map(str, args.prefill_chunks)]
     gateway = ["--host", args.host, "--http-port", str(args.http_port), "--gateway-grpc-port",
                str(args.gateway_grpc_port), "--tokenizer-addr", f"{inner}:{args.tokenizer_port}",
-               "--worker-addr", f"{inner}:{args.worker_port}", "--tokenizer-timeout", str(args.tokenizer_timeout),
+               *(a for port, _ in worker_ports(args).values() for a in ("--worker-addr", f"{inner}:{port}")),
+               "--tokenizer-timeout", str(args.tokenizer_timeout),
                "--worker-timeout", str(args.worker_timeout)]
     for flag in ("ssl_certfile", "ssl_keyfile"):
         if getattr(args, flag, None):
@@ -77,12 +78,23 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     gateway += limit_args(args)
+    workers = {name: base + ["worker", *common, *internal, "--worker-port", str(port),
+                             "--worker-metrics-port", str(metrics), *engine]
+               for name, (port, metrics) in worker_ports(args).items()}
     return {
         "tokenizer": base + ["tokenizer", *common, *internal, "--tokenizer-port", str(args.tokenizer_port)],
-        "worker": base + ["worker", *common, *internal, "--worker-port", str(args.worker_port),
-                          "--worker-metrics-port", str(args.worker_metrics_port), *engine],
+        **workers,
         "gateway": base + ["gateway", *common, *gateway],
     }
+
+
+def worker_ports(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """{service name: (gRPC port, metrics port)} of the `--workers` model workers: "worker" alone, else
+    "worker-0", "worker-1", ... on consecutive ports from --worker-port and --worker-metrics-port."""
+    n = getattr(args, "workers", 1)
+    if n == 1:
+        return {"worker": (args.worker_port, args.worker_metrics_port)}
+    return {f"worker-{i}": (args.worker_port + i, args.worker_metrics_port + i) for i in range(n)}
 
 
 def _grpc_serving(address: str, tls: network.InternalTls | None = None) -> bool:
@@ -151,7 +163,7 @@ class Launcher:
         inner = connect_host(a.internal_host)
         return {
             "tokenizer": _grpc_serving(f"{inner}:{a.tokenizer_port}", self.tls),
-            "worker": _grpc_serving(f"{inner}:{a.worker_port}", self.tls),
+            **{name: _grpc_serving(f"{inner}:{port}", self.tls) for name, (port, _) in worker_ports(a).items()},
             "gateway": _http_ok(f"{public_url(a)}/health"),
         }
 
@@ -159,7 +171,7 @@ class Launcher:
         """Drain and stop: SIGTERM the gateway and wait for it (it finishes its running requests within
         --drain-timeout), then the worker and the tokenizer service; SIGKILL whatever outlives its grace."""
         grace = self.args.drain_timeout + 10
-        for group in (("gateway",), ("worker", "tokenizer")):
+        for group in (("gateway",), (*worker_ports(self.args), "tokenizer")):
             procs = [(n, self.procs[n]) for n in group if n in self.procs and self.procs[n].poll() is None]
             for _, proc in procs:
                 proc.send_signal(signal.SIGTERM)

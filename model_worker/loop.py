@@ -130,6 +130,8 @@ class EngineLoop:
         # pass when the chunk is the smallest, `Engine.dispatch_mixed`), also counted in "compute" and "decode";
         # tokens run through the model, and how many of them were prompt tokens
         self.steps = {"compute": 0, "decode": 0, "mixed": 0, "copy": 0, "computed_tokens": 0, "prompt_tokens": 0}
+        # the state after the latest iteration, read by other threads (the worker's GetLoad RPC)
+        self.last = LoopSnapshot(0, 0, 0.0, 0, 0, 0, dict(self.steps), 0)
 
     def snapshot(self) -> LoopSnapshot:
         """The loop's state for metrics (call on the engine thread, between iterations)."""
@@ -138,6 +140,14 @@ class EngineLoop:
         return LoopSnapshot(len(sched.running), len(sched.waiting), held / (ecfg.num_slots * ecfg.max_model_len),
                             sched.cache.cached_slots(), sched.cache.queries, sched.cache.hits, dict(self.steps),
                             sched.reused_tokens)
+
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, KV usage) now, for any thread (the worker's GetLoad RPC): the two counts are
+        lengths of the scheduler's containers plus the submissions not yet taken in (reading a length is atomic
+        under the GIL; a loop blocked on masks runs no iteration, so the last snapshot can be stale), the KV
+        usage is the latest iteration's."""
+        sched = self.scheduler
+        return len(sched.running), len(sched.waiting) + self._inbox.qsize(), self.last.kv_usage
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -202,8 +212,9 @@ class EngineLoop:
         result = self._run_work(work)
         self._count(work, result)
         self._publish(self.scheduler.postprocess(work, result))
+        self.last = self.snapshot()  # one reference assignment: readers on other threads see old or new
         if self.metrics is not None:
-            self.metrics.observe_iteration(self.snapshot())
+            self.metrics.observe_iteration(self.last)
         if work.compute is None and not work.decode and self.scheduler.has_work():
             time.sleep(0.001)  # everyone waits for a mask or a parent: don't spin
 

@@ -164,6 +164,15 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         """The model's and the engine's facts (sizes, limits, `engine_facts`), set by `set_ready`."""
         return self.info
 
+    async def GetLoad(self, request, context):
+        """Waiting and running requests and KV usage after the engine loop's latest iteration (a router's load
+        signal); UNAVAILABLE until the engine is ready."""
+        if self.loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model worker is still loading")
+        running, waiting, kv_usage = self.loop.load()
+        return model_worker_pb2.GetLoadResponse(num_requests_waiting=waiting, num_requests_running=running,
+                                                kv_cache_usage_perc=kv_usage, num_slots=self.loop.engine.ecfg.num_slots)
+
     async def Prefill(self, request: model_worker_pb2.PrefillRequest, context):
         events: asyncio.Queue = asyncio.Queue()
         aio_loop = asyncio.get_running_loop()

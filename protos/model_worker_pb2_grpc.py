@@ -54,6 +54,11 @@ class ModelWorkerStub:
                 request_serializer=protos_dot_model__worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=protos_dot_model__worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/gemma_serve.v1.ModelWorker/GetLoad',
+                request_serializer=protos_dot_model__worker__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=protos_dot_model__worker__pb2.GetLoadResponse.FromString,
+                _registered_method=True)
 
 
 class ModelWorkerServicer:
@@ -90,6 +95,14 @@ class ModelWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """The worker's current load, for a gateway that routes among several workers (cheap: no model work; the
+        figures of the engine loop's last iteration). UNAVAILABLE until the engine is ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +125,11 @@ def add_ModelWorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=protos_dot_model__worker__pb2.AbortRequest.FromString,
                     response_serializer=protos_dot_model__worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=protos_dot_model__worker__pb2.GetLoadRequest.FromString,
+                    response_serializer=protos_dot_model__worker__pb2.GetLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +240,33 @@ class ModelWorker:
             '/gemma_serve.v1.ModelWorker/Abort',
             protos_dot_model__worker__pb2.AbortRequest.SerializeToString,
             protos_dot_model__worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gemma_serve.v1.ModelWorker/GetLoad',
+            protos_dot_model__worker__pb2.GetLoadRequest.SerializeToString,
+            protos_dot_model__worker__pb2.GetLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,6 +87,7 @@ UNIT_ORDER = (
     "tests/model_worker/test_gemma3_numerics.py",  # 140 s
     "tests/model_worker/test_mixed_step.py",  # 146 s
     "tests/model_worker/test_batch_invariance.py",  # 100 s
+    "tests/docker/test_images.py",  # 45 s, mostly waiting on the services it starts
     "tests/model_worker/test_gemma4_numerics.py",  # 37 s
     "tests/model_worker/test_engine_batching.py",  # 34 s
     "tests/model_worker/test_sampling.py",  # 22 s
@@ -101,7 +102,9 @@ UNIT_ORDER = (
     "tests/gateway/test_budget.py",
     "tests/tokenizer_svc/test_text_tokenizer.py",
     "tests/tokenizer_svc/test_template_facts.py",
+    "tests/deploy/test_kubernetes.py",  # 7 s
     "tests/test_no_torch.py",  # 5 s
+    "tests/gateway/test_routing.py",  # 2 s
 )
 #: Modules that run as one xdist scope (in one worker process) because they share a costly per-process object:
 #: gguf-py's parse of the embedded GGUF's metadata (~15 s, shared per process by `pytest_configure`), which

@@ -11,6 +11,7 @@ import inspect
 import subprocess
 import sys
 import textwrap
+import types
 
 import llguidance
 import pytest
@@ -109,8 +110,9 @@ class _Stub:
 ])
 def test_the_facts_fetch_refuses_a_model_the_gateway_cannot_serve(architecture, vocab, words, tokenizer_family):
     backends = _Backends(*(f"127.0.0.1:{port}" for port in free_ports(2)))
-    backends.worker = _Stub(Info=model_worker_pb2.WorkerInfoResponse(
+    worker = _Stub(Info=model_worker_pb2.WorkerInfoResponse(
         model_name="m", max_model_len=64, vocab_size=8, default_stop_token_ids=[0], architecture=architecture))
+    backends.pool.serving = lambda: [types.SimpleNamespace(addr="w:1", stub=worker)]  # one worker, serving
     backends.tokenizer = _Stub(Info=tokenizer_pb2.TokenizerInfoResponse(bos_token_id=1, eos_token_id=0,
                                                                         family=tokenizer_family),
                                GetVocab=tokenizer_pb2.GetVocabResponse(token_bytes=vocab + [b"a"] * 7,

@@ -224,6 +224,40 @@ def test_not_ready_is_unavailable():
         s.close()
 
 
+def test_get_load_reports_running_and_waiting_requests(server, engine):
+    """GetLoad (a router's load signal): two slots held and one request waiting while three decode."""
+    idle = server.stub.GetLoad(model_worker_pb2.GetLoadRequest())
+    assert (idle.num_requests_running, idle.num_requests_waiting, idle.num_slots) == (0, 0, 2)
+    pending = []  # the calls must stay referenced: a collected future cancels its RPC
+    for rid in ("a", "b", "c"):  # constrained, with no Decode stream: each holds its slot waiting for a mask
+        request = model_worker_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(),
+            stopping=common_pb2.StoppingParams(max_tokens=50), constrained=True)
+        request.initial_mask.allowed = mask_bytes([7])
+        pending.append(server.stub.Prefill.future(request))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = server.stub.GetLoad(model_worker_pb2.GetLoadRequest())
+        if (load.num_requests_running, load.num_requests_waiting) == (2, 1):
+            break
+        time.sleep(0.05)
+    assert (load.num_requests_running, load.num_requests_waiting) == (2, 1), load
+    assert 0 <= load.kv_cache_usage_perc <= 1
+    for rid, call in zip(("a", "b", "c"), pending):
+        server.stub.Abort(model_worker_pb2.AbortRequest(request_id=rid))
+        call.cancel()
+
+
+def test_get_load_is_unavailable_until_ready():
+    s = Server(None)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            s.stub.GetLoad(model_worker_pb2.GetLoadRequest())
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        s.close()
+
+
 def wait_quiet(engine, period: float = 0.3, timeout: float = 10) -> dict:
     """The engine's call counts once they have not changed for `period` seconds (or after `timeout`)."""
     deadline = time.monotonic() + timeout

@@ -1,0 +1,96 @@
+"""The gateway's worker pool (gateway/workers.py): which workers a `--worker-addr` stands for, workers joining and
+leaving when a name's addresses change, and a failed worker leaving the routing ring until its health check
+passes. DNS is replaced by a table (`socket.getaddrinfo` monkeypatched); no worker process runs."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from gateway import workers
+from gateway.routing import NoWorkerError
+from gateway.workers import WorkerPool, resolve_target, split_target
+
+
+def _fake_dns(monkeypatch, table: dict[str, list[str]]) -> None:
+    def getaddrinfo(host, port, type=0, **kw):
+        if host not in table:
+            raise socket.gaierror(f"unknown host {host}")
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                 (a, port) if ":" not in a else (a, port, 0, 0)) for a in table[host]]
+
+    monkeypatch.setattr(workers.socket, "getaddrinfo", getaddrinfo)
+
+
+def test_split_target_needs_a_port():
+    assert split_target("w:50052") == ("w", 50052)
+    assert split_target("[::1]:7") == ("::1", 7)
+    for bad in ("w", "w:", "w:0", "w:70000", "w:x"):
+        with pytest.raises(ValueError, match="host:port"):
+            split_target(bad)
+
+
+def test_a_name_with_several_addresses_is_one_worker_per_address(monkeypatch):
+    _fake_dns(monkeypatch, {"workers.svc": ["10.0.0.2", "10.0.0.1", "fd00::1"], "one": ["10.0.0.9"],
+                            "dual": ["10.0.0.5", "fd00::5"]})
+    assert resolve_target("workers.svc:50052") == {"10.0.0.1:50052": "workers.svc", "10.0.0.2:50052": "workers.svc"}
+    assert resolve_target("one:50052") == {"one:50052": "one"}  # one address: the name is kept (TLS, logs)
+    assert resolve_target("dual:1") == {"dual:1": "dual"}  # a dual-stack host is one worker, not two
+    assert resolve_target("10.1.2.3:9") == {"10.1.2.3:9": "10.1.2.3"}  # no lookup for an IP literal
+
+
+def test_workers_join_and_leave_with_the_names_addresses(monkeypatch):
+    table = {"workers.svc": ["10.0.0.1", "10.0.0.2"]}
+    _fake_dns(monkeypatch, table)
+
+    async def scenario():
+        pool = WorkerPool(["workers.svc:50052"], None, [], refresh_s=0.0)
+        await pool.resolve(force=True)
+        first = sorted(pool.workers)
+        table["workers.svc"] = ["10.0.0.2", "10.0.0.3", "10.0.0.4"]
+        await pool.resolve(force=True)
+        second = sorted(pool.workers)
+        del table["workers.svc"]  # DNS trouble: the pool keeps what it had
+        await pool.resolve(force=True)
+        third = sorted(pool.workers)
+        await pool.close()
+        return first, second, third
+
+    first, second, third = asyncio.run(scenario())
+    assert first == ["10.0.0.1:50052", "10.0.0.2:50052"]
+    assert second == ["10.0.0.2:50052", "10.0.0.3:50052", "10.0.0.4:50052"]
+    assert third == second
+
+
+def test_only_serving_workers_are_routed_to_and_a_failed_one_leaves_at_once():
+    async def scenario():
+        pool = WorkerPool(["127.0.0.1:1", "127.0.0.1:2"], None, [])
+        await pool.resolve(force=True)
+        # nothing has passed a health check yet: the key's worker is tried anyway (a dead one fails its call)
+        assert pool.route(None, list(range(100)), "", "k").reason == "unhealthy"
+        for w in pool.workers.values():  # as a health poll that saw both serving
+            w.status = "SERVING"
+            pool.router.set_healthy(w.addr, True)
+        picks = {pool.route(f"s{i}", [], "", "k").addr for i in range(50)}
+        pool.mark_failed("127.0.0.1:1")
+        after = {pool.route(f"s{i}", [], "", "k").addr for i in range(50)}
+        pool.refuse("127.0.0.1:2", "serves another model")
+        assert pool.route("s0", [], "", "k").addr == "127.0.0.1:1"  # down, but the only one with our model
+        pool.refuse("127.0.0.1:1", "serves another model")
+        with pytest.raises(NoWorkerError):  # never a worker that serves another model
+            pool.route("s0", [], "", "k")
+        await pool.close()
+        return picks, after
+
+    picks, after = asyncio.run(scenario())
+    assert picks == {"127.0.0.1:1", "127.0.0.1:2"}
+    assert after == {"127.0.0.1:2"}
+
+
+def test_no_worker_address_is_refused():
+    with pytest.raises(ValueError, match="--worker-addr"):
+        WorkerPool([], None, [])
+    with pytest.raises(ValueError, match="host:port"):
+        WorkerPool(["nowhere"], None, [])
