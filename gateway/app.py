@@ -42,6 +42,7 @@ from gateway.openai_types import (
 )
 from gateway.openapi import openapi_schema
 from gateway.planner import Plan, detokenize, plan_chat_completion, plan_completion, tokenize
+from gateway.workers import Session
 from protos import tokenizer_pb2
 
 log = logging.getLogger("gemma_serve.gateway")
@@ -219,15 +220,18 @@ def create_app(backends: Backends, limits: Limits | None = None,
 
 
 # ----- /v1/completions -----------------------------------------------------------------------------------------
-def _session(request: Request) -> str | None:
-    """The explicit session key of a request (`x-session-id`; at most 256 characters are used): its
-    conversation's turns then go to one worker (gateway/routing.py)."""
-    value = request.headers.get("x-session-id")
-    return value[:256] if value else None
+def _session(request: Request) -> Session:
+    """The request's session headers (`x-session-id`, `-ttl`, `-release`; gateway/workers.py `Session`): its
+    conversation's turns go to one worker (gateway/routing.py), which may keep its KV between turns.
+
+    Raises:
+      ApiError: 400 for a malformed header.
+    """
+    return Session.from_headers(request.headers.get)
 
 
 async def _completions(backends: Backends, limits: Limits, req: CompletionRequest, tenant: str,
-                       session: str | None = None):
+                       session: Session | None = None):
     ids = ResponseIds("cmpl", "")
     plan = await plan_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_", tenant=tenant,
                                  session=session)
@@ -332,7 +336,7 @@ async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: 
 
 # ----- /v1/chat/completions ------------------------------------------------------------------------------------
 async def _chat(backends: Backends, limits: Limits, req: ChatCompletionRequest, tenant: str,
-                session: str | None = None):
+                session: Session | None = None):
     ids = ResponseIds("chatcmpl", "")
     plan = await plan_chat_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_", tenant=tenant,
                                       session=session)

@@ -55,6 +55,8 @@ class GenParams:
         request goes to one worker); "" routes this generation by its prompt alone.
       reservation: the routed request's in-flight count on that worker (`workers.Reservation`), released when
         this generation ends; None: counted here.
+      session: the request's session (`workers.Session` with its key set): the worker keeps its KV leased to it
+        after this generation when it asks for a ttl; None: no session.
     """
 
     sampling: common_pb2.SamplingParams
@@ -71,6 +73,7 @@ class GenParams:
     cache_salt: str = ""
     worker: str = ""
     reservation: object | None = None
+    session: object | None = None
 
 
 @dataclasses.dataclass
@@ -190,6 +193,9 @@ async def generate(
         share_prompt_with=params.share_prompt_with or "",
         cache_salt=params.cache_salt,
     )
+    if params.session is not None:
+        prefill.session_id = params.session.key
+        prefill.session_ttl_s, prefill.session_release = params.session.ttl, params.session.release
     if params.allowed_token_ids is not None:
         prefill.allowed_tokens.allowed = allowed_mask_bytes(params.allowed_token_ids, facts.vocab_size)
     driver = None

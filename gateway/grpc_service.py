@@ -22,6 +22,7 @@ from gateway.errors import ApiError
 from gateway.limits import Limits, json_field
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest, error_param
 from gateway.planner import plan_chat_completion, plan_completion
+from gateway.workers import Session
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("gemma_serve.gateway")
@@ -144,7 +145,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                     "malformed bytes)")
             req = request_model(request)
             prefix = f"call_{rid[-12:]}_"
-            session = (_metadata(context, "x-session-id") or "")[:256] or None  # as the REST header
+            session = Session.from_headers(lambda name: _metadata(context, name))  # as the REST headers
             with self.backends.admission.serving():
                 if isinstance(req, ChatCompletionRequest):
                     plan = await plan_chat_completion(self.backends, req, self.limits, call_prefix=prefix,

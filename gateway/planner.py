@@ -46,7 +46,7 @@ from gateway.openai_types import (
     TokenizeCompletionRequest,
 )
 from gateway.tool_calls import resolve_tool_choice
-from gateway.workers import tiebreak_key
+from gateway.workers import Session, tiebreak_key
 from protos import common_pb2, tokenizer_pb2
 from tokenizer_svc.json_prefix import scan_json_prefix
 
@@ -99,15 +99,15 @@ class Plan:
 
 
 async def plan_completion(backends: Backends, req: CompletionRequest, limits: Limits, *, call_prefix: str,
-                          request_id: str | None = None, tenant: str = "", session: str | None = None) -> Plan:
+                          request_id: str | None = None, tenant: str = "", session: Session | None = None) -> Plan:
     """Plan a `/v1/completions` request (or a gRPC `text`/`tokens` input).
 
     Args:
       call_prefix: prefix of tool-call ids (unused without tools; routes are still made for gRPC).
       request_id: the worker request id of choice 0 of the first prompt (default: a new one).
       tenant: the caller's tenant (gateway/auth.py; "" when the API is open): part of the answer-history scope.
-      session: the request's explicit session key (the `x-session-id` header), else its `user` field decides
-        which worker serves it (`Backends.route`).
+      session: the request's session headers (`workers.Session`): its key (else the request's `user` field)
+        decides which worker serves it (`Backends.route`) and names the KV lease it may ask the worker for.
     """
     max_tokens = req.completion_limit(limits.max_tokens_cap)
     check_request(req, max_tokens, "max_tokens", limits)
@@ -130,7 +130,7 @@ async def plan_completion(backends: Backends, req: CompletionRequest, limits: Li
 
 async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, limits: Limits, *,
                                call_prefix: str, request_id: str | None = None, tenant: str = "",
-                               session: str | None = None) -> Plan:
+                               session: Session | None = None) -> Plan:
     """Plan a `/v1/chat/completions` request (or a gRPC `chat` input); arguments as `plan_completion`'s."""
     max_tokens, param = req.completion_limit()
     check_request(req, max_tokens, param, limits)
@@ -487,7 +487,7 @@ async def _chat_plan(backends: Backends, req) -> ChatPlan:
 async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model: str,
                   prompts: list[tuple[list[int], str]], max_tokens: int | None, param: str, top_logprobs: int,
                   chat: ChatPlan, call_prefix: str, request_id: str | None, scope: str,
-                  session: str | None = None) -> Plan:
+                  session: Session | None = None) -> Plan:
     """Check lengths, then build every job (with its constraint and first mask), and route the request to one
     worker (all its prompts and choices: `n` choices share their prompt's KV there)."""
     facts = backends.ready_facts()
@@ -510,10 +510,17 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(_COMPILE_POOL, _attach_constraints, jobs, factory, chat.param,
                                    facts.max_model_len)
-    worker = backends.route(session or req.user or None, prompts[0][0], req.cache_salt or "", _tiebreak(req, prompts))
+    session = session or Session()
+    key = session.key or req.user or None
+    if (session.ttl or session.release) and key is None:
+        raise ApiError(400, "a session lease (x-session-ttl, x-session-release) needs a session: send x-session-id "
+                            "or the user field", param="x-session-id")
+    worker = backends.route(key, prompts[0][0], req.cache_salt or "", _tiebreak(req, prompts))
     reservation = backends.pool.reserve(worker, len(jobs))
     for job in jobs:
         job.params.worker, job.params.reservation = worker, reservation
+        if key is not None and not job.params.share_prompt_with:  # the lease follows choice 0's slot
+            job.params.session = dataclasses.replace(session, key=key)
     routes = [chat.route(facts, req.stop_list(), f"{call_prefix}{job.index}_") for job in jobs]
     return Plan(model, prompts, req.n, jobs, chat, routes, scope)
 

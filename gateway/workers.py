@@ -23,6 +23,7 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.errors import ApiError
 from gateway.routing import Choice, NoWorkerError, Router, block_hashes, rendezvous_order
 from gemma_serve.network import CHANNEL_OPTIONS, InternalTls, aio_channel
 from protos import model_worker_pb2, model_worker_pb2_grpc
@@ -258,6 +259,45 @@ class WorkerPool:
         """Close every channel."""
         for w in self.workers.values():
             await w.channel.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """A request's session, from its `x-session-*` headers (gRPC: metadata of the same names).
+
+    Attributes:
+      key: `x-session-id` (at most 256 characters), or None: the request's `user` field then stands in.
+      ttl: `x-session-ttl`, seconds the worker should keep the session's KV after this turn (0: no lease; the
+        worker caps it at its --max-session-ttl).
+      release: `x-session-release: true`: end the session's lease when this turn ends.
+    """
+
+    key: str | None = None
+    ttl: float = 0.0
+    release: bool = False
+
+    @classmethod
+    def from_headers(cls, get) -> Session:
+        """The session of a request whose header (or metadata) values `get(name)` returns (None if absent).
+
+        Raises:
+          ApiError: 400 naming the header for a ttl that is not a finite number >= 0, or a release flag that is
+            not true/false.
+        """
+        key = get("x-session-id")
+        ttl_text, release_text = get("x-session-ttl"), get("x-session-release")
+        try:
+            ttl = float(ttl_text) if ttl_text else 0.0
+        except ValueError:
+            ttl = -1.0
+        if not (0.0 <= ttl < float("inf")):
+            raise ApiError(400, f"x-session-ttl must be a number of seconds >= 0, got {ttl_text[:40]!r}",
+                           param="x-session-ttl")
+        release = (release_text or "false").strip().lower()
+        if release not in ("true", "false", "1", "0"):
+            raise ApiError(400, f"x-session-release must be true or false, got {release_text[:40]!r}",
+                           param="x-session-release")
+        return cls(key[:256] if key else None, ttl, release in ("true", "1"))
 
 
 class Reservation:

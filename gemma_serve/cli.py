@@ -57,6 +57,16 @@ def _add_ports(p: argparse.ArgumentParser, which: tuple[str, ...]) -> None:
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "--max-session-ttl", type=float, default=600.0,
+        help="the longest session KV lease a request may ask for (x-session-ttl), in seconds; 0 grants none "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--lease-preempt-after", type=float, default=10.0,
+        help="seconds a request waits for a slot before it takes the oldest session lease's slot (default: "
+        "%(default)s)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=8192,

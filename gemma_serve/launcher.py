@@ -61,7 +61,8 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
     engine = ["--max-model-len", str(args.max_model_len), "--num-slots", str(args.num_slots), "--dtype", args.dtype,
               "--matmul-precision", args.matmul_precision,
               "--kv-cache-dtype", args.kv_cache_dtype, "--max-waiting", str(args.max_waiting),
-              "--prefix-slack", str(args.prefix_slack)]
+              "--prefix-slack", str(args.prefix_slack), "--max-session-ttl", str(args.max_session_ttl),
+              "--lease-preempt-after", str(args.lease_preempt_after)]
     if args.prefill_token_budget:
         engine += ["--prefill-token-budget", str(args.prefill_token_budget)]
     if args.batch_invariant is not None:

@@ -85,6 +85,8 @@ class LoopSnapshot:
       steps: engine steps since start by kind ("compute", "decode", "mixed", "copy"), plus "computed_tokens" and
         "prompt_tokens" (tokens run through the model).
       reused_tokens: prompt tokens reused (prefix cache or a slot copy) since start.
+      leased_slots: slots leased to a session now; lease_preemptions: leases ended early since start (a request
+        waited too long for a slot).
     """
 
     running: int
@@ -95,6 +97,8 @@ class LoopSnapshot:
     prefix_hits: int
     steps: dict
     reused_tokens: int
+    leased_slots: int = 0
+    lease_preemptions: int = 0
 
 
 class EngineLoop:
@@ -102,7 +106,7 @@ class EngineLoop:
 
     def __init__(self, engine: engine_api.Engine, token_budget: int | None = None, metrics=None,
                  mask_wait: float = 0.2, on_fatal: Callable[[BaseException], None] | None = None,
-                 fault_salt: str | None = None):
+                 fault_salt: str | None = None, lease_preempt_after: float = 10.0):
         """Args: engine: a compiled engine (`engine_api.Engine`; the loop becomes its only user); token_budget:
         most prompt tokens computed in an iteration that also decodes running streams (bounds the pause a long new
         prompt causes in them; default: the smallest chunk); a lone prompt uses the largest chunks it fills
@@ -111,7 +115,8 @@ class EngineLoop:
         forward pass, for the token masks of its constrained rows (a row whose mask is later is recomputed at a
         later step). on_fatal: called (on this thread) after a step failed and every sequence was ended;
         fault_salt: a cache_salt whose sequences make the step running them fail (a fault-injection hook for tests
-        of the process supervision; None in production)."""
+        of the process supervision; None in production); lease_preempt_after: seconds a request waits for a slot
+        before it may take the oldest session lease's slot (`prefix_cache.PrefixCache`)."""
         self.engine = engine
         self.on_fatal = on_fatal
         self.fault_salt = fault_salt
@@ -121,7 +126,8 @@ class EngineLoop:
         self.metrics = metrics
         self.vocab = engine.cfg.vocab_size
         self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len, slack=engine.ecfg.prefix_slack,
-                                   max_waiting=engine.ecfg.max_waiting, token_budget=self.token_budget)
+                                   max_waiting=engine.ecfg.max_waiting, token_budget=self.token_budget,
+                                   lease_preempt_after=lease_preempt_after)
         self._step: StepResult | None = None  # the host results of the iteration being run (`_run_work`)
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
@@ -139,7 +145,7 @@ class EngineLoop:
         held = sum(len(seq.prompt) + len(seq.output) for seq in sched.running.values())
         return LoopSnapshot(len(sched.running), len(sched.waiting), held / (ecfg.num_slots * ecfg.max_model_len),
                             sched.cache.cached_slots(), sched.cache.queries, sched.cache.hits, dict(self.steps),
-                            sched.reused_tokens)
+                            sched.reused_tokens, sched.cache.leased_slots(), sched.cache.preempted)
 
     def load(self) -> tuple[int, int, float]:
         """(running, waiting, KV usage) now, for any thread (the worker's GetLoad RPC): the two counts are

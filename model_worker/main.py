@@ -153,7 +153,7 @@ async def serve(args: argparse.Namespace) -> int:
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    servicer = WorkerServicer(model_worker_pb2.WorkerInfoResponse())
+    servicer = WorkerServicer(model_worker_pb2.WorkerInfoResponse(), max_session_ttl=args.max_session_ttl)
     model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{args.host}:{args.worker_port}"
@@ -172,7 +172,10 @@ async def serve(args: argparse.Namespace) -> int:
     if stop.is_set():
         log.info("stopping before the engine was ready")
         await server.stop(1)
-        return 0
+        # Nothing to drain; the loader thread cannot be interrupted and asyncio.run would wait for it to finish
+        # loading and compiling (minutes) before exiting.
+        logging.shutdown()
+        os._exit(0)
     try:
         engine, info = loader.result()
     except Exception:
@@ -185,7 +188,7 @@ async def serve(args: argparse.Namespace) -> int:
     fault = os.environ.get(FAULT_ENV)
     loop = EngineLoop(engine, token_budget=args.prefill_token_budget, metrics=metrics,
                       on_fatal=lambda exc: aio_loop.call_soon_threadsafe(fatal.set),
-                      fault_salt=fault or None)
+                      fault_salt=fault or None, lease_preempt_after=args.lease_preempt_after)
     loop.start()
     servicer.set_ready(loop, info)
     for name in ("", SERVICE_NAME):

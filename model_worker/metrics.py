@@ -58,7 +58,12 @@ class WorkerMetrics:
         self.compilations = Counter(p + "compilations", "XLA compilations (after warm-up this must stay flat).",
                                     registry=r)
         self.programs = Gauge(p + "compiled_programs", "Programs in the compiled grid.", registry=r)
-        self._seen = {"queries": 0, "hits": 0, "steps": {}, "computed": 0, "prompt": 0, "reused": 0}
+        self.leased_slots = Gauge(p + "leased_slots", "Slots whose KV is leased to a session (kept after its "
+                                  "request, exempt from LRU eviction).", registry=r)
+        self.lease_preemptions = Counter(p + "lease_preemptions", "Session leases ended early because a request "
+                                         "waited --lease-preempt-after seconds for a slot.", registry=r)
+        self._seen = {"queries": 0, "hits": 0, "steps": {}, "computed": 0, "prompt": 0, "reused": 0,
+                      "preempted": 0}
         self._lock = threading.Lock()
         jax.monitoring.register_event_duration_secs_listener(self._on_compile)
 
@@ -87,6 +92,9 @@ class WorkerMetrics:
             seen["prompt"] = snap.steps["prompt_tokens"]
             self.cached_tokens.inc(snap.reused_tokens - seen["reused"])
             seen["reused"] = snap.reused_tokens
+            self.lease_preemptions.inc(snap.lease_preemptions - seen["preempted"])
+            seen["preempted"] = snap.lease_preemptions
+        self.leased_slots.set(snap.leased_slots)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Expose /metrics over HTTP on `port` (a daemon thread)."""

@@ -29,6 +29,13 @@ The cache knows token ids, salts and slot numbers only, never the scheduler's se
 its running slots with `LiveSlot`s, applies the `Placement` it gets back, and reports what a finished slot holds
 (`release`). So the scheduler alone changes sequences (docs/architecture.md, "Continuous batching").
 
+Session leases: a request of a session that asks for one (`release(..., session, ttl)`) leaves its slot leased
+to the session for `ttl` seconds (an agent's think time): no other prompt takes the slot over or evicts it, though
+prompts that share its prefix may copy from it; the session's next request takes it over in place and may renew
+it. Leases never starve anyone: at most `max_leases` (a quarter of the slots) are held at once (a new one ends the
+oldest), and a prompt that has waited too long for a slot (`place(..., preempt=True)`, the scheduler's
+`lease_preempt_after`) takes the oldest lease's slot (`preempted` counts it).
+
 Scopes: every slot's KV carries the `cache_salt` of the request that computed it, and a prompt is matched only
 against slots of its own salt, so a prefix hit (and the `cached_tokens` a client sees) never reveals what a
 request with another salt computed (vLLM's `cache_salt`). Eviction ignores salts.
@@ -37,6 +44,7 @@ request with another salt computed (vLLM's `cache_salt`). Eviction ignores salts
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Tokens
 
@@ -58,6 +66,9 @@ class SlotEntry:
     last_used: int = 0
     pinned: bool = False
     salt: str = ""
+    lease: str = ""  # the session the slot is leased to ("" none)
+    lease_until: float = 0.0  # when the lease ends (time.monotonic())
+    lease_since: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +121,15 @@ class PrefixCache:
     """Owns the slots' histories, busy marks and LRU order. Methods that look at running slots take the
     scheduler's `live` view: slot -> `LiveSlot`, one per busy slot."""
 
-    def __init__(self, num_slots: int, slack: int, max_snapshots: int | None = None, min_share: int = 32):
+    def __init__(self, num_slots: int, slack: int, max_snapshots: int | None = None, min_share: int = 32,
+                 clock=time.monotonic):
         """Args: num_slots: slots; slack: ring positions beyond the window (see KVCache); max_snapshots: pinned
-        shared-prefix snapshots at most (default num_slots // 4); min_share: shortest prefix worth a snapshot."""
+        shared-prefix snapshots at most (default num_slots // 4); min_share: shortest prefix worth a snapshot;
+        clock: seconds, for lease expiry."""
         self.entries = [SlotEntry() for _ in range(num_slots)]
+        self.max_leases = num_slots // 4
+        self.now = clock
+        self.preempted = 0  # metrics: leases ended early by a prompt that waited too long for a slot
         self.slack = slack
         self.max_snapshots = max(0, num_slots // 4) if max_snapshots is None else max_snapshots
         self.min_share = min_share
@@ -165,15 +181,18 @@ class PrefixCache:
         return best, usable
 
     def place(self, prompt: Tokens[int], salt: str, live: Mapping[int, LiveSlot],
-              reuse: bool = True) -> Placement | None:
+              reuse: bool = True, session: str = "", preempt: bool = False) -> Placement | None:
         """Choose a slot for a new prompt computed under `salt` and mark it busy (None: every slot is in use,
-        wait). reuse=False places it without looking for a prefix (a fork, or penalties over the whole prompt)."""
+        wait). reuse=False places it without looking for a prefix (a fork, or penalties over the whole prompt).
+        `session`: the prompt's session (it may take over its own leased slot); `preempt`: it has waited long
+        enough to take the oldest lease's slot when no other slot is free."""
         self.clock += 1
+        self._expire_leases()
         best, best_usable, share, leader, lead = None, 0, 0, None, 0
         if reuse:
             for slot in range(len(self.entries)):
                 exact, lcp = self._usable(slot, prompt, salt, live)
-                if exact > best_usable or (exact == best_usable and exact and self._takeover_ok(slot)):
+                if exact > best_usable or (exact == best_usable and exact and self._takeover_ok(slot, session)):
                     best, best_usable = slot, exact
                 if not exact and lcp >= self.min_share:
                     share = max(share, lcp)
@@ -182,16 +201,16 @@ class PrefixCache:
                     leader, lead = slot, pending
         gain = lead - best_usable
         if leader is not None and gain > 0 and (gain >= self.min_share or lead == len(prompt) - 1):
-            target = self.victim()  # wait for the leader's prefix in a slot of its own
+            target = self.victim(session=session, preempt=preempt)  # wait for the leader's prefix in a slot of its own
             if target is None:
                 return None
             self.queries += 1
             self._own(target, salt)
             return Placement(slot=target, copy_from=None, cached=0, leader=leader, share=lead)
-        if best is not None and self._takeover_ok(best):
+        if best is not None and self._takeover_ok(best, session):
             target, source = best, None
         else:
-            target = self.victim(exclude=best)
+            target = self.victim(exclude=best, session=session, preempt=preempt)
             source = best if best is not None and best_usable else None
         if target is None:
             return None
@@ -206,25 +225,54 @@ class PrefixCache:
     def _own(self, slot: int, salt: str) -> None:
         e = self.entries[slot]
         e.busy, e.pinned, e.tokens, e.last_used, e.salt = True, False, [], self.clock, salt
+        e.lease = ""
 
-    def _takeover_ok(self, slot: int) -> bool:
+    def _takeover_ok(self, slot: int, session: str = "") -> bool:
         e = self.entries[slot]
-        return not e.busy and not e.pinned
+        return not e.busy and not e.pinned and e.lease in ("", session)
 
-    def victim(self, exclude: int | None = None) -> int | None:
+    def victim(self, exclude: int | None = None, session: str = "", preempt: bool = False) -> int | None:
         """A slot without a running sequence to (re)use: empty first, then least recently used unpinned, then
-        least recently used pinned. None if every slot is in use."""
-        candidates = [i for i, e in enumerate(self.entries) if not e.busy and i != exclude]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda i: (bool(self.entries[i].tokens), self.entries[i].pinned,
-                                              self.entries[i].last_used))
+        least recently used pinned; slots leased to another session only for a prompt placed with `preempt`
+        (the oldest lease first). None if every slot is in use."""
+        free = [i for i, e in enumerate(self.entries) if not e.busy and i != exclude]
+        candidates = [i for i in free if self.entries[i].lease in ("", session)]
+        if candidates:
+            return min(candidates, key=lambda i: (bool(self.entries[i].tokens), self.entries[i].pinned,
+                                                  self.entries[i].last_used))
+        if free and preempt:
+            self.preempted += 1
+            return min(free, key=lambda i: self.entries[i].lease_since)
+        return None
 
-    def release(self, slot: int, history: Tokens[int]) -> None:
+    def release(self, slot: int, history: Tokens[int], session: str = "", ttl: float = 0.0) -> None:
         """A busy slot's sequence finished: the slot keeps the KV of `history` (everything it computed), for later
-        prompts."""
+        prompts; leased to `session` for `ttl` seconds when both are given (ending any other lease of that
+        session, and the oldest lease beyond `max_leases`); ttl 0 ends the session's lease."""
         e = self.entries[slot]
         e.tokens, e.busy, e.last_used = list(history), False, self.clock
+        if not session:
+            return
+        now = self.now()
+        for other in self.entries:
+            if other.lease == session:
+                other.lease = ""
+        if ttl > 0 and self.max_leases > 0:
+            e.lease, e.lease_until, e.lease_since = session, now + ttl, now
+            held = sorted((x for x in self.entries if x.lease), key=lambda x: x.lease_since)
+            for x in held[: max(0, len(held) - self.max_leases)]:
+                x.lease = ""
+
+    def _expire_leases(self) -> None:
+        now = self.now()
+        for e in self.entries:
+            if e.lease and now >= e.lease_until:
+                e.lease = ""
+
+    def leased_slots(self) -> int:
+        """Slots leased to a session now."""
+        self._expire_leases()
+        return sum(1 for e in self.entries if e.lease)
 
     def snapshot_slot(self, source: int) -> int | None:
         """A slot to hold a new snapshot of `source` (evicting the oldest snapshot beyond max_snapshots)."""

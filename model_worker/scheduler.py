@@ -150,6 +150,8 @@ class Sequence:
       missed: the last step ran this (constrained) sequence but its mask came too late; it waits for the mask
         before it joins a step again.
       cache_salt: prefix-cache scope: the prompt reuses only KV computed under the same salt (PrefixCache).
+      session, lease_ttl: the session this request belongs to ("" for none) and how long its slot's KV stays
+        leased to it after the request ends (seconds; 0: no lease, and a lease the session held ends).
       leader: the running sequence computing a prompt that shares `share` tokens with this one: this sequence
         waits (computing nothing) until the leader has computed them, then copies its slot; None otherwise.
       share: prompt tokens to take from the leader's slot.
@@ -180,6 +182,8 @@ class Sequence:
     last_token_at: float | None = None
     missed: bool = False
     cache_salt: str = ""
+    session: str = ""
+    lease_ttl: float = 0.0
     leader: Sequence | None = dataclasses.field(default=None, repr=False, compare=False)
     share: int = 0
     first_token_at: float | None = None
@@ -294,11 +298,13 @@ class Scheduler:
     `self.cache`."""
 
     def __init__(self, num_slots: int, max_model_len: int, slack: int = 0, max_waiting: int | None = None,
-                 token_budget: int | None = None):
+                 token_budget: int | None = None, lease_preempt_after: float = 10.0):
         """Args: num_slots: cache rows; max_model_len: context limit used to finish sequences with LENGTH;
         slack: sliding-ring positions beyond the window (prefix reuse tolerance, see PrefixCache);
         max_waiting: bound of the waiting queue (None: unbounded); token_budget: most chunk tokens in an
-        iteration that also decodes (None: no bound; a chunk alone is never bounded)."""
+        iteration that also decodes (None: no bound; a chunk alone is never bounded); lease_preempt_after:
+        seconds a request waits for a slot before it may take the oldest session lease's slot."""
+        self.lease_preempt_after = lease_preempt_after
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.token_budget = token_budget
@@ -393,7 +399,9 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             reuse = seq.fork_of is None and seq.sampling.repetition_penalty == 1.0
-            placement = self.cache.place(seq.prompt, seq.cache_salt, live, reuse=reuse)
+            preempt = time.monotonic() - seq.arrived_at >= self.lease_preempt_after
+            placement = self.cache.place(seq.prompt, seq.cache_salt, live, reuse=reuse, session=seq.session,
+                                         preempt=preempt)
             if placement is None:
                 break
             self.waiting.popleft()
@@ -558,7 +566,7 @@ class Scheduler:
         self.by_id.pop(seq.request_id, None)
         if seq.slot is not None and self.running.get(seq.slot) is seq:
             del self.running[seq.slot]
-            self.cache.release(seq.slot, seq.tokens[: seq.num_computed])
+            self.cache.release(seq.slot, seq.tokens[: seq.num_computed], seq.session, seq.lease_ttl)
         seq.slot = None
 
     def abort(self, request_id: str) -> Sequence | None:

@@ -146,10 +146,13 @@ def engine_facts(cfg: ModelConfig, ecfg: EngineConfig) -> dict[str, object]:
 class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
     """ModelWorker RPCs over an EngineLoop (None until the engine is ready)."""
 
-    def __init__(self, info: model_worker_pb2.WorkerInfoResponse, attach_timeout: float = 30.0):
+    def __init__(self, info: model_worker_pb2.WorkerInfoResponse, attach_timeout: float = 30.0,
+                 max_session_ttl: float = 600.0):
         """Args: info: the Info reply (updated when ready); attach_timeout: seconds a prefilled request may wait
-        for its Decode stream before it is aborted."""
+        for its Decode stream before it is aborted; max_session_ttl: the longest session lease granted (seconds;
+        a request asking more gets this; 0 grants none)."""
         self.info = info
+        self.max_session_ttl = max_session_ttl
         self.loop: EngineLoop | None = None
         self.attach_timeout = attach_timeout
         self._live: dict[str, _Live] = {}
@@ -269,6 +272,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {len(prompt) + max_tokens} exceeds "
                 f"max_model_len {info.max_model_len}",
             )
+        _check(math.isfinite(request.session_ttl_s), "session_ttl_s must be a finite number of seconds")
+        _check(len(request.session_id) <= 256, "session_id is longer than 256 characters")
         _check(not request.constrained or request.HasField("initial_mask"),
                "a constrained request needs initial_mask for its first token")
         stop = set(request.stopping.stop_token_ids)
@@ -288,6 +293,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             masks={0: mask_from_pb(request.initial_mask, info.vocab_size)} if initial else {},
             allowed=mask_from_pb(request.allowed_tokens, info.vocab_size) if allowed else None,
             cache_salt=request.cache_salt,
+            session=request.session_id,
+            lease_ttl=0.0 if request.session_release else min(max(request.session_ttl_s, 0.0), self.max_session_ttl),
         )
 
     def _constraint(self, rid: str, msg: model_worker_pb2.DecodeRequest) -> None:

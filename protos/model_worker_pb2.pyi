@@ -68,7 +68,7 @@ class WorkerInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_bytes_per_sequence: _Optional[int] = ..., default_stop_token_ids: _Optional[_Iterable[int]] = ..., num_compiled_programs: _Optional[int] = ..., backend: _Optional[str] = ..., max_waiting: _Optional[int] = ..., sliding_window: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., max_position_embeddings: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., prefill_chunks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask", "constrained", "share_prompt_with", "allowed_tokens", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask", "constrained", "share_prompt_with", "allowed_tokens", "cache_salt", "session_id", "session_ttl_s", "session_release")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,9 @@ class PrefillRequest(_message.Message):
     SHARE_PROMPT_WITH_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_RELEASE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -87,7 +90,10 @@ class PrefillRequest(_message.Message):
     share_prompt_with: str
     allowed_tokens: _common_pb2.TokenMask
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingParams, _Mapping]] = ..., initial_mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., constrained: _Optional[bool] = ..., share_prompt_with: _Optional[str] = ..., allowed_tokens: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    session_id: str
+    session_ttl_s: float
+    session_release: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingParams, _Mapping]] = ..., initial_mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., constrained: _Optional[bool] = ..., share_prompt_with: _Optional[str] = ..., allowed_tokens: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_ttl_s: _Optional[float] = ..., session_release: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token", "finish_reason", "usage")

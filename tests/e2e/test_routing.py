@@ -129,7 +129,7 @@ def test_a_killed_worker_ends_its_requests_and_its_sessions_move(two_workers):
         with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60,
                           headers={"x-session-id": key}) as r:
             for line in r.iter_lines():
-                if line.startswith("data: ") or line.startswith("event: "):
+                if line.startswith(("data: ", "event: ")):
                     events.append((time.monotonic(), line))
 
     reader = threading.Thread(target=stream)
@@ -160,3 +160,35 @@ def test_a_killed_worker_ends_its_requests_and_its_sessions_move(two_workers):
         time.sleep(1)
     else:
         pytest.fail(f"the killed worker did not rejoin: {workers}")
+
+
+def test_a_session_lease_keeps_its_kv_through_a_burst_that_evicts_it_otherwise(stack):
+    """The embedded stack has 4 slots: an agent's turn, then 4 other prompts, then its next turn. With
+    `x-session-ttl` the next turn reuses the whole previous one (the lease kept the slot out of LRU eviction);
+    without, the burst took the slot. `x-session-release` ends the lease (the shared stack gets its slot back)."""
+    base = stack.base_url
+
+    def run(session: str, ttl: str | None) -> int:
+        headers = {"x-session-id": session, **({"x-session-ttl": ttl} if ttl else {})}
+        messages = [{"role": "user", "content": f"Plan the release of service {session}, step by step."}]
+        first = httpx.post(base + "/v1/chat/completions", headers=headers, timeout=120, json={
+            "model": "gemma-3-270m", "messages": messages, "max_tokens": 8, "temperature": 0}).json()
+        for i in range(4):  # another client's burst, one prompt after another (each its own salt: no reuse)
+            r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+                "model": "gemma-3-270m", "messages": [{"role": "user", "content": f"Unrelated question {i}."}],
+                "max_tokens": 2, "temperature": 0, "cache_salt": f"burst-{session}-{i}"})
+            assert r.status_code == 200, r.text
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Continue."}]
+        headers["x-session-release"] = "true"
+        second = httpx.post(base + "/v1/chat/completions", headers=headers, timeout=120, json={
+            "model": "gemma-3-270m", "messages": messages, "max_tokens": 2, "temperature": 0}).json()
+        previous = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+        return second["usage"]["prompt_tokens_details"]["cached_tokens"], previous
+
+    leased, previous = run("leased-agent", "60")
+    assert leased >= previous - 1, (leased, previous)
+    unleased, _ = run("plain-agent", None)
+    assert unleased < previous // 2, unleased
+    metrics = httpx.get(f"http://127.0.0.1:{stack.ports['metrics']}/metrics").text
+    assert "gemma_serve:leased_slots 0.0" in metrics  # released by the second turn

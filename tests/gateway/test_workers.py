@@ -94,3 +94,20 @@ def test_no_worker_address_is_refused():
         WorkerPool([], None, [])
     with pytest.raises(ValueError, match="host:port"):
         WorkerPool(["nowhere"], None, [])
+
+
+def test_session_headers_parse_and_bad_values_are_a_400_naming_the_header():
+    from gateway.errors import ApiError
+    from gateway.workers import Session
+
+    def parse(**headers):
+        return Session.from_headers(lambda name: headers.get(name.replace("-", "_")))
+
+    assert parse() == Session(None, 0.0, False)
+    assert parse(x_session_id="a" * 300, x_session_ttl="90", x_session_release="true") == Session("a" * 256, 90.0,
+                                                                                                  True)
+    for header, value in (("x_session_ttl", "-1"), ("x_session_ttl", "nan"), ("x_session_ttl", "inf"),
+                          ("x_session_ttl", "soon"), ("x_session_release", "maybe")):
+        with pytest.raises(ApiError) as err:
+            parse(x_session_id="s", **{header: value})
+        assert err.value.status == 400 and err.value.param == header.replace("_", "-")

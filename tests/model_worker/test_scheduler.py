@@ -223,3 +223,67 @@ def test_a_prompt_in_flight_is_waited_for_then_copied_and_a_gone_leader_is_survi
     work = s.schedule()
     assert c.leader is None and (slot, c.slot) in work.copies and c.cached_tokens == 4
     assert work.compute is c and c.pending == 8
+
+
+def _turn(s, rid, prompt, session="", ttl=0.0, outputs=2):
+    """Admit, 'compute' and finish one request; returns (its sequence, the slot it ran in)."""
+    q = Sequence(rid, list(prompt), SamplingSpec(), 8, frozenset(), lambda ev: None, session=session, lease_ttl=ttl)
+    s.add(q)
+    s.schedule()
+    assert q.slot is not None, rid
+    _run(s, q, outputs)
+    slot = q.slot
+    s.finish(q)
+    return q, slot
+
+
+def test_a_session_lease_survives_a_burst_that_evicts_by_lru_and_its_next_turn_reuses_it():
+    """With 4 slots (one lease at most), an agent's leased KV outlives a burst of 4 other prompts that would have
+    taken its slot under LRU; the session's next turn takes the slot over (cached = its whole last turn); without
+    the lease the same burst evicts it."""
+    for ttl, survives in ((60.0, True), (0.0, False)):
+        s = Scheduler(num_slots=4, max_model_len=1000, slack=4)
+        agent, agent_slot = _turn(s, "agent-1", range(1, 41), session="agent", ttl=ttl)
+        for i in range(4):
+            _turn(s, f"burst-{i}", range(100 * (i + 1), 100 * (i + 1) + 30))
+        nxt, nxt_slot = _turn(s, "agent-2", agent.tokens + [7, 8], session="agent", ttl=ttl)
+        assert (nxt.cached_tokens == agent.num_computed) is survives, (ttl, nxt.cached_tokens)
+        assert (nxt_slot == agent_slot) is survives
+        assert s.cache.leased_slots() == (1 if survives else 0)
+
+
+def test_leases_are_bounded_expire_end_on_release_and_yield_to_a_long_waiter():
+    """At most slots // 4 leases (a new one ends the oldest); a lease ends at its ttl and when the session's
+    turn releases it; when every free slot is leased, a waiting prompt gets none until it has waited
+    `lease_preempt_after` seconds, then takes the oldest lease's slot (counted)."""
+    now = [0.0]
+    s = Scheduler(num_slots=4, max_model_len=1000, slack=4, lease_preempt_after=5.0)
+    s.cache.now = lambda: now[0]
+    _turn(s, "a", range(1, 20), session="A", ttl=100.0)
+    now[0] = 1.0
+    _turn(s, "b", range(30, 50), session="B", ttl=100.0)
+    assert [e.lease for e in s.cache.entries if e.lease] == ["B"]  # 4 slots: one lease; A's ended
+    now[0] = 200.0
+    assert s.cache.leased_slots() == 0  # B expired
+    _turn(s, "b2", range(30, 50), session="B", ttl=100.0)
+    _turn(s, "b3", range(30, 52), session="B", ttl=100.0)
+    assert s.cache.leased_slots() == 1
+    _turn(s, "b4", range(30, 53), session="B", ttl=0.0)  # released by its own turn
+    assert s.cache.leased_slots() == 0
+
+    s = Scheduler(num_slots=4, max_model_len=1000, slack=4, lease_preempt_after=5.0)
+    s.cache.now = lambda: now[0]
+    s.cache.max_leases = 4  # every slot leased: only preemption frees one
+    for i, name in enumerate("WXYZ"):
+        now[0] = 300.0 + i
+        _turn(s, name, range(100 * (i + 1), 100 * (i + 1) + 10), session=name, ttl=1000.0)
+    waiter = Sequence("late", list(range(900, 910)), SamplingSpec(), 4, frozenset(), lambda ev: None)
+    waiter.arrived_at = 0.0
+    s.lease_preempt_after = 1e9  # has not waited long enough
+    s.add(waiter)
+    s.schedule()
+    assert waiter.slot is None and s.cache.preempted == 0
+    s.lease_preempt_after = 5.0  # now it has
+    s.schedule()
+    assert waiter.slot is not None and s.cache.preempted == 1
+    assert sorted(e.lease for e in s.cache.entries if e.lease) == ["X", "Y", "Z"]  # the oldest, W, gave way
