@@ -42,6 +42,7 @@ slows down several-fold when anything else competes for them.
   python benchmarks/agent_fleet.py --agents 1 8 --quick --json /tmp/fleet.json
   benchmarks/llama_cpp_server.sh bench 1 8 -- --quick         # the same against llama.cpp
   python benchmarks/agent_fleet.py --compare --agents 1 8 --quick   # ours, then llama.cpp, and the ratios
+  python benchmarks/agent_fleet.py --workers 1 2 --agents 8 --quick  # 1 worker, then 2: routing quality
 """
 
 from __future__ import annotations
@@ -503,6 +504,8 @@ def summarize(records: list[RequestRecord], wall: float | None, slo_ttft: float,
         "prefill_new": sum(new) if new else None,
         "computed_over_new": (sum(computed) / sum(new)) if computed and sum(new) > 0 else None,
         "cached_reported": sum(r.cached_tokens is not None for r in ok),
+        "cached_share": (sum(r.cached_tokens or 0 for r in ok) / sum(r.prompt_tokens or 0 for r in ok))
+        if any(r.prompt_tokens for r in ok) else None,
     }
     if wall:
         s.update(
@@ -726,6 +729,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="--num-slots 16",
         help="with --compare: extra `gemma-serve up` flags (e.g. \"--num-slots 16 --matmul-precision bfloat16\")",
     )
+    p.add_argument("--workers", type=int, nargs="+", default=None, metavar="W",
+                   help="run our stack once per worker count (`gemma-serve up --workers W` plus --ours-args) with "
+                   "the same fleet, and print throughput, prefix-cache hit share, computed/new prefill tokens and "
+                   "the share of requests routed to their conversation's worker for each (e.g. --workers 1 2)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="with --compare: seconds for our stack")
     p.add_argument("--compare-dir", default=None, help="with --compare: where the JSONs and the table go "
                    "[benchmarks/.compare/<time>]")
@@ -778,11 +785,11 @@ async def main_async(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
-    if args.compare:
+    if args.compare or args.workers:
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-        from fleet_compare import compare
+        from fleet_compare import compare, compare_workers
 
-        return compare(args)
+        return compare_workers(args) if args.workers else compare(args)
     return asyncio.run(main_async(args))
 
 

@@ -1,5 +1,6 @@
 """`agent_fleet.py --compare`: the same fleet workload against our stack and llama.cpp's llama-server, one right
-after the other on this machine, then a table of ratios (ours / llama.cpp).
+after the other on this machine, then a table of ratios (ours / llama.cpp). `agent_fleet.py --workers 1 2`: the
+same fleet against our stack with 1 and then 2 workers (`workers_table`).
 
 Ours: `gemma-serve up` on the embedded model (plus `--ours-args`), started once, every fleet size run against it,
 then stopped. llama.cpp: `benchmarks/llama_cpp_server.sh bench N ...` (built on first use; one server per N,
@@ -69,23 +70,27 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
 
 
-def run_ours(args, out_dir: pathlib.Path) -> pathlib.Path:
-    """Start `gemma-serve up` (free ports, `--ours-args`), run every fleet size against it, stop it; returns the
-    JSON path."""
-    ports = {flag: _free_port() for flag in ("--http-port", "--gateway-grpc-port", "--tokenizer-port",
-                                              "--worker-port", "--worker-metrics-port")}
+def run_ours(args, out_dir: pathlib.Path, workers: int = 1) -> pathlib.Path:
+    """Start `gemma-serve up` (free ports, `--ours-args`, `--workers`), run every fleet size against it, keep the
+    gateway's routing counters (`ours-W.routed.json`), stop it; returns the JSON path."""
+    ports = {flag: _free_port() for flag in ("--http-port", "--gateway-grpc-port", "--tokenizer-port")}
+    ports["--worker-port"], ports["--worker-metrics-port"] = _free_run(workers), _free_run(workers)
     cmd = [sys.executable, "-m", "gemma_serve.cli", "up", *(x for kv in ports.items() for x in map(str, kv)),
-           *shlex.split(args.ours_args)]
-    log = (out_dir / "ours-server.log").open("w")
+           "--workers", str(workers), *shlex.split(args.ours_args)]
+    name = "ours" if workers == 1 and not getattr(args, "workers", None) else f"ours-{workers}w"
+    log = (out_dir / f"{name}-server.log").open("w")
     print(f"[compare] ours: {' '.join(cmd)} (log: {log.name})", flush=True)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{ports['--http-port']}"
     try:
         _wait_ready(base + "/health", proc, args.startup_timeout)
-        out = out_dir / "ours.json"
+        out = out_dir / f"{name}.json"
         subprocess.run([sys.executable, str(HERE / "agent_fleet.py"), "--base-url", base + "/v1", "--model",
-                        args.model, "--agents", *map(str, args.agents), "--label", f"gemma-serve {args.ours_args}",
-                        "--json", str(out), *workload_argv(args)], check=False)
+                        args.model, "--agents", *map(str, args.agents), "--label",
+                        f"gemma-serve --workers {workers} {args.ours_args}", "--json", str(out),
+                        *workload_argv(args)], check=False)
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            (out_dir / f"{name}.routed.json").write_text(json.dumps(routed_counts(r.read().decode())))
         return out
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -93,6 +98,65 @@ def run_ours(args, out_dir: pathlib.Path) -> pathlib.Path:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _free_run(n: int) -> int:
+    """A port p with p .. p + n - 1 all free now (worker i of `up --workers n` listens on p + i)."""
+    for _ in range(200):
+        p = _free_port()
+        try:
+            for i in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p + i))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def routed_counts(metrics: str) -> dict[str, float]:
+    """The gateway's routed requests by reason (summed over workers), from its /metrics text."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("gemma_serve:gateway_routed_requests_total{"):
+            labels = line[line.index("{") + 1:line.index("}")]
+            reason = next(x.split("=")[1].strip('"') for x in labels.split(",") if x.startswith("reason="))
+            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def workers_table(results: dict[int, tuple[dict, dict]]) -> str:
+    """Per worker count (the same fleet): throughput, prefix-cache hit share, computed/new prefill tokens, and
+    the share of requests routed to their conversation's worker (by session or resident prefix)."""
+    head = (f"{'workers':>7} {'agents':>6} {'out tok/s':>10} {'hit share':>10} {'computed/new':>13} "
+            f"{'stayed':>7}  routed by reason")
+    lines = [head]
+    for w, (summary, routed) in sorted(results.items()):
+        total = sum(routed.values()) or 1.0
+        stayed = (routed.get("session", 0) + routed.get("prefix", 0)) / total
+        for n, s in sorted(summary.items()):
+            hit, ratio = s.get("cached_share"), s.get("computed_over_new")
+            hit_text = "-" if hit is None else f"{hit:.1%}"
+            ratio_text = "-" if ratio is None else f"{ratio:.2f}"
+            lines.append(f"{w:>7} {n:>6} {s.get('output_tok_s', 0):>10.1f} {hit_text:>10} {ratio_text:>13} "
+                         f"{stayed:>7.1%}  {dict(sorted(routed.items()))}")
+    return "\n".join(lines)
+
+
+def compare_workers(args) -> int:
+    """`--workers W...`: our stack once per worker count, the same fleet each time; prints `workers_table`."""
+    out_dir = pathlib.Path(args.compare_dir or REPO / "benchmarks" / ".compare" / time.strftime("%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for w in args.workers:
+        path = run_ours(args, out_dir, w)
+        routed = out_dir / f"{path.stem}.routed.json"
+        results[w] = (summaries([path]), json.loads(routed.read_text()) if routed.exists() else {})
+    table = workers_table(results)
+    print("\n== the same fleet against 1 and more workers (one after the other)\n" + table)
+    (out_dir / "workers.txt").write_text(table + "\n")
+    print(f"wrote {out_dir}")
+    return 0
 
 
 def run_llama(args, out_dir: pathlib.Path) -> list[pathlib.Path]:

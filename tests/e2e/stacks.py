@@ -213,7 +213,10 @@ def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:
     write_gemma4_test_tokenizer(ckpt, prepared.dir / "tokenizer.json")
     shutil.copy(GEMMA4_TEMPLATE, ckpt / "chat_template.jinja")
     s = start_stack(cache_dir, tmp("g4log") / "stack.log",
-                    ["--model", str(ckpt), "--max-model-len", "512", "--num-slots", "1", "--prefill-chunks", "32"])
+                    ["--model", str(ckpt), "--max-model-len", "512", "--num-slots", "1", "--prefill-chunks", "32",
+                     # exact weights: its tests compare served tokens with transformers' float32 choices and rely on
+                     # what the random model writes (the embedded stack runs the default bfloat16 mode)
+                     "--matmul-precision", "float32"])
     s.reference = model
     return s
 

@@ -111,3 +111,23 @@ def test_session_headers_parse_and_bad_values_are_a_400_naming_the_header():
         with pytest.raises(ApiError) as err:
             parse(x_session_id="s", **{header: value})
         assert err.value.status == 400 and err.value.param == header.replace("_", "-")
+
+
+def test_up_workers_runs_n_workers_on_consecutive_ports_behind_one_gateway():
+    """`gemma-serve up --workers 3`: three worker command lines on --worker-port + i and --worker-metrics-port + i,
+    the gateway given each one's address, and every command line accepted by the CLI's own parser."""
+    from gemma_serve.cli import build_parser
+    from gemma_serve.launcher import service_commands
+
+    parser = build_parser()
+    args = parser.parse_args(["up", "--workers", "3", "--worker-port", "6000", "--worker-metrics-port", "7000"])
+    cmds = service_commands(args)
+    assert [n for n in cmds if n.startswith("worker")] == ["worker-0", "worker-1", "worker-2"]
+    for i in range(3):
+        worker = parser.parse_args(cmds[f"worker-{i}"][cmds[f"worker-{i}"].index("worker"):])
+        assert (worker.worker_port, worker.worker_metrics_port) == (6000 + i, 7000 + i)
+    gateway = parser.parse_args(cmds["gateway"][cmds["gateway"].index("gateway"):])
+    assert gateway.worker_addr == ["127.0.0.1:6000", "127.0.0.1:6001", "127.0.0.1:6002"]
+    assert list(service_commands(parser.parse_args(["up"]))) == ["tokenizer", "worker", "gateway"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--workers", "0"])

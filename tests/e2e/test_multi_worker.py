@@ -1,55 +1,81 @@
-"""Two model workers behind one gateway (`gemma-serve up --workers 2`): conversations keep landing on the worker that
-holds their KV (by session key, or by prompt prefix without one), and a killed worker's requests end cleanly while
-its sessions continue on the other worker, until the launcher's restart brings it back into the ring.
+"""Two model workers behind one gateway: conversations keep landing on the worker that holds their KV (by session
+key, or by prompt prefix without one), and a killed worker's requests end cleanly while its sessions continue on
+the other worker, until it is restarted and rejoins the ring.
 
-The stack starts after the embedded stack is healthy, with the embedded stack's engine flags, so its two workers
-load their programs from the session's compilation cache instead of compiling them again.
+The two workers are the embedded stack's and one more started here with the same engine flags (its programs come
+from the session's compilation cache), behind a gateway of their own; only the extra worker is killed.
+`gemma-serve up --workers N`'s command lines are checked in tests/gateway/test_workers.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
-import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.e2e.stacks import MAX_MODEL_LEN, free_ports, pki, start_stack
+from gateway.routing import rendezvous_order
+from tests.e2e.stacks import MAX_MODEL_LEN, REPO, free_ports, front_gateway, pki
 
 pytestmark = pytest.mark.slow
-CHUNK = 64  # the stack's --prefill-chunks: a later turn may recompute at most one chunk of its history
+CHUNK = 64  # the stacks' --prefill-chunks: a later turn may recompute at most one chunk of its history
 SYSTEM = "You are a build agent. Answer with one short tool call. " * 4
+
+
+@dataclasses.dataclass
+class Extra:
+    """The extra worker process (restartable) and its address."""
+
+    cmd: list[str]
+    addr: str
+    log: str
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _workers(base: str) -> dict[str, str]:
+    return httpx.get(base + "/health", timeout=10).json().get("workers", {})
+
+
+def _wait_serving(base: str, n: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = _workers(base)
+        if len(workers) == n and all(s == "SERVING" for s in workers.values()):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"workers not serving: {_workers(base)}")
 
 
 @pytest.fixture(scope="module")
 def two_workers(stack, cache_dir, tmp_path_factory):
-    """`up --workers 2` with the embedded stack's engine flags (its compiled programs are in the cache by now)."""
-    worker, metrics = _consecutive_free_port(), _consecutive_free_port()  # worker i listens on --worker-port + i
+    """A gateway over the embedded stack's worker and an extra one: (gateway Stack, Extra)."""
     tmp = lambda prefix: tmp_path_factory.mktemp(prefix)
-    s = start_stack(cache_dir, tmp("two") / "stack.log",
-                    ["--workers", "2", "--worker-port", str(worker), "--worker-metrics-port", str(metrics),
-                     "--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", str(CHUNK),
-                     "--drain-timeout", "30", *pki(tmp).internal_flags()])
-    s.ports.update(worker=worker, worker1=worker + 1)
-    yield s.wait_healthy()
-    s.stop()
-
-
-def _consecutive_free_port() -> int:
-    """A port p such that p and p + 1 are both free on 127.0.0.1 now."""
-    for _ in range(100):
-        [p] = free_ports(1)
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
+    port, metrics = free_ports(2)
+    extra = Extra([sys.executable, "-m", "gemma_serve.cli", "worker", "--cache-dir", str(cache_dir),
+                   "--worker-port", str(port), "--worker-metrics-port", str(metrics),
+                   "--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", str(CHUNK),
+                   "--drain-timeout", "5", *pki(tmp).internal_flags()],
+                  f"127.0.0.1:{port}", str(tmp("extra") / "worker.log"))
+    extra.start()
+    gateway = front_gateway(stack, cache_dir, tmp, "two", ["--worker-addr", extra.addr])
+    gateway.wait_healthy()
+    _wait_serving(gateway.base_url, 2)
+    yield gateway, extra
+    gateway.stop()
+    extra.proc.terminate()
+    extra.proc.wait(60)
 
 
 def _chat(base: str, messages: list[dict], session: str | None, max_tokens: int = 6) -> dict:
@@ -74,7 +100,7 @@ def test_conversations_stay_on_the_worker_that_holds_their_kv(two_workers):
     """8 conversations of 4 turns at once, half with a session key and half without: every later turn reuses the
     whole previous turn (prompt + answer, less at most one chunk), which only the worker that computed it can
     do; both workers serve some of them."""
-    base = two_workers.base_url
+    base = two_workers[0].base_url
     failures: list[str] = []
 
     def conversation(i: int) -> None:
@@ -105,21 +131,14 @@ def test_conversations_stay_on_the_worker_that_holds_their_kv(two_workers):
     assert sum(n for (_, reason), n in routed.items() if reason == "prefix") >= 8, routed  # turns 2-4 unkeyed
 
 
-def _worker_pid(stack, port: int) -> int:
-    import psutil
-
-    for child in psutil.Process(stack.proc.pid).children():
-        cmd = child.cmdline()
-        if "worker" in cmd and "--worker-port" in cmd and cmd[cmd.index("--worker-port") + 1] == str(port):
-            return child.pid
-    raise LookupError(port)
-
-
 def test_a_killed_worker_ends_its_requests_and_its_sessions_move(two_workers):
     """kill -9 of the worker serving a stream: the stream ends with an SSE error event within a second, a new
     request of its session is served by the other worker, and the restarted worker rejoins the ring."""
-    base = two_workers.base_url
-    key = "doomed-session"
+    gateway, extra = two_workers
+    base = gateway.base_url
+    workers = sorted(_workers(base))
+    # a session key whose rendezvous choice is the extra worker (gateway/routing.py is deterministic)
+    key = next(k for k in (f"doomed-{i}" for i in range(100)) if rendezvous_order(k, workers)[0] == extra.addr)
     before = _routed(base)
     events: list[tuple[float, str]] = []
 
@@ -139,10 +158,9 @@ def test_a_killed_worker_ends_its_requests_and_its_sessions_move(two_workers):
         time.sleep(0.05)
     assert events, "the stream produced no tokens"
     grew = [w for w, n in _routed(base).items() if n > before.get(w, 0)]
-    assert len(grew) == 1 and grew[0][1] == "session", (before, _routed(base))
-    victim = int(grew[0][0].rsplit(":", 1)[1])
+    assert grew == [(extra.addr, "session")], (before, _routed(base))
     killed_at = time.monotonic()
-    os.kill(_worker_pid(two_workers, victim), signal.SIGKILL)
+    os.kill(extra.proc.pid, signal.SIGKILL)
     reader.join(30)
     assert not reader.is_alive(), "the stream did not end after its worker was killed"
     errors = [(t, e) for t, e in events if "error" in e]
@@ -150,16 +168,14 @@ def test_a_killed_worker_ends_its_requests_and_its_sessions_move(two_workers):
     assert errors[0][0] - killed_at < 1.0, errors[0][0] - killed_at
     assert json.loads(next(e for _, e in events if e.startswith("data: {") and "error" in e)[6:])["error"]["message"]
 
+    survivor = next(w for w in workers if w != extra.addr)
+    served = sum(n for (w, _), n in _routed(base).items() if w == survivor)
     again = _chat(base, [{"role": "user", "content": "hi again"}], key, max_tokens=2)  # served by the survivor
     assert again["choices"][0]["message"]["content"] is not None
-    deadline = time.monotonic() + 240  # the launcher restarts the worker; it loads its programs from the cache
-    while time.monotonic() < deadline:
-        workers = httpx.get(base + "/health").json().get("workers", {})
-        if len(workers) == 2 and all(s == "SERVING" for s in workers.values()):
-            break
-        time.sleep(1)
-    else:
-        pytest.fail(f"the killed worker did not rejoin: {workers}")
+    assert sum(n for (w, _), n in _routed(base).items() if w == survivor) == served + 1, _routed(base)
+    extra.proc.wait(10)
+    extra.start()  # restarted, it loads its programs from the cache and rejoins the ring
+    _wait_serving(base, 2)
 
 
 def test_a_session_lease_keeps_its_kv_through_a_burst_that_evicts_it_otherwise(stack):
