@@ -43,9 +43,11 @@ from typing import Literal
 #:   "session_spill"  the session key's top choice was at capacity: the first worker under capacity in its order;
 #:   "prefix"         the worker whose index holds the longest leading run of the prompt's blocks;
 #:   "hash"           no session and no deciding prefix: the tiebreak key's top rendezvous choice;
-#:   "hash_spill"     as "hash", but the top choice was at capacity.
-Reason = Literal["session", "session_spill", "prefix", "hash", "hash_spill"]
-REASONS: tuple[Reason, ...] = ("session", "session_spill", "prefix", "hash", "hash_spill")
+#:   "hash_spill"     as "hash", but the top choice was at capacity;
+#:   "unhealthy"      no worker passed its last health check: the key's worker is tried anyway
+#:                    (gateway/workers.py `WorkerPool.route`; `pick` itself never returns it).
+Reason = Literal["session", "session_spill", "prefix", "hash", "hash_spill", "unhealthy"]
+REASONS: tuple[Reason, ...] = ("session", "session_spill", "prefix", "hash", "hash_spill", "unhealthy")
 
 _BLOCK_SEED = b"gemma-serve/blocks/"
 _TOKENS = "i"  # C int: 4 bytes on every platform CPython supports; token ids are int32 in the protos
@@ -248,6 +250,11 @@ class Router:
             worker.slots = max(0, int(slots))
         return worker is not None
 
+    def inflight(self, addr: str) -> int:
+        """The gateway's in-flight count for `addr` (0 for an unknown worker)."""
+        worker = self._workers.get(addr)
+        return worker.inflight if worker is not None else 0
+
     def capacity(self) -> int:
         """The bounded-load capacity now: ceil((1 + epsilon) * (total effective load + 1) / healthy workers).
 
@@ -281,20 +288,16 @@ class Router:
         cap = self._capacity(healthy)
         now = time.monotonic() if now is None else now
         conversation = session_key if session_key is not None else (tiebreak_key or None)
-        home = self._home(conversation, healthy, now) if conversation else None
-        if home is not None and self._has_room(home, cap):  # a later turn: back to where its KV is
-            first = rendezvous_order(conversation, healthy)[0]
-            if session_key is not None:
-                return Choice(home, "session" if home == first else "session_spill")
-            return Choice(home, "prefix")
-        best = self._prefix_winner(healthy, blocks) if blocks else None
+        home = self._home(conversation, healthy, now) if conversation else None  # a later turn: where its KV is
+        held = next((a for a in (home, self._prefix_winner(healthy, blocks) if blocks else None)
+                     if a is not None and self._has_room(a, cap)), None)
         if session_key is not None:
-            if best is not None and self._has_room(best, cap):
+            if held is not None:
                 first = rendezvous_order(session_key, healthy)[0]
-                return Choice(best, "session" if best == first else "session_spill")
+                return Choice(held, "session" if held == first else "session_spill")
             return self._rendezvous(session_key, healthy, cap, "session", "session_spill", now)
-        if best is not None and self._has_room(best, cap):
-            return Choice(best, "prefix")
+        if held is not None:
+            return Choice(held, "prefix")
         return self._rendezvous(tiebreak_key, healthy, cap, "hash", "hash_spill", now)
 
     def record(self, addr: str, blocks: Sequence[int], conversation: str | None = None,

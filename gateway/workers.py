@@ -177,7 +177,7 @@ class WorkerPool:
                 load = await w.stub.GetLoad(model_worker_pb2.GetLoadRequest(), timeout=timeout)
                 # The router adds this gateway's in-flight count: what the worker reports beyond it is other
                 # gateways' load (its report includes this gateway's requests once they arrived).
-                inflight = self.router.snapshot().get(w.addr, {}).get("inflight", 0)
+                inflight = self.router.inflight(w.addr)
                 reported = load.num_requests_waiting + load.num_requests_running
                 self.router.set_load(w.addr, float(max(0, reported - inflight)))
                 self.router.set_slots(w.addr, load.num_slots)

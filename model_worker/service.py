@@ -168,8 +168,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         return self.info
 
     async def GetLoad(self, request, context):
-        """Waiting and running requests and KV usage after the engine loop's latest iteration (a router's load
-        signal); UNAVAILABLE until the engine is ready."""
+        """Waiting and running requests now and the KV usage of the engine loop's latest iteration
+        (`EngineLoop.load`: a router's load signal); UNAVAILABLE until the engine is ready."""
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model worker is still loading")
         running, waiting, kv_usage = self.loop.load()
