@@ -25,6 +25,10 @@ are the sliding window times powers of `kv_bucket_factor`, capped by max_model_l
 only cache positions [0, L). Sampling settings, seeds, masks, positions and token ids are runtime arrays, so no
 request can trigger a compilation; a shape outside the grid is a bug and raises KeyError instead of compiling
 silently. Compiled programs live in JAX's persistent compilation cache (`enable_compilation_cache`).
+
+With `EngineConfig.tensor_parallel` > 1 the same grid runs over a mesh of that many devices: weights, KV cache,
+penalty state and logits split as `model_worker.sharding` says, every program compiled with explicit in/out
+shardings (docs/architecture.md, "Tensor parallelism").
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model_worker import sharding
 from model_worker.config import ModelConfig
+from model_worker.executables import ExecutableCache, fingerprint
 from model_worker.kv_cache import KVCache
 from model_worker.model import Batch
 from model_worker.params import Params
@@ -74,6 +80,8 @@ class EngineConfig:
       prefix_slack: sliding-ring positions kept beyond the window, so a new prompt that diverges from a slot's
         history at most this many tokens before its end reuses the slot exactly (prefix reuse).
       max_waiting: bound of the waiting queue (requests beyond it are refused: RESOURCE_EXHAUSTED).
+      tensor_parallel: devices one engine splits its weights, KV cache and logits over (a mesh of that many
+        devices, axis "model"; `model_worker.sharding`); 1: one device, no mesh, today's programs exactly.
     """
 
     num_slots: int = 4
@@ -84,6 +92,7 @@ class EngineConfig:
     kv_bucket_factor: int = 4
     prefix_slack: int = 256
     max_waiting: int | None = 64
+    tensor_parallel: int = 1
 
     def kv_buckets(self, window: int) -> tuple[int, ...]:
         """KV length buckets: window * factor**i below max_model_len, then max_model_len."""
@@ -178,11 +187,20 @@ class _DecodeRows:
 class Engine:
     """Owns the weights, the KV cache, the penalty state and the compiled programs. One thread drives it."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, ecfg: EngineConfig):
+    def __init__(self, cfg: ModelConfig, params: Params, ecfg: EngineConfig, devices=None):
         """Allocate the KV cache and penalty state for `ecfg.num_slots` sequences of `ecfg.max_model_len` tokens.
 
+        With `ecfg.tensor_parallel` N > 1 (or `devices` given), the engine builds a mesh over the first N of
+        `devices` (default `jax.devices()`; several workers on one host each pass their own devices), places the
+        weights split as `sharding.Layout` says (`params` may live anywhere; the engine keeps the split copy),
+        creates the cache and penalty state already split, and compiles every program with explicit in/out
+        shardings (a donated array comes back with exactly its input sharding). `mesh` and `layout` are None
+        otherwise (N = 1 without `devices`: no mesh, the programs of a single device).
+
         Raises:
-          ValueError: max_model_len exceeds the model's max_position_embeddings, or a chunk exceeds max_model_len.
+          ValueError: max_model_len exceeds the model's max_position_embeddings, a chunk exceeds max_model_len,
+            tensor_parallel exceeds the devices available (both numbers given), or a quantized weight's split
+            would cut a quantization group (`sharding.Layout.place_params`).
         """
         if ecfg.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -192,9 +210,20 @@ class Engine:
             raise ValueError(f"prefill chunk {max(ecfg.prefill_chunks)} exceeds max_model_len {ecfg.max_model_len}")
         self.cfg, self.ecfg, self.params = cfg, ecfg, params
         self.dtype = jnp.dtype(ecfg.dtype)
-        self.cache = KVCache.zeros(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype, int8=ecfg.kv_int8,
-                                   slack=ecfg.prefix_slack)
-        self.pstate = penalty_state_zeros(ecfg.num_slots, cfg.vocab_size)
+        self.mesh, self.layout = None, None
+        if ecfg.tensor_parallel != 1 or devices is not None:
+            self.mesh = sharding.make_mesh(ecfg.tensor_parallel, devices)
+            self.layout = sharding.Layout(cfg, self.mesh)
+            self.params = self.layout.place_params(params)
+            self.cache = self.layout.zeros_cache(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype,
+                                                 ecfg.kv_int8, ecfg.prefix_slack)
+            self.pstate = self.layout.zeros_penalties(ecfg.num_slots)
+            for note in self.layout.notes:
+                log.info("tensor parallel %d: %s", ecfg.tensor_parallel, note)
+        else:
+            self.cache = KVCache.zeros(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype, int8=ecfg.kv_int8,
+                                       slack=ecfg.prefix_slack)
+            self.pstate = penalty_state_zeros(ecfg.num_slots, cfg.vocab_size)
         self.kv_buckets = ecfg.kv_buckets(cfg.sliding_window)
         self.batch_buckets = ecfg.batch_buckets()
         self._programs: dict[ProgramKey, jax.stages.Compiled] = {}
@@ -213,8 +242,18 @@ class Engine:
         key = ProgramKey(*key)
         kind = PROGRAMS[key.kind]
         fn = functools.partial(kind.fn, cfg=self.cfg, kv_len=key.kv_len) if kind.model else kind.fn
-        return jax.jit(fn, donate_argnames=kind.donated).lower(*self._state(kind),
-                                                               *kind.example(key, self.cfg.vocab_size))
+        state, inputs = self._state(kind), kind.example(key, self.cfg.vocab_size)
+        if self.layout is None:
+            return jax.jit(fn, donate_argnames=kind.donated).lower(*state, *inputs)
+        if kind.samples:
+            fn = functools.partial(fn, vocab_parts=self.layout.vocab_parts)
+        # Explicit shardings: the state keeps its own (a donated array comes back exactly as it went in), host
+        # inputs are replicated, logits stay split over the vocabulary from the forward programs into sampling.
+        state_sh = tuple(jax.tree_util.tree_map(lambda a: a.sharding, x) for x in state)
+        donated_sh = tuple(state_sh[kind.state.index(name)] for name in kind.donated)
+        result_sh = self.layout.logits if kind.model else self.layout.replicated
+        return jax.jit(fn, donate_argnames=kind.donated, in_shardings=state_sh + self.layout.input_shardings(inputs),
+                       out_shardings=(result_sh, *donated_sh)).lower(*state, *inputs)
 
     def _state(self, kind: ProgramKind) -> tuple:
         """A program's leading arguments: the engine state it names (params, cache, penalty state)."""
@@ -235,20 +274,31 @@ class Engine:
             setattr(self, name, value)
         return result
 
-    def compile_all(self, progress=None, keys=None) -> float:
+    def compile_all(self, progress=None, keys=None, cache: ExecutableCache | None = None) -> float:
         """Compile every program of the grid (or just `keys`, for benchmarks) ahead of time. Returns the seconds.
 
         Args:
           progress: optional callable(done, total, key) for start-up progress messages.
           keys: a subset of `grid()` to compile instead of all of it.
+          cache: load each program from it when stored there, else compile and store it (a restarted worker then
+            skips tracing and lowering: `model_worker.executables`).
         """
         t0 = time.perf_counter()
         keys = self.grid() if keys is None else [ProgramKey(*key) for key in keys]
         for n, key in enumerate(keys):
-            self._programs[key] = self._lower(key).compile()
+            self._programs[key] = self._compile(key, cache)
             if progress:
                 progress(n + 1, len(keys), key)
         return time.perf_counter() - t0
+
+    def _compile(self, key: ProgramKey, cache: ExecutableCache | None) -> jax.stages.Compiled:
+        """The compiled program of `key`: from `cache` when it holds it, else lowered, compiled and stored."""
+        if cache is None:
+            return self._lower(key).compile()
+        kind = PROGRAMS[key.kind]
+        fp = fingerprint(key, self.cfg, self.ecfg, (*self._state(kind), *kind.example(key, self.cfg.vocab_size)))
+        devices = None if getattr(self, "mesh", None) is None else list(self.mesh.devices.flat)
+        return cache.get_or_compile(fp, lambda: self._lower(key), devices)
 
     def warm_up(self) -> float:
         """Run every compiled forward program (compute, decode, mixed) once on all-padding inputs. Returns seconds.
@@ -404,7 +454,8 @@ class Engine:
         self._run(ProgramKey("copy", 1, 0, 0), CopyInputs(np.int32(src), np.int32(dst)))
 
     def weight_bytes(self) -> int:
-        """Bytes of weights on the device."""
+        """Bytes of weights on the device (all devices together under tensor parallelism; per device:
+        `sharding.per_device_bytes(engine.params)`)."""
         return self.params.nbytes()
 
     def kv_bytes(self) -> tuple[int, int]:

@@ -72,13 +72,17 @@ def load_engine(prepared, args: argparse.Namespace):
     from safetensors.numpy import load_file
 
     from model_worker.config import config_from_dict
-    from model_worker.engine import Engine, EngineConfig, enable_compilation_cache
+    from model_worker.engine import Engine, EngineConfig
+    from model_worker.executables import ExecutableCache
     from model_worker.params import for_matmul_precision, matmul_mode, to_device
     from model_worker.service import engine_facts
 
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
-    enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))
+    # The engine's programs come from the executable cache (below), which skips tracing and lowering too; JAX's
+    # own cache stays off in the worker, because an executable that JAX loaded from it serializes without its
+    # object code on XLA CPU (jaxlib 0.10: the reloaded program then fails with "Function ... not found").
+    jax.config.update("jax_enable_compilation_cache", False)
     t0 = time.perf_counter()
     log.info("loading %s weights (%s) onto %s", prepared.name, dtype, backend)
     if prepared.kind == "checkpoint":
@@ -112,8 +116,11 @@ def load_engine(prepared, args: argparse.Namespace):
     grid = engine.grid()
     log.info("compiling %d programs (batch buckets %s, KV buckets %s, chunks %s)", len(grid), engine.batch_buckets,
              engine.kv_buckets, ecfg.prefill_chunks)
-    seconds = engine.compile_all(lambda n, total, key: log.info("compiled %d/%d %s", n, total, key))
-    log.info("compiled %d programs in %.1f s", engine.num_programs, seconds)
+    executables = ExecutableCache(pathlib.Path(args.cache_dir) / "executables")
+    seconds = engine.compile_all(lambda n, total, key: log.info("compiled %d/%d %s", n, total, key),
+                                 cache=executables)
+    log.info("compiled %d programs in %.1f s (%d loaded from %s, %d stored there)", engine.num_programs, seconds,
+             executables.loaded, executables.directory, executables.stored)
     log.info("ran each forward program once (warm-up) in %.1f s", engine.warm_up())
     per_token, per_seq = engine.kv_bytes()
     info = model_worker_pb2.WorkerInfoResponse(

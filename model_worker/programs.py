@@ -188,19 +188,20 @@ def mixed_program(params, cache, pstate, chunk: ChunkInputs, decode: Batch, *, c
     return (logits, d_logits), cache, _record_chunk(pstate, chunk)
 
 
-def greedy_program(pstate, inputs: SampleInputs):
+def greedy_program(pstate, inputs: SampleInputs, *, vocab_parts: int = 1):
     """`sample_program` for a batch that passes `is_plain_greedy` and clears no row's penalties:
     `sample_greedy`, and each active row's input token recorded in its penalty history by point updates (no
-    [B, V] row copies), which leaves the history exactly as `sample_program` would. Returns (SampleOutput [B],
-    pstate)."""
+    [B, V] row copies), which leaves the history exactly as `sample_program` would. `vocab_parts` (static): the
+    vocabulary's split across devices (`sampling.sample_greedy`). Returns (SampleOutput [B], pstate)."""
     committed = jnp.where(inputs.active[:, None], inputs.positions, -1)  # an inactive row records nothing
-    return sample_greedy(inputs.logits, inputs.sampling), _record_inputs(pstate, inputs.tokens, committed,
-                                                                         inputs.is_output, rows=inputs.slots)
+    return (sample_greedy(inputs.logits, inputs.sampling, vocab_parts),
+            _record_inputs(pstate, inputs.tokens, committed, inputs.is_output, rows=inputs.slots))
 
 
-def sample_program(pstate, inputs: SampleInputs):
+def sample_program(pstate, inputs: SampleInputs, *, vocab_parts: int = 1):
     """Penalty bookkeeping + sampling for the batch rows `inputs.slots`: records each row's input token (positions
-    -1: none, e.g. a compute chunk, which recorded its own), then samples.
+    -1: none, e.g. a compute chunk, which recorded its own), then samples (`vocab_parts`, static: the
+    vocabulary's split across devices, `sampling.sample`).
 
     Rows with `active` False are sampled but commit nothing (their penalty history is left untouched): a row
     whose token mask did not arrive in time is recomputed at a later step.
@@ -212,7 +213,7 @@ def sample_program(pstate, inputs: SampleInputs):
     expand = lambda flag, a: flag.reshape((-1,) + (1,) * (a.ndim - 1))
     rows = jax.tree_util.tree_map(lambda a: jnp.where(expand(inputs.clear_penalties, a), 0, a).astype(a.dtype), old)
     rows = _record_inputs(rows, inputs.tokens, inputs.positions, inputs.is_output)
-    out = sample(inputs.logits, inputs.sampling, rows)
+    out = sample(inputs.logits, inputs.sampling, rows, vocab_parts)
     kept = jax.tree_util.tree_map(lambda new, prev: jnp.where(expand(inputs.active, new), new, prev), rows, old)
     pstate = jax.tree_util.tree_map(lambda a, r: a.at[slots].set(r), pstate, kept)
     return out, pstate
@@ -239,6 +240,7 @@ class ProgramKind:
       example: inputs after the state for a key and the vocabulary size: their shapes lower the program; for a
         `warm` kind they are all padding and run without changing any state.
       warm: `Engine.warm_up` runs it once (the forward kinds).
+      samples: fn samples logits and takes the static `vocab_parts` keyword (tensor parallelism).
     """
 
     fn: Callable
@@ -248,6 +250,7 @@ class ProgramKind:
     grid: Callable[[GridSizes], list[tuple[int, int, int]]]
     example: Callable[[ProgramKey, int], tuple[Any, ...]]
     warm: bool = False
+    samples: bool = False
 
 
 def _mixed_grid(g: GridSizes) -> list[tuple[int, int, int]]:
@@ -282,10 +285,10 @@ PROGRAMS: dict[str, ProgramKind] = {
         mixed_program, _CHUNK, ("cache", "pstate"), model=True, warm=True, grid=_mixed_grid,
         example=lambda key, vocab: (ChunkInputs.idle(key.chunk), idle_batch(key.batch, 1))),
     "sample": ProgramKind(
-        sample_program, ("pstate",), ("pstate",), model=False, grid=_sample_grid,
+        sample_program, ("pstate",), ("pstate",), model=False, grid=_sample_grid, samples=True,
         example=lambda key, vocab: (SampleInputs.example(key.batch, vocab),)),
     "greedy": ProgramKind(
-        greedy_program, ("pstate",), ("pstate",), model=False, grid=_sample_grid,
+        greedy_program, ("pstate",), ("pstate",), model=False, grid=_sample_grid, samples=True,
         example=lambda key, vocab: (SampleInputs.example(key.batch, vocab),)),
     "copy": ProgramKind(
         copy_program, ("cache", "pstate"), ("cache", "pstate"), model=False, grid=lambda g: [(1, 0, 0)],

@@ -59,6 +59,11 @@ class Int4Weight:
       zero: int8 [N, K/G] signed zero point in [-8, 7] (the unpacked `weight_zero_point`), or None when symmetric.
       in_features: K (static). K need not be a multiple of 8: the last word's extra nibbles are ignored.
       group_size: G (static); K % G == 0. Channel-wise quantization is G = K.
+      row_shards: static; the number of equal contiguous parts the rows (N) are split into across devices under
+        tensor parallelism (`model_worker.sharding`), 1 otherwise: the CPU row blocks then stay within a part
+        (`_blocked`), so no device needs another's rows.
+      col_shards: static; the same for the input columns (K), whose split splits x along its last axis: the
+        dependency on x (`_zero_after`) then reads a sum over x's first row, not one element of it.
     """
 
     packed: jax.Array
@@ -66,6 +71,8 @@ class Int4Weight:
     zero: jax.Array | None
     in_features: int = dataclasses.field(metadata={"static": True})
     group_size: int = dataclasses.field(metadata={"static": True})
+    row_shards: int = dataclasses.field(default=1, metadata={"static": True})
+    col_shards: int = dataclasses.field(default=1, metadata={"static": True})
 
     @property
     def out_features(self) -> int:
@@ -92,12 +99,16 @@ class Int8Weight:
       scale: float32 [N, K/G].
       offset: float32 [N, K/G], or None (symmetric).
       group_size: G (static); K % G == 0.
+      row_shards, col_shards: static; rows / input columns split into this many parts across devices (tensor
+        parallelism), as `Int4Weight`'s.
     """
 
     q: jax.Array
     scale: jax.Array
     offset: jax.Array | None
     group_size: int = dataclasses.field(metadata={"static": True})
+    row_shards: int = dataclasses.field(default=1, metadata={"static": True})
+    col_shards: int = dataclasses.field(default=1, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -274,9 +285,14 @@ def _row_blocks(n: int, k: int, itemsize: int, block_bytes: int) -> tuple[int, i
     return math.ceil(n / rows), rows
 
 
-def _blocked(x: jax.Array, tensors: list, n: int, k: int, dequant, dot, block_bytes: int) -> jax.Array:
+def _blocked(x: jax.Array, tensors: list, n: int, k: int, dequant, dot, block_bytes: int,
+             shards: int = 1) -> jax.Array:
     """x Wᵀ for W [n, k] given as row-aligned `tensors` (None allowed), dequantizing one row block at a time
-    inside `lax.map` (the CPU path); `dequant(*block_tensors) -> [rows, k]`, `dot(x, w_block) -> [..., rows]`."""
+    inside `lax.map` (the CPU path); `dequant(*block_tensors) -> [rows, k]`, `dot(x, w_block) -> [..., rows]`.
+    `shards` > 1: the rows are split into that many equal parts across devices (`Int4Weight.row_shards`); see
+    `_blocked_parts`."""
+    if shards > 1:
+        return _blocked_parts(x, tensors, n, k, dequant, dot, block_bytes, shards)
     blocks, rows = _row_blocks(n, k, jnp.dtype(x.dtype).itemsize, block_bytes)
     if blocks == 1:
         return dot(x, dequant(*tensors))
@@ -289,11 +305,39 @@ def _blocked(x: jax.Array, tensors: list, n: int, k: int, dequant, dot, block_by
     return y[..., :n] if pad else y
 
 
+def _blocked_parts(x: jax.Array, tensors: list, n: int, k: int, dequant, dot, block_bytes: int,
+                   shards: int) -> jax.Array:
+    """`_blocked` for rows split into `shards` equal contiguous parts across devices (tensor parallelism).
+
+    Iteration i of the loop takes row block i of every part at once ([shards, rows, ...], a slice along the
+    unsplit axis), so each device reads only its own rows: a loop over blocks of the whole [n, ...] would slice
+    along the split axis, which XLA's SPMD partitioner can only do by gathering the whole weight onto every
+    device first. The blocks are sized for one part (n / shards rows), and the outputs are put back in row order.
+    """
+    part = n // shards
+    blocks, rows = _row_blocks(part, k, jnp.dtype(x.dtype).itemsize, block_bytes)
+    if blocks == 1:  # each device's part is one block: an elementwise dequantization of its own rows
+        return dot(x, dequant(*tensors))
+    pad = blocks * rows - part
+    parts = [None if t is None else t.reshape(shards, part, t.shape[1]) for t in tensors]
+    if pad:
+        parts = [None if t is None else jnp.pad(t, ((0, 0), (0, pad), (0, 0))) for t in parts]
+
+    def block(i):
+        ts = [None if t is None else lax.dynamic_slice_in_dim(t, i * rows, rows, axis=1) for t in parts]
+        return dot(x, dequant(*(None if t is None else t.reshape(shards * rows, t.shape[2]) for t in ts)))
+
+    ys = lax.map(block, jnp.arange(blocks, dtype=jnp.int32))  # [blocks, ..., shards * rows]
+    ys = ys.reshape(ys.shape[:-1] + (shards, rows))
+    y = jnp.moveaxis(ys, 0, -2).reshape(*x.shape[:-1], shards, blocks * rows)  # each part's rows in order
+    return (y[..., :part] if pad else y).reshape(*x.shape[:-1], n)
+
+
 def _linear_blocked(x: jax.Array, w: Int4Weight, block_bytes: int = CPU_BLOCK_BYTES) -> jax.Array:
     """x Wᵀ, dequantizing one row block of W at a time inside `lax.map` (the CPU path)."""
     k, g = w.in_features, w.group_size
     return _blocked(x, [w.packed, w.scale, w.zero], w.out_features, k,
-                    lambda p, s, z: _dequant_bitcast(p, s, z, k, g, x.dtype), _dot_nt, block_bytes)
+                    lambda p, s, z: _dequant_bitcast(p, s, z, k, g, x.dtype), _dot_nt, block_bytes, w.row_shards)
 
 
 def _linear_plain(x: jax.Array, w: Int4Weight) -> jax.Array:
@@ -309,6 +353,16 @@ def zero_from(x: jax.Array, dtype) -> jax.Array:
     return (jnp.minimum(v, 0) & jnp.maximum(v, 0)).astype(dtype)
 
 
+def _zero_after(x: jax.Array, w: Int4Weight | Int8Weight, dtype) -> jax.Array:
+    """`zero_from(x)`, for the dependencies of `_after` and `int8_linear`. A weight split by input columns across
+    devices (`col_shards` > 1) has x split along its last axis, and reading one element of it made XLA gather all
+    of x onto every device (seen on CPU, once per such projection and step); the sum of x's first row is one
+    all-reduced scalar instead, and is as unfoldable."""
+    if w.col_shards == 1:
+        return zero_from(x, dtype)
+    return zero_from(jnp.sum(x.reshape(-1, x.shape[-1])[:1], axis=-1), dtype)
+
+
 def _after(x: jax.Array, w: Int4Weight) -> Int4Weight:
     """Make W's unpacking data-dependent on x, so XLA cannot schedule it before the layer runs.
 
@@ -322,7 +376,7 @@ def _after(x: jax.Array, w: Int4Weight) -> Int4Weight:
     copied the whole packed weight on every call, which made weights larger than the cache much slower
     (figures: docs/performance.md).
     """
-    return dataclasses.replace(w, scale=w.scale + zero_from(x, w.scale.dtype))
+    return dataclasses.replace(w, scale=w.scale + _zero_after(x, w, w.scale.dtype))
 
 
 def int4_linear(
@@ -401,19 +455,19 @@ def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BY
     if x.shape[-1] != k:
         raise ValueError(f"int8_linear: x has {x.shape[-1]} features, weight expects {k}")
     g = w.group_size
-    blocks, _ = _row_blocks(n, k, jnp.dtype(x.dtype).itemsize, block_bytes)
+    blocks, _ = _row_blocks(n // w.row_shards, k, jnp.dtype(x.dtype).itemsize, block_bytes)  # per device
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     dot = lambda a, b: _matmul_t(a, b, out_dtype)
 
     def cpu(x, q, s, o):
         if blocks == 1:
-            s = s + zero_from(x, s.dtype)
+            s = s + _zero_after(x, w, s.dtype)
         deq = lambda q, s, o: _dequant_int8(q, s, o, g, x.dtype)
-        return _blocked(x, [q, s, o], n, k, deq, dot, block_bytes)
+        return _blocked(x, [q, s, o], n, k, deq, dot, block_bytes, w.row_shards)
 
     def plain(x, q, s, o):
-        return dot(x, _dequant_int8(q, s + zero_from(x, s.dtype), o, g, x.dtype))
+        return dot(x, _dequant_int8(q, s + _zero_after(x, w, s.dtype), o, g, x.dtype))
 
     y = lax.platform_dependent(x2, w.q, w.scale, w.offset, cpu=cpu, default=plain)
     return y.reshape(*lead, n)

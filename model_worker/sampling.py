@@ -45,6 +45,17 @@ token's log-probability, nothing else, with the same results. The host picks it 
 XLA CPU copies the [B, V] operands of every `lax.cond`, even a skipped one, which made the full program cost far
 more than the greedy one (mask step under its own cond) (figures: docs/performance.md).
 
+Vocabulary split across devices (tensor parallelism, `model_worker.sharding`): the logits [B, V] and the penalty
+state [S, V] arrive split over V, and XLA's SPMD partitioner runs every step on each device's part: bias,
+penalties, masks and the min-p / top-p thresholds are elementwise work plus all-reduced row sums and maxima
+(softmax, log_softmax, the top-p bisection's masses, the inverse-CDF count). `sample` and `sample_greedy` take
+the number of parts (`vocab_parts`, static): the greedy argmax is then a row maximum and the first index holding
+it (two all-reduced [B] values, `_argmax`), and the inverse-CDF's cumulative sum is each part's own plus the
+totals of the parts before it (`_cumsum`). What still gathers a [B, V] row onto every device: `lax.top_k`, which
+XLA does not partition along the sorted axis (seen on CPU), in the top-k filter (rows with top_k > 0) and in
+top logprobs (rows asking for them); a plain greedy batch (`sample_greedy`) gathers nothing of size V. With one
+part the programs are unchanged.
+
 Host helpers: `SamplingArrays.defaults(batch, vocab)` (greedy, everything off), `pack_mask` (bool [V] -> the
 uint32 words of `SamplingArrays.mask`), `mask_words_from_bytes` (the protocol's `TokenMask.allowed` bytes ->
 the same words), `penalty_state_zeros`.
@@ -53,6 +64,7 @@ the same words), `penalty_state_zeros`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -346,6 +358,18 @@ def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
     return 1.0 - jax.random.uniform(key, dtype=jnp.float32)
 
 
+def _cumsum(x: jax.Array, parts: int = 1) -> jax.Array:
+    """Cumulative sum along the last axis of [B, V]; parts > 1: each part's own, plus the totals of the parts
+    before it (only [B, parts] totals cross devices; the order of the additions differs, not the terms)."""
+    if parts == 1:
+        return jnp.cumsum(x, axis=-1)
+    B, V = x.shape
+    local = jnp.cumsum(x.reshape(B, parts, V // parts), axis=-1)
+    totals = local[..., -1]
+    before = jnp.cumsum(totals, axis=-1) - totals
+    return (local + before[..., None]).reshape(B, V)
+
+
 def _top_k_filter(logits: jax.Array, top_k: jax.Array) -> jax.Array:
     """Keep logits >= the row's k-th largest (ties at the k-th value are all kept; top_k == 0: unchanged)."""
     k_max = min(MAX_TOP_K, logits.shape[-1])
@@ -384,31 +408,39 @@ def _min_p_filter(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
-def _argmax(logits: jax.Array) -> jax.Array:
-    """First index of the row maximum (lax.top_k is much faster than argmax on XLA CPU)."""
-    return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
+def _argmax(logits: jax.Array, parts: int = 1) -> jax.Array:
+    """First index of the row maximum (lax.top_k is much faster than argmax on XLA CPU). parts > 1 (the
+    vocabulary split across devices): the row maximum, then the least index holding it, two reductions XLA
+    splits by part (a top-k would gather the rows); the same index."""
+    if parts == 1:
+        return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(logits == best, ids, logits.shape[-1]), axis=-1).astype(jnp.int32)
 
 
-def _inverse_cdf(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
+def _inverse_cdf(scaled: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
     """Draw one token per row from softmax(scaled) with the row's uniform number (inverse CDF)."""
     probs = jax.nn.softmax(scaled, axis=-1)
-    cdf = jnp.cumsum(probs, axis=-1)
+    cdf = _cumsum(probs, parts)
     u = jax.vmap(_row_uniform)(s.seed, s.step)
     idx = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
     return jnp.minimum(idx, scaled.shape[-1] - 1)
 
 
-def _draw(x: jax.Array, s: SamplingArrays, greedy: jax.Array) -> jax.Array:
+def _draw(x: jax.Array, s: SamplingArrays, greedy: jax.Array, parts: int = 1) -> jax.Array:
     """Step (d) for the sampled rows (temperature > 0): temperature, min-p, top-k, top-p, inverse-CDF draw.
 
-    Rows with temperature 0 get `greedy`. Each filter runs only when some sampled row uses it.
+    Rows with temperature 0 get `greedy`. Each filter runs only when some sampled row uses it. `parts`: the
+    vocabulary's split across devices (module docstring).
     """
     sampled = s.temperature > 0
     scaled = x / jnp.maximum(s.temperature, 1e-6)[:, None]
     scaled = jax.lax.cond(jnp.any(sampled & (s.min_p > 0.0)), _min_p_filter, _skip, scaled, s.min_p)
     scaled = jax.lax.cond(jnp.any(sampled & (s.top_k > 0)), _top_k_filter, _skip, scaled, s.top_k)
     scaled = jax.lax.cond(jnp.any(sampled & (s.top_p < 1.0)), _top_p_filter, _skip, scaled, s.top_p)
-    drawn = jax.lax.cond(jnp.any(sampled), _inverse_cdf, lambda *_: greedy, scaled, s)
+    draw = functools.partial(_inverse_cdf, parts=parts)
+    drawn = jax.lax.cond(jnp.any(sampled), draw, lambda *_: greedy, scaled, s)
     return jnp.where(sampled, drawn, greedy)
 
 
@@ -455,25 +487,26 @@ def is_plain_greedy(s: SamplingArrays, rows: int) -> bool:
     )
 
 
-def sample_greedy(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
+def sample_greedy(logits: jax.Array, s: SamplingArrays, vocab_parts: int = 1) -> SampleOutput:
     """`sample` for rows that pass `is_plain_greedy`: mask, argmax, log-probability (no penalty state needed).
 
     Args:
       logits: [B, V] float32; s: per-row settings (only mask and mask_on are read).
+      vocab_parts: static; the vocabulary's split across devices (module docstring), 1 on one device.
     Returns:
       SampleOutput equal to `sample`'s for such rows: the same token, the log-probability from the same
       log_softmax expression, no top logprobs (-1, 0.0), mask_empty as `_apply_mask` reports it.
     """
     x, mask_empty = jax.lax.cond(jnp.any(s.mask_on), _apply_mask, _no_mask, logits.astype(jnp.float32), s.mask,
                                  s.mask_on)
-    tokens = _argmax(x)
+    tokens = _argmax(x, vocab_parts)
     logprobs = _chosen_logprobs(x, tokens)
     top_ids, top_lps = _no_top_logprobs(x, s.top_logprobs)
     return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
                         mask_empty=mask_empty)
 
 
-def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState) -> SampleOutput:
+def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState, vocab_parts: int = 1) -> SampleOutput:
     """Choose one token per row (processing order in the module docstring).
 
     Args:
@@ -481,12 +514,13 @@ def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState) -> SampleO
       s: per-row settings.
       state: [B, V] token history of the rows (`penalty_state_zeros`, `record_prompt`, `record`); only read
         when some row uses a penalty. `sample` does not update it: call `record` with the returned tokens.
+      vocab_parts: static; the vocabulary's split across devices (module docstring), 1 on one device.
     Returns:
       SampleOutput; logprobs and top logprobs are log_softmax(processed logits), before temperature and
       the filters.
     """
     x, mask_empty = process_logits(logits, s, state)
-    tokens = _draw(x, s, _argmax(x))
+    tokens = _draw(x, s, _argmax(x, vocab_parts), vocab_parts)
     logprobs = _chosen_logprobs(x, tokens)
     top_ids, top_lps = jax.lax.cond(
         jnp.any(s.top_logprobs > 0), _top_logprobs, _no_top_logprobs, x, s.top_logprobs

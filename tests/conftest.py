@@ -87,6 +87,7 @@ UNIT_ORDER = (
     "tests/model_worker/test_gemma3_numerics.py",  # 140 s
     "tests/model_worker/test_mixed_step.py",  # 146 s
     "tests/model_worker/test_batch_invariance.py",  # 100 s
+    "tests/model_worker/test_tensor_parallel.py",  # 56 s cold, 36 s warm: two subprocesses, 4 simulated devices
     "tests/docker/test_images.py",  # 45 s, mostly waiting on the services it starts
     "tests/model_worker/test_gemma4_numerics.py",  # 37 s
     "tests/model_worker/test_engine_batching.py",  # 34 s
@@ -97,6 +98,7 @@ UNIT_ORDER = (
     "tests/gateway/test_constraints.py",
     "tests/model_worker/test_int4.py",  # 15 s
     "tests/model_worker/test_resident_bytes.py",
+    "tests/model_worker/test_executables.py",  # 20 s
     "tests/model_worker/test_bf16_matmul.py",
     "tests/tokenizer_svc/test_gemma4_template.py",
     "tests/gateway/test_budget.py",

@@ -222,14 +222,16 @@ def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:
 
 
 def front_gateway(backend: Stack, cache_dir, tmp, name: str, extra: list[str], env: dict | None = None,
-                  ca: pathlib.Path | None = None) -> Stack:
-    """Start a second gateway in front of `backend`'s tokenizer service and worker (over mutual TLS with the test
-    CA: no compilation of its own), with `extra` flags; returns at once (see Stack.wait_healthy)."""
+                  ca: pathlib.Path | None = None, workers: list[str] | None = None) -> Stack:
+    """Start a second gateway in front of `backend`'s tokenizer service and worker (or the `workers` addresses
+    instead) over mutual TLS with the test CA (no compilation of its own), with `extra` flags; returns at once
+    (see Stack.wait_healthy)."""
     http, grpc_port = free_ports(2)
     cmd = [sys.executable, "-m", "gemma_serve.cli", "gateway", "--cache-dir", str(cache_dir),
            "--http-port", str(http), "--gateway-grpc-port", str(grpc_port),
            "--tokenizer-addr", f"127.0.0.1:{backend.ports['tokenizer']}",
-           "--worker-addr", f"127.0.0.1:{backend.ports['worker']}", *pki(tmp).internal_flags(), *extra]
+           *(f for addr in (workers or [f"127.0.0.1:{backend.ports['worker']}"]) for f in ("--worker-addr", addr)),
+           *pki(tmp).internal_flags(), *extra]
     log_path = tmp(name) / "gateway.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=_die_with_parent,

@@ -1,6 +1,7 @@
 """Two model workers behind one gateway: conversations keep landing on the worker that holds their KV (by session
 key, or by prompt prefix without one), and a killed worker's requests end cleanly while its sessions continue on
-the other worker, until it is restarted and rejoins the ring.
+the other worker, until it is restarted and rejoins the ring. A session lease does not starve a request that
+waits for a slot: past `--lease-preempt-after` it takes the leased slot.
 
 The two workers are the embedded stack's and one more started here with the same engine flags (its programs come
 from the session's compilation cache), behind a gateway of their own; only the extra worker is killed.
@@ -36,6 +37,7 @@ class Extra:
     cmd: list[str]
     addr: str
     log: str
+    metrics: int  # its Prometheus port
     proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -66,8 +68,8 @@ def two_workers(stack, cache_dir, tmp_path_factory):
     extra = Extra([sys.executable, "-m", "gemma_serve.cli", "worker", "--cache-dir", str(cache_dir),
                    "--worker-port", str(port), "--worker-metrics-port", str(metrics),
                    "--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", str(CHUNK),
-                   "--drain-timeout", "5", *pki(tmp).internal_flags()],
-                  f"127.0.0.1:{port}", str(tmp("extra") / "worker.log"))
+                   "--drain-timeout", "5", "--lease-preempt-after", "1", *pki(tmp).internal_flags()],
+                  f"127.0.0.1:{port}", str(tmp("extra") / "worker.log"), metrics)
     extra.start()
     gateway = front_gateway(stack, cache_dir, tmp, "two", ["--worker-addr", extra.addr])
     gateway.wait_healthy()
@@ -208,3 +210,74 @@ def test_a_session_lease_keeps_its_kv_through_a_burst_that_evicts_it_otherwise(s
     assert unleased < previous // 2, unleased
     metrics = httpx.get(f"http://127.0.0.1:{stack.ports['metrics']}/metrics").text
     assert "gemma_serve:leased_slots 0.0" in metrics  # released by the second turn
+
+
+def _worker_metric(extra: Extra, name: str, expect: float | None = None) -> float:
+    """The extra worker's metric `name`; with `expect`, polled for a few seconds until it has that value (the
+    worker refreshes its metrics after each engine iteration, just after a response leaves)."""
+    deadline = time.monotonic() + 10
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{extra.metrics}/metrics", timeout=10).text
+        value = float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(name + " ")))
+        if expect is None or value == expect or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def test_a_request_waiting_past_lease_preempt_after_takes_the_leased_slot(two_workers, stack, cache_dir,
+                                                                         tmp_path_factory):
+    """The extra worker (4 slots, so at most 1 lease; `--lease-preempt-after 1`) behind a gateway of its own: an
+    agent leases its slot for 10 minutes, three long streams take the other three slots, and a fourth request,
+    which finds no free slot, still gets one while the streams run: after waiting a second it ends the lease
+    (`lease_preemptions` counts it), and the agent's next turn finds its KV gone."""
+    _, extra = two_workers
+    gateway = front_gateway(stack, cache_dir, tmp_path_factory.mktemp, "lease", [], workers=[extra.addr])
+    try:
+        gateway.wait_healthy()
+        _wait_serving(gateway.base_url, 1)
+        base = gateway.base_url
+        preempted = _worker_metric(extra, "gemma_serve:lease_preemptions_total")
+        headers = {"x-session-id": "thinking-agent", "x-session-ttl": "600"}
+        messages = [{"role": "user", "content": "Plan the migration of the billing database, step by step."}]
+        first = httpx.post(base + "/v1/chat/completions", headers=headers, timeout=120, json={
+            "model": "gemma-3-270m", "messages": messages, "max_tokens": 8, "temperature": 0}).json()
+        assert _worker_metric(extra, "gemma_serve:leased_slots", 1) == 1
+
+        tokens = [0, 0, 0]
+        finished: list[bool] = [False, False, False]
+
+        def stream(i: int) -> None:
+            body = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": f"Story number {i}."}],
+                    "max_tokens": 150, "temperature": 0, "stream": True, "ignore_eos": True,
+                    "cache_salt": f"stream-{i}"}
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    tokens[i] += '"content"' in line
+            finished[i] = True
+
+        streams = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in streams:
+            t.start()
+        deadline = time.monotonic() + 120
+        while min(tokens) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert min(tokens) >= 2, tokens  # all three streams hold a slot
+        waiter = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+            "model": "gemma-3-270m", "messages": [{"role": "user", "content": "Quick question."}],
+            "max_tokens": 2, "temperature": 0, "cache_salt": "waiter"})
+        assert waiter.status_code == 200, waiter.text
+        running = not all(finished)
+        for t in streams:
+            t.join(300)
+        assert running, "the waiter was served only after the streams ended: no slot was preempted"
+        assert _worker_metric(extra, "gemma_serve:lease_preemptions_total", preempted + 1) == preempted + 1
+        assert _worker_metric(extra, "gemma_serve:leased_slots", 0) == 0
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Continue."}]
+        second = httpx.post(base + "/v1/chat/completions", headers={**headers, "x-session-release": "true"},
+                            timeout=120, json={"model": "gemma-3-270m", "messages": messages, "max_tokens": 2,
+                                               "temperature": 0}).json()
+        previous = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] < previous // 2, second["usage"]
+    finally:
+        gateway.stop()
