@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""Decode step time vs batch size and KV length, with bytes moved per step and the fraction of memory bandwidth.
+"""Decode step time vs batch size and KV length, with bytes read per step and the fraction of memory bandwidth.
 
-Not a test: prints a table (and writes JSON with --json) measured in one run. The physical floor of a decode
-step is (weight bytes + KV bytes read) / memory bandwidth (a decode step reads every weight and the KV once); the "bw" column is that
-fraction, with the bandwidth measured in the same run by a large on-device reduction.
+Not a test: prints a table (and writes JSON with --json, a markdown section with --markdown) measured in one run.
+The physical floor of a decode step is (weight bytes + KV bytes read) / memory bandwidth (a decode step reads every
+weight and its rows' KV once); the "bw" column is that fraction, with the bandwidth measured in the same run by a
+device-to-device copy of a large buffer (bytes read + written). What is counted: `step_bytes`.
 
   python benchmarks/decode_step.py                          # the embedded Gemma 3 270M, this machine's device
   python benchmarks/decode_step.py --model /path/to/ckpt    # a Gemma 4 checkpoint directory (e.g. synthetic E2B)
-  python benchmarks/decode_step.py --batches 1 8 --kv 512 4096 --steps 20
+  python benchmarks/decode_step.py --batches 1 8 --kv 512 4096 --steps 20 --tensor-parallel 2
+
+`--compile-only` compiles the programs into JAX's persistent compilation cache (under --cache-dir) and exits, so
+that several compile at once before the measured runs (benchmarks/device_run.sh). A checkpoint directory is read
+in place and imports no service module: jax, numpy, ml_dtypes and safetensors are all this needs then.
 
 Target (embedded model on a 2-core CPU; docs/performance.md): the B=8 step takes <= 2x the B=1 step.
 """
@@ -15,11 +20,15 @@ Target (embedded model on a 2-core CPU; docs/performance.md): the B=8 step takes
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import json
+import math
 import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +36,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from gemma_serve.models import default_cache_dir, prepare  # noqa: E402
+from gemma_serve.preparation import default_cache_dir  # noqa: E402
+from model_worker import sharding  # noqa: E402
 from model_worker.engine import Engine, EngineConfig, enable_compilation_cache  # noqa: E402
 from model_worker.sampling import SamplingArrays  # noqa: E402
 
@@ -35,10 +45,17 @@ from model_worker.sampling import SamplingArrays  # noqa: E402
 def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "float32", invariant: bool = False):
     """(config, params) for the embedded model, a .gguf, or a checkpoint directory, at the worker's
     `--matmul-precision` `precision` ("float32" or "bfloat16") and `--batch-invariant` `invariant` (see
-    `params.for_matmul_precision`)."""
+    `params.for_matmul_precision`). A directory (checkpoint or prepared) is read as it is; a GGUF gets the worker's
+    prepared weights (built once in `cache_dir`)."""
+    from gemma_serve import preparation
     from model_worker.params import for_matmul_precision, to_device
 
-    prepared = prepare(model, cache_dir)
+    if pathlib.Path(model).expanduser().is_dir():
+        prepared = preparation.prepare(model, cache_dir, {})
+    else:
+        from model_worker.main import PREPARE_PARTS
+
+        prepared = preparation.prepare(model, cache_dir, PREPARE_PARTS)
     if prepared.kind == "checkpoint":
         from model_worker.hf_loader import load_checkpoint
 
@@ -53,27 +70,108 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "floa
     return for_matmul_precision(cfg, to_device(cfg, flat, jnp.dtype(dtype)), precision, invariant)
 
 
-def measure_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes/s of a large on-device read (sum of a float32 array)."""
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    f = jax.jit(lambda a: jnp.sum(a))
-    f(x).block_until_ready()
-    times = []
-    for _ in range(5):
+def measure_bandwidth(nbytes: int = 1 << 30, copies: int = 5, rounds: int = 3) -> float:
+    """Memory bandwidth of the first device in bytes/s, counting bytes read + written: `copies` chained
+    device-to-device copies between two `nbytes` buffers (an XLA `copy` into the donated other buffer, so nothing
+    is allocated: every byte read once and written once, 2 x nbytes per copy), timed from the first dispatch to
+    the last result; the best of `rounds`. On a GPU or TPU that is a device memcpy; XLA CPU copies slower than a
+    step's threaded reads stream (fractions there can pass 100%: compare them only with each other)."""
+    into = jax.jit(lambda src, dst: dst.at[:].set(src), donate_argnums=1)
+    a, b = jnp.zeros(nbytes, jnp.uint8), jnp.ones(nbytes, jnp.uint8)
+    a = into(b, a).block_until_ready()
+    best = math.inf
+    for _ in range(rounds):
         t0 = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return nbytes / min(times)
+        for _ in range(copies):
+            a, b = into(a, b), a
+        a.block_until_ready()
+        best = min(best, (time.perf_counter() - t0) / copies)
+    return 2 * nbytes / best
 
 
-def kv_read_bytes(engine: Engine, batch: int, kv_len: int) -> int:
-    """KV bytes a decode step reads: full layers read kv_len positions, sliding layers their ring."""
-    per_token, per_seq = engine.kv_bytes()
-    return batch * (per_token * kv_len + per_seq)
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    """Device-memory bytes one forward step reads, on the fullest device (all devices alike at tensor parallel 1).
+
+    Attributes:
+      weights: every weight read whole (int4 as its packed words + scales + zero points, the LM head: the tied
+        embedding table whole), except the token tables used only for lookups (the embedding when a separate
+        head exists, Gemma 4's per-layer table `ple_embed`): only the rows looked up.
+      kv: K and V (and int8 scales) read from the cache of every layer that owns one: a full-attention layer's
+        positions [0, p] of each row (p its last position), a sliding layer's whole ring per row.
+      kv_shared: what Gemma 4's KV-shared layers read again from their source layer's cache (the same rule). It
+        is in `total`: a batch's KV at 8K context (gigabytes) outgrows every on-chip cache, so each layer's read
+        of it is device-memory traffic again.
+    """
+
+    weights: int
+    kv: int
+    kv_shared: int
+
+    @property
+    def total(self) -> int:
+        """weights + kv + kv_shared."""
+        return self.weights + self.kv + self.kv_shared
+
+
+def _read(acc: collections.Counter, x: jax.Array, rows: int | None = None, fraction: float = 1.0) -> None:
+    """Add to `acc` (device -> bytes) what reading `x` costs each device that holds a shard of it: `fraction` of
+    its shard, or with `rows` at most that many of its shard's rows (axis 0)."""
+    shape = x.sharding.shard_shape(x.shape)
+    count = shape[0] if shape else 1
+    row_bytes = np.dtype(x.dtype).itemsize * math.prod(shape[1:])
+    n = count * fraction if rows is None else min(rows, count)
+    for device in x.sharding.device_set:
+        acc[device] += round(n * row_bytes)
+
+
+def step_bytes(engine: Engine, last_positions: Sequence[int], tokens: int) -> StepBytes:
+    """Bytes a forward step of `engine` reads from device memory: weights and KV, counted from the placed
+    arrays' shards (under tensor parallelism each device reads its own shards; a replicated array is read whole by
+    every device holding it). Activations, logits and the K/V written are not counted (MBs against GBs).
+
+    Args:
+      engine: the engine whose params and cache the step reads.
+      last_positions: per batch row, the last position it attends to (a decode row at position p: p; a prompt
+        chunk: its last token's): a full-attention layer reads cache positions [0, p] of the row
+        (`attention.attend_in_place`), a sliding layer the row's whole ring.
+      tokens: tokens the step embeds (rows x tokens per row), i.e. the rows looked up in the token tables (each
+        device reads at most that many of its own rows).
+    Returns:
+      `StepBytes` of the fullest device.
+    """
+    weights, kv, shared = collections.Counter(), collections.Counter(), collections.Counter()
+    p = engine.params
+    lookups = {"ple_embed"} | ({"embed"} if p.lm_head is not None else set())
+    for f in dataclasses.fields(p):
+        value = getattr(p, f.name)
+        if f.name != "layers" and value is not None:
+            for x in jax.tree_util.tree_leaves(value):
+                _read(weights, x, rows=tokens if f.name in lookups else None)
+    for x in jax.tree_util.tree_leaves(p.layers):
+        _read(weights, x)
+    cache = engine.cache
+    for i, spec in enumerate(engine.cfg.layers):
+        src = spec.kv_source
+        full = engine.cfg.layers[src].attention == "full"
+        for a in (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src]):
+            if a is None:
+                continue
+            slots, length = a.shape[:2]
+            read = sum(min(q + 1, length) for q in last_positions) if full else len(last_positions) * length
+            _read(kv if src == i else shared, a, fraction=read / (slots * length))
+    fullest = max(weights, key=lambda d: weights[d] + kv[d])
+    return StepBytes(weights[fullest], kv[fullest], shared[fullest])
+
+
+def decode_bytes(engine: Engine, batch: int, kv_len: int) -> StepBytes:
+    """`step_bytes` of a decode step of `batch` rows at position kv_len - 1 (what `time_step` runs)."""
+    return step_bytes(engine, [kv_len - 1] * batch, batch)
 
 
 def time_step(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
-    """Median seconds of one decode step of `batch` sequences at position kv_len - 1."""
+    """Median seconds of one decode step (forward + greedy sampling, results on the host) of `batch` sequences at
+    position kv_len - 1."""
     slots = list(range(batch))
     sampling = SamplingArrays.defaults(batch, engine.cfg.vocab_size)
     args = (slots, [1] * batch, [kv_len - 1] * batch, [True] * batch, sampling)
@@ -87,18 +185,45 @@ def time_step(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def device_label(tensor_parallel: int) -> str:
+    """The device kind and platform the benchmark runs on, e.g. "NVIDIA H200 (gpu) x 2"."""
+    d = jax.devices()[0]
+    return f"{d.device_kind} ({d.platform})" + (f" x {tensor_parallel}" if tensor_parallel > 1 else "")
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments both benchmarks take (model, precision, tensor parallelism, outputs)."""
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--matmul-precision", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-invariant", action="store_true", help="with --matmul-precision bfloat16")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="split the engine over N devices (EngineConfig.tensor_parallel); bytes per step and "
+                             "the bandwidth fraction are then per device (the fullest)")
+    parser.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer the bandwidth copy moves")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile into the persistent compilation cache (--cache-dir) and exit")
+    parser.add_argument("--cache-dir", default=str(default_cache_dir()))
+    parser.add_argument("--json", type=pathlib.Path)
+    parser.add_argument("--markdown", type=pathlib.Path, help="append the table to this file as markdown")
+
+
+def append_markdown(path: pathlib.Path, heading: str, note: str, columns: list[str], rows: list[list]) -> None:
+    """Append a section to the markdown file `path`: a level-3 heading, a note, and a table (numbers right-aligned)."""
+    lines = [f"### {heading}", "", note, "", "| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
+    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
+    with path.open("a") as f:
+        f.write("\n".join(lines) + "\n\n")
+
+
+def main() -> None:
+    """Measure the grid of --batches x --kv and print (and write) the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--kv-int8", action="store_true")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--kv", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--cache-dir", default=str(default_cache_dir()))
-    parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
@@ -108,37 +233,54 @@ def main() -> None:
     slots = max(args.batches)
     kv_buckets = sorted(set(args.kv))
     ecfg = EngineConfig(num_slots=slots, max_model_len=max(kv_buckets), prefill_chunks=(min(kv_buckets),),
-                        dtype=dtype, kv_int8=args.kv_int8)
+                        dtype=dtype, kv_int8=args.kv_int8, tensor_parallel=args.tensor_parallel)
     engine = Engine(cfg, params, ecfg)
+    del params  # under tensor parallelism the engine keeps its own split copy
     engine.kv_buckets, engine.batch_buckets = tuple(kv_buckets), tuple(sorted(set(args.batches)))
     keys = [("decode", b, 1, L) for b in engine.batch_buckets for L in engine.kv_buckets]
     keys += [("greedy", b, 0, 0) for b in engine.batch_buckets]  # a step = forward + (greedy) sampling
     compile_s = engine.compile_all(keys=keys)
-    bandwidth = measure_bandwidth()
-    weights = engine.weight_bytes()
-    if params.lm_head is not None:  # a step reads the head copy; of the embedding only the looked-up rows
-        weights -= params.embed.nbytes
-    print(f"{cfg.name} on {backend} ({dtype}, {args.matmul_precision} matmul precision"
-          f"{', int8 KV' if args.kv_int8 else ''}): weights read per step "
-          f"{weights / 2**30:.2f} GiB; measured bandwidth {bandwidth / 1e9:.1f} GB/s; {len(keys)} programs "
-          f"compiled in {compile_s:.0f} s")
+    device = device_label(args.tensor_parallel)
+    if args.compile_only:
+        print(f"{cfg.name} on {device}: {len(keys)} programs compiled in {compile_s:.0f} s")
+        return
+    bandwidth = measure_bandwidth(args.bandwidth_mib << 20)
+    weights = decode_bytes(engine, 1, 1).weights
+    per_device = " per device" if args.tensor_parallel > 1 else ""
+    title = (f"{cfg.name} on {device}: {dtype}, {args.matmul_precision} matmul precision"
+             f"{', int8 KV' if args.kv_int8 else ''}")
+    resident = sharding.per_device_bytes(engine.params)
+    facts = (f"weights read per step{per_device} {weights / 2**30:.2f} GiB (resident{per_device}: "
+             f"{resident / 2**30:.2f} GiB); bandwidth {bandwidth / 1e9:.0f} GB/s (a device copy of "
+             f"{args.bandwidth_mib} MiB, bytes read + written); {len(keys)} programs compiled in {compile_s:.0f} s")
+    print(f"{title}; {facts}")
     print(f"{'batch':>5} {'kv_len':>6} {'step ms':>8} {'tok/s':>8} {'MB/step':>8} {'bw':>5} {'vs B=1':>7}")
     rows = []
     for L in engine.kv_buckets:
         base = None
         for b in engine.batch_buckets:
             seconds = time_step(engine, b, L, args.steps)
-            moved = weights + kv_read_bytes(engine, b, L)
+            moved = decode_bytes(engine, b, L)
             base = base or seconds
-            row = dict(batch=b, kv_len=L, step_ms=seconds * 1e3, tokens_per_s=b / seconds, bytes=moved,
-                       bandwidth_fraction=moved / seconds / bandwidth, vs_batch1=seconds / base)
+            row = dict(batch=b, kv_len=L, step_ms=seconds * 1e3, tokens_per_s=b / seconds, bytes=moved.total,
+                       weight_bytes=moved.weights, kv_bytes=moved.kv, kv_shared_bytes=moved.kv_shared,
+                       bandwidth_fraction=moved.total / seconds / bandwidth, vs_batch1=seconds / base)
             rows.append(row)
-            print(f"{b:>5} {L:>6} {row['step_ms']:>8.1f} {row['tokens_per_s']:>8.1f} {moved / 1e6:>8.0f} "
+            print(f"{b:>5} {L:>6} {row['step_ms']:>8.2f} {row['tokens_per_s']:>8.1f} {moved.total / 1e6:>8.0f} "
                   f"{row['bandwidth_fraction']:>5.0%} {row['vs_batch1']:>6.2f}x")
     if args.json:
-        args.json.write_text(json.dumps(dict(model=cfg.name, backend=backend, dtype=dtype, weights=weights,
-                                             matmul_precision=args.matmul_precision,
-                                             bandwidth=bandwidth, rows=rows), indent=1))
+        args.json.write_text(json.dumps(dict(model=cfg.name, device=device, backend=backend, dtype=dtype,
+                                             weights=weights, matmul_precision=args.matmul_precision,
+                                             tensor_parallel=args.tensor_parallel, bandwidth=bandwidth,
+                                             rows=rows), indent=1))
+    if args.markdown:
+        note = (f"{facts}. MB/step: weights + KV read{per_device} (KV-shared layers' re-reads of their source cache "
+                "not counted); bw: MB/step / step time / bandwidth.")
+        append_markdown(args.markdown, f"decode step: {title}", note,
+                        ["batch", "kv_len", "step ms", "tok/s", "MB/step", "bw", "vs B=1"],
+                        [[r["batch"], r["kv_len"], f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.1f}",
+                          f"{r['bytes'] / 1e6:.0f}", f"{r['bandwidth_fraction']:.0%}", f"{r['vs_batch1']:.2f}x"]
+                         for r in rows])
 
 
 if __name__ == "__main__":

@@ -72,7 +72,12 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         default=8192,
         help="context limit in tokens: prompt + max_tokens must fit; every length check uses it (default: %(default)s)",
     )
-    p.add_argument("--num-slots", type=int, default=4, help="sequences decoded together (default: %(default)s)")
+    p.add_argument(
+        "--num-slots", type=_num_slots, default="auto",
+        help="sequences decoded together (KV cache rows): an integer, or auto = as many as fit in the device's "
+        "memory on GPU/TPU (its limit x 0.9 after the weights and step temporaries, 1 to 256; one that does not "
+        "fit fails at start with the numbers), 4 on CPU (default: %(default)s)",
+    )
     p.add_argument(
         "--prefill-chunks",
         type=int,
@@ -128,6 +133,13 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "choose) (measured figures: docs/performance.md) (default: %(default)s)",
     )
     p.add_argument(
+        "--tensor-parallel", type=_positive_int, default=1,
+        help="devices one worker splits its weights, KV cache and logits over (a mesh of N local devices: "
+        "docs/architecture.md, Tensor parallelism); with `up --workers W` each worker gets its own N devices "
+        "(W x N at most the host's GPUs). On CPU the N devices are simulated (for testing; no faster) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -169,6 +181,16 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _num_slots(text: str) -> int | str:
+    """`--num-slots`: "auto" (sized to the device's memory: `model_worker.memory.fit_slots`) or a positive int."""
+    if text == "auto":
+        return text
+    try:
+        return _positive_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

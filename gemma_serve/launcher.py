@@ -62,7 +62,8 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
               "--matmul-precision", args.matmul_precision,
               "--kv-cache-dtype", args.kv_cache_dtype, "--max-waiting", str(args.max_waiting),
               "--prefix-slack", str(args.prefix_slack), "--max-session-ttl", str(args.max_session_ttl),
-              "--lease-preempt-after", str(args.lease_preempt_after)]
+              "--lease-preempt-after", str(args.lease_preempt_after),
+              "--tensor-parallel", str(getattr(args, "tensor_parallel", 1))]
     if args.prefill_token_budget:
         engine += ["--prefill-token-budget", str(args.prefill_token_budget)]
     if args.batch_invariant is not None:
@@ -98,6 +99,56 @@ def worker_ports(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
     return {f"worker-{i}": (args.worker_port + i, args.worker_metrics_port + i) for i in range(n)}
 
 
+def probe_devices() -> tuple[str, int]:
+    """(platform, device count) as JAX sees this host, from a short-lived subprocess: the launcher itself never
+    imports JAX, which would take hold of the accelerators its workers need (the probe allocates nothing up front
+    and exits).
+
+    Raises:
+      ValueError: the probe failed (its error output is in the message).
+    """
+    code = "import jax; print(jax.default_backend(), jax.device_count())"
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                         check=False)
+    if out.returncode != 0:
+        raise ValueError(f"could not list this host's devices: {out.stderr.strip()[-800:]}")
+    platform, count = out.stdout.split()[-2:]
+    return platform, int(count)
+
+
+def worker_devices(args: argparse.Namespace, probe=probe_devices) -> dict[str, dict[str, str]]:
+    """Environment additions per worker service that give each of `--workers` W its own `--tensor-parallel` N
+    devices ({} for one worker: it takes the first N devices it sees, and checks that it has them).
+
+    On GPUs, worker i sees only devices i*N..i*N+N-1 of those visible to `up` (`CUDA_VISIBLE_DEVICES`, itself
+    narrowed from the caller's own), so no worker initialises, or preallocates memory on, another's GPUs. On CPU
+    each worker process has its own (simulated) devices: nothing to split. Several workers on one TPU host are
+    refused: libtpu gives a host's chips to one process unless its topology variables are set for each, which
+    this project has not verified on TPU hardware (run one worker per TPU host, with --tensor-parallel).
+
+    Args:
+      probe: () -> (platform, device count) (`probe_devices`; tests pass their own).
+    Raises:
+      ValueError: W x N exceeds the host's devices (both numbers given), or several workers on a TPU host.
+    """
+    names = list(worker_ports(args))
+    n = getattr(args, "tensor_parallel", 1)
+    if len(names) == 1:
+        return {}
+    platform, count = probe()
+    if platform == "cpu":
+        return {}
+    if platform == "tpu":
+        raise ValueError(f"--workers {len(names)} on a TPU host is not supported: run one worker per TPU host and "
+                         "split the model over its chips with --tensor-parallel")
+    if len(names) * n > count:
+        raise ValueError(f"--workers {len(names)} x --tensor-parallel {n} needs {len(names) * n} devices; this "
+                         f"host has {count} ({platform})")
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d] or list(map(str, range(count)))
+    return {name: {"CUDA_VISIBLE_DEVICES": ",".join(visible[i * n:(i + 1) * n])} for i, name in enumerate(names)}
+
+
 def _grpc_serving(address: str, tls: network.InternalTls | None = None) -> bool:
     try:
         with network.sync_channel(address, tls) as channel:
@@ -130,7 +181,8 @@ class Launcher:
     def __init__(self, args: argparse.Namespace):
         """
         Raises:
-          ValueError: for a refused network setting or API key (the message names the flag).
+          ValueError: for a refused network setting or API key (the message names the flag), or workers that
+            do not fit the host's devices (`worker_devices`).
         """
         self.args = args
         self.procs: dict[str, subprocess.Popen] = {}
@@ -140,6 +192,7 @@ class Launcher:
         network.public_server_credentials(args)  # both files given and readable
         ApiKeys.from_args(args)  # valid keys
         self.env = child_env(args, os.environ)
+        self.worker_env = worker_devices(args)  # each worker's own devices
 
     def start(self, model: str | None = None) -> None:
         """Start every service, serving `model` (a prepared directory; default: the `--model` flag)."""
@@ -150,6 +203,7 @@ class Launcher:
     def spawn(self, name: str) -> None:
         """Start (or restart) one service."""
         env = self.env if name == "gateway" else {k: v for k, v in self.env.items() if k != "GEMMA_SERVE_API_KEY"}
+        env = {**env, **self.worker_env.get(name, {})}
         self.procs[name] = subprocess.Popen(self.cmds[name], start_new_session=True, preexec_fn=_die_with_parent,
                                             env=env)
         log.info("started %s (pid %d)", name, self.procs[name].pid)

@@ -218,7 +218,7 @@ class Engine:
             self.cache = self.layout.zeros_cache(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype,
                                                  ecfg.kv_int8, ecfg.prefix_slack)
             self.pstate = self.layout.zeros_penalties(ecfg.num_slots)
-            for note in self.layout.notes:
+            for note in self.layout.summary():
                 log.info("tensor parallel %d: %s", ecfg.tensor_parallel, note)
         else:
             self.cache = KVCache.zeros(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype, int8=ecfg.kv_int8,
@@ -319,6 +319,13 @@ class Engine:
     def num_programs(self) -> int:
         """Number of compiled programs."""
         return len(self._programs)
+
+    def temp_bytes(self) -> int:
+        """The largest step temporaries of the compiled programs, in bytes per device (XLA's
+        `memory_analysis().temp_size_in_bytes`: buffers a step needs besides its arguments and results); 0
+        before `compile_all`. For the worker's memory report (`model_worker.memory`)."""
+        analyses = (p.memory_analysis() for p in self._programs.values())
+        return max((int(a.temp_size_in_bytes) for a in analyses if a is not None), default=0)
 
     def kv_bucket(self, length: int) -> int:
         """Smallest KV bucket holding `length` positions.

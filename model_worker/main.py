@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -66,11 +67,14 @@ def load_engine(prepared, args: argparse.Namespace):
       families.UnknownFamilyError: the model's family is not registered (the message lists the supported ones).
       NotImplementedError: the family has no loader for the checkpoint's format or variant.
       ValueError: bad sizes (see Engine) or weights that do not match the config.
+      SystemExit: `--num-slots` (a number, or the one slot `auto` falls back to) needs more memory than the
+        device has (`memory.check_slots`: the message gives weights, KV per slot, temporaries and the limit).
     """
     import jax
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
+    from model_worker import memory
     from model_worker.config import config_from_dict
     from model_worker.engine import Engine, EngineConfig
     from model_worker.executables import ExecutableCache
@@ -84,35 +88,49 @@ def load_engine(prepared, args: argparse.Namespace):
     # object code on XLA CPU (jaxlib 0.10: the reloaded program then fails with "Function ... not found").
     jax.config.update("jax_enable_compilation_cache", False)
     t0 = time.perf_counter()
-    log.info("loading %s weights (%s) onto %s", prepared.name, dtype, backend)
-    if prepared.kind == "checkpoint":
-        from model_worker.hf_loader import load_checkpoint, stop_token_ids
+    # Split over several devices, the weights are staged in host memory and each device then receives only its
+    # shard (`Engine` places them): loaded onto the first device whole, a model that needs the split to fit would
+    # not fit there.
+    staging = jax.devices("cpu")[0] if args.tensor_parallel > 1 else None
+    log.info("loading %s weights (%s) onto %s", prepared.name, dtype, "host memory" if staging else backend)
+    with jax.default_device(staging) if staging else contextlib.nullcontext():
+        if prepared.kind == "checkpoint":
+            from model_worker.hf_loader import load_checkpoint, stop_token_ids
 
-        cfg, flat = load_checkpoint(prepared.dir, jnp.dtype(dtype))
-        cfg = dataclasses.replace(cfg, stop_token_ids=stop_token_ids(prepared.dir, cfg))
-    else:
-        cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
-        flat = load_file(str(prepared.dir / "model.safetensors"))
-    params = to_device(cfg, flat, jnp.dtype(dtype))
-    try:
-        precision, invariant = matmul_mode(args.matmul_precision, args.batch_invariant, dtype)
-    except ValueError as err:
-        raise SystemExit(str(err)) from None
-    if dtype == "float32":
-        cfg, params = for_matmul_precision(cfg, params, precision, invariant)
-    log.info("weights loaded in %.1f s (%.2f GiB on the device; %s activations, %s matmul precision%s)",
-             time.perf_counter() - t0, params.nbytes() / 2**30, dtype, precision,
-             ", batch-invariant" if invariant else "")
+            cfg, flat = load_checkpoint(prepared.dir, jnp.dtype(dtype))
+            cfg = dataclasses.replace(cfg, stop_token_ids=stop_token_ids(prepared.dir, cfg))
+        else:
+            cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
+            flat = load_file(str(prepared.dir / "model.safetensors"))
+        params = to_device(cfg, flat, jnp.dtype(dtype))
+        try:
+            precision, invariant = matmul_mode(args.matmul_precision, args.batch_invariant, dtype)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        if dtype == "float32":
+            cfg, params = for_matmul_precision(cfg, params, precision, invariant)
+    log.info("weights loaded in %.1f s (%.2f GiB%s; %s activations, %s matmul precision%s)",
+             time.perf_counter() - t0, params.nbytes() / 2**30, " in host memory" if staging else " on the device",
+             dtype, precision, ", batch-invariant" if invariant else "")
     ecfg = EngineConfig(
-        num_slots=args.num_slots,
+        num_slots=1 if args.num_slots == "auto" else args.num_slots,  # decided below (memory.size_slots)
         max_model_len=args.max_model_len,
         prefill_chunks=tuple(sorted(args.prefill_chunks)),
         dtype=dtype,
         kv_int8=args.kv_cache_dtype == "int8",
         prefix_slack=args.prefix_slack,
         max_waiting=args.max_waiting,
+        tensor_parallel=args.tensor_parallel,
     )
+    try:
+        ecfg, footprint, limit = memory.size_slots(cfg, params, ecfg, auto=args.num_slots == "auto")
+    except memory.SlotsDoNotFit as err:
+        raise SystemExit(f"--num-slots {args.num_slots}: {err}") from None
+    log.info("%s", memory.slots_text(ecfg.num_slots, args.num_slots == "auto", footprint, limit))
     engine = Engine(cfg, params, ecfg)
+    del params  # under tensor parallelism the engine holds its own split copy
+    if engine.mesh is not None:
+        log.info("tensor parallel %d over %s", ecfg.tensor_parallel, ", ".join(map(str, engine.mesh.devices.flat)))
     grid = engine.grid()
     log.info("compiling %d programs (batch buckets %s, KV buckets %s, chunks %s)", len(grid), engine.batch_buckets,
              engine.kv_buckets, ecfg.prefill_chunks)
@@ -122,6 +140,12 @@ def load_engine(prepared, args: argparse.Namespace):
     log.info("compiled %d programs in %.1f s (%d loaded from %s, %d stored there)", engine.num_programs, seconds,
              executables.loaded, executables.directory, executables.stored)
     log.info("ran each forward program once (warm-up) in %.1f s", engine.warm_up())
+    usage = memory.device_usage(engine)
+    for device in usage:
+        log.info("%s", device.line())
+    if usage and usage[0].temporaries > footprint.temporaries(ecfg.num_slots):
+        log.warning("the compiled programs' temporaries (%s) exceed the estimate the slots were sized with (%s)",
+                    memory.size_text(usage[0].temporaries), memory.size_text(footprint.temporaries(ecfg.num_slots)))
     per_token, per_seq = engine.kv_bytes()
     info = model_worker_pb2.WorkerInfoResponse(
         model_name=prepared.name,
@@ -138,15 +162,47 @@ def load_engine(prepared, args: argparse.Namespace):
         backend=backend,
         max_waiting=ecfg.max_waiting if ecfg.max_waiting is not None else 2**31 - 1,
         **engine_facts(cfg, ecfg),
+        device_memory=[model_worker_pb2.DeviceMemory(
+            device_id=u.device.id, device_kind=u.device.device_kind, weight_bytes=u.weights, kv_bytes=u.kv,
+            penalty_bytes=u.penalties, temp_bytes=u.temporaries, capacity_bytes=u.capacity or 0) for u in usage],
     )
     return engine, info
 
 
+def simulate_cpu_devices(n: int) -> None:
+    """Give XLA's CPU backend `n` devices (`--xla_force_host_platform_device_count`), so `--tensor-parallel n` runs
+    on a CPU host too (for testing: the devices share the host's cores). Only the CPU backend reads the flag, so a
+    GPU or TPU worker is unaffected. No-op once jax is imported (the flag is read when its backends start) or when
+    XLA_FLAGS already sets a count."""
+    import sys
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def device_problem(tensor_parallel: int) -> str | None:
+    """Why this process cannot split the model over `tensor_parallel` devices (a message with the numbers), or
+    None when it has that many."""
+    import jax
+
+    devices = jax.devices()
+    if tensor_parallel <= len(devices):
+        return None
+    return (f"--tensor-parallel {tensor_parallel} needs {tensor_parallel} devices; this worker sees {len(devices)} "
+            f"({jax.default_backend()}: {', '.join(str(d) for d in devices)})")
+
+
 async def serve(args: argparse.Namespace) -> int:
-    """Run the worker until SIGTERM/SIGINT. Returns the process exit code."""
+    """Run the worker until SIGTERM/SIGINT. Returns the process exit code (2: flags this host cannot honour)."""
     from model_worker.loop import FAULT_ENV, EngineLoop, wait_idle
     from model_worker.metrics import WorkerMetrics
     from model_worker.service import SERVICE_NAME, WorkerServicer
+
+    problem = device_problem(args.tensor_parallel)
+    if problem:
+        log.error("%s", problem)
+        return 2
 
     try:
         tls = network.internal_server_tls(args)
@@ -185,6 +241,10 @@ async def serve(args: argparse.Namespace) -> int:
         os._exit(0)
     try:
         engine, info = loader.result()
+    except SystemExit as err:  # flags this model or device cannot honour (`load_engine` says which): not a crash
+        log.error("%s", err)
+        await server.stop(0)
+        return 2
     except Exception:
         log.exception("failed to load the model")
         await server.stop(0)
@@ -223,4 +283,5 @@ async def serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `gemma-serve worker`."""
+    simulate_cpu_devices(args.tensor_parallel)
     return asyncio.run(serve(args))

@@ -55,6 +55,7 @@ from model_worker.sampling import PenaltyState, penalty_state_zeros
 
 #: The mesh axis tensor parallelism splits over.
 MODEL = "model"
+_LAYER_PREFIX = re.compile(r"layers\.\d+\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +188,19 @@ class Layout:
                 axis = None
             out.append(axis if n > 1 else None)
         return tuple(out)
+
+    def summary(self) -> list[str]:
+        """`notes` grouped by reason, one line each, for the worker's log: the reason, then the array names with
+        their layer index dropped and how many arrays share it (a model with one KV head has a note per layer)."""
+        groups: dict[str, list[str]] = {}
+        for note in self.notes:
+            label, reason = note.split(": ", 1)
+            groups.setdefault(reason, []).append(label)
+        out = []
+        for reason, labels in groups.items():
+            names = ", ".join(sorted({_LAYER_PREFIX.sub("", x) for x in labels}))
+            out.append(f"{reason}: {names} ({len(labels)} arrays)")
+        return out
 
     def named(self, spec: tuple[str | None, ...]) -> NamedSharding:
         """A NamedSharding of this mesh."""
@@ -386,10 +400,20 @@ def hidden_gathers(compiled, params: Params) -> list[str]:
 
 
 def per_device_bytes(tree) -> int:
-    """Bytes the arrays of `tree` take on the fullest device: placed `jax.Array`s (their addressable shards),
-    and abstract `jax.ShapeDtypeStruct`s with a `sharding` (their shard shape on each of its devices; without
-    one, the whole array on one device, counted with `jax.devices()[0]`). For memory accounting (weights, KV
-    cache) under tensor parallelism."""
+    """Bytes the arrays of `tree` take on the fullest device (`bytes_by_device`; 0 for an empty tree). For memory
+    accounting (weights, KV cache) under tensor parallelism."""
+    return max(bytes_by_device(tree).values(), default=0)
+
+
+def bytes_by_device(tree) -> dict:
+    """Bytes the arrays of `tree` take on each device that holds any: placed `jax.Array`s (their addressable
+    shards), and abstract `jax.ShapeDtypeStruct`s with a `sharding` (their shard shape on each of its devices;
+    without one, the whole array on one device, counted with `jax.devices()[0]`). One function for both, so that
+    figures computed from abstract shapes (`model_worker.memory`) are those the placed arrays would measure.
+
+    Returns:
+      {jax.Device: bytes}.
+    """
     per: dict = {}
     for x in jax.tree_util.tree_leaves(tree):
         itemsize = np.dtype(x.dtype).itemsize
@@ -402,4 +426,4 @@ def per_device_bytes(tree) -> int:
             devices = [jax.devices()[0]] if sharding is None else list(sharding.device_set)
             for d in devices:
                 per[d] = per.get(d, 0) + int(np.prod(shape)) * itemsize
-    return max(per.values(), default=0)
+    return per

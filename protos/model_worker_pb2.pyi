@@ -28,7 +28,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "num_slots", "dtype", "weight_bytes", "kv_bytes_per_token", "kv_bytes_per_sequence", "default_stop_token_ids", "num_compiled_programs", "backend", "max_waiting", "sliding_window", "prefix_caching", "max_position_embeddings", "kv_cache_dtype", "prefill_chunks")
+    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "num_slots", "dtype", "weight_bytes", "kv_bytes_per_token", "kv_bytes_per_sequence", "default_stop_token_ids", "num_compiled_programs", "backend", "max_waiting", "sliding_window", "prefix_caching", "max_position_embeddings", "kv_cache_dtype", "prefill_chunks", "device_memory")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class WorkerInfoResponse(_message.Message):
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -65,7 +66,26 @@ class WorkerInfoResponse(_message.Message):
     max_position_embeddings: int
     kv_cache_dtype: str
     prefill_chunks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_bytes_per_sequence: _Optional[int] = ..., default_stop_token_ids: _Optional[_Iterable[int]] = ..., num_compiled_programs: _Optional[int] = ..., backend: _Optional[str] = ..., max_waiting: _Optional[int] = ..., sliding_window: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., max_position_embeddings: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., prefill_chunks: _Optional[_Iterable[int]] = ...) -> None: ...
+    device_memory: _containers.RepeatedCompositeFieldContainer[DeviceMemory]
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_bytes_per_sequence: _Optional[int] = ..., default_stop_token_ids: _Optional[_Iterable[int]] = ..., num_compiled_programs: _Optional[int] = ..., backend: _Optional[str] = ..., max_waiting: _Optional[int] = ..., sliding_window: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., max_position_embeddings: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., prefill_chunks: _Optional[_Iterable[int]] = ..., device_memory: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ...) -> None: ...
+
+class DeviceMemory(_message.Message):
+    __slots__ = ("device_id", "device_kind", "weight_bytes", "kv_bytes", "penalty_bytes", "temp_bytes", "capacity_bytes")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TEMP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device_id: int
+    device_kind: str
+    weight_bytes: int
+    kv_bytes: int
+    penalty_bytes: int
+    temp_bytes: int
+    capacity_bytes: int
+    def __init__(self, device_id: _Optional[int] = ..., device_kind: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., penalty_bytes: _Optional[int] = ..., temp_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask", "constrained", "share_prompt_with", "allowed_tokens", "cache_salt", "session_id", "session_ttl_s", "session_release")

@@ -15,6 +15,10 @@ What it runs (the engine's own programs, `Engine.compile_all(keys=...)`, one KV 
     through the engine's sample programs, at TP 1 and 2;
   * a slot copy on the split cache ("int4", TP 2): the copied slot decodes as the original;
   * a control: `sharding.hidden_gathers` reports the weight gather a row-block loop over a split axis makes;
+  * memory (`model_worker.memory`): every engine's per-device bytes of weights, KV cache and penalty state as
+    placed against those computed from abstract shapes (the "ple" weights from its config alone), and the
+    compiled programs' temporaries against the estimate; a scaled-down synthetic E2B in the qat-w4a16-ct format
+    loaded at TP 1 and 2 against its config's abstract int4 weights;
   * the errors: a TP degree that cuts an int4 quantization group, and more devices than there are;
   * with --gemma3: the embedded Gemma 3 270M (Int8Weight GGUF blocks, V = 262144) at TP 1 and 2: one prompt
     chunk and three decode steps, shapes, temporaries and all-gathers at TP 2.
@@ -35,6 +39,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,7 +50,7 @@ import ml_dtypes
 import numpy as np
 
 from families.gemma4.worker import config_from_hf
-from model_worker import quant, sharding
+from model_worker import memory, quant, sharding
 from model_worker.engine import Engine, EngineConfig
 from model_worker.params import Params, param_shapes, random_flat, to_device, with_bf16_matmuls
 from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight
@@ -241,7 +246,8 @@ def sampling(eng: Engine, pending, vocab: int) -> dict:
 
 
 def tiny_checks() -> dict:
-    res = {"logits": {}, "shards": {}, "state": {}, "gathers": {}, "notes": {}, "sampling": {}, "copy": {}}
+    res = {"logits": {}, "shards": {}, "state": {}, "gathers": {}, "notes": {}, "sampling": {}, "copy": {},
+           "memory": {}}
     for name in ("ple", "int4"):
         cfg, params, kv_int8 = tiny(name)
         rng = np.random.default_rng(4)
@@ -255,6 +261,9 @@ def tiny_checks() -> dict:
             samples = name == "ple" and tp < 4  # one split suffices for sampling (each program ~2 s to compile)
             extra = [("copy", 1, 0, 0)] * copy + [("greedy", 1, 0, 0), ("sample", 1, 0, 0)] * samples
             got = run(eng, prompt, follow, keys + extra)
+            # "ple" is dense float32 as a config gives it (memory.abstract_params); "int4" as it was loaded
+            res["memory"][f"{name}/tp{tp}"] = memory_report(
+                cfg, eng, memory.abstract_params(cfg, jnp.float32) if name == "ple" else params)
             if samples:
                 res["sampling"][tp] = sampling(eng, got["pending"], cfg.vocab_size)
             if copy:
@@ -273,6 +282,46 @@ def tiny_checks() -> dict:
     layout = sharding.Layout(cfg, sharding.make_mesh(2))
     res["shards"]["ple-bf16/tp2"] = shard_report(cfg, layout.place_params(with_bf16_matmuls(params)), 2)
     return res
+
+
+def memory_report(cfg, eng: Engine, weights, compiled: bool = True) -> dict:
+    """The engine's weights, KV cache and penalty state per device as placed, against the same figures from
+    abstract shapes (`memory.abstract_state` and `memory.with_shardings` with the engine's layout; `weights`
+    unplaced or abstract), by device id; the fullest device's against `memory.footprint` (what `--num-slots
+    auto` sizes with); with `compiled`, the compiled programs' largest temporaries against the estimate."""
+    ecfg, layout = eng.ecfg, eng.layout
+    cache, pstate = memory.abstract_state(cfg, ecfg.num_slots, ecfg.max_model_len, ecfg.dtype, ecfg.kv_int8,
+                                          ecfg.prefix_slack, layout)
+    abstract = memory.with_shardings(weights, None if layout is None else layout.param_shardings(weights))
+    by_id = lambda tree: {d.id: n for d, n in sharding.bytes_by_device(tree).items()}
+    fp = memory.footprint(cfg, weights, ecfg, layout)
+    slots = ecfg.num_slots
+    return {"placed": [by_id(t) for t in (eng.params, eng.cache, eng.pstate)],
+            "abstract": [by_id(t) for t in (abstract, cache, pstate)],
+            "fullest": [sharding.per_device_bytes(t) for t in (eng.params, eng.cache, eng.pstate)],
+            "footprint": [fp.weights, fp.kv_per_slot * slots, fp.penalty_per_slot * slots],
+            "temp": [eng.temp_bytes(), fp.temporaries(slots)] if compiled else None}
+
+
+def checkpoint_memory(tmp: pathlib.Path) -> dict:
+    """A scaled-down synthetic E2B in the qat-w4a16-ct format (scripts/make_synthetic_gemma4.py), loaded as the
+    worker loads it (bfloat16, int8 KV) into engines at tensor parallel 1 and 2 (placed, not compiled): per-device
+    bytes against those computed from its config alone (`memory.abstract_params` with int4 groups of 32)."""
+    from families.gemma4.worker import GEMMA4_E2B
+    from model_worker.hf_loader import load_checkpoint
+    from scripts.make_synthetic_gemma4 import GROUP, scaled_config, write
+
+    write(tmp, scaled_config(GEMMA4_E2B, layers=10, hidden=64, vocab=512), "qat-w4a16-ct")
+    cfg, flat = load_checkpoint(tmp, jnp.bfloat16)
+    params = to_device(cfg, flat, jnp.bfloat16)
+    out = {}
+    for tp in (1, 2):
+        eng = engine(cfg, params, tp, True, dtype="bfloat16")
+        out[f"ct/tp{tp}"] = memory_report(cfg, eng, memory.abstract_params(cfg, jnp.bfloat16, int4_group=GROUP),
+                                          compiled=False)
+        out[f"ct/tp{tp}"]["int4_leaves"] = sum(isinstance(w, Int4Weight) for w in jax.tree_util.tree_leaves(
+            eng.params, is_leaf=lambda x: isinstance(x, Int4Weight)))
+    return out
 
 
 def copy_check(eng: Engine, position: int) -> dict:
@@ -373,6 +422,8 @@ def main() -> None:
         res["gemma3"] = gemma3_checks(args.gemma3)
     else:
         res |= tiny_checks()
+        with tempfile.TemporaryDirectory() as tmp:
+            res["memory"] |= checkpoint_memory(pathlib.Path(tmp))
         res["errors"] = error_checks()
         res["gather_control"] = gather_control()
     print(json.dumps(res))

@@ -46,3 +46,9 @@ def auth_stack(cache_dir, prepared, tmp_path_factory) -> Stack:
     """A gateway with API keys (stacks.API_KEYS) and TLS on its public ports (the test CA: `auth_stack.ca`) in
     front of the embedded stack's backends."""
     return _ready("auth_stack", cache_dir, prepared, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tp_stack(cache_dir, prepared, tmp_path_factory) -> Stack:
+    """The embedded model split over 2 simulated devices (`up --tensor-parallel 2`, one slot)."""
+    return _ready("tp_stack", cache_dir, prepared, tmp_path_factory)

@@ -239,6 +239,15 @@ def front_gateway(backend: Stack, cache_dir, tmp, name: str, extra: list[str], e
     return Stack(proc, {**backend.ports, "http": http, "grpc": grpc_port}, log_path, time.monotonic(), ca=ca)
 
 
+def _tensor_parallel(cache_dir, prepared, tmp, factory) -> Stack:
+    """The embedded model split over 2 (simulated CPU) devices: `up --tensor-parallel 2`, max_model_len 512, one
+    slot and 64-token chunks only (5 programs: its tests send one request at a time), otherwise the embedded
+    stack's defaults, so its greedy answers can be compared with that stack's."""
+    return start_stack(cache_dir, tmp("tp") / "stack.log",
+                       ["--tensor-parallel", "2", "--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "1",
+                        "--prefill-chunks", "64"])
+
+
 def _fuzz(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:
     """A gateway with `--max-tokens-cap 4` in front of the embedded stack's backends, for the fuzzer and the
     hostile-input tests: every answer is short, whatever was asked."""
@@ -263,7 +272,8 @@ def _auth(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:
 
 
 #: Stack fixture name -> launcher(cache_dir, prepared, mktemp) -> Stack.
-SPECS = {"stack": _embedded, "gemma4_stack": _gemma4, "fuzz_stack": _fuzz, "auth_stack": _auth}
+SPECS = {"stack": _embedded, "gemma4_stack": _gemma4, "fuzz_stack": _fuzz, "auth_stack": _auth,
+         "tp_stack": _tensor_parallel}
 _LAUNCHED: dict[str, Stack] = {}
 #: The stacks the session's e2e tests use (set at collection).
 NEEDED: list[str] = []

@@ -131,3 +131,50 @@ def test_up_workers_runs_n_workers_on_consecutive_ports_behind_one_gateway():
     assert list(service_commands(parser.parse_args(["up"]))) == ["tokenizer", "worker", "gateway"]
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--workers", "0"])
+
+
+def test_up_gives_each_worker_its_own_tensor_parallel_devices(monkeypatch):
+    """`up --workers 2 --tensor-parallel 2`: every worker command line carries --tensor-parallel 2; on a 4-GPU
+    host worker i sees only GPUs 2i and 2i+1 (narrowed from the caller's CUDA_VISIBLE_DEVICES); 2 x 2 devices on a
+    3-GPU host and several workers on a TPU host are refused with the numbers; CPU workers need no split (each
+    process has its own simulated devices); one worker needs no probe at all."""
+    from gemma_serve.cli import build_parser
+    from gemma_serve.launcher import service_commands, worker_devices
+
+    parser = build_parser()
+    args = parser.parse_args(["up", "--workers", "2", "--tensor-parallel", "2"])
+    for name in ("worker-0", "worker-1"):
+        cmd = service_commands(args)[name]
+        assert parser.parse_args(cmd[cmd.index("worker"):]).tensor_parallel == 2
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert worker_devices(args, probe=lambda: ("gpu", 4)) == {"worker-0": {"CUDA_VISIBLE_DEVICES": "0,1"},
+                                                              "worker-1": {"CUDA_VISIBLE_DEVICES": "2,3"}}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert worker_devices(args, probe=lambda: ("gpu", 4))["worker-1"] == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    with pytest.raises(ValueError, match="needs 4 devices; this host has 3"):
+        worker_devices(args, probe=lambda: ("gpu", 3))
+    with pytest.raises(ValueError, match="TPU host"):
+        worker_devices(args, probe=lambda: ("tpu", 8))
+    assert worker_devices(args, probe=lambda: ("cpu", 1)) == {}
+    assert worker_devices(parser.parse_args(["up", "--tensor-parallel", "4"]), probe=None) == {}
+
+
+def test_a_worker_without_the_devices_it_needs_refuses_its_flags(tmp_path):
+    """`gemma-serve worker --tensor-parallel 3` where XLA is told of 2 CPU devices exits with code 2 (which stops
+    `up` instead of restarting it) and says how many devices it needs and sees, before loading any model."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.e2e.stacks import free_ports
+
+    port, metrics = free_ports(2)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = subprocess.run([sys.executable, "-m", "gemma_serve.cli", "worker", "--model", "embedded",
+                          "--cache-dir", str(tmp_path), "--worker-port", str(port), "--worker-metrics-port",
+                          str(metrics), "--tensor-parallel", "3"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "--tensor-parallel 3 needs 3 devices; this worker sees 2" in out.stderr
+    assert not list(tmp_path.glob("**/*.safetensors"))  # refused before preparing the model

@@ -117,6 +117,34 @@ def test_no_step_gathers_a_split_weight(tiny):
             assert all(allowed(g) for g in r["all_gathers"]), (label, kind, r["all_gathers"])
 
 
+def test_per_device_bytes_from_abstract_shapes_equal_the_placed_arrays(tiny):
+    """`model_worker.memory` computes per-device bytes from shapes and shardings alone (the figures of
+    benchmarks/tp_memory.py for models too big to load here); every engine's placed weights, KV cache and
+    penalty state measure the same on every device, at TP 1, 2 and 4, from a config alone for the dense "ple"
+    model and the qat-w4a16-ct checkpoint (its int4 weights packed, int8 KV)."""
+    memory = tiny["memory"]
+    assert set(memory) == {f"{m}/tp{n}" for m in ("ple", "int4") for n in (1, 2, 4)} | {"ct/tp1", "ct/tp2"}
+    for label, r in memory.items():
+        tp = int(label[-1])
+        assert r["abstract"] == r["placed"], label
+        assert all(len(devices) == tp for devices in r["placed"]), label
+        assert r["footprint"] == r["fullest"], label
+    assert memory["ct/tp1"]["int4_leaves"] > 0
+    # split weights shrink per device; the 1-KV-head caches do not (replicated), the penalty state halves
+    for model in ("ple", "ct"):
+        one, two = memory[f"{model}/tp1"]["fullest"], memory[f"{model}/tp2"]["fullest"]
+        assert one[0] * 0.4 < two[0] < one[0] * 0.6 and two[1] == one[1] and 2 * two[2] == one[2], (model, one, two)
+
+
+def test_the_estimated_temporaries_bound_the_compiled_programs(tiny):
+    """`memory.estimate_temporaries`, which sizes `--num-slots auto` before any program exists, is at least the
+    largest temporaries XLA reports for the programs compiled (a prompt chunk, decode; sampling for "ple")."""
+    for label, r in tiny["memory"].items():
+        if r["temp"] is not None:
+            measured, estimated = r["temp"]
+            assert 0 < measured <= estimated, (label, r["temp"])
+
+
 def test_slot_copy_on_a_split_cache(tiny):
     copy = tiny["copy"]
     assert copy["layer0_k_shards"] == [[2, 8, 1, 16]]  # [slots, ring, KV heads / 2, head dim]
