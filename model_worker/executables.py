@@ -12,7 +12,7 @@ a worker restart after a crash take ~20-40 s. This cache stores each compiled pr
   * the code that builds programs: a digest of the sources of `model_worker.programs`, `model_worker.engine`
     and every repository module they import, transitively;
   * the toolchain: jax and jaxlib versions, backend, platform version and device kinds, `XLA_FLAGS` /
-    `LIBTPU_INIT_ARGS`, and every `jax.config` value.
+    `LIBTPU_INIT_ARGS`, and every `jax.config` value but the compilation caches' own settings.
 
 Any change to one of these misses the cache (the program is then compiled and stored again), so a stale entry is
 never loaded. A program that JAX's own persistent cache served is not stored: on XLA CPU (jaxlib 0.10) such an
@@ -34,6 +34,7 @@ import logging
 import os
 import pathlib
 import pickle
+import re
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ import jax
 
 log = logging.getLogger(__name__)
 _REPO = pathlib.Path(__file__).resolve().parents[1]
+_CACHE_SETTING = re.compile(r"compilation_cache|persistent_cache")
 _HITS = threading.local()  # per thread: programs JAX's persistent compilation cache served (`_count_hits`)
 
 
@@ -103,7 +105,9 @@ def _toolchain() -> str:
     import jaxlib
 
     devices = jax.devices()
-    config = sorted((k, repr(v)) for k, v in jax.config.values.items())
+    # Every jax.config value but those of the compilation caches themselves (where they live, when they store),
+    # which change no program.
+    config = sorted((k, repr(v)) for k, v in jax.config.values.items() if not _CACHE_SETTING.search(k))
     return repr((jax.__version__, jaxlib.__version__, jax.default_backend(), devices[0].client.platform_version,
                  sorted({d.device_kind for d in devices}), len(devices), os.environ.get("XLA_FLAGS", ""),
                  os.environ.get("LIBTPU_INIT_ARGS", ""), config))
