@@ -275,7 +275,7 @@ def main() -> None:
                                              rows=rows), indent=1))
     if args.markdown:
         note = (f"{facts}. MB/step: weights + KV read{per_device} (KV-shared layers' re-reads of their source cache "
-                "not counted); bw: MB/step / step time / bandwidth.")
+                "counted: at 8K they are device-memory traffic); bw: MB/step / step time / bandwidth.")
         append_markdown(args.markdown, f"decode step: {title}", note,
                         ["batch", "kv_len", "step ms", "tok/s", "MB/step", "bw", "vs B=1"],
                         [[r["batch"], r["kv_len"], f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.1f}",

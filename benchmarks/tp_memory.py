@@ -93,6 +93,7 @@ def row(cfg: ModelConfig, tp: int, fmt: str, limit: int) -> list[str]:
 
 
 def main() -> None:
+    """Print the per-device table for each model, format and TP degree."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit-gib", type=float, default=60.0, help="device memory limit (bytes_limit) in GiB")
     args = parser.parse_args()

@@ -73,10 +73,12 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         help="context limit in tokens: prompt + max_tokens must fit; every length check uses it (default: %(default)s)",
     )
     p.add_argument(
-        "--num-slots", type=_num_slots, default="auto",
-        help="sequences decoded together (KV cache rows): an integer, or auto = as many as fit in the device's "
-        "memory on GPU/TPU (its limit x 0.9 after the weights and step temporaries, 1 to 256; one that does not "
-        "fit fails at start with the numbers), 4 on CPU (default: %(default)s)",
+        "--num-slots", "--max-num-seqs", type=_num_slots, default="auto",
+        help="sequences decoded together (KV cache rows, each max-model-len long): an integer, or auto = as many "
+        "as fit in the device's memory on GPU/TPU (0.9 x the limit JAX's allocator reports, itself 75%% of the "
+        "device unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise, after the weights and step temporaries; 1 to "
+        "256; each batch size up to it is a program to compile); one that does not fit fails at start with the "
+        "numbers; 4 on CPU (default: %(default)s)",
     )
     p.add_argument(
         "--prefill-chunks",
@@ -133,7 +135,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "choose) (measured figures: docs/performance.md) (default: %(default)s)",
     )
     p.add_argument(
-        "--tensor-parallel", type=_positive_int, default=1,
+        "--tensor-parallel", "--tensor-parallel-size", type=_positive_int, default=1,
         help="devices one worker splits its weights, KV cache and logits over (a mesh of N local devices: "
         "docs/architecture.md, Tensor parallelism); with `up --workers W` each worker gets its own N devices "
         "(W x N at most the host's GPUs). On CPU the N devices are simulated (for testing; no faster) "

@@ -109,8 +109,11 @@ def probe_devices() -> tuple[str, int]:
     """
     code = "import jax; print(jax.default_backend(), jax.device_count())"
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
-                         check=False)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                             check=False)
+    except subprocess.TimeoutExpired:
+        raise ValueError("listing this host's devices took over 300 s (is an accelerator hung?)") from None
     if out.returncode != 0:
         raise ValueError(f"could not list this host's devices: {out.stderr.strip()[-800:]}")
     platform, count = out.stdout.split()[-2:]
@@ -119,7 +122,7 @@ def probe_devices() -> tuple[str, int]:
 
 def worker_devices(args: argparse.Namespace, probe=probe_devices) -> dict[str, dict[str, str]]:
     """Environment additions per worker service that give each of `--workers` W its own `--tensor-parallel` N
-    devices ({} for one worker: it takes the first N devices it sees, and checks that it has them).
+    devices (one worker: the first N GPUs, without a probe; it checks that it has them).
 
     On GPUs, worker i sees only devices i*N..i*N+N-1 of those visible to `up` (`CUDA_VISIBLE_DEVICES`, itself
     narrowed from the caller's own), so no worker initialises, or preallocates memory on, another's GPUs. On CPU
@@ -134,8 +137,10 @@ def worker_devices(args: argparse.Namespace, probe=probe_devices) -> dict[str, d
     """
     names = list(worker_ports(args))
     n = getattr(args, "tensor_parallel", 1)
-    if len(names) == 1:
-        return {}
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    if len(names) == 1:  # its first N GPUs only, with no probe (harmless without CUDA; too few: the worker says so)
+        first = (visible or list(map(str, range(n))))[:n]
+        return {names[0]: {"CUDA_VISIBLE_DEVICES": ",".join(first)}} if n > 1 else {}
     platform, count = probe()
     if platform == "cpu":
         return {}
@@ -145,7 +150,7 @@ def worker_devices(args: argparse.Namespace, probe=probe_devices) -> dict[str, d
     if len(names) * n > count:
         raise ValueError(f"--workers {len(names)} x --tensor-parallel {n} needs {len(names) * n} devices; this "
                          f"host has {count} ({platform})")
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d] or list(map(str, range(count)))
+    visible = visible or list(map(str, range(count)))
     return {name: {"CUDA_VISIBLE_DEVICES": ",".join(visible[i * n:(i + 1) * n])} for i, name in enumerate(names)}
 
 

@@ -24,7 +24,9 @@ sequences runs the smallest bucket >= n, padded with idle slots (position -1: th
 are the sliding window times powers of `kv_bucket_factor`, capped by max_model_len: full-attention layers read
 only cache positions [0, L). Sampling settings, seeds, masks, positions and token ids are runtime arrays, so no
 request can trigger a compilation; a shape outside the grid is a bug and raises KeyError instead of compiling
-silently. Compiled programs live in JAX's persistent compilation cache (`enable_compilation_cache`).
+silently. The worker keeps its compiled programs in the executable cache (`executables.py`; `compile_all`'s
+`cache`), which a restart loads without tracing or lowering; benchmarks and tests compiling in-process use JAX's
+persistent compilation cache (`enable_compilation_cache`).
 
 With `EngineConfig.tensor_parallel` > 1 the same grid runs over a mesh of that many devices: weights, KV cache,
 penalty state and logits split as `model_worker.sharding` says, every program compiled with explicit in/out
@@ -218,8 +220,8 @@ class Engine:
             self.cache = self.layout.zeros_cache(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype,
                                                  ecfg.kv_int8, ecfg.prefix_slack)
             self.pstate = self.layout.zeros_penalties(ecfg.num_slots)
-            for note in self.layout.summary():
-                log.info("tensor parallel %d: %s", ecfg.tensor_parallel, note)
+            for note in self.layout.summary():  # a split that frees less memory than asked: worth a warning
+                log.warning("tensor parallel %d: %s", ecfg.tensor_parallel, note)
         else:
             self.cache = KVCache.zeros(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype, int8=ecfg.kv_int8,
                                        slack=ecfg.prefix_slack)

@@ -11,14 +11,16 @@ a worker restart after a crash take ~20-40 s. This cache stores each compiled pr
     sharding, for the engine state and the example inputs;
   * the code that builds programs: a digest of the sources of `model_worker.programs`, `model_worker.engine`
     and every repository module they import, transitively;
-  * the toolchain: jax and jaxlib versions, backend, platform version and device kinds, `XLA_FLAGS` /
+  * the toolchain: jax and jaxlib versions, backend, platform version and device kinds (on CPU the host's
+    instruction-set flags), `XLA_FLAGS` /
     `LIBTPU_INIT_ARGS`, and every `jax.config` value but the compilation caches' own settings.
 
 Any change to one of these misses the cache (the program is then compiled and stored again), so a stale entry is
 never loaded. A program that JAX's own persistent cache served is not stored: on XLA CPU (jaxlib 0.10) such an
 executable serializes without its object code, and loading it fails at its first run ("Function ... not found");
-the worker therefore turns JAX's cache off and relies on this one. An entry that fails to load (truncated, another jaxlib) is treated as a miss and replaced. Writes go
-through a temporary file and a rename: a crash mid-write leaves no partial entry.
+the worker therefore turns JAX's cache off and relies on this one. An entry that fails to load (truncated,
+another jaxlib) is treated as a miss and replaced. Writes go through a temporary file and a rename: a crash
+mid-write leaves no partial entry, and two workers storing the same program at once both leave a whole one.
 
 Trust: loading a serialized executable can run arbitrary code (the JAX documentation says so), exactly like
 JAX's own compilation cache; the directory must be writable only by the worker's user (the default cache
@@ -28,6 +30,7 @@ directory is the user's own; the container images give /cache to their unprivile
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import logging
@@ -105,12 +108,17 @@ def _toolchain() -> str:
     import jaxlib
 
     devices = jax.devices()
+    cpu_flags = ""
+    if jax.default_backend() == "cpu":  # XLA CPU compiles for this host's instruction set (AVX-512, AMX, ...)
+        with contextlib.suppress(OSError):
+            cpu_flags = next((line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                              if line.startswith("flags")), "")
     # Every jax.config value but those of the compilation caches themselves (where they live, when they store),
     # which change no program.
     config = sorted((k, repr(v)) for k, v in jax.config.values.items() if not _CACHE_SETTING.search(k))
     return repr((jax.__version__, jaxlib.__version__, jax.default_backend(), devices[0].client.platform_version,
                  sorted({d.device_kind for d in devices}), len(devices), os.environ.get("XLA_FLAGS", ""),
-                 os.environ.get("LIBTPU_INIT_ARGS", ""), config))
+                 os.environ.get("LIBTPU_INIT_ARGS", ""), config, cpu_flags))
 
 
 def _abstract(tree) -> str:
@@ -189,7 +197,8 @@ class ExecutableCache:
                         type(err).__name__, err)
             return None
         self.loaded += 1
-        os.utime(path)  # recently used: kept by `_evict`
+        with contextlib.suppress(OSError):  # a read-only cache, or an entry another worker just evicted
+            os.utime(path)  # recently used: kept by `_evict`
         return compiled
 
     def store(self, fp: str, compiled: jax.stages.Compiled) -> bool:

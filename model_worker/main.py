@@ -22,6 +22,12 @@ from protos import model_worker_pb2, model_worker_pb2_grpc
 log = logging.getLogger("gemma_serve.worker")
 
 
+class FlagsRefused(Exception):
+    """The worker's flags ask for what this model or these devices cannot do (the message gives the numbers): the
+    worker exits 2, which `gemma-serve up` takes as refused flags and does not restart (a SystemExit raised in the
+    loading thread would escape asyncio as a crash, exit 1, and be restarted)."""
+
+
 def write_weights(reader, out: pathlib.Path, name: str) -> None:
     """The worker's part of a prepared GGUF: `model.safetensors` (`gguf_convert`'s weights: int8 blocks stay int8,
     exact) and `config.json` (the ModelConfig), each written atomically.
@@ -67,7 +73,7 @@ def load_engine(prepared, args: argparse.Namespace):
       families.UnknownFamilyError: the model's family is not registered (the message lists the supported ones).
       NotImplementedError: the family has no loader for the checkpoint's format or variant.
       ValueError: bad sizes (see Engine) or weights that do not match the config.
-      SystemExit: `--num-slots` (a number, or the one slot `auto` falls back to) needs more memory than the
+      FlagsRefused: `--num-slots` (a number, or the one slot `auto` falls back to) needs more memory than the
         device has (`memory.check_slots`: the message gives weights, KV per slot, temporaries and the limit).
     """
     import jax
@@ -103,10 +109,11 @@ def load_engine(prepared, args: argparse.Namespace):
             cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
             flat = load_file(str(prepared.dir / "model.safetensors"))
         params = to_device(cfg, flat, jnp.dtype(dtype))
+        del flat  # the file's arrays: only the converted ones are needed from here on
         try:
             precision, invariant = matmul_mode(args.matmul_precision, args.batch_invariant, dtype)
         except ValueError as err:
-            raise SystemExit(str(err)) from None
+            raise FlagsRefused(str(err)) from None
         if dtype == "float32":
             cfg, params = for_matmul_precision(cfg, params, precision, invariant)
     log.info("weights loaded in %.1f s (%.2f GiB%s; %s activations, %s matmul precision%s)",
@@ -125,12 +132,18 @@ def load_engine(prepared, args: argparse.Namespace):
     try:
         ecfg, footprint, limit = memory.size_slots(cfg, params, ecfg, auto=args.num_slots == "auto")
     except memory.SlotsDoNotFit as err:
-        raise SystemExit(f"--num-slots {args.num_slots}: {err}") from None
+        raise FlagsRefused(f"--num-slots {args.num_slots}: {err}") from None
     log.info("%s", memory.slots_text(ecfg.num_slots, args.num_slots == "auto", footprint, limit))
-    engine = Engine(cfg, params, ecfg)
+    try:
+        engine = Engine(cfg, params, ecfg)
+    except ValueError as err:  # sizes this model cannot take, a split that cuts quantization groups
+        raise FlagsRefused(str(err)) from None
     del params  # under tensor parallelism the engine holds its own split copy
     if engine.mesh is not None:
         log.info("tensor parallel %d over %s", ecfg.tensor_parallel, ", ".join(map(str, engine.mesh.devices.flat)))
+        if backend == "cpu":
+            log.warning("tensor parallel %d over simulated CPU devices: for testing, no faster than one device",
+                        ecfg.tensor_parallel)
     grid = engine.grid()
     log.info("compiling %d programs (batch buckets %s, KV buckets %s, chunks %s)", len(grid), engine.batch_buckets,
              engine.kv_buckets, ecfg.prefill_chunks)
@@ -146,6 +159,12 @@ def load_engine(prepared, args: argparse.Namespace):
     if usage and usage[0].temporaries > footprint.temporaries(ecfg.num_slots):
         log.warning("the compiled programs' temporaries (%s) exceed the estimate the slots were sized with (%s)",
                     memory.size_text(usage[0].temporaries), memory.size_text(footprint.temporaries(ecfg.num_slots)))
+    for u in usage:  # the measured figures must fit too: an out-of-memory step later would be fatal
+        held = u.weights + u.kv + u.penalties + u.temporaries
+        if u.capacity and held > u.capacity:
+            raise FlagsRefused(f"--num-slots {ecfg.num_slots}: device {u.device.id} needs {memory.size_text(held)} "
+                               f"(weights, KV, penalty state and the compiled programs' temporaries) but reports "
+                               f"{memory.size_text(u.capacity)}; ask for fewer slots")
     per_token, per_seq = engine.kv_bytes()
     info = model_worker_pb2.WorkerInfoResponse(
         model_name=prepared.name,
@@ -241,7 +260,7 @@ async def serve(args: argparse.Namespace) -> int:
         os._exit(0)
     try:
         engine, info = loader.result()
-    except SystemExit as err:  # flags this model or device cannot honour (`load_engine` says which): not a crash
+    except FlagsRefused as err:  # flags this model or device cannot honour (`load_engine` says which): not a crash
         log.error("%s", err)
         await server.stop(0)
         return 2

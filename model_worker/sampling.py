@@ -416,7 +416,8 @@ def _argmax(logits: jax.Array, parts: int = 1) -> jax.Array:
         return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
     best = jnp.max(logits, axis=-1, keepdims=True)
     ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where(logits == best, ids, logits.shape[-1]), axis=-1).astype(jnp.int32)
+    least = jnp.min(jnp.where(logits == best, ids, logits.shape[-1]), axis=-1)
+    return jnp.minimum(least, logits.shape[-1] - 1).astype(jnp.int32)  # a NaN row matches nothing: stay in range
 
 
 def _inverse_cdf(scaled: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:

@@ -99,6 +99,7 @@ def tiny(name: str, group: int = 16):
 
 
 def engine(cfg, params, tp: int, kv_int8: bool, slots: int = 2, **kw) -> Engine:
+    """An engine of `slots` slots over `tp` devices (this script's sizes; `kw` more EngineConfig fields)."""
     return Engine(cfg, params, EngineConfig(num_slots=slots, max_model_len=MAX_LEN, prefill_chunks=(CHUNK,),
                                             kv_int8=kv_int8, prefix_slack=0, tensor_parallel=tp, **kw))
 
@@ -130,7 +131,7 @@ def compare(ref: dict, got: dict) -> dict:
             "argmax_checked": len(same)}
 
 
-# ----- expected split, derived here from the rules as the issue states them (independently of sharding.py) -----
+# ----- expected split, derived here from the rules as docs/architecture.md's table states them (independently of sharding.py) -----
 def split_axis(name: str, cfg, layer: int | None, tp: int) -> str | None:
     """Which logical dimension of weight `name` must be split at `tp`: "in", "out", "rows" or None."""
     spec = cfg.layers[layer] if layer is not None else None
@@ -246,6 +247,7 @@ def sampling(eng: Engine, pending, vocab: int) -> dict:
 
 
 def tiny_checks() -> dict:
+    """Every check on the tiny Gemma 4 configs at TP 1, 2 and 4 (logits, shards, gathers, sampling, copy, memory)."""
     res = {"logits": {}, "shards": {}, "state": {}, "gathers": {}, "notes": {}, "sampling": {}, "copy": {},
            "memory": {}}
     for name in ("ple", "int4"):
@@ -282,6 +284,24 @@ def tiny_checks() -> dict:
     layout = sharding.Layout(cfg, sharding.make_mesh(2))
     res["shards"]["ple-bf16/tp2"] = shard_report(cfg, layout.place_params(with_bf16_matmuls(params)), 2)
     return res
+
+
+def mixed_check() -> dict:
+    """A mixed step (slot 0's prompt chunk with slot 1's decode row in one program) at TP 1 and 2 on the "ple"
+    config: both results' logits, compared as `compare` does."""
+    cfg, params, kv_int8 = tiny("ple")
+    rng = np.random.default_rng(5)
+    first, prompt = rng.integers(3, cfg.vocab_size, PROMPT).tolist(), rng.integers(3, cfg.vocab_size, CHUNK).tolist()
+    out = {}
+    for tp in (1, 2):
+        eng = engine(cfg, params, tp, kv_int8)
+        eng.compile_all(keys=[("compute", 1, CHUNK, MAX_LEN), ("mixed", 1, CHUNK, MAX_LEN)])
+        eng.dispatch_compute(1, first, 0, [False] * len(first), clear_penalties=True)
+        chunk, _, row = eng.dispatch_mixed(0, prompt, 0, [False] * CHUNK, True, [1], [first[-1]], [len(first)],
+                                           [True])
+        assert eng.calls[("mixed", 1, CHUNK, MAX_LEN)] == 1
+        out[tp] = {"compute": np.asarray(chunk.logits)[0], "decode": [np.asarray(row.logits)[0]]}
+    return compare(out[1], out[2])
 
 
 def memory_report(cfg, eng: Engine, weights, compiled: bool = True) -> dict:
@@ -338,6 +358,7 @@ def copy_check(eng: Engine, position: int) -> dict:
 
 
 def error_checks() -> dict:
+    """The refusals: a TP degree that cuts an int4 group, more devices than exist."""
     out = {}
     cfg, params, kv_int8 = tiny("int4", group=32)  # o: 64 inputs / 4 devices = 16, half a group of 32
     try:
@@ -359,6 +380,7 @@ def error_checks() -> dict:
 
 
 def gemma3_checks(directory: pathlib.Path) -> dict:
+    """The embedded Gemma 3 (prepared in `directory`) at TP 1 and 2: logits, shards and gathers."""
     from safetensors.numpy import load_file
 
     from model_worker.config import config_from_dict
@@ -414,6 +436,7 @@ def gather_control() -> dict:
 
 
 def main() -> None:
+    """Run the checks and print their results as one JSON object (the pytest module asserts on it)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gemma3", type=pathlib.Path, help="run only the Gemma 3 checks on this prepared model")
     args = parser.parse_args()
@@ -422,6 +445,7 @@ def main() -> None:
         res["gemma3"] = gemma3_checks(args.gemma3)
     else:
         res |= tiny_checks()
+        res["logits"]["ple-mixed/tp2"] = mixed_check()
         with tempfile.TemporaryDirectory() as tmp:
             res["memory"] |= checkpoint_memory(pathlib.Path(tmp))
         res["errors"] = error_checks()

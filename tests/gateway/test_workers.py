@@ -137,7 +137,7 @@ def test_up_gives_each_worker_its_own_tensor_parallel_devices(monkeypatch):
     """`up --workers 2 --tensor-parallel 2`: every worker command line carries --tensor-parallel 2; on a 4-GPU
     host worker i sees only GPUs 2i and 2i+1 (narrowed from the caller's CUDA_VISIBLE_DEVICES); 2 x 2 devices on a
     3-GPU host and several workers on a TPU host are refused with the numbers; CPU workers need no split (each
-    process has its own simulated devices); one worker needs no probe at all."""
+    process has its own simulated devices); one worker needs no probe: it gets the first N GPUs."""
     from gemma_serve.cli import build_parser
     from gemma_serve.launcher import service_commands, worker_devices
 
@@ -156,7 +156,10 @@ def test_up_gives_each_worker_its_own_tensor_parallel_devices(monkeypatch):
     with pytest.raises(ValueError, match="TPU host"):
         worker_devices(args, probe=lambda: ("tpu", 8))
     assert worker_devices(args, probe=lambda: ("cpu", 1)) == {}
-    assert worker_devices(parser.parse_args(["up", "--tensor-parallel", "4"]), probe=None) == {}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # one worker: its first N GPUs, no probe
+    assert worker_devices(parser.parse_args(["up", "--tensor-parallel", "4"]), probe=None) == {
+        "worker": {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}}
+    assert worker_devices(parser.parse_args(["up"]), probe=None) == {}
 
 
 def test_a_worker_without_the_devices_it_needs_refuses_its_flags(tmp_path):
@@ -178,3 +181,22 @@ def test_a_worker_without_the_devices_it_needs_refuses_its_flags(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "--tensor-parallel 3 needs 3 devices; this worker sees 2" in out.stderr
     assert not list(tmp_path.glob("**/*.safetensors"))  # refused before preparing the model
+
+
+def test_flags_the_model_cannot_honour_exit_2_from_the_loading_thread(tmp_path, monkeypatch):
+    """A refusal raised while the model loads (`FlagsRefused`: slots that do not fit, a split that cuts
+    quantization groups, a context the model does not have) ends the worker with exit code 2, which `up` does not
+    restart, not as a crash (exit 1, restarted)."""
+    from gemma_serve.cli import build_parser
+    from model_worker import main
+    from tests.e2e.stacks import free_ports
+
+    def refuse(prepared, args):
+        raise main.FlagsRefused("--num-slots 512: needs 90 GiB, the device reports 80 GiB")
+
+    monkeypatch.setattr(main.preparation, "prepare", lambda *a, **k: None)
+    monkeypatch.setattr(main, "load_engine", refuse)
+    port, metrics = free_ports(2)
+    args = build_parser().parse_args(["worker", "--cache-dir", str(tmp_path), "--worker-port", str(port),
+                                      "--worker-metrics-port", str(metrics), "--num-slots", "512"])
+    assert main.run(args) == 2

@@ -116,6 +116,11 @@ def test_what_a_program_depends_on_changes_its_fingerprint(model, monkeypatch):
     assert _fp(_engine(model, dtype=jnp.bfloat16)) != base
     with jax.default_matmul_precision("bfloat16"):
         assert _fp(engine) != base
+    params = engine.params
+    engine.params = dataclasses.replace(params, final_norm=params.final_norm.astype(jnp.bfloat16))
+    assert _fp(engine) != base  # the same configs, one weight's dtype changed: the abstract arguments
+    engine.params = params
+    assert _fp(engine) == base
     monkeypatch.setattr(executables, "_source_digest", lambda: "edited code")
     assert _fp(engine) != base
 

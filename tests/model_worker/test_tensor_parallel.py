@@ -62,7 +62,7 @@ def _assert_logits_agree(label: str, r: dict) -> None:
 
 def test_the_checks_ran_on_four_devices(tiny):
     assert tiny["devices"] == 4
-    assert set(tiny["logits"]) == {"ple/tp2", "ple/tp4", "int4/tp2", "int4/tp4"}
+    assert set(tiny["logits"]) == {"ple/tp2", "ple/tp4", "int4/tp2", "int4/tp4", "ple-mixed/tp2"}
 
 
 def test_prompt_chunk_and_decode_logits_agree_with_one_device(tiny):
