@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 pytestmark = pytest.mark.slow
-EXAMPLES = {GenerationMode.POSITIVE: 20, GenerationMode.NEGATIVE: 25}
+EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 25}
 STATUSES: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 REASONS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 PER_OP: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
