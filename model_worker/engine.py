@@ -299,7 +299,7 @@ class Engine:
             return self._lower(key).compile()
         kind = PROGRAMS[key.kind]
         fp = fingerprint(key, self.cfg, self.ecfg, (*self._state(kind), *kind.example(key, self.cfg.vocab_size)))
-        devices = None if getattr(self, "mesh", None) is None else list(self.mesh.devices.flat)
+        devices = None if self.mesh is None else list(self.mesh.devices.flat)
         return cache.get_or_compile(fp, lambda: self._lower(key), devices)
 
     def warm_up(self) -> float:

@@ -103,16 +103,22 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def _cpu_flags() -> str:
+    """This host's instruction-set flags (/proc/cpuinfo; "" where unreadable): XLA CPU compiles for them (AVX-512,
+    AMX, ...). Read once per process, not once per program."""
+    with contextlib.suppress(OSError):
+        return next((line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")), "")
+    return ""
+
+
 def _toolchain() -> str:
     """The jax/jaxlib/backend/flag facts a compiled program depends on, as one string."""
     import jaxlib
 
     devices = jax.devices()
-    cpu_flags = ""
-    if jax.default_backend() == "cpu":  # XLA CPU compiles for this host's instruction set (AVX-512, AMX, ...)
-        with contextlib.suppress(OSError):
-            cpu_flags = next((line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                              if line.startswith("flags")), "")
+    cpu_flags = _cpu_flags() if jax.default_backend() == "cpu" else ""
     # Every jax.config value but those of the compilation caches themselves (where they live, when they store),
     # which change no program.
     config = sorted((k, repr(v)) for k, v in jax.config.values.items() if not _CACHE_SETTING.search(k))
