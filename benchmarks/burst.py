@@ -39,7 +39,6 @@ import os
 import pathlib
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -209,7 +208,7 @@ def in_process(args) -> dict:
     from gemma_serve.models import prepare
     from model_worker.loop import EngineLoop, wait_idle
     from model_worker.main import load_engine
-    from model_worker.scheduler import Finish, SamplingSpec, Sequence
+    from model_worker.sequence import Finish, SamplingSpec, Sequence
 
     flags = ["worker", "--model", args.model, *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
              *args.up_args.split()]

@@ -36,9 +36,10 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from gemma_serve.preparation import default_cache_dir  # noqa: E402
+from common.preparation import default_cache_dir  # noqa: E402
 from model_worker import sharding  # noqa: E402
 from model_worker.engine import Engine, EngineConfig, enable_compilation_cache  # noqa: E402
+from model_worker.programs import ProgramKey  # noqa: E402
 from model_worker.sampling import SamplingArrays  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "floa
     `--matmul-precision` `precision` ("float32" or "bfloat16") and `--batch-invariant` `invariant` (see
     `params.for_matmul_precision`). A directory (checkpoint or prepared) is read as it is; a GGUF gets the worker's
     prepared weights (built once in `cache_dir`)."""
-    from gemma_serve import preparation
+    from common import preparation
     from model_worker.params import for_matmul_precision, to_device
 
     if pathlib.Path(model).expanduser().is_dir():
@@ -237,7 +238,7 @@ def main() -> None:
     engine = Engine(cfg, params, ecfg)
     del params  # under tensor parallelism the engine keeps its own split copy
     engine.kv_buckets, engine.batch_buckets = tuple(kv_buckets), tuple(sorted(set(args.batches)))
-    keys = [("decode", b, 1, L) for b in engine.batch_buckets for L in engine.kv_buckets]
+    keys = [ProgramKey("decode", b, 1, L) for b in engine.batch_buckets for L in engine.kv_buckets]
     keys += [("greedy", b, 0, 0) for b in engine.batch_buckets]  # a step = forward + (greedy) sampling
     compile_s = engine.compile_all(keys=keys)
     device = device_label(args.tensor_parallel)

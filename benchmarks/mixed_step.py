@@ -36,27 +36,30 @@ from decode_step import (  # noqa: E402
 )
 
 from model_worker.engine import Engine, EngineConfig, enable_compilation_cache  # noqa: E402
+from model_worker.engine_api import DecodeBatch, PromptChunk  # noqa: E402
+from model_worker.programs import ProgramKey  # noqa: E402
 
 
 def variants(engine: Engine, batch: int, chunk: int, position: int) -> dict:
     """Callables running one iteration each way and waiting for its logits."""
     slots = list(range(batch))
-    rows = (slots, [1] * batch, [position + 7 * r for r in slots], [True] * batch)
-    ids, outs, slot = list(range(100, 100 + chunk)), [False] * chunk, batch  # the chunk's slot: not decoding
+    rows = DecodeBatch(slots, [1] * batch, [position + 7 * r for r in slots], [True] * batch)
+    ids = list(range(100, 100 + chunk))
+    prompt = PromptChunk(batch, ids, position, [False] * chunk)  # slot `batch`: not decoding
 
     def chunk_alone():
-        pending, _ = engine.dispatch_compute(slot, ids, position, outs)
+        pending, _ = engine.dispatch_compute(chunk=prompt)
         jax.block_until_ready(pending.logits)
 
     def decode_alone():
-        jax.block_until_ready(engine.dispatch_decode(*rows).logits)
+        jax.block_until_ready(engine.dispatch_decode(batch=rows).logits)
 
     def two_programs():
-        pending, _ = engine.dispatch_compute(slot, ids, position, outs)
-        jax.block_until_ready((pending.logits, engine.dispatch_decode(*rows).logits))
+        pending, _ = engine.dispatch_compute(chunk=prompt)
+        jax.block_until_ready((pending.logits, engine.dispatch_decode(batch=rows).logits))
 
     def mixed():
-        pending, _, decoding = engine.dispatch_mixed(slot, ids, position, outs, False, *rows)
+        pending, _, decoding = engine.dispatch_mixed(chunk=prompt, batch=rows)
         jax.block_until_ready((pending.logits, decoding.logits))
 
     return dict(chunk=chunk_alone, decode=decode_alone, chunk_then_decode=two_programs, mixed=mixed)
@@ -94,9 +97,9 @@ def main() -> None:
     engine.batch_buckets = tuple(sorted(set(args.batches)))
     # The programs the variants dispatch: the chunk's bucket holds its last token, a decode batch's its last row
     # (at position + 7 (B - 1)); a mixed program always takes the largest bucket (`Engine.dispatch_mixed`).
-    chunk_key = ("compute", 1, args.chunk, engine.kv_bucket(args.position + args.chunk))
-    decode_keys = [("decode", b, 1, engine.kv_bucket(args.position + 7 * (b - 1) + 1)) for b in engine.batch_buckets]
-    keys = [chunk_key, *decode_keys] + [("mixed", b, args.chunk, engine.kv_buckets[-1]) for b in engine.batch_buckets]
+    chunk_key = ProgramKey("compute", 1, args.chunk, engine.kv_bucket(args.position + args.chunk))
+    decode_keys = [ProgramKey("decode", b, 1, engine.kv_bucket(args.position + 7 * (b - 1) + 1)) for b in engine.batch_buckets]
+    keys = [chunk_key, *decode_keys] + [ProgramKey("mixed", b, args.chunk, engine.kv_buckets[-1]) for b in engine.batch_buckets]
     L = sorted({k[3] for k in keys})
     compile_s = engine.compile_all(keys=keys)
     device = device_label(args.tensor_parallel)

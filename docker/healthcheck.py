@@ -36,7 +36,7 @@ def grpc_serving(address: str) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from gemma_serve.network import InternalTls, sync_channel
+    from common.network import InternalTls, sync_channel
 
     tls, options = None, []
     if os.environ.get("INTERNAL_TLS_CERT"):

@@ -9,7 +9,7 @@ Two paths:
   (detokenized, stop strings cut).
 - tokens (tools requested, or a model with a thought channel): every token is routed by id — the family's thought
   channel (Gemma 4's `<|channel>`...`<channel|>`) to `reasoning_content` (gateway/reasoning.py), the rest through
-  the family's tool-call parser (its gateway part's `FORMAT.tool_parser`, gateway/tool_format.py), which emits
+  the family's tool-call parser (its gateway part's `PART.tool_parser`, gateway/tool_format.py), which emits
   content and tool-call deltas as the grammar's structure arrives (the first argument fragment leaves before the
   call's closing marker is generated). Control tokens never reach content. Stop strings cut `content` only (they
   end generation either way).
@@ -38,11 +38,12 @@ class ChatRoute:
         trigger completes (Gemma 3's text trigger) is a cut call, never content.
       family: the model family whose formats apply when no `tool_format` names it (a thought channel alone).
       ids: the family's control tokens, spelling -> id in the served vocabulary (`ModelFacts.special_tokens`);
-        default: the family's published ids (`FamilyFormat.published_ids`).
+        needed with a tool format or thought channels.
 
     Raises:
       families.UnknownFamilyError: the family is not registered.
-      ValueError: `channels` without a family, or for a family without a thought channel.
+      ValueError: `channels` without a family, or for a family without a thought channel; a tool format or
+        channels without `ids`.
       gateway.tool_format.UnknownTokenError: the vocabulary lacks a control token the family's format needs.
     """
 
@@ -57,7 +58,8 @@ class ChatRoute:
             raise ValueError("routing a thought channel needs the model family")
         if self.tokens_path:
             fmt = family_format(family)
-            ids = fmt.published_ids if ids is None else ids
+            if ids is None:
+                raise ValueError("routing tool calls or a thought channel needs the control tokens' ids")
             if channels:
                 if fmt.reasoning is None:
                     raise ValueError(f"model family {family!r} has no thought channel")

@@ -1,7 +1,7 @@
 """What a chat request asks beyond plain text — response_format, tools/tool_choice, thinking — turned into how it
 is generated (grammar, extra stop ids, banned ids, template options) and how its output is routed (ChatRoute).
 
-Per model family (ModelFacts.architecture), from its gateway part's `FORMAT` (gateway/tool_format.py), with its
+Per model family (ModelFacts.architecture), from its gateway part's `PART` (gateway/tool_format.py), with its
 control tokens' ids looked up in the served vocabulary: tools in the family's format (its grammar; the grammar's
 end tokens added to the stop ids; under `tool_choice: "none"` its call markers banned); thinking, where the family
 has it, on with `chat_template_kwargs.enable_thinking` or `reasoning_effort` low|medium|high, returned as
@@ -115,7 +115,7 @@ def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
     parallel = req.parallel_tool_calls is not False and mode != "named"  # a named choice: exactly one call
 
     def build(max_calls: int = tc.MAX_PARALLEL_CALLS) -> str | None:
-        return fmt.tool_grammar(tools, req.tool_choice, parallel, max_calls, ids)
+        return fmt.tool_grammar(tools, req.tool_choice, parallel, max_calls, ids=ids)
 
     try:
         plan.grammar = build()

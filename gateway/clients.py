@@ -1,7 +1,7 @@
 """Async gRPC clients of the tokenizer service and the model worker, plus the facts fetched from them.
 
 No request logic here: thin wrappers that turn gRPC errors into ApiError. Every unary call has a deadline
-(`Timeouts`: 504 / DEADLINE_EXCEEDED when it passes), channels send keepalive pings (gemma_serve/network.py), and
+(`Timeouts`: 504 / DEADLINE_EXCEEDED when it passes), channels send keepalive pings (common/network.py), and
 `Backends.watch` follows the backends' health for the gateway's life: the model facts are fetched when both serve
 and fetched again when one comes back after being away (a restarted worker may serve another configuration).
 """
@@ -15,7 +15,8 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import families
+from common import families
+from common.network import InternalTls, aio_channel
 from gateway.admission import Admission
 from gateway.errors import ApiError, from_rpc_error
 from gateway.history import AnswerHistory
@@ -23,7 +24,6 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import NoWorkerError
 from gateway.tool_format import FamilyFormat, SpecialTokens, UnknownTokenError, family_format
 from gateway.workers import WorkerPool
-from gemma_serve.network import InternalTls, aio_channel
 from protos import model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
 log = logging.getLogger("gemma_serve.gateway")

@@ -11,13 +11,13 @@ import signal
 import grpc
 import uvicorn
 
+from common import network
 from gateway.app import create_app
 from gateway.auth import ApiKeys
 from gateway.clients import Backends, Timeouts
 from gateway.grpc_service import GatewayServicer, add_to_server
 from gateway.http_protocol import GuardedH11Protocol
 from gateway.limits import Limits
-from gemma_serve import network
 
 log = logging.getLogger("gemma_serve.gateway")
 

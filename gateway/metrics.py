@@ -18,7 +18,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from gemma_serve.telemetry import LATENCY_BUCKETS
+from common.telemetry import LATENCY_BUCKETS
 
 
 class GatewayMetrics:

@@ -20,6 +20,7 @@ import re
 import types
 import uuid
 
+from common.json_prefix import scan_json_prefix
 from gateway.chat_output import ChatRoute
 from gateway.chat_plan import ChatPlan, constraint_factory, plan_chat
 from gateway.clients import Backends, ModelFacts
@@ -48,7 +49,6 @@ from gateway.openai_types import (
 from gateway.tool_calls import resolve_tool_choice
 from gateway.workers import Session, tiebreak_key
 from protos import common_pb2, tokenizer_pb2
-from tokenizer_svc.json_prefix import scan_json_prefix
 
 #: Grammar compilation (schema checks, llguidance compile, first masks) runs here, off the event loop; two
 #: threads, so a client's costly schema (bounded by MAX_SCHEMA_BYTES and llguidance's budgets) takes at most two

@@ -38,7 +38,7 @@ from typing import Any
 import jsonschema
 
 from gateway import patterns
-from gateway.json_schema import DATE_REGEX, DATE_TIME_REGEX, TIME_REGEX
+from gateway.json_schema import format_as_pattern, rewrite, subschemas
 
 __all__ = [
     "ANNOTATION_KEYWORDS",
@@ -119,18 +119,13 @@ _DRAFTS = {
     "http://json-schema.org/draft-07/schema": jsonschema.Draft7Validator,
 }
 
-# Subschema positions, for walking: keyword -> how its value holds schemas.
-_SCHEMA_MAP = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
-_SCHEMA_ONE = {"additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
-               "propertyNames", "unevaluatedProperties", "unevaluatedItems", "contentSchema"}
-_SCHEMA_LIST = {"anyOf", "oneOf", "allOf", "prefixItems"}  # and "items" when it is a list
+#: The SUPPORTED_FORMATS generated from our own patterns (the RFC 3339 subsets of gateway/json_schema.py); the
+#: others are left to llguidance's.
+_PATTERN_FORMATS = frozenset({"date", "date-time", "time"})
 
-# RFC 3339 subsets that Python's datetime/jsonschema accept (gateway/json_schema.py).
-_FORMAT_PATTERNS = {
-    "date": "^" + DATE_REGEX + "$",
-    "time": "^" + TIME_REGEX + "$",
-    "date-time": "^" + DATE_TIME_REGEX + "$",
-}
+#: Keywords that may give an object node more properties than its `properties` (it is then not closed).
+_OPEN_KEYS = frozenset({"additionalProperties", "patternProperties", "allOf", "anyOf", "oneOf", "$ref",
+                        "unevaluatedProperties"})
 
 
 class SchemaError(ValueError):
@@ -160,22 +155,6 @@ def _ptr(parts: list[Any]) -> str:
 
 def _where(path: str) -> str:
     return path or "/"
-
-
-def _subschemas(schema: Any, parts: list[Any]):
-    """Yield (json-pointer parts, subschema dict) for every object subschema, pre-order, in document order."""
-    if not isinstance(schema, dict):
-        return
-    yield parts, schema
-    for key, value in schema.items():
-        if key in _SCHEMA_MAP and isinstance(value, dict):
-            for name, sub in value.items():
-                yield from _subschemas(sub, parts + [key, name])
-        elif key in _SCHEMA_ONE or (key == "items" and not isinstance(value, list)):
-            yield from _subschemas(value, parts + [key])
-        elif (key in _SCHEMA_LIST or key == "items") and isinstance(value, list):
-            for i, sub in enumerate(value):
-                yield from _subschemas(sub, parts + [key, i])
 
 
 def _validator_class(schema: dict, where: str):
@@ -227,7 +206,7 @@ def static_check(schema: Any, where: str) -> None:
         shown = f"keyword '{keyword}' at {_where(holder)}" if keyword else f"the schema at {_where(holder)}"
         raise SchemaError(f"{where}: malformed schema: {shown}: {err.message}", keyword, holder)
     # (b) every keyword enforced or an annotation.
-    for parts, sub in _subschemas(schema, []):
+    for parts, sub in subschemas(schema):
         path = _ptr(parts)
         for key, value in sub.items():
             if key in ("$schema", "$id") and parts:
@@ -252,35 +231,30 @@ def static_check(schema: Any, where: str) -> None:
                                   f"{value!r} (only references inside the schema, '#...')", "$ref", path)
 
 
-def rewrite_formats(schema: Any, in_all_of: bool = False) -> Any:
+def rewrite_formats(schema: Any) -> Any:
     """A copy of `schema` as we compile it: format date/date-time/time replaced by our stricter RFC 3339 patterns,
     and objects closed: an object node with `properties` but no `additionalProperties`/`patternProperties` gets
     `additionalProperties: false` (what OpenAI's strict mode and xgrammar's default do), unless combinators or an
     `allOf` could add properties to it or one of its `required` names is not among its properties. Without this a
-    model may keep inventing keys (valid, but a runaway); the output still validates against the original."""
-    if isinstance(schema, list):
-        return [rewrite_formats(s, in_all_of) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _SCHEMA_MAP and isinstance(value, dict):
-            out[key] = {k: rewrite_formats(v) for k, v in value.items()}
-        elif key in _SCHEMA_ONE or key in _SCHEMA_LIST or key == "items":
-            out[key] = rewrite_formats(value, in_all_of=key == "allOf")
-        else:
-            out[key] = value
+    model may keep inventing keys (valid, but a runaway); the output still validates against the original.
+
+    Args:
+      schema: a schema that passed `static_check`.
+
+    Returns:
+      The rewritten copy; `schema` is not changed.
+    """
+    return rewrite(schema, _compiled_node)
+
+
+def _compiled_node(schema: dict, out: dict, parent: str | None) -> dict:
+    """`rewrite_formats` for one node (`out`, its subschemas done); `parent` "allOf": a member of an `allOf`,
+    whose siblings may add properties, so it is not closed."""
     fmt = out.get("format")
-    if isinstance(fmt, str) and fmt in _FORMAT_PATTERNS:
-        del out["format"]
-        if "pattern" in out:  # both must hold: intersect through allOf (llguidance ANDs the two regexes)
-            out["allOf"] = list(out.get("allOf", [])) + [{"pattern": _FORMAT_PATTERNS[fmt]}]
-        else:
-            out["pattern"] = _FORMAT_PATTERNS[fmt]
+    if isinstance(fmt, str) and fmt in _PATTERN_FORMATS:
+        format_as_pattern(out, fmt)
     props = out.get("properties")
-    open_keys = {"additionalProperties", "patternProperties", "allOf", "anyOf", "oneOf", "$ref",
-                 "unevaluatedProperties"}
-    if (isinstance(props, dict) and not in_all_of and not open_keys & out.keys()
+    if (isinstance(props, dict) and parent != "allOf" and not _OPEN_KEYS & out.keys()
             and all(name in props for name in out.get("required", []) if isinstance(name, str))):
         out["additionalProperties"] = False
     return out

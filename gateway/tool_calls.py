@@ -73,7 +73,7 @@ from typing import Any
 import llguidance
 
 from gateway import patterns
-from gateway.json_schema import DATE_REGEX, DATE_TIME_REGEX, TIME_REGEX
+from gateway.json_schema import rewrite
 from gateway.lru import ByteLRU, text_size
 
 
@@ -259,16 +259,6 @@ _FRACTION_REPR = "(?:" + "|".join(
 NUMBER_REPR_REGEX = f"-?{_FRACTION_REPR}"
 INTEGER_REGEX = "(?:0|-?[1-9][0-9]*)"
 
-#: The regex of each supported string `format` (every tool format writes the same strings for it).
-FORMAT_REGEXES = {
-    "date": DATE_REGEX,  # the same RFC 3339 subset as response_format (gateway/json_schema.py)
-    "time": TIME_REGEX,
-    "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-    "email": "[A-Za-z0-9._%+\\-]{1,64}@[A-Za-z0-9\\-]{1,63}(?:\\.[A-Za-z0-9\\-]{1,63}){1,8}",
-    "ipv4": "(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
-}
-FORMAT_REGEXES["date-time"] = DATE_TIME_REGEX
-
 
 def escaped_at(text: str, index: int) -> bool:
     """Whether the character at `index` of `text` is escaped (preceded by an odd number of backslashes)."""
@@ -319,38 +309,24 @@ def checked_grammar(grammar: str, fns: list[dict]) -> str:
     return grammar
 
 
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")       # keywords holding {name: subschema}
-_SCHEMA_VALUES = ("items", "additionalProperties", "anyOf", "oneOf", "allOf")  # a subschema or a list of them
-
-
-def rewrite_schema(schema: Any, drop: str, finish: Callable[[dict, dict], dict]) -> Any:
-    """A copy of `schema` rewritten bottom-up: every subschema loses the keyword `drop`, then
-    `finish(original node, rewritten node)` gives its final form."""
-    if isinstance(schema, list):
-        return [rewrite_schema(s, drop, finish) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for k, v in schema.items():
-        if k in _SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: rewrite_schema(sub, drop, finish) for name, sub in v.items()}
-        elif k in _SCHEMA_VALUES:
-            out[k] = rewrite_schema(v, drop, finish)
-        elif k != drop:
-            out[k] = v
-    return finish(schema, out)
-
-
 # -------------------------------------------------------------------------------------------- validation
+
+TOOL_SUBSCHEMA_KEYWORDS = frozenset({"properties", "$defs", "definitions", "items", "additionalProperties",
+                                     "anyOf", "oneOf", "allOf"})
+"""The subschema keywords (gateway/json_schema.py `SUBSCHEMA_KEYWORDS`) of the subset tool parameters may use
+(module docstring): the tools' schema rewrites descend only into these, and copy any other as it is."""
 
 
 def validation_schema(schema: Any) -> Any:
-    """`schema` with OpenAPI `nullable: true` rewritten as JSON Schema ("or null"), for jsonschema validators."""
-    return rewrite_schema(schema, "nullable", _nullable_node)
+    """A copy of `schema` with OpenAPI `nullable` removed and `nullable: true` rewritten as JSON Schema ("or
+    null"), for jsonschema validators (which do not know `nullable`): the tool's parameters as checked by
+    gateway/tool_schema.py in, a JSON Schema out."""
+    return rewrite(schema, _nullable_node, TOOL_SUBSCHEMA_KEYWORDS)
 
 
-def _nullable_node(schema: dict, out: dict) -> dict:
-    if schema.get("nullable") is not True:
+def _nullable_node(schema: dict, out: dict, parent: str | None) -> dict:
+    """One node of `validation_schema` (`out`: its copy, subschemas done)."""
+    if out.pop("nullable", None) is not True:
         return out
     if "enum" in out or "const" in out:
         values = out.pop("enum") if "enum" in out else [out.pop("const")]

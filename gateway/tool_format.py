@@ -1,5 +1,5 @@
 """The interface between the gateway and a model family's output formats: what each family's gateway part
-(`families/<name>/gateway.py`) provides as its `FORMAT`, and how control-token spellings become ids.
+(`families/<name>/gateway.py`) provides as its `PART`, and how control-token spellings become ids.
 
 A family names its control tokens by spelling (`"<|tool_call>"`, `"<end_of_turn>"`), never by id: the gateway
 looks the ids up in the vocabulary the tokenizer service sends (`SpecialTokens`, built from `GetVocab`'s token
@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import families
+from common import families
 
 if TYPE_CHECKING:
     from gateway.tool_calls import ParsedOutput
@@ -104,11 +104,11 @@ class ReasoningFormat:
 
 @dataclasses.dataclass(frozen=True)
 class FamilyFormat:
-    """What the gateway needs of one family's output formats; each family's gateway part defines one as `FORMAT`.
+    """What the gateway needs of one family's output formats; each family's gateway part defines one as `PART`.
 
     Attributes:
       name: the family's registry name.
-      tool_grammar: `(tools, tool_choice, parallel, max_calls, ids) -> str | None`: the llguidance Lark grammar of an
+      tool_grammar: `(tools, tool_choice, parallel, max_calls, *, ids) -> str | None`: the llguidance Lark grammar of an
         answer under `tool_choice` with at most `max_calls` calls, or None for "none"; control tokens come from
         `ids` (`TokenIds`). Raises ToolSchemaError / ToolChoiceError (gateway/tool_calls.py).
       tool_parser: `(ids, id_prefix, control_ids, calls_only) -> ToolCallParser`: a fresh incremental parser of one
@@ -159,9 +159,10 @@ class FamilyFormat:
 
 
 def family_format(architecture: Any) -> FamilyFormat:
-    """The `FORMAT` of the family the backends report (`Info.architecture`), imported on first use.
+    """The gateway part of the family the backends report (`Info.architecture`), imported on first use.
 
     Raises:
       families.UnknownFamilyError: no registered family has that name (the message lists the supported ones).
+      TypeError: the family's gateway module defines no `FamilyFormat` as `PART`.
     """
-    return families.by_name(architecture).part("gateway").FORMAT
+    return families.by_name(architecture).part("gateway", FamilyFormat)

@@ -4,9 +4,9 @@ as `ParsedOutput`), incremental UTF-8, and control tokens recognised by id, neve
 
 Each family's parser (its call syntax) subclasses `TokenParser` in its gateway part: families/gemma4/gateway.py
 (native syntax, arguments converted to JSON on the fly), families/gemma3/gateway.py (the JSON format, arguments
-verbatim). A parser names the control tokens it acts on by spelling (`SPELLINGS`) and gets their ids from the
-caller (`ids`, resolved from the served vocabulary: gateway/tool_format.py); without them it uses its family's
-published ids (`PUBLISHED_IDS`, checked against the real vocabularies by tests/gateway/test_families.py).
+verbatim). A parser names the control tokens it acts on by spelling (`SPELLINGS`) and always gets their ids
+from the caller (`ids`, required: resolved from the served vocabulary, gateway/tool_format.py, or a family's
+published ids for text with the tokens spelled out), so a parser never assumes a vocabulary.
 """
 
 from __future__ import annotations
@@ -109,25 +109,23 @@ class _TokenText:
 class TokenParser:
     """What every format's parser shares: output bookkeeping, incremental UTF-8, control ids, and
     feed/finish/result/progress (the `gateway.tool_format.ToolCallParser` interface). Subclasses set `SPELLINGS`
-    (the control tokens they act on) and `PUBLISHED_IDS`, and define `_special(token_id)` (a control token),
-    `_chars_in(chars)` (text), `_truncated()` and `_in_call()`.
+    (the control tokens they act on) and define `_special(token_id)` (a control token), `_chars_in(chars)`
+    (text), `_truncated()` and `_in_call()`.
 
     Args:
       id_prefix: prefix of the call ids (`{id_prefix}{n}`).
       control_ids: the vocabulary's control tokens: never text (their spellings are dropped from content).
-      ids: spelling -> id of at least `SPELLINGS` (the served vocabulary's, gateway/tool_format.py); None: the
-        family's published ids.
+      ids: spelling -> id of at least `SPELLINGS` (required, keyword-only: the served vocabulary's,
+        gateway/tool_format.py, or the family's published ids for spelled-out text).
 
     Raises:
       gateway.tool_format.UnknownTokenError: `ids` lacks one of `SPELLINGS`.
     """
 
     SPELLINGS: tuple[str, ...] = ()
-    PUBLISHED_IDS: Mapping[str, int] = {}
 
-    def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None,
-                 ids: Mapping[str, int] | None = None):
-        ids = self.PUBLISHED_IDS if ids is None else ids
+    def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None, *,
+                 ids: Mapping[str, int]):
         self.ids = {s: ids[s] for s in self.SPELLINGS}  # the control tokens this parser acts on
         self._out = _Deltas(id_prefix)
         self._chars = _TokenText()

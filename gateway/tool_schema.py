@@ -20,9 +20,9 @@ from typing import Any
 import llguidance
 
 from gateway import patterns
+from gateway.json_schema import FORMAT_REGEXES
 from gateway.lru import ByteLRU, text_size
 from gateway.tool_calls import (
-    FORMAT_REGEXES,
     INTEGER_REGEX,
     NUMBER_REPR_REGEX,
     ToolSchemaError,

@@ -23,9 +23,9 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.network import CHANNEL_OPTIONS, InternalTls, aio_channel
 from gateway.errors import ApiError
 from gateway.routing import Choice, NoWorkerError, Router, block_hashes, rendezvous_order
-from gemma_serve.network import CHANNEL_OPTIONS, InternalTls, aio_channel
 from protos import model_worker_pb2, model_worker_pb2_grpc
 
 log = logging.getLogger("gemma_serve.gateway")

@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from gemma_serve.preparation import EMBEDDED, default_cache_dir
+from common.preparation import EMBEDDED, default_cache_dir
 
 DEFAULT_PORTS = {"http_port": 8000, "gateway_grpc_port": 50050, "tokenizer_port": 50051, "worker_port": 50052,
                  "worker_metrics_port": 8001}
@@ -170,8 +170,8 @@ def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:
     p.add_argument("--worker-timeout", type=float, default=300.0,
                    help="deadline in seconds of each model-worker call (a Prefill's includes its wait for a slot) "
                    "and the longest silence tolerated on a token stream; beyond it 504 (default: %(default)s)")
+    from common import network
     from gateway import auth, limits
-    from gemma_serve import network
 
     auth.add_flags(p)
     network.add_public_tls_flags(p)
@@ -197,7 +197,7 @@ def _num_slots(text: str) -> int | str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `gemma-serve`."""
-    from gemma_serve import network
+    from common import network
 
     parser = argparse.ArgumentParser(prog="gemma-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

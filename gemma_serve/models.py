@@ -1,7 +1,7 @@
 """The launcher's model preparation: every part at once, before `gemma-serve up` starts the services.
 
 Above the services (it imports their part builders); the services themselves prepare through
-`gemma_serve.preparation`, which is below them. The spec forms, the prepared layout and the locking are described
+`common.preparation`, which is below them. The spec forms, the prepared layout and the locking are described
 there; the names below are re-exported for callers above the services (the CLI, tests, benchmarks).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pathlib
 
-from gemma_serve.preparation import EMBEDDED, PreparedModel, default_cache_dir, embedded_gguf
-from gemma_serve.preparation import prepare as prepare_parts
+from common.preparation import EMBEDDED, PreparedModel, default_cache_dir, embedded_gguf
+from common.preparation import prepare as prepare_parts
 
 __all__ = ["EMBEDDED", "PreparedModel", "default_cache_dir", "embedded_gguf", "prepare"]
 
@@ -22,7 +22,7 @@ def prepare(spec: str, cache_dir: pathlib.Path | None = None) -> PreparedModel:
     Raises:
       FileNotFoundError: the path does not exist.
       ValueError: the path is not a model spec, or is a prepared directory lacking a part
-        (`gemma_serve.preparation.prepare`).
+        (`common.preparation.prepare`).
     """
     from model_worker.main import PREPARE_PARTS as WORKER_PARTS
     from tokenizer_svc.main import PREPARE_PARTS as TOKENIZER_PARTS

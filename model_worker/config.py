@@ -5,16 +5,17 @@ family: per-layer facts (attention type, head size, RoPE, which layer's KV a lay
 `LayerSpec`, so a model variant is a new config, not a new code path.
 
 This module is generic. Each family's layer pattern, presets and config parsing (GGUF metadata, Hugging Face
-config.json), with the sources of their values, live in its worker part (`families/<name>/worker.py`, found
-through the `families` registry).
+config.json), with the sources of their values, live in its worker part (`families/<name>/worker.py`, a
+`WorkerPart` found through the `common.families` registry: `worker_part`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
-import families
+from common import families
 
 AttentionType = Literal["sliding", "full"]
 
@@ -147,3 +148,38 @@ def config_from_dict(data: dict) -> ModelConfig:
     data["layers"] = tuple(LayerSpec(**layer) for layer in data["layers"])
     data["stop_token_ids"] = tuple(data["stop_token_ids"])
     return ModelConfig(**data)
+
+
+TensorNames = Mapping[str, tuple[str, bool]]
+"""Checkpoint tensor name (after the model prefix) -> (our weight name, whether it is a Linear weight to transpose)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPart:
+    """What a model family gives the model worker (`families/<name>/worker.py` defines `PART`, one of these).
+
+    Attributes:
+      config_from_hf: (config.json as a dict, model name) -> ModelConfig. Raises NotImplementedError for a
+        variant or format the family does not serve, ValueError for an inconsistent config.
+      config_from_gguf: (GGUF metadata, vocabulary size, model name) -> ModelConfig; raises as `config_from_hf`.
+      presets: the family's spelled-out configs by name (tests and benchmarks shrink them).
+      hf_top_names, hf_layer_names: tensor names the family's checkpoints add to the Gemma-style ones of
+        model_worker/hf_loader.py (outside the layers / inside `layers.{i}.`).
+      hf_skip_prefixes: checkpoint tensor prefixes the text decoder does not read (vision and audio towers).
+    """
+
+    config_from_hf: Callable[[Mapping[str, Any], str], ModelConfig]
+    config_from_gguf: Callable[[Mapping[str, Any], int, str], ModelConfig]
+    presets: Mapping[str, ModelConfig]
+    hf_top_names: TensorNames = dataclasses.field(default_factory=dict)
+    hf_layer_names: TensorNames = dataclasses.field(default_factory=dict)
+    hf_skip_prefixes: tuple[str, ...] = ()
+
+
+def worker_part(family: families.Family) -> WorkerPart:
+    """The family's worker part, imported on first use.
+
+    Raises:
+      TypeError: the family's worker module defines no `WorkerPart` as `PART`.
+    """
+    return family.part("worker", WorkerPart)

@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ import numpy as np
 
 from model_worker import sharding
 from model_worker.config import ModelConfig
+from model_worker.engine_api import DecodeBatch, HostOutput, PromptChunk
 from model_worker.executables import ExecutableCache, fingerprint
 from model_worker.kv_cache import KVCache
 from model_worker.model import Batch
@@ -113,26 +115,10 @@ class EngineConfig:
         return tuple(buckets) + (self.num_slots,)
 
 
-@dataclasses.dataclass
-class HostOutput:
-    """A program's sampling result on the host (numpy), one entry per requested row.
-
-    Attributes:
-      tokens: [R] int32; logprobs: [R] float32; top_ids: [R, 20] int32 (-1 = none); top_logprobs: [R, 20];
-      mask_empty: [R] bool (the row's mask allowed nothing: the constraint is unsatisfiable).
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
-    mask_empty: np.ndarray
-
-    @staticmethod
-    def from_device(out: SampleOutput, rows: int) -> HostOutput:
-        """The first `rows` rows of a sample program's output, copied to the host (blocks until it is done)."""
-        fields = jax.device_get((out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.mask_empty))
-        return HostOutput(*(np.asarray(f)[:rows] for f in fields))
+def host_output(out: SampleOutput, rows: int) -> HostOutput:
+    """The first `rows` rows of a sample program's output, copied to the host (blocks until it is done)."""
+    fields = jax.device_get((out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.mask_empty))
+    return HostOutput(*(np.asarray(f)[:rows] for f in fields))
 
 
 @dataclasses.dataclass
@@ -155,12 +141,13 @@ class Pending:
     num_rows: int
 
     @staticmethod
-    def of_chunk(chunk: ChunkInputs, logits: jax.Array) -> Pending:
+    def of_chunk(chunk: ChunkInputs, slot: int, logits: jax.Array) -> Pending:
         """A chunk's last-token logits [1, V] awaiting sampling (the chunk recorded its own inputs)."""
         b = chunk.batch
-        return Pending(logits, b.slots, b.tokens[:, :1], np.full((1, 1), -1, np.int32), chunk.is_output[:, :1], 1)
+        return Pending(logits, np.array([slot], np.int32), b.tokens[:, :1], np.full((1, 1), -1, np.int32),
+                       chunk.is_output[:, :1], 1)
 
-    def sample_inputs(self, clear_penalties: list[bool], active: list[bool], sampling: SamplingArrays,
+    def sample_inputs(self, clear_penalties: Sequence[bool], active: Sequence[bool], sampling: SamplingArrays,
                       vocab: int) -> SampleInputs:
         """The sample program's inputs: the real rows' flags (`num_rows` each) and settings padded to the batch
         (padding rows are greedy, inactive and clear nothing)."""
@@ -172,10 +159,11 @@ class Pending:
 
 @dataclasses.dataclass
 class _DecodeRows:
-    """Host arrays of one decode batch padded to its bucket: the program's `Batch`, the rows' `is_output`
-    ([B, 1] bool), how many rows are real (the first `num_rows`), and the KV bucket."""
+    """Host arrays of one decode batch padded to its bucket: the program's `Batch`, its slots ([B] int32), the
+    rows' `is_output` ([B, 1] bool), how many rows are real (the first `num_rows`), and the KV bucket."""
 
     batch: Batch
+    slots: np.ndarray
     is_output: np.ndarray
     num_rows: int
     kv_len: int
@@ -183,7 +171,7 @@ class _DecodeRows:
     def pending(self, logits: jax.Array) -> Pending:
         """The batch's logits [B, V] awaiting sampling."""
         b = self.batch
-        return Pending(logits, b.slots, b.tokens, b.positions, self.is_output, self.num_rows)
+        return Pending(logits, self.slots, b.tokens, b.positions, self.is_output, self.num_rows)
 
 
 class Engine:
@@ -239,9 +227,8 @@ class Engine:
         return program_keys(GridSizes(tuple(self.ecfg.prefill_chunks), tuple(self.kv_buckets),
                                       tuple(self.batch_buckets), self.mixed_chunk, self.ecfg.num_slots))
 
-    def _lower(self, key: tuple[str, int, int, int]) -> jax.stages.Lowered:
-        """The program of `key` (a `ProgramKey` or the same plain tuple), lowered for its shapes."""
-        key = ProgramKey(*key)
+    def _lower(self, key: ProgramKey) -> jax.stages.Lowered:
+        """The program of `key`, lowered for its shapes."""
         kind = PROGRAMS[key.kind]
         fn = functools.partial(kind.fn, cfg=self.cfg, kv_len=key.kv_len) if kind.model else kind.fn
         state, inputs = self._state(kind), kind.example(key, self.cfg.vocab_size)
@@ -268,7 +255,7 @@ class Engine:
         Raises:
           KeyError: `key` is not compiled (a shape outside the grid is a bug, never a silent compile).
         """
-        kind = PROGRAMS[key[0]]
+        kind = PROGRAMS[key.kind]
         if count:
             self.calls[key] += 1
         result, *state = self._programs[key](*self._state(kind), *inputs)
@@ -276,7 +263,8 @@ class Engine:
             setattr(self, name, value)
         return result
 
-    def compile_all(self, progress=None, keys=None, cache: ExecutableCache | None = None) -> float:
+    def compile_all(self, progress: Callable[[int, int, ProgramKey], None] | None = None,
+                    keys: Iterable[ProgramKey] | None = None, cache: ExecutableCache | None = None) -> float:
         """Compile every program of the grid (or just `keys`, for benchmarks) ahead of time. Returns the seconds.
 
         Args:
@@ -286,7 +274,7 @@ class Engine:
             skips tracing and lowering: `model_worker.executables`).
         """
         t0 = time.perf_counter()
-        keys = self.grid() if keys is None else [ProgramKey(*key) for key in keys]
+        keys = self.grid() if keys is None else list(keys)
         for n, key in enumerate(keys):
             self._programs[key] = self._compile(key, cache)
             if progress:
@@ -361,106 +349,86 @@ class Engine:
         return next((c for c in chunks if c >= remaining), chunks[-1])
 
     # ----- running programs -----------------------------------------------------------------------------------
-    def dispatch_compute(
-        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], clear_penalties: bool = False
-    ) -> tuple[Pending, int]:
-        """Dispatch one chunk of a slot's pending tokens (asynchronously).
+    def dispatch_compute(self, *, chunk: PromptChunk) -> tuple[Pending, int]:
+        """Dispatch one chunk of a slot's pending tokens (asynchronously): the largest chunk size the tokens fill
+        (`chunk_size`), in the smallest KV bucket holding them. Arguments, result and errors:
+        `engine_api.Engine.dispatch_compute`."""
+        inputs, n = ChunkInputs.make(self.chunk_size(len(chunk.token_ids)), chunk.slot, list(chunk.token_ids),
+                                     chunk.start, list(chunk.is_output), chunk.clear_penalties)
+        key = ProgramKey("compute", 1, inputs.batch.tokens.shape[1], self.kv_bucket(chunk.start + n))
+        return Pending.of_chunk(inputs, chunk.slot, self._run(key, inputs)), n
 
-        Args:
-          slot: cache row.
-          token_ids: the tokens to compute, from position `start` on (only the first chunk's worth is used).
-          start: position of token_ids[0]; positions < start must already be in the cache.
-          is_output: per token, whether it is a generated (not prompt) token, for the penalty counts.
-          clear_penalties: clear the slot's penalty history first (a fresh sequence).
-        Returns:
-          (the pending logits of the last token consumed, number of tokens consumed).
-        """
-        chunk, n = ChunkInputs.make(self.chunk_size(len(token_ids)), slot, token_ids, start, is_output,
-                                    clear_penalties)
-        key = ProgramKey("compute", 1, chunk.batch.tokens.shape[1], self.kv_bucket(start + n))
-        return Pending.of_chunk(chunk, self._run(key, chunk)), n
+    def dispatch_decode(self, *, batch: DecodeBatch) -> Pending:
+        """Dispatch one decode step for the given slots (one token each), in the smallest batch bucket. Arguments,
+        result and errors: `engine_api.Engine.dispatch_decode`."""
+        d = self._decode_rows(batch)
+        return d.pending(self._run(ProgramKey("decode", d.slots.shape[0], 1, d.kv_len), d.batch))
 
-    def dispatch_decode(self, slots: list[int], tokens: list[int], positions: list[int],
-                        is_output: list[bool]) -> Pending:
-        """Dispatch one decode step for the given slots (one token each), in the smallest batch bucket.
-
-        Args:
-          slots: distinct cache rows of the sequences to advance.
-          tokens, positions: each slot's input token and its position.
-          is_output: whether each input token is a generated token (False for a forked sequence's last prompt
-            token).
-        """
-        d = self._decode_rows(slots, tokens, positions, is_output)
-        return d.pending(self._run(ProgramKey("decode", d.batch.slots.shape[0], 1, d.kv_len), d.batch))
-
-    def dispatch_mixed(
-        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], clear_penalties: bool,
-        slots: list[int], tokens: list[int], positions: list[int], decode_is_output: list[bool],
-    ) -> tuple[Pending, int, Pending]:
+    def dispatch_mixed(self, *, chunk: PromptChunk, batch: DecodeBatch) -> tuple[Pending, int, Pending]:
         """One chunk of a slot's pending tokens (as `dispatch_compute`) and a decode step of other slots (as
         `dispatch_decode`) in one forward pass when the chunk is `mixed_chunk` long (a "mixed" program: the
         decode rows ride on the chunk's matrix products, the weights are read once); otherwise the two programs
         one after the other. Arguments, result and errors: `engine_api.Engine.dispatch_mixed`.
         """
-        if slot in slots:
-            raise ValueError(f"slot {slot} cannot take a chunk and decode in the same step")
-        size = self.chunk_size(len(token_ids))
+        if chunk.slot in batch.slots:
+            raise ValueError(f"slot {chunk.slot} cannot take a chunk and decode in the same step")
+        size = self.chunk_size(len(chunk.token_ids))
         if size != self.mixed_chunk:
-            pending, n = self.dispatch_compute(slot, token_ids, start, is_output, clear_penalties)
-            return pending, n, self.dispatch_decode(slots, tokens, positions, decode_is_output)
-        chunk, n = ChunkInputs.make(size, slot, token_ids, start, is_output, clear_penalties)
-        d = self._decode_rows(slots, tokens, positions, decode_is_output, exclude=slot)
-        self.kv_bucket(start + n)  # raises ValueError beyond max_model_len, as dispatch_compute does
-        key = ProgramKey("mixed", d.batch.slots.shape[0], size, self.kv_buckets[-1])
-        logits, d_logits = self._run(key, chunk, d.batch)
-        return Pending.of_chunk(chunk, logits), n, d.pending(d_logits)
+            pending, n = self.dispatch_compute(chunk=chunk)
+            return pending, n, self.dispatch_decode(batch=batch)
+        inputs, n = ChunkInputs.make(size, chunk.slot, list(chunk.token_ids), chunk.start, list(chunk.is_output),
+                                     chunk.clear_penalties)
+        d = self._decode_rows(batch, exclude=chunk.slot)
+        self.kv_bucket(chunk.start + n)  # raises ValueError beyond max_model_len, as dispatch_compute does
+        key = ProgramKey("mixed", d.slots.shape[0], size, self.kv_buckets[-1])
+        logits, d_logits = self._run(key, inputs, d.batch)
+        return Pending.of_chunk(inputs, chunk.slot, logits), n, d.pending(d_logits)
 
-    def _decode_rows(self, slots, tokens, positions, is_output, exclude: int | None = None) -> _DecodeRows:
+    def _decode_rows(self, decode: DecodeBatch, exclude: int | None = None) -> _DecodeRows:
         """A decode batch padded to its bucket with idle slots (position -1: they write nothing and their outputs
         are ignored); `exclude` (a mixed step's chunk slot) only when no other slot is left."""
+        slots, tokens, positions, is_output = decode.slots, decode.tokens, decode.positions, decode.is_output
         n = len(slots)
         batch = self.batch_bucket(n)
         idle = [s for s in range(self.ecfg.num_slots) if s not in set(slots) and s != exclude]
         idle = (idle + ([] if exclude is None else [exclude]))[: batch - n]
-        rows = idle_batch(batch, 1, np.array(list(slots) + idle, np.int32))
+        row_slots = np.array(list(slots) + idle, np.int32)
+        rows = idle_batch(batch, 1, row_slots)
         rows.tokens[:n, 0] = tokens
         rows.positions[:n, 0] = positions
-        outs = np.zeros((batch, 1), bool)
+        outs: np.ndarray = np.zeros((batch, 1), bool)
         outs[:n, 0] = is_output
-        return _DecodeRows(rows, outs, n, self.kv_bucket(max(positions) + 1))
+        return _DecodeRows(rows, row_slots, outs, n, self.kv_bucket(max(positions) + 1))
 
-    def sample(self, pending: Pending, sampling: SamplingArrays, clear_penalties: list[bool],
-               active: list[bool]) -> HostOutput:
-        """Sample the pending logits (blocks until the forward pass and the sampling are done).
-
-        Args:
-          pending: from dispatch_compute / dispatch_decode / dispatch_mixed.
-          sampling: settings with `pending.num_rows` rows.
-          clear_penalties: per row, clear its penalty history first (a fresh sequence).
-          active: per row, whether to commit (False: the row's mask did not arrive; it will be recomputed).
-        Returns:
-          One result row per real row.
-        """
+    def sample(self, pending: Pending, *, sampling: SamplingArrays, clear_penalties: Sequence[bool],
+               active: Sequence[bool]) -> HostOutput:
+        """Sample the pending logits (blocks until the forward pass and the sampling are done): the `greedy`
+        program when every real row is plain greedy and clears nothing, else the full `sample` program.
+        Arguments and result: `engine_api.Engine.sample`."""
         n = pending.num_rows
         greedy = not any(clear_penalties[:n]) and is_plain_greedy(sampling, n)
         key = ProgramKey("greedy" if greedy else "sample", pending.slots.shape[0], 0, 0)
         inputs = pending.sample_inputs(clear_penalties, active, sampling, self.cfg.vocab_size)
-        return HostOutput.from_device(self._run(key, inputs), n)
+        return host_output(self._run(key, inputs), n)
 
-    # Convenience for tests and benchmarks: dispatch + sample in one call.
-    def compute(self, slot, token_ids, start, is_output, sampling, clear_penalties) -> tuple[HostOutput, int]:
+    # Convenience for tests and benchmarks: dispatch + sample in one call, positional arguments.
+    def compute(self, slot: int, token_ids: Sequence[int], start: int, is_output: Sequence[bool],
+                sampling: SamplingArrays, clear_penalties: bool) -> tuple[HostOutput, int]:
         """dispatch_compute + sample (all rows active)."""
-        pending, n = self.dispatch_compute(slot, token_ids, start, is_output, clear_penalties)
-        return self.sample(pending, sampling, [False], [True]), n
+        pending, n = self.dispatch_compute(chunk=PromptChunk(slot, token_ids, start, is_output, clear_penalties))
+        return self.sample(pending, sampling=sampling, clear_penalties=[False], active=[True]), n
 
-    def decode(self, slots, tokens, positions, is_output, sampling, clear_penalties=None) -> HostOutput:
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+               is_output: Sequence[bool], sampling: SamplingArrays,
+               clear_penalties: Sequence[bool] | None = None) -> HostOutput:
         """dispatch_decode + sample (all rows active)."""
-        pending = self.dispatch_decode(slots, tokens, positions, is_output)
-        return self.sample(pending, sampling, clear_penalties or [False] * len(slots), [True] * len(slots))
+        pending = self.dispatch_decode(batch=DecodeBatch(slots, tokens, positions, is_output))
+        return self.sample(pending, sampling=sampling, clear_penalties=clear_penalties or [False] * len(slots),
+                           active=[True] * len(slots))
 
-    def copy_slot(self, src: int, dst: int) -> None:
+    def copy_slot(self, *, src: int, dst: int) -> None:
         """Copy one slot's KV cache rows and penalty history to another slot."""
-        self._run(ProgramKey("copy", 1, 0, 0), CopyInputs(np.int32(src), np.int32(dst)))
+        self._run(ProgramKey("copy", 1, 0, 0), CopyInputs(np.asarray(src, np.int32), np.asarray(dst, np.int32)))
 
     def weight_bytes(self) -> int:
         """Bytes of weights on the device (all devices together under tensor parallelism; per device:

@@ -1,14 +1,17 @@
-"""The engine contract: exactly what the engine loop (`model_worker/loop.py`) needs from an engine.
+"""The engine contract: exactly what the engine loop (`model_worker/loop.py`) needs from an engine, and the records
+that cross it.
 
 JetStream's `engine_api.Engine` is the model: a few methods whose semantics live in their docstrings, and opaque
 state. `model_worker.engine.Engine` (JAX, the KV cache and the compiled grid) implements it, and so does the
-test double `tests.fakes.FakeEngine`; `tests/model_worker/test_engine_api.py` checks both against this module.
-Everything else the real engine offers (compiling the grid, warm-up, byte counts) is start-up business of
-`model_worker/main.py`, not part of the contract.
+test double `tests.fakes.FakeEngine`; a type checker holds both to it (`tests/model_worker/engine_conformance.py`,
+run by mypy in `make test`). Everything else the real engine offers (compiling the grid, warm-up, byte counts) is
+start-up business of `model_worker/main.py`, not part of the contract. This module imports no implementation: the
+records below are plain data (numpy on the host), so the scheduler, which never imports JAX, can name them too.
 
 Conventions. A *slot* is a row of the engine's KV cache and penalty history, in [0, num_slots). A *position* is a
 token's 0-based index in its sequence (prompt then generated tokens), in [0, max_model_len). Token ids are in
-[0, vocab_size). One thread drives an engine (the loop's); nothing here is thread-safe.
+[0, vocab_size). One thread drives an engine (the loop's); nothing here is thread-safe. Every method takes its
+arguments by keyword, as small records, so a new field of a step cannot be passed in the wrong place.
 
 Faults. The engine checks nothing the loop can check before dispatch; an exception from any method is fatal
 for the worker (the real engine's steps donate the KV cache buffers, so no later step can be trusted):
@@ -17,16 +20,74 @@ docs/architecture.md, "Faults".
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 if TYPE_CHECKING:
-    from model_worker.engine import HostOutput
     from model_worker.sampling import SamplingArrays
 
 #: A dispatched forward pass whose logits await sampling (the real engine's `engine.Pending`). Opaque to the loop:
 #: it only hands it back to `Engine.sample`, at most once, and may drop it unsampled (a prompt chunk that is not
 #: the prompt's last: its KV writes stand all the same).
 Pending = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptChunk:
+    """Tokens of one slot to compute into its cache in one step: a prompt chunk, or a run of forced tokens.
+
+    Attributes:
+      slot: the cache row.
+      token_ids: the tokens to compute (non-empty); the engine consumes n of them, 1 <= n <= len(token_ids), as
+        its chunk sizes allow.
+      start: position of token_ids[0]; positions < start must already be in the slot's cache.
+      is_output: per token, whether it was generated (it counts for the frequency and presence penalties) rather
+        than part of the prompt; at least as long as the tokens consumed.
+      clear_penalties: clear the slot's penalty history first (a fresh sequence: the slot may hold a finished
+        sequence's history).
+    """
+
+    slot: int
+    token_ids: Sequence[int]
+    start: int
+    is_output: Sequence[bool]
+    clear_penalties: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """One decode step: each slot computes one token at its position (one batched pass).
+
+    Attributes:
+      slots: distinct cache rows to advance (1 to num_slots of them).
+      tokens, positions: each slot's input token and its position; positions < a row's position must already be
+        in that slot's cache.
+      is_output: per row, whether the input token was generated (False for a fork's last prompt token).
+    """
+
+    slots: Sequence[int]
+    tokens: Sequence[int]
+    positions: Sequence[int]
+    is_output: Sequence[bool]
+
+
+@dataclasses.dataclass
+class HostOutput:
+    """A sampling result on the host (numpy), one entry per requested row: what `Engine.sample` returns.
+
+    Attributes:
+      tokens: [R] int32; logprobs: [R] float32 (natural log); top_ids: [R, 20] int32 (-1 = none); top_logprobs:
+      [R, 20] float32; mask_empty: [R] bool (the row's mask allowed nothing: the constraint is unsatisfiable).
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    mask_empty: np.ndarray
 
 
 class EngineSizes(Protocol):
@@ -83,20 +144,9 @@ class Engine(Protocol):
         """The model's sizes."""
         ...
 
-    def dispatch_compute(
-        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], clear_penalties: bool = False
-    ) -> tuple[Pending, int]:
-        """Compute the first tokens of `token_ids` into `slot`'s cache at positions start, start + 1, ...
+    def dispatch_compute(self, *, chunk: PromptChunk) -> tuple[Pending, int]:
+        """Compute the first tokens of `chunk` into its slot's cache.
 
-        Args:
-          slot: the cache row.
-          token_ids: the tokens to compute (non-empty); the engine consumes n of them, 1 <= n <= len(token_ids),
-            as its chunk sizes allow.
-          start: position of token_ids[0]; positions < start must already be in the slot's cache.
-          is_output: per token, whether it was generated (it counts for the frequency and presence penalties)
-            rather than part of the prompt; at least as long as the tokens consumed.
-          clear_penalties: clear the slot's penalty history first (a fresh sequence: the slot may hold a
-            finished sequence's history).
         Returns:
           (the pending logits of the last token consumed, one row; n, the number of tokens consumed).
         Raises:
@@ -104,14 +154,9 @@ class Engine(Protocol):
         """
         ...
 
-    def dispatch_decode(self, slots: list[int], tokens: list[int], positions: list[int], is_output: list[bool]) -> Pending:
-        """One decode step: each slot computes one token at its position (one batched pass).
+    def dispatch_decode(self, *, batch: DecodeBatch) -> Pending:
+        """One decode step over `batch`.
 
-        Args:
-          slots: distinct cache rows to advance (1 to num_slots of them).
-          tokens, positions: each slot's input token and its position; positions < a row's position must already
-            be in that slot's cache.
-          is_output: per row, whether the input token was generated (False for a fork's last prompt token).
         Returns:
           The pending logits, one row per slot, in order.
         Raises:
@@ -119,26 +164,20 @@ class Engine(Protocol):
         """
         ...
 
-    def dispatch_mixed(
-        self, slot: int, token_ids: list[int], start: int, is_output: list[bool], clear_penalties: bool,
-        slots: list[int], tokens: list[int], positions: list[int], decode_is_output: list[bool],
-    ) -> tuple[Pending, int, Pending]:
+    def dispatch_mixed(self, *, chunk: PromptChunk, batch: DecodeBatch) -> tuple[Pending, int, Pending]:
         """A compute chunk of one slot and a decode step of others in one iteration (one forward pass when the
         engine can: the weights are read once), with the same effects as `dispatch_compute` followed by
         `dispatch_decode`.
 
-        Args:
-          slot, token_ids, start, is_output, clear_penalties: the chunk, as in `dispatch_compute`.
-          slots, tokens, positions, decode_is_output: the decode step, as in `dispatch_decode`.
         Returns:
           (the chunk's pending logits, tokens consumed, the decode step's pending logits).
         Raises:
-          ValueError: `slot` is among `slots`; a position beyond max_model_len.
+          ValueError: the chunk's slot is among the batch's slots; a position beyond max_model_len.
         """
         ...
 
     def sample(
-        self, pending: Pending, sampling: SamplingArrays, clear_penalties: list[bool], active: list[bool]
+        self, pending: Pending, *, sampling: SamplingArrays, clear_penalties: Sequence[bool], active: Sequence[bool]
     ) -> HostOutput:
         """Sample a dispatched pass's logits (blocks until the pass and the sampling are done).
 
@@ -149,12 +188,11 @@ class Engine(Protocol):
           active: per row, whether the row's step counts; False leaves the slot's penalty history as it was (the
             row's mask did not arrive: the loop ignores its result and computes the row again later).
         Returns:
-          One result row per pending row: tokens [R] int32, logprobs [R] float32 (natural log), top_ids and
-          top_logprobs [R, 20] (-1 = none), mask_empty [R] bool (the row's mask allowed no token).
+          One result row per pending row.
         """
         ...
 
-    def copy_slot(self, src: int, dst: int) -> None:
+    def copy_slot(self, *, src: int, dst: int) -> None:
         """Copy slot `src`'s KV cache rows and penalty history over slot `dst` (prefix reuse, `n` > 1 forks);
         `src` is left as it was."""
         ...

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import families
-from model_worker.config import ModelConfig
+from common import families
+from model_worker.config import ModelConfig, worker_part
 from model_worker.gguf_int8 import int8_from_gguf
 from model_worker.quant import Int8Weight
 
@@ -71,7 +71,7 @@ def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray |
     from gguf import quants
 
     meta = read_metadata(reader)
-    worker = families.from_gguf(meta).part("worker")
+    worker = worker_part(families.from_gguf(meta))
     flat: dict[str, np.ndarray | Int8Weight] = {}
     for t in reader.tensors:
         data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -93,5 +93,5 @@ def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray |
             continue  # an untied head is not used by Gemma; the tied embedding is the head
         else:
             raise ValueError(f"unknown GGUF tensor {t.name}")
-    cfg = worker.config_from_gguf(meta, vocab_size=flat["embed"].shape[0], name=name)
+    cfg = worker.config_from_gguf(meta, flat["embed"].shape[0], name)
     return cfg, flat

@@ -25,8 +25,8 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-import families
-from model_worker.config import ModelConfig
+from common import families
+from model_worker.config import ModelConfig, WorkerPart, worker_part
 from model_worker.params import check_flat, param_shapes
 
 log = logging.getLogger(__name__)
@@ -92,11 +92,10 @@ class _Names:
     skip: tuple[str, ...]
 
     @classmethod
-    def of(cls, worker) -> _Names:
-        """The names for a family's worker part (its optional `HF_*` attributes)."""
-        return cls(top=_TOP | getattr(worker, "HF_TOP_NAMES", {}),
-                   layer=_LAYER | getattr(worker, "HF_LAYER_NAMES", {}),
-                   skip=_SKIP_PREFIXES + tuple(getattr(worker, "HF_SKIP_PREFIXES", ())))
+    def of(cls, worker: WorkerPart) -> _Names:
+        """The names for a family's worker part: the Gemma-style ones plus those the part adds."""
+        return cls(top=_TOP | dict(worker.hf_top_names), layer=_LAYER | dict(worker.hf_layer_names),
+                   skip=_SKIP_PREFIXES + worker.hf_skip_prefixes)
 
 
 def _text_name(name: str, names: _Names) -> str | None:
@@ -157,8 +156,8 @@ def load_checkpoint(directory: pathlib.Path, dtype: jnp.dtype) -> tuple[ModelCon
 
     directory = pathlib.Path(directory)
     config = read_config(directory)
-    worker = families.from_hf_config(config).part("worker")
-    cfg = worker.config_from_hf(config, name=directory.name)
+    worker = worker_part(families.from_hf_config(config))
+    cfg = worker.config_from_hf(config, directory.name)
     names = _Names.of(worker)
     qcfg = None
     if config.get("quantization_config"):

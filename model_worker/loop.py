@@ -4,8 +4,8 @@ An iteration is nano-vllm's step: `work = scheduler.schedule()`, `result = self.
 only, returning host results), `emissions = scheduler.postprocess(work, result)`, then each emission goes to its
 sequence's sink. The scheduler is the one owner of sequence state; this module only reads sequences.
 
-Other threads talk to it only through `submit`, `abort`, `add_mask` and `add_forced`, which put commands in a
-queue; results leave through each sequence's `sink` callback (called on this thread, must not block). When
+Other threads talk to it only through `submit`, `abort`, `add_mask` and `add_forced`, which put typed commands
+(`Submit`, `Abort`, `AddMask`, `AddForced`) in a queue; results leave through each sequence's `sink` callback (called on this thread, must not block). When
 there is nothing to do the thread sleeps on the command queue.
 
 Faults. What can be checked before dispatch is checked by the servicer and refuses that one request. An exception
@@ -26,18 +26,10 @@ from collections.abc import Callable
 import numpy as np
 
 from model_worker import engine_api
+from model_worker.engine_api import DecodeBatch
 from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
-from model_worker.scheduler import (
-    Emission,
-    Failure,
-    Finish,
-    SamplingSpec,
-    Scheduler,
-    Sequence,
-    StepResult,
-    TokenEvent,
-    Work,
-)
+from model_worker.scheduler import Emission, Scheduler, StepResult, Work
+from model_worker.sequence import Failure, Finish, SamplingSpec, Sequence, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +62,47 @@ def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
         if mask is not None:
             s.mask[r], s.mask_on[r] = mask, True
     return s
+
+
+@dataclasses.dataclass(frozen=True)
+class Submit:
+    """Inbox command: queue a new sequence."""
+
+    seq: Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """Inbox command: end a live sequence (waiting or running); an unknown id is ignored."""
+
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AddMask:
+    """Inbox command: the allowed tokens (packed uint32 words) for output token number `step` of a sequence."""
+
+    request_id: str
+    step: int
+    words: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class AddForced:
+    """Inbox command: tokens to append without sampling from output token number `step` of a sequence on."""
+
+    request_id: str
+    step: int
+    token_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Wake:
+    """Inbox command: nothing to do; wakes a loop sleeping on an empty inbox (to see that it was stopped)."""
+
+
+Command = Submit | Abort | AddMask | AddForced | Wake
+"""What other threads send the loop thread (its only way in besides reading snapshots)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +161,7 @@ class EngineLoop:
         self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len, slack=engine.ecfg.prefix_slack,
                                    max_waiting=engine.ecfg.max_waiting, token_budget=self.token_budget,
                                    lease_preempt_after=lease_preempt_after)
-        self._step: StepResult | None = None  # the host results of the iteration being run (`_run_work`)
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue[Command] = queue.Queue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # compute chunks, decode steps, slot copies; "mixed": iterations with both a chunk and a decode step (one
@@ -162,24 +194,24 @@ class EngineLoop:
     def stop(self, timeout: float = 5.0) -> None:
         """Ask the loop to exit and wait for it."""
         self._stopped.set()
-        self._inbox.put(("wake", None))
+        self._inbox.put(Wake())
         self._thread.join(timeout)
 
     def submit(self, seq: Sequence) -> None:
         """Queue a sequence (thread-safe). Its events arrive through seq.sink."""
-        self._inbox.put(("add", seq))
+        self._inbox.put(Submit(seq))
 
     def abort(self, request_id: str) -> None:
         """Abort a sequence at the next iteration (thread-safe); unknown ids are ignored."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(Abort(request_id))
 
     def add_mask(self, request_id: str, step: int, words: np.ndarray) -> None:
         """Allowed tokens (packed uint32 words) for output token number `step` of a sequence (thread-safe)."""
-        self._inbox.put(("mask", (request_id, step, words)))
+        self._inbox.put(AddMask(request_id, step, words))
 
     def add_forced(self, request_id: str, step: int, token_ids: list[int]) -> None:
         """Tokens to append without sampling from output token number `step` on (thread-safe)."""
-        self._inbox.put(("forced", (request_id, step, token_ids)))
+        self._inbox.put(AddForced(request_id, step, token_ids))
 
     # ----- loop thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -225,13 +257,14 @@ class EngineLoop:
             time.sleep(0.001)  # everyone waits for a mask or a parent: don't spin
 
     def _observe_admissions(self, admitted: list[Sequence]) -> None:
+        """Queue-time and prompt-size metrics of the sequences admitted this iteration."""
         for seq in admitted:
-            self.metrics.queue.observe(seq.admitted_at - seq.arrived_at)
+            self.metrics.queue.observe((seq.admitted_at or seq.arrived_at) - seq.arrived_at)
             self.metrics.prompt_tokens.inc(len(seq.prompt))
 
-    def _observe_token(self, emission: Emission) -> None:
-        """Latency metrics for a sampled token (first: TTFT; later: inter-token; last: end to end)."""
-        m, seq, now = self.metrics, emission.seq, emission.sampled_at
+    def _observe_token(self, emission: Emission, now: float) -> None:
+        """Latency metrics for a token sampled at `now` (first: TTFT; later: inter-token; last: end to end)."""
+        m, seq = self.metrics, emission.seq
         if emission.previous_at is None:
             m.ttft.observe(now - seq.arrived_at)
             m.prefill.observe(now - (seq.admitted_at or seq.arrived_at))
@@ -240,13 +273,13 @@ class EngineLoop:
         m.generation_tokens.inc()
         if emission.event.finish != Finish.NONE:
             m.e2e.observe(now - seq.arrived_at)
-            m.decode.observe(now - seq.first_token_at)
+            m.decode.observe(now - (seq.first_token_at if seq.first_token_at is not None else now))
 
     def _publish(self, emissions: list[Emission]) -> None:
         """Hand each event to its sequence's sink (metrics first for sampled tokens)."""
         for emission in emissions:
             if self.metrics is not None and emission.sampled_at is not None:
-                self._observe_token(emission)
+                self._observe_token(emission, emission.sampled_at)
             emission.seq.sink(emission.event)
 
     def _drain_inbox(self, block: bool) -> None:
@@ -255,77 +288,87 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            self._handle(*cmd)
+            self._handle(cmd)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, kind: str, arg) -> None:
-        if kind == "add":
-            try:
-                self.scheduler.add(arg)
-            except KeyError:
-                arg.sink(TokenEvent([], [], Finish.ABORT, error=f"request id {arg.request_id!r} is already live",
-                                    failure=Failure.DUPLICATE_ID))
-            except OverflowError as err:
-                if self.metrics is not None:
-                    self.metrics.rejected.inc()
-                arg.sink(TokenEvent([], [], Finish.ABORT, error=f"queue full: {err}", failure=Failure.QUEUE_FULL))
-        elif kind == "abort":
-            seq = self.scheduler.abort(arg)
-            if seq is not None:
-                seq.sink(TokenEvent([], [], Finish.ABORT))
-        elif kind == "mask":
-            self.scheduler.add_mask(*arg)
-        elif kind == "forced":
-            self.scheduler.add_forced(*arg)
+    def _handle(self, cmd: Command) -> None:
+        """Apply one inbox command (on the loop thread)."""
+        match cmd:
+            case Submit(seq):
+                self._add(seq)
+            case Abort(request_id):
+                aborted = self.scheduler.abort(request_id)
+                if aborted is not None:
+                    aborted.sink(TokenEvent([], [], Finish.ABORT))
+            case AddMask(request_id, step, words):
+                self.scheduler.add_mask(request_id, step, words)
+            case AddForced(request_id, step, token_ids):
+                self.scheduler.add_forced(request_id, step, token_ids)
+            case Wake():
+                pass
+
+    def _add(self, seq: Sequence) -> None:
+        """Queue a submitted sequence, or end it at once: a duplicate live id, or a full waiting queue."""
+        try:
+            self.scheduler.add(seq)
+        except KeyError:
+            seq.sink(TokenEvent([], [], Finish.ABORT, error=f"request id {seq.request_id!r} is already live",
+                                failure=Failure.DUPLICATE_ID))
+        except OverflowError as err:
+            if self.metrics is not None:
+                self.metrics.rejected.inc()
+            seq.sink(TokenEvent([], [], Finish.ABORT, error=f"queue full: {err}", failure=Failure.QUEUE_FULL))
 
     def _run_work(self, work: Work) -> StepResult:
         """Run an iteration's work on the engine: its slot copies, then the chunk and the decode step (one mixed
         pass when both), the chunk's snapshot copy, and their sampling. Only engine calls (and, while the forward
         pass runs, the wait for late masks, whose commands go to the scheduler as always); it changes no sequence
         itself and returns what the engine produced."""
-        self._step = StepResult()
+        result = StepResult()
         for src, dst in work.copies:
-            self.engine.copy_slot(src, dst)
-        chunk, decode, computing, decoding = work.chunk, work.decode, None, None
-        decode_args = ([s.slot for s in decode], [s.tokens[-1] for s in decode], [s.num_computed for s in decode],
-                       [s.num_computed >= len(s.prompt) for s in decode])
+            self.engine.copy_slot(src=src, dst=dst)
+        chunk, decode = work.chunk, work.decode
+        batch = DecodeBatch([s.row for s in decode], [s.tokens[-1] for s in decode], [s.num_computed for s in decode],
+                            [s.num_computed >= len(s.prompt) for s in decode])
+        computing, decoding = None, None
         if chunk is not None:
-            chunk_args = (chunk.slot, chunk.tokens, chunk.start, chunk.is_output, chunk.clear_penalties)
             if decode:  # one mixed pass: a budget-sized chunk + the decode rows
-                pending, n, decoding = self.engine.dispatch_mixed(*chunk_args, *decode_args)
+                pending, result.computed, decoding = self.engine.dispatch_mixed(chunk=chunk.rows, batch=batch)
             else:
-                pending, n = self.engine.dispatch_compute(*chunk_args)
-            computing = (pending, n)
-            if chunk.snapshot_to is not None and n == len(chunk.tokens):
-                self.engine.copy_slot(chunk.slot, chunk.snapshot_to)  # pin the shared prefix (postprocess)
+                pending, result.computed = self.engine.dispatch_compute(chunk=chunk.rows)
+            computing = pending
+            if chunk.snapshot_to is not None and chunk.snapshot_due(result.computed):  # pin the shared prefix
+                self.engine.copy_slot(src=chunk.rows.slot, dst=chunk.snapshot_to)
         elif decode:
-            decoding = self.engine.dispatch_decode(*decode_args)
+            decoding = self.engine.dispatch_decode(batch=batch)
         if decoding is not None:
             self._await_constraints(decode)
-        if computing is not None:
-            self._finish_compute(work.compute, *computing)
+        if chunk is not None and computing is not None:
+            result.compute_sample = self._sample_chunk(chunk.seq, computing, result.computed)
         if decoding is not None:
-            self._finish_decode(decode, decoding)
-        return self._step
+            result.decode_sample, result.sampled, result.active = self._sample_decode(decode, decoding)
+        return result
 
-    def _finish_compute(self, seq: Sequence, pending, n: int) -> None:
-        """Record that the chunk consumed `n` tokens, and sample the sequence's next token when they were all its
-        pending ones (into `self._step`)."""
-        self._step.computed = n
-        if seq.slot is not None and n == seq.pending:
-            rows = sampling_rows([seq], self.vocab)
-            self._step.compute_sample = self.engine.sample(pending, rows, [False], [True])
+    def _sample_chunk(self, seq: Sequence, pending: engine_api.Pending, n: int) -> engine_api.HostOutput | None:
+        """The sequence's next token, sampled when the chunk's `n` tokens were all its pending ones (else None:
+        more of the prompt follows)."""
+        if seq.slot is None or n != seq.pending:
+            return None
+        return self.engine.sample(pending, sampling=sampling_rows([seq], self.vocab), clear_penalties=[False],
+                                  active=[True])
 
-    def _finish_decode(self, seqs: list[Sequence], pending) -> None:
-        """Sample the decode step (into `self._step`). A row whose mask has not arrived is inactive: the engine
-        keeps its penalty history and the scheduler drops its result; a row whose forced tokens arrived is active
-        but not sampled (its KV stands, the forced tokens follow)."""
+    def _sample_decode(self, seqs: list[Sequence],
+                       pending: engine_api.Pending) -> tuple[engine_api.HostOutput, list[bool], list[bool]]:
+        """Sample the decode step: (samples, sampled, active) as in `StepResult`. A row whose mask has not arrived
+        is inactive: the engine keeps its penalty history and the scheduler drops its result; a row whose forced
+        tokens arrived is active but not sampled (its KV stands, the forced tokens follow)."""
         sampled, active = self.scheduler.decode_rows(seqs)
-        out = self.engine.sample(pending, sampling_rows(seqs, self.vocab), [s.clear_penalties for s in seqs], active)
-        self._step.decode_sample, self._step.sampled, self._step.active = out, sampled, active
+        out = self.engine.sample(pending, sampling=sampling_rows(seqs, self.vocab),
+                                 clear_penalties=[s.clear_penalties for s in seqs], active=active)
+        return out, sampled, active
 
     def _count(self, work: Work, result: StepResult) -> None:
         """Add an iteration's engine steps and tokens to `self.steps` (before `postprocess` moves the sequences
@@ -335,8 +378,8 @@ class EngineLoop:
             n = result.computed
             self.steps["compute"] += 1
             self.steps["computed_tokens"] += n
-            self.steps["prompt_tokens"] += max(0, min(n, len(work.compute.prompt) - work.chunk.start))
-            self.steps["copy"] += work.chunk.snapshot_to is not None and n == len(work.chunk.tokens)
+            self.steps["prompt_tokens"] += max(0, min(n, len(work.chunk.seq.prompt) - work.chunk.rows.start))
+            self.steps["copy"] += work.chunk.snapshot_due(n)
             self.steps["mixed"] += bool(work.decode)
         if result.decode_sample is not None:
             self.steps["decode"] += 1
@@ -352,7 +395,7 @@ class EngineLoop:
             if remaining <= 0:
                 return
             try:
-                self._handle(*self._inbox.get(timeout=remaining))
+                self._handle(self._inbox.get(timeout=remaining))
             except queue.Empty:
                 return
 

@@ -16,7 +16,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gemma_serve import network, preparation
+from common import network, preparation
 from protos import model_worker_pb2, model_worker_pb2_grpc
 
 log = logging.getLogger("gemma_serve.worker")
@@ -57,7 +57,7 @@ def write_weights(reader, out: pathlib.Path, name: str) -> None:
 
 
 PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"weights": write_weights}
-"""The prepared parts the worker reads (`gemma_serve.preparation.prepare`)."""
+"""The prepared parts the worker reads (`common.preparation.prepare`)."""
 
 
 

@@ -26,7 +26,7 @@ from model_worker import sharding
 from model_worker.attention import KEY_BLOCK
 from model_worker.config import ModelConfig
 from model_worker.kv_cache import KVCache
-from model_worker.params import Params, param_shapes
+from model_worker.params import LOOKUP_TABLES, Params, param_shapes
 from model_worker.quant import CPU_BLOCK_BYTES, Int4Weight, Int8Weight
 from model_worker.sampling import penalty_state_zeros
 
@@ -41,8 +41,6 @@ DEFAULT_SLOTS = 4
 #: sample program's temporaries (penalised logits, probabilities, the sorted copy of top-p / top-k): 5 rows
 #: measured on XLA CPU (docs/performance.md), one more for margin.
 SAMPLING_ROWS = 6
-# Tables (looked up by token id) stay dense in every checkpoint format (docs/formats.md §2).
-_TABLES = ("embed", "ple_embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +138,7 @@ def abstract_params(cfg: ModelConfig, dtype, int4_group: int | None = None) -> P
     (docs/formats.md §1-2), tables and norms in `dtype`."""
     flat = {}
     for name, shape in param_shapes(cfg).items():
-        if int4_group and len(shape) == 2 and name not in _TABLES:
+        if int4_group and len(shape) == 2 and name not in LOOKUP_TABLES:
             k, n = shape
             flat[name] = Int4Weight(jax.ShapeDtypeStruct((n, -(-k // 8)), jnp.int32),
                                     jax.ShapeDtypeStruct((n, k // int4_group), jnp.bfloat16), None, in_features=k,

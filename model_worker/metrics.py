@@ -17,7 +17,7 @@ import threading
 import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from gemma_serve.telemetry import LATENCY_BUCKETS
+from common.telemetry import LATENCY_BUCKETS
 
 
 class WorkerMetrics:

@@ -137,15 +137,17 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# Tables (looked up by token id) are [rows, H] whichever the storage; quantized Linear weights are stored [out, in].
-_TABLES = ("embed", "ple_embed")
+LOOKUP_TABLES = ("embed", "ple_embed")
+"""The weights looked up by token id (the embedding and Gemma 4's per-layer embedding): [rows, H] whatever their
+storage, never split by their rows' quantization groups, and dense in every checkpoint format (docs/formats.md
+§2); every other matrix is a Linear weight, stored [out, in] when quantized."""
 
 
 def logical_shape(x, name: str = "") -> tuple[int, ...]:
     """Shape of weight `name` in the forward's orientation: [in, out] for a Linear weight (an Int4Weight or
     Int8Weight Linear is stored [out, in]), [rows, H] for a table."""
     if isinstance(x, Int8Weight):
-        return x.shape if name in _TABLES else x.shape[::-1]
+        return x.shape if name in LOOKUP_TABLES else x.shape[::-1]
     if isinstance(x, Int4Weight):
         return (x.in_features, x.out_features)
     return tuple(x.shape)

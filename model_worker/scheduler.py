@@ -38,177 +38,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from model_worker.engine_api import HostOutput, PromptChunk
 from model_worker.prefix_cache import LiveSlot, PrefixCache
-
-if TYPE_CHECKING:
-    from model_worker.engine import HostOutput
-
-
-class Finish(enum.IntEnum):
-    """Why a sequence ended (values match protos FinishReason)."""
-
-    NONE = 0
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
-
-
-class Failure(enum.Enum):
-    """Why a sequence ended with an error; the service maps each to its gRPC status (a full queue and a failed
-    engine can be retried; anything else is the worker's own failure)."""
-
-    NONE = "none"
-    QUEUE_FULL = "queue_full"
-    DUPLICATE_ID = "duplicate_id"
-    ENGINE_FAILED = "engine_failed"
-    BAD_MESSAGE = "bad_message"  # a malformed mask or forced-token message on the Decode stream
-    MASK_EMPTY = "mask_empty"
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingSpec:
-    """Host-side sampling settings of one sequence (see sampling.py for the semantics).
-
-    Attributes:
-      temperature, top_k, top_p, min_p: token choice.
-      seed: 64-bit seed of the sequence's random stream.
-      presence_penalty, frequency_penalty, repetition_penalty: OpenAI / CTRL penalties.
-      bias_ids, bias_vals: logit bias entries (at most sampling.MAX_LOGIT_BIAS).
-      top_logprobs: alternatives to return per token (0..20).
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    bias_ids: tuple[int, ...] = ()
-    bias_vals: tuple[float, ...] = ()
-    top_logprobs: int = 0
-
-
-@dataclasses.dataclass
-class TokenEvent:
-    """Tokens produced for a sequence since its last event; `finish` is set on the last event.
-
-    Attributes:
-      token_ids, logprobs, forced: per token.
-      top: per token, (ids, logprobs) of the most likely alternatives (empty when not requested).
-      cached_tokens: prompt tokens reused from the prefix cache (on the first event).
-      finish: why the sequence ended (NONE while live).
-      error: a message when it ended because of an error.
-      failure: the kind of that error (NONE without one), which decides the RPC's status.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish: Finish = Finish.NONE
-    error: str | None = None
-    failure: Failure = Failure.NONE
-    forced: list[bool] = dataclasses.field(default_factory=list)
-    top: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
-    cached_tokens: int = 0
-
-
-@dataclasses.dataclass(slots=True)
-class Sequence:
-    """One request inside the worker. Only the scheduler changes it once it is built (slotted: an undeclared
-    attribute is an AttributeError).
-
-    Attributes:
-      request_id: client-chosen unique id.
-      prompt: prompt token ids.
-      sampling: sampling settings.
-      max_tokens: generation limit.
-      stop_ids: token ids that end the sequence (the stop token is kept in the output).
-      sink: called (on the engine thread) with every TokenEvent; must not block.
-      constrained: sample only with a mask for that step (masks[step]).
-      fork_of: request id whose prompt KV this sequence shares (n > 1), or None.
-      slot: cache row while admitted, else None.
-      num_computed: tokens (prompt + output) whose KV is in the cache.
-      output: generated token ids (sampled and forced).
-      masks: step -> packed uint32 mask words for the token at output index `step`.
-      forced: step -> token ids to append without sampling at output index `step`.
-      allowed: packed mask words applied at every step without a per-step mask, or None.
-      finish: why it ended (NONE while live).
-      arrival: admission order (set by Scheduler.add).
-      clear_penalties: clear the slot's penalty history at the sequence's next step (a fresh sequence: the slot
-        may hold another request's history).
-      cached_tokens: prompt tokens whose KV was reused from the prefix cache.
-      snapshot_at: pin a copy of the slot once this many prompt tokens are computed (a shared prefix), or None.
-      arrived_at, admitted_at, last_token_at: time.monotonic() stamps for the latency metrics.
-      missed: the last step ran this (constrained) sequence but its mask came too late; it waits for the mask
-        before it joins a step again.
-      cache_salt: prefix-cache scope: the prompt reuses only KV computed under the same salt (PrefixCache).
-      session, lease_ttl: the session this request belongs to ("" for none) and how long its slot's KV stays
-        leased to it after the request ends (seconds; 0: no lease, and a lease the session held ends).
-      leader: the running sequence computing a prompt that shares `share` tokens with this one: this sequence
-        waits (computing nothing) until the leader has computed them, then copies its slot; None otherwise.
-      share: prompt tokens to take from the leader's slot.
-      first_token_at: time.monotonic() of the first generated token (prefill / decode time metrics).
-    """
-
-    request_id: str
-    prompt: list[int]
-    sampling: SamplingSpec
-    max_tokens: int
-    stop_ids: frozenset[int]
-    sink: Callable[[TokenEvent], None]
-    constrained: bool = False
-    fork_of: str | None = None
-    slot: int | None = None
-    num_computed: int = 0
-    output: list[int] = dataclasses.field(default_factory=list)
-    masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    forced: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    allowed: np.ndarray | None = None
-    finish: Finish = Finish.NONE
-    arrival: int = 0
-    clear_penalties: bool = True
-    cached_tokens: int = 0
-    snapshot_at: int | None = None
-    arrived_at: float = dataclasses.field(default_factory=time.monotonic)
-    admitted_at: float | None = None
-    last_token_at: float | None = None
-    missed: bool = False
-    cache_salt: str = ""
-    session: str = ""
-    lease_ttl: float = 0.0
-    leader: Sequence | None = dataclasses.field(default=None, repr=False, compare=False)
-    share: int = 0
-    first_token_at: float | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        """prompt + output."""
-        return self.prompt + self.output
-
-    @property
-    def pending(self) -> int:
-        """Tokens not yet in the cache."""
-        return len(self.prompt) + len(self.output) - self.num_computed
-
-    def ready(self) -> bool:
-        """Whether the next token can be sampled now (unconstrained, or its mask has arrived)."""
-        return not self.constrained or len(self.output) in self.masks
-
-    def has_constraint(self) -> bool:
-        """Whether the next step's mask or forced tokens have arrived (always True when unconstrained)."""
-        return self.ready() or len(self.output) in self.forced
-
-    def is_output(self, start: int, count: int) -> list[bool]:
-        """For tokens start..start+count-1 of `tokens`: whether each is generated (not prompt)."""
-        return [start + j >= len(self.prompt) for j in range(count)]
+from model_worker.sequence import Failure, Finish, Sequence, TokenEvent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,22 +67,25 @@ class Emission:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """The compute part of an iteration: tokens of one sequence to run into its slot (`engine_api.Engine.
-    dispatch_compute`'s arguments, in its order, then what to do after).
+    """The compute part of an iteration: tokens of one sequence to run into its slot, and what to do after.
 
     Attributes:
-      slot, tokens, start, is_output, clear_penalties: `dispatch_compute`'s five arguments, in order (the engine
-        consumes the first n >= 1 tokens; clear_penalties is the sequence's flag when the chunk was planned).
+      seq: the sequence the chunk is computed for.
+      rows: what the engine computes (`engine_api.PromptChunk`: the engine consumes its first n >= 1 tokens;
+        `clear_penalties` is the sequence's flag when the chunk was planned).
       snapshot_to: when the engine consumes every token, the chunk ends exactly at the sequence's shared prefix:
-        copy `slot` over this slot, which the scheduler then pins as a snapshot of that prefix; None otherwise.
+        copy the chunk's slot over this slot, which the scheduler then pins as a snapshot of that prefix; None
+        otherwise.
     """
 
-    slot: int
-    tokens: list[int]
-    start: int
-    is_output: list[bool]
-    clear_penalties: bool
+    seq: Sequence
+    rows: PromptChunk
     snapshot_to: int | None = None
+
+    def snapshot_due(self, consumed: int) -> bool:
+        """Whether the engine consuming `consumed` tokens of the chunk makes its snapshot copy due (it consumed
+        them all, and the chunk ends at a shared prefix)."""
+        return self.snapshot_to is not None and consumed == len(self.rows.token_ids)
 
 
 @dataclasses.dataclass
@@ -256,20 +95,24 @@ class Work:
 
     Attributes:
       copies: (source slot, destination slot) copies to run before anything else, in order.
-      compute: the sequence a chunk is computed for, or None.
-      chunk: that chunk (budget-sized when `decode` is not empty), or None.
       decode: the sequences that decode one token each, by slot.
+      chunk: the compute chunk (of the oldest sequence with several pending tokens; budget-sized when `decode` is
+        not empty), or None.
       admitted: sequences admitted into a slot by this `schedule()` call, in admission order.
       emissions: events made while scheduling (forced tokens appended, sequences they ended), to publish before
         the step runs.
     """
 
     copies: list[tuple[int, int]]
-    compute: Sequence | None
     decode: list[Sequence]
     chunk: Chunk | None = None
     admitted: list[Sequence] = dataclasses.field(default_factory=list)
     emissions: list[Emission] = dataclasses.field(default_factory=list)
+
+    @property
+    def compute(self) -> Sequence | None:
+        """The sequence the chunk is computed for, or None without a chunk."""
+        return None if self.chunk is None else self.chunk.seq
 
 
 @dataclasses.dataclass
@@ -337,19 +180,18 @@ class Scheduler:
         emissions = [e for seq in list(self.running.values()) if (e := self._force(seq)) is not None]
         copies, admitted = self._admit()
         for parent, fork in self.due_forks():
-            copies.append((parent.slot, fork.slot))
+            copies.append((parent.row, fork.row))
             fork.num_computed, fork.clear_penalties = len(fork.prompt) - 1, False
         copies += self._take_shares()
         live = [s for s in self.running.values() if s.finish == Finish.NONE and not self._waits_for_parent(s)]
         compute = min((s for s in live if s.pending >= 2), key=lambda s: s.arrival, default=None)
         # A constrained sequence joins the decode step before its mask arrives (the mask is needed only at
         # sampling, after the forward pass), unless its mask came too late last time.
-        decode = sorted((s for s in live if s.pending == 1 and (s.ready() or not s.missed)), key=lambda s: s.slot)
+        decode = sorted((s for s in live if s.pending == 1 and (s.ready() or not s.missed)), key=lambda s: s.row)
         chunk = None
         if compute is not None:
             chunk = self._plan_chunk(compute, self.token_budget if decode else None)
-        return Work(copies=copies, compute=compute, decode=decode, chunk=chunk, admitted=admitted,
-                    emissions=emissions)
+        return Work(copies=copies, decode=decode, chunk=chunk, admitted=admitted, emissions=emissions)
 
     def _force(self, seq: Sequence) -> Emission | None:
         """Append the forced tokens due at `seq`'s current step; their event (None: none were due)."""
@@ -376,8 +218,9 @@ class Scheduler:
             todo = todo[:budget]
         snapshot_to = None
         if seq.snapshot_at is not None and start + len(todo) == seq.snapshot_at:
-            snapshot_to = self.cache.snapshot_slot(seq.slot)
-        return Chunk(seq.slot, todo, start, seq.is_output(start, len(todo)), seq.clear_penalties, snapshot_to)
+            snapshot_to = self.cache.snapshot_slot(seq.row)
+        return Chunk(seq, PromptChunk(seq.row, todo, start, seq.is_output(start, len(todo)), seq.clear_penalties),
+                     snapshot_to)
 
     def _live_slots(self) -> dict[int, LiveSlot]:
         """The running slots as the prefix cache sees them (what each holds, the prompt it computes if any)."""
@@ -392,7 +235,8 @@ class Scheduler:
 
     def _admit(self) -> tuple[list[tuple[int, int]], list[Sequence]]:
         """Place waiting sequences in arrival order until one finds no slot; (copies to run, admitted)."""
-        copies, admitted = [], []
+        copies: list[tuple[int, int]] = []
+        admitted: list[Sequence] = []
         if not self.waiting or not self.cache.has_free():
             return copies, admitted  # nothing to place, or nowhere: skip copying the running histories
         live = self._live_slots()  # once per iteration; an admitted sequence is added below
@@ -420,7 +264,8 @@ class Scheduler:
     def _take_shares(self) -> list[tuple[int, int]]:
         """Copies for the followers whose leader has computed their shared prefix (or is gone): each takes the
         longest exactly reusable prefix there is now (normally `share` tokens of its leader's slot)."""
-        copies, live = [], None
+        copies: list[tuple[int, int]] = []
+        live: dict[int, LiveSlot] | None = None
         for seq in self.running.values():
             leader = seq.leader
             if leader is None or (leader.slot is not None and leader.finish == Finish.NONE
@@ -428,11 +273,11 @@ class Scheduler:
                 continue
             seq.leader = None
             live = self._live_slots() if live is None else live  # built at most once, and only when needed
-            source, usable = self.cache.best_source(seq.prompt, seq.cache_salt, seq.slot, live)
-            if usable:
-                copies.append((source, seq.slot))
+            source, usable = self.cache.best_source(seq.prompt, seq.cache_salt, seq.row, live)
+            if source is not None and usable:
+                copies.append((source, seq.row))
                 seq.num_computed = seq.cached_tokens = usable
-                live[seq.slot] = self._live_slot(seq)
+                live[seq.row] = self._live_slot(seq)
                 self.reused_tokens += usable
                 self.cache.hits += 1
         return copies
@@ -451,7 +296,7 @@ class Scheduler:
         A fork whose parent is gone or already past that point computes its prompt itself."""
         due = []
         for seq in self.running.values():
-            if not self._waits_for_parent(seq):
+            if not self._waits_for_parent(seq) or seq.fork_of is None:
                 continue
             parent = self.by_id.get(seq.fork_of)
             if parent is None or parent.slot is None or parent.num_computed > len(parent.prompt):
@@ -501,14 +346,14 @@ class Scheduler:
     def postprocess(self, work: Work, result: StepResult) -> list[Emission]:
         """Commit what the engine did with `work`: computed tokens, pinned snapshots, sampled tokens (a sequence
         may end here, freeing its slot). Returns the events to publish, the chunk's sequence first."""
-        emissions = []
-        seq = work.compute
-        if seq is not None:
-            chunk, n = work.chunk, result.computed
+        emissions: list[Emission] = []
+        chunk = work.chunk
+        if chunk is not None:
+            seq, n = chunk.seq, result.computed
             seq.num_computed += n
             seq.clear_penalties = False
             if seq.snapshot_at is not None and seq.num_computed >= seq.snapshot_at:
-                if chunk.snapshot_to is not None and n == len(chunk.tokens):
+                if chunk.snapshot_to is not None and chunk.snapshot_due(n):
                     self.cache.pin(chunk.snapshot_to, seq.prompt[: seq.snapshot_at], seq.cache_salt)
                 seq.snapshot_at = None
             if result.compute_sample is not None:
@@ -519,7 +364,7 @@ class Scheduler:
                 continue
             seq.num_computed += 1
             seq.clear_penalties = False
-            if result.sampled[r]:
+            if result.sampled[r] and result.decode_sample is not None:
                 emissions += self._sampled(seq, result.decode_sample, r)
         return emissions
 

@@ -19,7 +19,7 @@ import grpc
 
 from model_worker.loop import ENGINE_FAILED, EngineLoop
 from model_worker.sampling import MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS, mask_words_from_bytes
-from model_worker.scheduler import Failure, Finish, SamplingSpec, Sequence, TokenEvent
+from model_worker.sequence import Failure, Finish, SamplingSpec, Sequence, TokenEvent
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
 
 if TYPE_CHECKING:

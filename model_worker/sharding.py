@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from model_worker.config import ModelConfig
 from model_worker.kv_cache import KVCache
-from model_worker.params import LayerParams, Params
+from model_worker.params import LOOKUP_TABLES, LayerParams, Params
 from model_worker.programs import SampleInputs
 from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight
 from model_worker.sampling import PenaltyState, penalty_state_zeros
@@ -124,10 +124,6 @@ CACHE_AXES: tuple[str, ...] = ("batch", "seq", "kv_heads", "head_dim")
 PENALTY_AXES: tuple[str, ...] = ("batch", "vocab")
 #: Logits [B, V] out of the forward programs and into the sample programs.
 LOGITS_AXES: tuple[str, ...] = ("batch", "vocab")
-
-# Tables are stored [rows, cols] whatever their type; quantized Linear weights [out, in].
-_TABLES = ("embed", "ple_embed")
-
 
 def make_mesh(n: int, devices=None) -> Mesh:
     """A one-axis mesh (`MODEL`) over the first n of `devices` (default `jax.devices()`).
@@ -227,7 +223,7 @@ class Layout:
             int32 word on some device.
         """
         label = name if layer is None else f"layers.{layer}.{name}"
-        table = layer is None and name in _TABLES
+        table = layer is None and name in LOOKUP_TABLES
         if isinstance(value, Int4Weight):
             stored = (value.out_features, value.in_features)
         elif isinstance(value, (Int8Weight, Bf16Weight)):

@@ -215,9 +215,11 @@ def gemma3(prepared):
 @pytest.fixture(scope="session")
 def text_tokenizer(prepared):
     """The rebuilt tokenizer of the embedded model (tokenizer_svc.TextTokenizer)."""
+    from common import families
+    from tokenizer_svc.chat_template import tokenizer_part
     from tokenizer_svc.tokenizer import TextTokenizer
 
-    return TextTokenizer.from_prepared(prepared.dir)
+    return TextTokenizer.from_prepared(prepared.dir, tokenizer_part(families.by_name("gemma3")).template_facts.end_of_turn)
 
 
 @pytest.fixture(scope="session")
@@ -252,7 +254,7 @@ def hf_gemma3_float32_dir(gguf_path: pathlib.Path) -> pathlib.Path:
     import torch
     import transformers
 
-    from gemma_serve.preparation import _gguf_key, _locked
+    from common.preparation import _gguf_key, _locked
 
     versions = f"transformers-{version('transformers')}-gguf-{version('gguf')}"
     out = CACHE / "reference" / f"{_gguf_key(gguf_path)}-{versions}"

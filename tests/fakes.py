@@ -2,7 +2,7 @@
 
 FakeEngine: the next token is always (previous token + 1) % vocab, so a prompt ending in t generates t+1, t+2, ...
 (or, with a mask, the smallest allowed token >= that). It implements the engine contract the EngineLoop drives,
-`model_worker.engine_api.Engine` (tests/model_worker/test_engine_api.py checks it), counts its calls and the
+`model_worker.engine_api.Engine` (a type checker holds it to the contract: tests/model_worker/engine_conformance.py), counts its calls and the
 prompt tokens it was asked to compute (from the `is_output` flags the loop passes, independently of the loop's
 own counters), and logs every chunk as (slot, start, tokens consumed).
 """
@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 import types
+from collections.abc import Sequence
 
 import numpy as np
 
-from model_worker.engine import HostOutput
-from model_worker.sampling import unpack_mask
+from model_worker.engine_api import DecodeBatch, HostOutput, PromptChunk
+from model_worker.sampling import SamplingArrays, unpack_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,13 +35,20 @@ class FakeEngineConfig:
         return (self.chunk,)
 
 
+@dataclasses.dataclass(frozen=True)
+class FakeModelConfig:
+    """The model sizes of a FakeEngine (`engine_api.ModelSizes`)."""
+
+    vocab_size: int
+
+
 class FakeEngine:
     """next = (last + 1) % vocab (masked: the smallest allowed token >= that, wrapping); compute consumes at most
     `chunk` tokens per call."""
 
     def __init__(self, ecfg: FakeEngineConfig = FakeEngineConfig(), vocab: int = 1000, step_delay: float = 0.0):
         self.ecfg, self.vocab, self.step_delay = ecfg, vocab, step_delay
-        self.cfg = types.SimpleNamespace(vocab_size=vocab)
+        self.cfg = FakeModelConfig(vocab)
         self.calls = {"compute": 0, "decode": 0, "copy": 0}
         self.prompt_tokens = 0  # prompt (not generated) tokens computed, in chunks and decode rows
         self.chunks: list[tuple[int, int, int]] = []  # (slot, start position, tokens consumed) per compute call
@@ -61,38 +69,39 @@ class FakeEngine:
         return HostOutput(np.array(tokens, np.int32), np.full(n, logprob, np.float32),
                           np.full((n, 20), -1, np.int32), np.zeros((n, 20), np.float32), np.zeros(n, bool))
 
-    def dispatch_compute(self, slot, token_ids, start, is_output, clear_penalties=False):
+    def dispatch_compute(self, *, chunk: PromptChunk) -> tuple[types.SimpleNamespace, int]:
         """Consume min(chunk, len(token_ids)) tokens (waits on `gate` first); pending = the last one consumed."""
         self.entered.set()
         self.gate.wait()
         self.calls["compute"] += 1
-        n = min(self.ecfg.chunk, len(token_ids))
-        self.prompt_tokens += sum(not o for o in is_output[:n])
-        self.chunks.append((slot, start, n))
-        return types.SimpleNamespace(last=[token_ids[n - 1]], logprob=-0.5), n
+        n = min(self.ecfg.chunk, len(chunk.token_ids))
+        self.prompt_tokens += sum(not o for o in chunk.is_output[:n])
+        self.chunks.append((chunk.slot, chunk.start, n))
+        return types.SimpleNamespace(last=[chunk.token_ids[n - 1]], logprob=-0.5), n
 
-    def dispatch_decode(self, slots, tokens, positions, is_output):
+    def dispatch_decode(self, *, batch: DecodeBatch) -> types.SimpleNamespace:
         """One row per slot; pending = the input tokens (waits on `gate`, then `step_delay` seconds)."""
         self.gate.wait()
         if self.step_delay:
             threading.Event().wait(self.step_delay)
         self.calls["decode"] += 1
-        self.prompt_tokens += sum(not o for o in is_output)
-        return types.SimpleNamespace(last=list(tokens), logprob=-0.25)
+        self.prompt_tokens += sum(not o for o in batch.is_output)
+        return types.SimpleNamespace(last=list(batch.tokens), logprob=-0.25)
 
-    def dispatch_mixed(self, slot, token_ids, start, is_output, clear_penalties, slots, tokens, positions,
-                       decode_is_output):
+    def dispatch_mixed(self, *, chunk: PromptChunk,
+                       batch: DecodeBatch) -> tuple[types.SimpleNamespace, int, types.SimpleNamespace]:
         """`dispatch_compute` then `dispatch_decode`, counted as one mixed call."""
-        if slot in slots:
-            raise ValueError(f"slot {slot} cannot take a chunk and decode in the same step")
+        if chunk.slot in batch.slots:
+            raise ValueError(f"slot {chunk.slot} cannot take a chunk and decode in the same step")
         self.calls["mixed"] = self.calls.get("mixed", 0) + 1
-        pending, n = self.dispatch_compute(slot, token_ids, start, is_output, clear_penalties)
-        return pending, n, self.dispatch_decode(slots, tokens, positions, decode_is_output)
+        pending, n = self.dispatch_compute(chunk=chunk)
+        return pending, n, self.dispatch_decode(batch=batch)
 
-    def sample(self, pending, sampling, clear_penalties, active):
+    def sample(self, pending: types.SimpleNamespace, *, sampling: SamplingArrays, clear_penalties: Sequence[bool],
+               active: Sequence[bool]) -> HostOutput:
         """next = (last + 1) % vocab per row (masked: the smallest allowed token >= that, wrapping)."""
         return self._out([self._next(t, sampling, r) for r, t in enumerate(pending.last)], pending.logprob)
 
-    def copy_slot(self, src, dst):
+    def copy_slot(self, *, src: int, dst: int) -> None:
         """Count the copy (the fake keeps no per-slot state)."""
         self.calls["copy"] += 1

@@ -1,14 +1,14 @@
-"""The model-family registry (families/__init__.py): lookups by the names checkpoints declare, and a clear error
+"""The model-family registry (common/families.py): lookups by the names checkpoints declare, and a clear error
 naming what is supported for anything else (never a silent fallback to another family's formats)."""
 
 from __future__ import annotations
 
+import sys
 
 import pytest
 
-import families
-from families import UnknownFamilyError
-
+from common import families
+from common.families import UnknownFamilyError
 
 
 def test_every_registered_package_declares_its_family_once():
@@ -50,7 +50,12 @@ def test_an_unknown_family_is_a_clear_error_naming_the_supported_ones(lookup, ar
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma4"])
-def test_a_family_part_is_imported_by_name(name):
+def test_a_family_part_is_imported_by_name_and_checked_for_its_type(name):
+    from gateway.tool_format import FamilyFormat
+    from tokenizer_svc.chat_template import TokenizerPart
+
     family = families.by_name(name)
-    assert family.part("gateway").__name__ == f"families.{name}.gateway"
-    assert family.part("tokenizer").__name__ == f"families.{name}.tokenizer"
+    assert family.part("gateway", FamilyFormat) is sys.modules[f"families.{name}.gateway"].PART
+    assert family.part("tokenizer", TokenizerPart) is sys.modules[f"families.{name}.tokenizer"].PART
+    with pytest.raises(TypeError, match=f"families.{name}.tokenizer.PART must be a .*FamilyFormat"):
+        family.part("tokenizer", FamilyFormat)

@@ -1,28 +1,32 @@
 """The import layers of docs/architecture.md ("Layers"), checked on the import graph grimp builds from the source.
 
-grimp reads every import statement, those inside functions included, so a lazy import counts like any other:
-"never imports" here means on no code path, not merely at start-up.
+grimp reads every import statement, those inside functions and under `TYPE_CHECKING` included, so a lazy import
+counts like any other: "never imports" here means on no code path, not merely at start-up. The services reach a
+family's parts by name (`common.families.Family.part`, an `importlib` call), which is what lets the plug-ins sit
+above the services they extend.
 """
 
 from __future__ import annotations
 
-import itertools
 import subprocess
 import sys
 import textwrap
 
 import grimp
 import pytest
+from grimp import Layer
 
-PACKAGES = ("gemma_serve", "model_worker", "tokenizer_svc", "gateway", "protos", "families")
-LAUNCHER = ("gemma_serve.cli", "gemma_serve.launcher", "gemma_serve.models")
-SERVICES = ("model_worker", "tokenizer_svc", "gateway")
-# Components from the top down; an import may only point down or stay inside its component. Services may use one
-# another's pure-Python parts (the gateway scans JSON prefixes with tokenizer_svc.json_prefix), never in a cycle.
-RANKS = {"launcher": 0, "model_worker": 1, "tokenizer_svc": 1, "gateway": 1, "base": 2}
-# A model family's package (families/<name>/) splits by part: each part belongs to the service that imports it; the
-# registry and the packages' descriptors are base.
-FAMILY_PARTS = {"worker": "model_worker", "tokenizer": "tokenizer_svc", "gateway": "gateway"}
+from common.families import REGISTERED
+
+#: Top-level packages from the top down. An import may point only down, never up or sideways within a layer: the
+#: three services are independent of one another, and what they share lives below them.
+LAYERS = (
+    Layer("gemma_serve"),  # the launcher: the `gemma-serve` command, `up`, the launcher's model preparation
+    Layer("families"),  # model-family plug-ins: each part extends one service through the part type it declares
+    Layer("model_worker", "tokenizer_svc", "gateway", independent=True),  # the three services
+    Layer("common", "protos", independent=True),  # shared code and the registry / the wire API
+)
+PACKAGES = tuple(module for layer in LAYERS for module in layer.module_tails)
 
 
 def build() -> grimp.ImportGraph:
@@ -36,105 +40,113 @@ def graph() -> grimp.ImportGraph:
     return build()
 
 
-def component(module: str) -> str:
-    """The layer component of one of our modules: the launcher's modules, a service package, or "base" (the rest
-    of gemma_serve and protos)."""
-    if any(module == m or module.startswith(m + ".") for m in LAUNCHER):
-        return "launcher"
-    parts = module.split(".")
-    if parts[0] == "families":
-        return FAMILY_PARTS.get(parts[2], "base") if len(parts) > 2 else "base"
-    top = parts[0]
-    return top if top in SERVICES else "base"
+def upward_imports(graph: grimp.ImportGraph) -> list[str]:
+    """Every import that breaks `LAYERS`, as "importer -> imported (line)" strings (empty when none does)."""
+    found = []
+    for dependency in graph.find_illegal_dependencies_for_layers(layers=LAYERS):
+        for route in dependency.routes:
+            for head in route.heads:
+                for tail in route.tails:
+                    found.append(f"{head} -> {tail} ({dependency.importer} above {dependency.imported}?)")
+    return sorted(found)
 
 
-def component_imports(graph: grimp.ImportGraph) -> dict[tuple[str, str], list[str]]:
-    """(importer component, imported component) -> example imports, over every direct import between two of our
-    components."""
-    edges: dict[tuple[str, str], list[str]] = {}
-    for module in graph.modules:
-        if module.split(".")[0] not in PACKAGES:
-            continue
-        for imported in graph.find_modules_directly_imported_by(module):
-            if imported.split(".")[0] not in PACKAGES:
+def module_cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """The strongly connected components of more than one of our modules (Tarjan's algorithm): each is an import
+    cycle."""
+    ours = sorted(m for m in graph.modules if m.split(".")[0] in PACKAGES)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for nxt in sorted(graph.find_modules_directly_imported_by(module)):
+            if nxt.split(".")[0] not in PACKAGES:
                 continue
-            a, b = component(module), component(imported)
-            if a != b:
-                edges.setdefault((a, b), []).append(f"{module} -> {imported}")
-    return edges
+            if nxt not in index:
+                visit(nxt)
+                low[module] = min(low[module], low[nxt])
+            elif nxt in on_stack:
+                low[module] = min(low[module], index[nxt])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for module in ours:
+        if module not in index:
+            visit(module)
+    return cycles
 
 
-@pytest.mark.parametrize("service", SERVICES + ("families",))
-def test_services_never_import_the_launcher(graph, service):
-    for launcher in LAUNCHER:
-        chains = graph.find_shortest_chains(importer=service, imported=launcher, as_packages=True)
-        assert not chains, f"{service} reaches {launcher}: {sorted(chains)}"
+def test_packages_import_only_downward(graph):
+    assert not upward_imports(graph)
+    # The check sees the graph: each layer does import the one below it.
+    for importer, imported in [("gemma_serve", "model_worker"), ("families", "gateway"), ("gateway", "common"),
+                               ("model_worker", "protos")]:
+        assert graph.chain_exists(importer=importer, imported=imported, as_packages=True), (importer, imported)
 
 
-def _no_jax_importers(graph: grimp.ImportGraph) -> list[str]:
-    """The gateway, the tokenizer service and every family's gateway and tokenizer parts (modules or packages)."""
-    found = ["gateway", "tokenizer_svc"]
-    for module in sorted(graph.modules):
-        parts = module.split(".")
-        if parts[0] == "families" and len(parts) == 3 and FAMILY_PARTS.get(parts[2]) in ("gateway", "tokenizer_svc"):
-            found.append(module)
-    return found
+def test_no_import_cycle_between_modules(graph):
+    assert module_cycles(graph) == []
+
+
+def no_jax_importers() -> list[str]:
+    """The gateway, the tokenizer service and every registered family's gateway and tokenizer parts."""
+    return ["gateway", "tokenizer_svc"] + [f"{package}.{part}" for package in REGISTERED
+                                           for part in ("gateway", "tokenizer")]
 
 
 def test_gateway_and_tokenizer_never_import_jax(graph):
-    importers = _no_jax_importers(graph)
-    assert {"families.gemma3.gateway", "families.gemma4.tokenizer"} <= set(importers), importers
-    for importer in importers:
+    for importer in no_jax_importers():
+        assert importer in graph.modules, importer
         chains = graph.find_shortest_chains(importer=importer, imported="jax", as_packages=True)
         assert not chains, f"{importer} reaches jax: {sorted(chains)}"
 
 
-def test_imports_only_point_down_and_components_form_no_cycle(graph):
-    edges = component_imports(graph)
-    upward = {k: v[:3] for k, v in edges.items() if RANKS[k[0]] > RANKS[k[1]]}
-    assert not upward, upward
-    # Within a rank (the services) there may be imports, but no cycle: a depth-first search over the components.
-    successors: dict[str, set[str]] = {}
-    for a, b in edges:
-        successors.setdefault(a, set()).add(b)
-
-    def cycle_from(node: str, path: list[str]) -> list[str] | None:
-        for nxt in sorted(successors.get(node, ())):
-            if nxt in path:
-                return path[path.index(nxt):] + [nxt]
-            found = cycle_from(nxt, path + [nxt])
-            if found:
-                return found
-        return None
-
-    for start in RANKS:
-        cycle = cycle_from(start, [start])
-        assert cycle is None, (cycle, {pair: edges[pair][:3] for pair in itertools.pairwise(cycle)})
-    # The check sees the graph: the launcher does import the services, and they import the base.
-    assert ("launcher", "model_worker") in edges and ("tokenizer_svc", "base") in edges
-
-
-def test_the_checks_catch_a_service_importing_the_launcher():
-    """The contracts are not vacuous: an added import from a service to the launcher is reported by all three."""
+def test_the_checks_catch_an_upward_import_a_cycle_and_jax():
+    """The checks are not vacuous: an added import from a service to the launcher, and one from the registry to a
+    plug-in, are reported as upward; a service importing another is reported as sideways; an import back is a
+    cycle; and the tokenizer service then reaches jax (through the launcher's model preparation)."""
     graph = build()
     graph.add_import(importer="tokenizer_svc.service", imported="gemma_serve.models")
-    assert graph.find_shortest_chains(importer="tokenizer_svc", imported="gemma_serve.models", as_packages=True)
-    assert graph.find_shortest_chains(importer="tokenizer_svc", imported="jax", as_packages=True)  # via the models
-    assert ("tokenizer_svc", "launcher") in component_imports(graph)
+    graph.add_import(importer="common.families", imported="families.gemma3")
+    graph.add_import(importer="gateway.planner", imported="model_worker.scheduler")
+    found = upward_imports(graph)
+    for head in ("tokenizer_svc.service -> gemma_serve.models", "common.families -> families.gemma3",
+                 "gateway.planner -> model_worker.scheduler"):
+        assert any(line.startswith(head) for line in found), (head, found)
+    assert graph.find_shortest_chains(importer="tokenizer_svc", imported="jax", as_packages=True)
+    graph = build()
+    graph.add_import(importer="common.network", imported="common.families")
+    graph.add_import(importer="common.families", imported="common.network")
+    assert module_cycles(graph) == [["common.families", "common.network"]]
 
 
 @pytest.mark.slow
 def test_a_tokenizer_service_started_alone_prepares_and_loads_without_jax(cache_dir, prepared):
     """At run time too: the tokenizer service's own preparation and loading (the embedded model, its parts already
-    built by the session fixture) leave jax out of sys.modules."""
+    built by the session fixture) leave jax, the worker and the launcher out of sys.modules."""
     script = textwrap.dedent(
         f"""
         import pathlib, sys
         from tokenizer_svc.main import load_tokenizer
         tok, template, _ = load_tokenizer("embedded", pathlib.Path({str(cache_dir)!r}))
         assert tok.vocab_size > 0 and template == "gemma3", (tok.vocab_size, template)
-        assert "gemma_serve.preparation" in sys.modules
-        print(sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "model_worker") or m in {LAUNCHER}))
+        assert "common.preparation" in sys.modules
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "model_worker", "gemma_serve")))
         """
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)

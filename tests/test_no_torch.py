@@ -26,7 +26,7 @@ def test_services_and_model_load_without_torch(prepared):
         from model_worker.config import config_from_dict
         from model_worker.params import to_device
         d = pathlib.Path({str(prepared.dir)!r})
-        TextTokenizer.from_prepared(d)
+        TextTokenizer.from_prepared(d, ("<end_of_turn>",))
         cfg = config_from_dict(json.loads((d / "config.json").read_text()))
         to_device(cfg, load_file(str(d / "model.safetensors")), jnp.float32)
         heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))

@@ -1,4 +1,4 @@
-"""`gemma_serve.preparation`: each service prepares only its parts, once; a prepared directory is a model spec."""
+"""`common.preparation`: each service prepares only its parts, once; a prepared directory is a model spec."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from gemma_serve.preparation import PREPARED_VERSION, PreparedModel, prepare
+from common.preparation import PREPARED_VERSION, PreparedModel, prepare
 
 
 @pytest.fixture

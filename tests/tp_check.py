@@ -52,7 +52,9 @@ import numpy as np
 from families.gemma4.worker import config_from_hf
 from model_worker import memory, quant, sharding
 from model_worker.engine import Engine, EngineConfig
+from model_worker.engine_api import DecodeBatch, PromptChunk
 from model_worker.params import Params, param_shapes, random_flat, to_device, with_bf16_matmuls
+from model_worker.programs import ProgramKey
 from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight
 from model_worker.sampling import SamplingArrays, pack_mask
 from tests.gemma4_tiny import K_EQ_V, SHARED
@@ -107,11 +109,11 @@ def engine(cfg, params, tp: int, kv_int8: bool, slots: int = 2, **kw) -> Engine:
 def run(eng: Engine, prompt: list[int], follow: list[int], keys: list) -> dict:
     """The prompt as one chunk into slot 0, then one decode step per `follow` token; logits as numpy."""
     eng.compile_all(keys=keys)
-    pending, n = eng.dispatch_compute(0, prompt, 0, [False] * len(prompt), clear_penalties=True)
+    pending, n = eng.dispatch_compute(chunk=PromptChunk(0, prompt, 0, [False] * len(prompt), clear_penalties=True))
     assert n == len(prompt)
     logits = {"compute": np.asarray(pending.logits)[0], "decode": []}
     for i, tok in enumerate(follow):
-        logits["decode"].append(np.asarray(eng.dispatch_decode([0], [tok], [len(prompt) + i], [True]).logits)[0])
+        logits["decode"].append(np.asarray(eng.dispatch_decode(batch=DecodeBatch([0], [tok], [len(prompt) + i], [True])).logits)[0])
     logits["pending"] = pending
     return logits
 
@@ -240,7 +242,7 @@ def sampling(eng: Engine, pending, vocab: int) -> dict:
                 s.mask_on[0], s.mask[0] = True, pack_mask(allowed)
             else:
                 getattr(s, k)[0] = v
-        r = eng.sample(pending, s, [False], [False])
+        r = eng.sample(pending, sampling=s, clear_penalties=[False], active=[False])
         out[name] = {"tokens": r.tokens.tolist(), "logprobs": r.logprobs.tolist(), "top_ids": r.top_ids.tolist(),
                      "top_logprobs": r.top_logprobs.tolist()}
     return out
@@ -255,7 +257,7 @@ def tiny_checks() -> dict:
         rng = np.random.default_rng(4)
         prompt = rng.integers(3, cfg.vocab_size, PROMPT).tolist()
         follow = rng.integers(3, cfg.vocab_size, STEPS).tolist()
-        keys = [("compute", 1, CHUNK, MAX_LEN), ("decode", 1, 1, MAX_LEN)]
+        keys = [ProgramKey("compute", 1, CHUNK, MAX_LEN), ProgramKey("decode", 1, 1, MAX_LEN)]
         ref = None
         for tp in TPS:
             eng = engine(cfg, params, tp, kv_int8)
@@ -295,10 +297,10 @@ def mixed_check() -> dict:
     out = {}
     for tp in (1, 2):
         eng = engine(cfg, params, tp, kv_int8)
-        eng.compile_all(keys=[("compute", 1, CHUNK, MAX_LEN), ("mixed", 1, CHUNK, MAX_LEN)])
-        eng.dispatch_compute(1, first, 0, [False] * len(first), clear_penalties=True)
-        chunk, _, row = eng.dispatch_mixed(0, prompt, 0, [False] * CHUNK, True, [1], [first[-1]], [len(first)],
-                                           [True])
+        eng.compile_all(keys=[ProgramKey("compute", 1, CHUNK, MAX_LEN), ProgramKey("mixed", 1, CHUNK, MAX_LEN)])
+        eng.dispatch_compute(chunk=PromptChunk(1, first, 0, [False] * len(first), clear_penalties=True))
+        chunk, _, row = eng.dispatch_mixed(chunk=PromptChunk(0, prompt, 0, [False] * CHUNK, True),
+                                           batch=DecodeBatch([1], [first[-1]], [len(first)], [True]))
         assert eng.calls[("mixed", 1, CHUNK, MAX_LEN)] == 1
         out[tp] = {"compute": np.asarray(chunk.logits)[0], "decode": [np.asarray(row.logits)[0]]}
     return compare(out[1], out[2])
@@ -350,9 +352,9 @@ def copy_check(eng: Engine, position: int) -> dict:
     shards = lambda: [sorted({tuple(s.data.shape) for s in a.addressable_shards})
                       for a in jax.tree_util.tree_leaves((eng.cache, eng.pstate))]
     before = shards()
-    eng.copy_slot(0, 1)
-    a = np.asarray(eng.dispatch_decode([1], [7], [position], [True]).logits)[0]
-    b = np.asarray(eng.dispatch_decode([0], [7], [position], [True]).logits)[0]
+    eng.copy_slot(src=0, dst=1)
+    a = np.asarray(eng.dispatch_decode(batch=DecodeBatch([1], [7], [position], [True])).logits)[0]
+    b = np.asarray(eng.dispatch_decode(batch=DecodeBatch([0], [7], [position], [True])).logits)[0]
     return {"max_diff": float(np.abs(a - b).max()), "shards_kept": shards() == before,
             "layer0_k_shards": before[0]}
 
@@ -391,7 +393,7 @@ def gemma3_checks(directory: pathlib.Path) -> dict:
                                                                 for n in sharding.LAYER_AXES}
     prompt, follow = [2, 818, 5279, 529, 7001, 563], [506, 5279, 529]
     max_len = cfg.sliding_window  # one KV bucket (512)
-    keys = [("compute", 1, 8, max_len), ("decode", 1, 1, max_len)]
+    keys = [ProgramKey("compute", 1, 8, max_len), ProgramKey("decode", 1, 1, max_len)]
     out, ref = {}, None
     for tp in (1, 2):
         eng = Engine(cfg, params, EngineConfig(num_slots=1, max_model_len=max_len, prefill_chunks=(8,),

@@ -10,7 +10,7 @@ Every renderer has one signature, `render(messages, add_generation_prompt, tools
 -> list[Segment]`: `tools` is the OpenAI `tools` array (list of dicts, [] for none), `options` the template kwargs
 (e.g. {"enable_thinking": True}), `tool_choice` the request's resolved mode ("auto", "required", "named" or
 "none"). The built-in templates live in the model families' tokenizer parts (`families/<name>/tokenizer.py`:
-`render`, with the template's `TemplateFacts` as `TEMPLATE_FACTS`); `TEMPLATES` maps a family's name to its
+a `TokenizerPart`: `render`, the template's `TemplateFacts`, the family's `AnswerFormat`); `TEMPLATES` maps a family's name to its
 renderer through the registry. A checkpoint's own `chat_template.jinja` is rendered by a
 `tokenizer_svc.jinja_template.JinjaTemplate`, which has the same call signature. `continue_final_message` wraps
 any of them to end the prompt inside the final assistant message (a prefilled answer the model continues);
@@ -24,8 +24,8 @@ import json
 import secrets
 from collections.abc import Callable, Iterator, Mapping
 
-import families
-from tokenizer_svc.json_prefix import scan_json_prefix
+from common import families
+from common.json_prefix import scan_json_prefix
 from tokenizer_svc.tokenizer import TextTokenizer
 
 
@@ -277,6 +277,56 @@ class TemplateFacts:
     end_of_turn: tuple[str, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class AnswerFormat:
+    """How a family's model writes an answer's thought and tool calls, as segments: what a checkpoint template's
+    output is matched against to splice in the answer as generated (`JinjaTemplate`). A family without a native
+    call syntax has none (its tokenizer part's `answer_format` is None).
+
+    Attributes:
+      control_tokens: the control-token spellings the format writes; a vocabulary without all of them cannot
+        be the family's (`answer_format_for`).
+      call_head: what the model writes before an answer's first call's name (Gemma 4: `<|tool_call>call:`).
+      text: (message, index) -> its content as the family's template writes model text.
+      thought: reasoning text -> the thought channel the family's template writes for it.
+      calls: (calls, where, cut_closed) -> an answer's calls as the family's template writes them; a last call cut
+        off by max_tokens left open as generated, or with `cut_closed` closed as a template given the mapping it
+        reached writes it. Raises TemplateError for malformed arguments.
+    """
+
+    control_tokens: frozenset[str]
+    call_head: str
+    text: Callable[[Message, int], str]
+    thought: Callable[[str], list[Segment]]
+    calls: Callable[[list[tuple[str, str, str]], str, bool], list[Segment]]
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerPart:
+    """What a model family gives the tokenizer service (`families/<name>/tokenizer.py` defines `PART`, one of
+    these).
+
+    Attributes:
+      render: the family's built-in chat template (a `Renderer`).
+      template_facts: what that template supports (advertised in the tokenizer's `Info`) and its end-of-turn
+        tokens.
+      answer_format: how the family's model writes an answer's thought and tool calls, for splicing remembered
+        answers into a checkpoint's own template; None when the family has no native call syntax.
+    """
+
+    render: Renderer
+    template_facts: TemplateFacts
+    answer_format: AnswerFormat | None = None
+
+
+def tokenizer_part(family: families.Family) -> TokenizerPart:
+    """The family's tokenizer part, imported on first use.
+
+    Raises:
+      TypeError: the family's tokenizer module defines no `TokenizerPart` as `PART`.
+    """
+    return family.part("tokenizer", TokenizerPart)
+
+
 class _BuiltinTemplates(Mapping[str, Renderer]):
     """The built-in renderers by family name: each registered family's tokenizer part's `render`, imported on
     first use (an unknown name is a KeyError, as for any mapping)."""
@@ -286,7 +336,7 @@ class _BuiltinTemplates(Mapping[str, Renderer]):
             family = families.by_name(name)
         except families.UnknownFamilyError:
             raise KeyError(name) from None
-        return family.part("tokenizer").render
+        return tokenizer_part(family).render
 
     def __iter__(self) -> Iterator[str]:
         return iter([f.name for f in families.families()])

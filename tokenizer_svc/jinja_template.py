@@ -12,38 +12,23 @@ import dataclasses
 import json
 import pathlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-import families
-from tokenizer_svc.chat_template import Message, Segment, TemplateError, call_arguments, control, text_parts
-from tokenizer_svc.json_prefix import close_json_prefix
+from common import families
+from common.json_prefix import close_json_prefix
+from tokenizer_svc.chat_template import (
+    AnswerFormat,
+    Message,
+    Segment,
+    TemplateError,
+    call_arguments,
+    control,
+    text_parts,
+    tokenizer_part,
+)
 from tokenizer_svc.tokenizer import TextTokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class AnswerFormat:
-    """How a family's model writes an answer's thought and tool calls, as segments: what a checkpoint template's
-    output is matched against to splice in the answer as generated (`JinjaTemplate`). A family without a native
-    call syntax has none (its tokenizer part's `ANSWER_FORMAT` is None).
-
-    Attributes:
-      control_tokens: the control-token spellings the format writes; a vocabulary without all of them cannot
-        be the family's (`answer_format_for`).
-      call_head: what the model writes before an answer's first call's name (Gemma 4: `<|tool_call>call:`).
-      text: (message, index) -> its content as the family's template writes model text.
-      thought: reasoning text -> the thought channel the family's template writes for it.
-      calls: (calls, where, cut_closed) -> an answer's calls as the family's template writes them; a last call cut
-        off by max_tokens left open as generated, or with `cut_closed` closed as a template given the mapping it
-        reached writes it. Raises TemplateError for malformed arguments.
-    """
-
-    control_tokens: frozenset[str]
-    call_head: str
-    text: Callable[[Message, int], str]
-    thought: Callable[[str], list[Segment]]
-    calls: Callable[[list[tuple[str, str, str]], str, bool], list[Segment]]
 
 
 def answer_format_for(control_tokens: Iterable[str]) -> AnswerFormat | None:
@@ -52,7 +37,7 @@ def answer_format_for(control_tokens: Iterable[str]) -> AnswerFormat | None:
     family's call syntax when its vocabulary has that syntax's control tokens. None when no family's fits."""
     controls = set(control_tokens)
     for family in families.families():
-        answer_format = family.part("tokenizer").ANSWER_FORMAT
+        answer_format = tokenizer_part(family).answer_format
         if answer_format is not None and answer_format.control_tokens <= controls:
             return answer_format
     return None
@@ -166,7 +151,7 @@ class JinjaTemplate:
           control_tokens: spellings of the tokenizer's control (special) tokens.
           special_tokens: template variables such as {"bos_token": "<bos>", "eos_token": "<eos>"}.
           special_ids: the control tokens' ids (generated ids containing one are not rendered verbatim).
-          family: the checkpoint's model family (its tokenizer part's `ANSWER_FORMAT` is spliced).
+          family: the checkpoint's model family (its tokenizer part's `answer_format` is spliced).
 
         Raises:
           TemplateError: the template does not parse.
@@ -185,7 +170,7 @@ class JinjaTemplate:
         self.special_tokens = dict(special_tokens or {})
         self.special_ids = frozenset(special_ids)
         self.family = family
-        self.answer_format = family.part("tokenizer").ANSWER_FORMAT if family else answer_format_for(tokens)
+        self.answer_format = tokenizer_part(family).answer_format if family else answer_format_for(tokens)
 
     @classmethod
     def for_tokenizer(cls, source: str, tokenizer: TextTokenizer,

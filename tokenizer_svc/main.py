@@ -12,9 +12,9 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-import families
-from gemma_serve import network, preparation
+from common import families, network, preparation
 from protos import tokenizer_pb2_grpc
+from tokenizer_svc.chat_template import tokenizer_part
 
 log = logging.getLogger("gemma_serve.tokenizer")
 
@@ -39,7 +39,7 @@ def write_tokenizer(reader, out: pathlib.Path, name: str) -> None:
 
 
 PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"tokenizer": write_tokenizer}
-"""The prepared parts the tokenizer service reads (`gemma_serve.preparation.prepare`)."""
+"""The prepared parts the tokenizer service reads (`common.preparation.prepare`)."""
 
 
 def checkpoint_family(directory: pathlib.Path) -> families.Family:
@@ -73,7 +73,7 @@ def choose_template(directory: pathlib.Path, tokenizer):
     jinja = directory / "chat_template.jinja"
     if jinja.exists():
         return "checkpoint", JinjaTemplate.from_file(jinja, tokenizer, family)
-    return family.name, family.part("tokenizer").render
+    return family.name, tokenizer_part(family).render
 
 
 def load_tokenizer(model: str, cache_dir: pathlib.Path):
@@ -86,18 +86,18 @@ def load_tokenizer(model: str, cache_dir: pathlib.Path):
 
     Raises:
       UnknownFamilyError: the model names no registered family (the message lists the supported ones).
-      TemplateError, ValueError, FileNotFoundError: see `choose_template` and `gemma_serve.preparation.prepare`.
+      TemplateError, ValueError, FileNotFoundError: see `choose_template` and `common.preparation.prepare`.
     """
     from tokenizer_svc.tokenizer import TextTokenizer
 
     prepared = preparation.prepare(model, cache_dir, PREPARE_PARTS)
     if prepared.kind == "gguf":
         family = families.from_gguf(_recorded_architecture(prepared, cache_dir))
-        part = family.part("tokenizer")
-        return (TextTokenizer.from_prepared(prepared.dir, part.TEMPLATE_FACTS.end_of_turn), family.name,
+        part = tokenizer_part(family)
+        return (TextTokenizer.from_prepared(prepared.dir, part.template_facts.end_of_turn), family.name,
                 part.render)
     family = checkpoint_family(prepared.dir)
-    tokenizer = TextTokenizer.from_tokenizer_json(prepared.dir, family.part("tokenizer").TEMPLATE_FACTS.end_of_turn)
+    tokenizer = TextTokenizer.from_tokenizer_json(prepared.dir, tokenizer_part(family).template_facts.end_of_turn)
     return (tokenizer, *choose_template(prepared.dir, tokenizer))
 
 

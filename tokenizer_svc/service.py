@@ -9,7 +9,7 @@ import logging
 
 import grpc
 
-import families
+from common import families
 from protos import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import (
     TEMPLATES,
@@ -18,6 +18,7 @@ from tokenizer_svc.chat_template import (
     TemplateError,
     continue_final_message,
     tokenize_segments,
+    tokenizer_part,
 )
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -104,7 +105,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
           UnknownFamilyError: neither `render` carries a family nor `template` names a registered one.
         """
         family = getattr(render, "family", None) or families.by_name(template)
-        self.family, self.facts = family, family.part("tokenizer").TEMPLATE_FACTS
+        self.family, self.facts = family, tokenizer_part(family).template_facts
         self.template_name, self.render = template, render if render is not None else TEMPLATES[template]
         self.tok = tokenizer
 

@@ -15,8 +15,6 @@ from collections.abc import Sequence
 
 import tokenizers
 
-import families
-
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 #: Characters from which `encode` releases the GIL (encode_batch); below it the plain call is cheaper.
 LONG_TEXT = 4096
@@ -52,13 +50,12 @@ class TextTokenizer:
         return len(self.token_bytes)
 
     @classmethod
-    def from_prepared(cls, directory: pathlib.Path, end_of_turn: Sequence[str] | None = None) -> TextTokenizer:
+    def from_prepared(cls, directory: pathlib.Path, end_of_turn: Sequence[str]) -> TextTokenizer:
         """Load a tokenizer prepared from a GGUF (tokenizer.json, vocab_meta.json, token_bytes.bin). Stop ids: EOS,
-        then the end-of-turn tokens `end_of_turn` (None: those of the family the preparation recorded).
+        then the end-of-turn tokens `end_of_turn` (spellings: the family's `TemplateFacts.end_of_turn`).
 
         Raises:
           FileNotFoundError: a file is missing (prepare the model first).
-          families.UnknownFamilyError: the recorded family is not registered.
         """
         from tokenizer_svc.gguf_tokenizer import load_token_bytes
 
@@ -66,10 +63,6 @@ class TextTokenizer:
         tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
         plain = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
         plain.encode_special_tokens = True
-        if end_of_turn is None:
-            from tokenizer_svc.gguf_tokenizer import load_architecture
-
-            end_of_turn = _family_end_of_turn(families.from_gguf(load_architecture(directory)))
         stop = [meta["eos_id"]] + _end_of_turn_ids(tok, end_of_turn)
         return cls(
             tok=tok,
@@ -84,12 +77,11 @@ class TextTokenizer:
         )
 
     @classmethod
-    def from_tokenizer_json(cls, directory: pathlib.Path, end_of_turn: Sequence[str] | None = None) -> TextTokenizer:
+    def from_tokenizer_json(cls, directory: pathlib.Path, end_of_turn: Sequence[str] = ()) -> TextTokenizer:
         """Load a checkpoint directory's tokenizer.json (SentencePiece-style "▁" vocabulary with byte fallback, as
         every Gemma checkpoint has), taking BOS/EOS/PAD from tokenizer_config.json when present and extra stop ids
         from generation_config.json `eos_token_id` (Gemma 4 IT: 1, 106, 50). Stop ids: EOS, the end-of-turn tokens
-        `end_of_turn` (None: those of the family config.json names, none without a config.json), then the
-        generation_config ids.
+        `end_of_turn` (spellings: the family's `TemplateFacts.end_of_turn`), then the generation_config ids.
 
         Raises:
           FileNotFoundError: no tokenizer.json.
@@ -108,9 +100,6 @@ class TextTokenizer:
             ids[role] = tok.token_to_id(name)
             if ids[role] is None and role != "pad":
                 raise ValueError(f"{directory}: the {role} token {name!r} is not in tokenizer.json")
-        if end_of_turn is None:
-            config = _read_json(directory / "config.json")
-            end_of_turn = _family_end_of_turn(families.from_hf_config(config)) if config else ()
         stop = [ids["eos"]] + _end_of_turn_ids(tok, end_of_turn)
         gen = _read_json(directory / "generation_config.json").get("eos_token_id", [])
         stop += [i for i in (gen if isinstance(gen, list) else [gen]) if i not in stop]
@@ -172,10 +161,6 @@ def _end_of_turn_ids(tok: tokenizers.Tokenizer, spellings: Sequence[str]) -> lis
     4's `<turn|>`: docs/formats.md §4.1, §4.2) present in the vocabulary."""
     found = (tok.token_to_id(name) for name in spellings)
     return [i for i in found if i is not None]
-
-
-def _family_end_of_turn(family: families.Family) -> tuple[str, ...]:
-    return family.part("tokenizer").TEMPLATE_FACTS.end_of_turn
 
 
 def _read_json(path: pathlib.Path) -> dict:

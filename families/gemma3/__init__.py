@@ -1,7 +1,7 @@
 """Gemma 3 (text): the embedded 270M GGUF and Hugging Face Gemma 3 checkpoints' names. Parts: `worker.py`,
 `tokenizer.py`, `gateway.py` (see `families`)."""
 
-from families import Family
+from common.families import Family
 
 FAMILY = Family(
     name="gemma3",

@@ -1,5 +1,5 @@
-"""Gemma 3's gateway part: this project's JSON tool-call format (grammar and incremental parser), as the `FORMAT`
-the gateway uses (gateway/tool_format.py; interface in families/__init__.py). Gemma 3 has no thought channel and
+"""Gemma 3's gateway part: this project's JSON tool-call format (grammar and incremental parser), as the `PART`
+the gateway uses (gateway/tool_format.py; interface in common/families.py). Gemma 3 has no thought channel and
 no thinking mode.
 
 Tool calls: this project's JSON format (Gemma 3 has no native one)
@@ -61,16 +61,16 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from gateway.json_schema import FORMAT_REGEXES, format_as_pattern, rewrite
 from gateway.tool_calls import (
-    FORMAT_REGEXES,
     MAX_PARALLEL_CALLS,
+    TOOL_SUBSCHEMA_KEYWORDS,
     ParsedOutput,
     ToolCallParseError,
     cached_grammar,
     callable_tools,
     checked_grammar,
     escaped_at,
-    rewrite_schema,
     validation_schema,
 )
 from gateway.tool_format import FamilyFormat
@@ -81,8 +81,9 @@ from gateway.tool_schema import check_parameters
 END_OF_TURN = "<end_of_turn>"
 EOS = "<eos>"
 PUBLISHED_IDS: Mapping[str, int] = {EOS: 1, END_OF_TURN: 106}
-"""The ids of the published Gemma 3 vocabulary: the default of the grammar and parser for spelled-out text and
-tests; the gateway passes the served vocabulary's ids."""
+"""The ids of the published Gemma 3 vocabulary: `PART.published_ids`, and what `parse_gemma3_tool_calls`
+reads spelled-out text with. The grammar and parser take the ids they use as an argument (the gateway passes
+the served vocabulary's)."""
 
 # The call JSON (the template in families/gemma3/tokenizer.py writes the same text).
 GEMMA3_CALLS_OPEN = '{"tool_calls": ['
@@ -100,18 +101,19 @@ def gemma3_call_open(name: str) -> str:
 
 
 def gemma3_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: bool = True,
-                        max_calls: int = MAX_PARALLEL_CALLS, ids: Mapping[str, int] | None = None) -> str | None:
+                        max_calls: int = MAX_PARALLEL_CALLS, *, ids: Mapping[str, int]) -> str | None:
     """The llguidance Lark grammar of a Gemma 3 answer in this project's JSON tool format (module docstring), or
     None for "none". Schemas are checked exactly as for Gemma 4 (same supported keywords). At most `max_calls`
     calls (1..MAX_PARALLEL_CALLS; 1 without `parallel`). `<end_of_turn>` is referenced by its id in `ids`
-    (spelling -> id; None: `PUBLISHED_IDS`). Cached by a hash of the arguments.
+    (spelling -> id; required: the vocabulary served, or `PUBLISHED_IDS` for the published one). Cached by a
+    hash of the arguments.
 
     Raises:
       ToolSchemaError: a tool or its schema cannot be enforced.
       ToolChoiceError: tool_choice is malformed or names an unknown tool.
       gateway.tool_format.UnknownTokenError: `ids` lacks `<end_of_turn>`.
     """
-    used = {END_OF_TURN: (PUBLISHED_IDS if ids is None else ids)[END_OF_TURN]}
+    used = {END_OF_TURN: ids[END_OF_TURN]}
     return cached_grammar("gemma3", used, tools, tool_choice, parallel, max_calls,
                           lambda: _build(tools, tool_choice, parallel, max_calls, used[END_OF_TURN]))
 
@@ -149,19 +151,17 @@ def _gemma3_schema(schema: Any) -> Any:
     """`schema` as llguidance's JSON compiler gets it for Gemma 3, so that both formats produce the same values:
     `additionalProperties: false` on every object with a `properties` keyword (such objects get exactly their
     declared keys; extra keys would be valid, but are never produced), and each `format` replaced by the same
-    regex the Gemma 4 grammar uses (as a `pattern`, or an `allOf` pattern next to an existing one)."""
-    return rewrite_schema(schema, "format", _gemma3_node)
+    regex the Gemma 4 grammar uses (`json_schema.format_as_pattern`)."""
+    return rewrite(schema, _gemma3_node, TOOL_SUBSCHEMA_KEYWORDS)
 
 
-def _gemma3_node(schema: dict, out: dict) -> dict:
+def _gemma3_node(schema: dict, out: dict, parent: str | None) -> dict:
+    """One node of `_gemma3_schema` (`out`: its copy, subschemas done): closed; `format` made a pattern."""
+    fmt = out.pop("format", None)
     if "properties" in out:
         out["additionalProperties"] = False
-    if schema.get("format") in FORMAT_REGEXES:
-        pattern = f"^(?:{FORMAT_REGEXES[schema['format']]})$"
-        if "pattern" in out:
-            out["allOf"] = [*out.get("allOf", []), {"pattern": pattern}]
-        else:
-            out["pattern"] = pattern
+    if fmt in FORMAT_REGEXES:
+        format_as_pattern(out, fmt, grouped=True)
     return out
 
 
@@ -176,11 +176,10 @@ class Gemma3ToolCallParser(TokenParser):
     """
 
     SPELLINGS = (END_OF_TURN, EOS)
-    PUBLISHED_IDS = PUBLISHED_IDS
 
-    def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None,
-                 ids: Mapping[str, int] | None = None):
-        super().__init__(id_prefix, control_ids, ids)
+    def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None, *,
+                 ids: Mapping[str, int]):
+        super().__init__(id_prefix, control_ids, ids=ids)
         self._end_ids = set(self.ids.values())
         self._state = "text"  # text | json | after | done
         self._held = ""  # content that may be the start of the call trigger
@@ -361,18 +360,19 @@ class Gemma3ToolCallParser(TokenParser):
 
 
 def parse_gemma3_tool_calls(text: str, id_prefix: str = "call_") -> ParsedOutput:
-    """Parse a whole Gemma 3 answer (JSON tool format; `<end_of_turn>`/`<eos>` spelled out end it).
+    """Parse a whole Gemma 3 answer (JSON tool format; `<end_of_turn>`/`<eos>` spelled out end it, read as the
+    published vocabulary's tokens, `PUBLISHED_IDS`).
 
     Raises:
       ToolCallParseError: a malformed calls object.
     """
-    return parse_marked(text, Gemma3ToolCallParser(id_prefix))
+    return parse_marked(text, Gemma3ToolCallParser(id_prefix, ids=PUBLISHED_IDS))
 
 
 def _parser(ids: Mapping[str, int], id_prefix: str = "call_", control_ids: Iterable[int] = (),
             calls_only: bool = False) -> Gemma3ToolCallParser:
-    """`FORMAT.tool_parser`."""
-    parser = Gemma3ToolCallParser(id_prefix, control_ids, ids)
+    """`PART.tool_parser`."""
+    parser = Gemma3ToolCallParser(id_prefix, control_ids, ids=ids)
     if calls_only:
         parser.calls_only()
     return parser
@@ -383,7 +383,7 @@ def _budget_close(tokenize: Callable[[str], list[int]]) -> int:
     return len(tokenize(GEMMA3_CALLS_CLOSE)) + 2
 
 
-FORMAT = FamilyFormat(
+PART = FamilyFormat(
     name="gemma3",
     tool_grammar=gemma3_tool_grammar,
     tool_parser=_parser,

@@ -17,6 +17,7 @@ from tokenizer_svc.chat_template import (
     Segment,
     TemplateError,
     TemplateFacts,
+    TokenizerPart,
     call_arguments,
     check_roles,
     control,
@@ -26,8 +27,6 @@ from tokenizer_svc.chat_template import (
 
 TEMPLATE_FACTS = TemplateFacts(supports_tools=True, supports_thinking=False, end_of_turn=("<end_of_turn>",))
 """Tools in this project's JSON format (the template declares them); no thinking mode."""
-ANSWER_FORMAT = None
-"""No native call syntax for a checkpoint template to write (`tokenizer_svc.jinja_template.AnswerFormat`)."""
 
 
 GEMMA3_TOOLS_INTRO = (
@@ -176,3 +175,7 @@ def render(
     if add_generation_prompt:
         segs += [control("<start_of_turn>"), Segment("model\n")]
     return [s for s in segs if s.control or s.text or s.ids]
+
+
+PART = TokenizerPart(render=render, template_facts=TEMPLATE_FACTS, answer_format=None)  # no native call syntax
+"""This family's tokenizer part (`common.families`)."""

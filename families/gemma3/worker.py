@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from families.gemma3 import FAMILY
-from model_worker.config import LayerSpec, ModelConfig
+from model_worker.config import LayerSpec, ModelConfig, WorkerPart
 
 
 def gemma3_layers(
@@ -131,3 +131,7 @@ def config_from_hf(config: dict, name: str) -> ModelConfig:
     raise NotImplementedError(
         f"{name}: Gemma 3 Hugging Face checkpoints (config.json + safetensors) are not supported yet; serve a "
         f"Gemma 3 GGUF instead")
+
+
+PART = WorkerPart(config_from_hf=config_from_hf, config_from_gguf=config_from_gguf, presets=PRESETS)
+"""Gemma 3's worker part (`common.families`)."""

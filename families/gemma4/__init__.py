@@ -1,7 +1,7 @@
 """Gemma 4 (text decoder of E2B/E4B and the dense sizes, in bf16, compressed-tensors int4 and QAT q4_0 form).
 Parts: `worker.py`, `tokenizer.py`, `gateway.py` (see `families`)."""
 
-from families import Family
+from common.families import Family
 
 FAMILY = Family(
     name="gemma4",

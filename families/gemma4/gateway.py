@@ -1,5 +1,5 @@
 """Gemma 4's gateway part: its native tool-call format (grammar and incremental parser) and its thought channel,
-as the `FORMAT` the gateway uses (gateway/tool_format.py; interface in families/__init__.py).
+as the `PART` the gateway uses (gateway/tool_format.py; interface in common/families.py).
 
 Tool calls (native format, docs/formats.md §4.2-4.4)
 ----------------------------------------------------
@@ -25,7 +25,7 @@ the tool's `parameters` schema written in Gemma syntax (gateway/tool_schema.py b
 Grammars per tool_choice (CALL_i = `<[48]> "call:NAME_i" ARGS_i <[49]>`; CALLS = 1 to max_calls of
 `(CALL_0|CALL_1|...)`, exactly one call when `parallel` is false):
 
-- `"none"` (or no tools): None; the gateway bans `<|tool_call>` and `<tool_call|>` (`FORMAT.call_markers`).
+- `"none"` (or no tools): None; the gateway bans `<|tool_call>` and `<tool_call|>` (`PART.call_markers`).
 - `"auto"`: `start: TEXT? <[106]> | TEXT? CALLS <[50]>` - an answer, or optional text then calls (Gemma 4's
   template renders such leading text after the tool results when the message comes back in history); the lazy
   trigger (gateway/tool_calls.py) is the `<|tool_call>` token.
@@ -75,8 +75,9 @@ PUBLISHED_IDS: Mapping[str, int] = {
     EOS: 1, TOOL_CALL: 48, TOOL_CALL_END: 49, TOOL_RESPONSE: 50, STRING: 52, CHANNEL_OPEN: 100, CHANNEL_CLOSE: 101,
     TURN_END: 106,
 }
-"""The ids of the published Gemma 4 vocabulary (identical across sizes): the default of the grammar and parser
-for spelled-out text and tests; the gateway passes the served vocabulary's ids."""
+"""The ids of the published Gemma 4 vocabulary (identical across sizes): `PART.published_ids`, and what
+`parse_gemma4_tool_calls` reads spelled-out text with. The grammar and parser take the ids they use as an
+argument (the gateway passes the served vocabulary's)."""
 
 CALL_MARKERS = (TOOL_CALL, TOOL_CALL_END)
 """Banned under tool_choice "none" and inside a thought (there is no grammar then)."""
@@ -88,18 +89,18 @@ _GRAMMAR_TOKENS = (TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, STRING, TURN_END)
 
 
 def gemma4_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: bool = True,
-                        max_calls: int = MAX_PARALLEL_CALLS, ids: Mapping[str, int] | None = None) -> str | None:
+                        max_calls: int = MAX_PARALLEL_CALLS, *, ids: Mapping[str, int]) -> str | None:
     """The llguidance Lark grammar of a Gemma 4 answer under `tool_choice` (see the module docstring), or None
     for "none" (then the gateway bans `CALL_MARKERS`). At most `max_calls` calls (1..MAX_PARALLEL_CALLS; 1 without
     `parallel`): a budget-aware ending lowers it (gateway/budget.py). Control tokens are referenced by their ids in
-    `ids` (spelling -> id; None: `PUBLISHED_IDS`). Cached by a hash of the arguments.
+    `ids` (spelling -> id; required: the vocabulary served, or `PUBLISHED_IDS` for the published one). Cached
+    by a hash of the arguments.
 
     Raises:
       ToolSchemaError: a tool or its schema cannot be enforced (the error names the keyword and path).
       ToolChoiceError: tool_choice is malformed or names an unknown tool.
       gateway.tool_format.UnknownTokenError: `ids` lacks one of the grammar's control tokens.
     """
-    ids = PUBLISHED_IDS if ids is None else ids
     used = {s: ids[s] for s in _GRAMMAR_TOKENS}
     return cached_grammar("gemma4", used, tools, tool_choice, parallel, max_calls,
                           lambda: _build(tools, tool_choice, parallel, max_calls, used))
@@ -139,16 +140,15 @@ class Gemma4ToolCallParser(TokenParser):
     "function": {"name", "arguments": ""}}]}` (once its name is complete) and then argument fragments
     `{"tool_calls": [{"index", "function": {"arguments": fragment}}]}` as the arguments arrive, converted to
     JSON. `finish()` flushes; `result()` gives the whole answer. Control tokens other than the tool and turn
-    markers are dropped from content (pass the vocabulary's control ids as `control_ids`). `ids`: the control
-    tokens' ids (spelling -> id; None: `PUBLISHED_IDS`), as `TokenParser` takes them.
+    markers are dropped from content (pass the vocabulary's control ids as `control_ids`). `ids` (required):
+    the control tokens' ids (spelling -> id), as `TokenParser` takes them.
     """
 
     SPELLINGS = (TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, STRING, TURN_END, EOS)
-    PUBLISHED_IDS = PUBLISHED_IDS
 
-    def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None,
-                 ids: Mapping[str, int] | None = None):
-        super().__init__(id_prefix, control_ids, ids)
+    def __init__(self, id_prefix: str = "call_", control_ids: Iterable[int] | None = None, *,
+                 ids: Mapping[str, int]):
+        super().__init__(id_prefix, control_ids, ids=ids)
         self._open_id, self._close_id, self._string_id = (self.ids[s] for s in (TOOL_CALL, TOOL_CALL_END, STRING))
         self._end_ids = {self.ids[s] for s in (TOOL_RESPONSE, TURN_END, EOS)}
         self._state = "text"  # text | name | args | closed (args done, waiting for <tool_call|>) | done
@@ -302,18 +302,19 @@ class Gemma4ToolCallParser(TokenParser):
 
 
 def parse_gemma4_tool_calls(text: str, id_prefix: str = "call_") -> ParsedOutput:
-    """Parse a whole Gemma 4 answer written with its control tokens spelled out (`<|tool_call>`, `<|"|>`, ...).
+    """Parse a whole Gemma 4 answer written with its control tokens spelled out (`<|tool_call>`, `<|"|>`,
+    ...), read as the published vocabulary's tokens (`PUBLISHED_IDS`).
 
     Raises:
       ToolCallParseError: malformed call syntax.
     """
-    return parse_marked(text, Gemma4ToolCallParser(id_prefix))
+    return parse_marked(text, Gemma4ToolCallParser(id_prefix, ids=PUBLISHED_IDS))
 
 
 def _parser(ids: Mapping[str, int], id_prefix: str = "call_", control_ids: Iterable[int] = (),
             calls_only: bool = False) -> Gemma4ToolCallParser:
-    """`FORMAT.tool_parser`: every answer is parsed the same way (text before calls is content either way)."""
-    return Gemma4ToolCallParser(id_prefix, control_ids, ids)
+    """`PART.tool_parser`: every answer is parsed the same way (text before calls is content either way)."""
+    return Gemma4ToolCallParser(id_prefix, control_ids, ids=ids)
 
 
 def _budget_close(tokenize: Callable[[str], list[int]]) -> int:
@@ -321,7 +322,7 @@ def _budget_close(tokenize: Callable[[str], list[int]]) -> int:
     return 1
 
 
-FORMAT = FamilyFormat(
+PART = FamilyFormat(
     name="gemma4",
     tool_grammar=gemma4_tool_grammar,
     tool_parser=_parser,

@@ -12,19 +12,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from common.json_prefix import close_json_prefix, scan_json_prefix
 from tokenizer_svc.chat_template import (
+    AnswerFormat,
     Message,
     Segment,
     TemplateError,
     TemplateFacts,
+    TokenizerPart,
     call_arguments,
     check_roles,
     control,
     text_parts,
     tool_result_text,
 )
-from tokenizer_svc.jinja_template import AnswerFormat
-from tokenizer_svc.json_prefix import close_json_prefix, scan_json_prefix
 
 TEMPLATE_FACTS = TemplateFacts(supports_tools=True, supports_thinking=True, end_of_turn=("<turn|>",))
 """Native tool calls and the thinking mode (`enable_thinking`, the thought channel)."""
@@ -408,3 +409,7 @@ ANSWER_FORMAT = AnswerFormat(
     calls=lambda calls, where, cut_closed: gemma4_call_segments(calls, where, cut_closed=cut_closed),
 )
 """How Gemma 4 writes an answer's thought and calls, for a checkpoint template's output to be matched against."""
+
+
+PART = TokenizerPart(render=render, template_facts=TEMPLATE_FACTS, answer_format=ANSWER_FORMAT)
+"""This family's tokenizer part (`common.families`)."""

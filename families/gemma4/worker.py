@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 
-import families
+from common import families
 from families.gemma4 import FAMILY
-from model_worker.config import LayerSpec, ModelConfig
+from model_worker.config import LayerSpec, ModelConfig, WorkerPart
 
 _S, _F = "sliding_attention", "full_attention"
 
@@ -212,3 +212,8 @@ def config_from_gguf(meta: dict, vocab_size: int, name: str) -> ModelConfig:
     """
     raise NotImplementedError(
         f"{name}: Gemma 4 GGUF files are not supported; serve a Gemma 4 Hugging Face checkpoint directory instead")
+
+
+PART = WorkerPart(config_from_hf=config_from_hf, config_from_gguf=config_from_gguf, presets=PRESETS,
+                  hf_top_names=HF_TOP_NAMES, hf_layer_names=HF_LAYER_NAMES, hf_skip_prefixes=HF_SKIP_PREFIXES)
+"""Gemma 4's worker part (`common.families`)."""

@@ -45,7 +45,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gemma_serve.network import InternalTls
+from common.network import InternalTls
 from tests.deploy.test_kubernetes import IMAGE_USER, exact_parser
 from tests.e2e.stacks import free_ports, pki
 

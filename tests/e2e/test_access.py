@@ -14,7 +14,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gemma_serve.network import InternalTls
+from common.network import InternalTls
 from protos import gateway_pb2, gateway_pb2_grpc
 from tests.e2e.stacks import API_KEYS, REPO, pki
 

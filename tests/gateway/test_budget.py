@@ -14,7 +14,9 @@ import llguidance
 import numpy as np
 import pytest
 
+from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
 from families.gemma3.gateway import Gemma3ToolCallParser, gemma3_tool_grammar
+from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.gateway import Gemma4ToolCallParser, gemma4_tool_grammar
 from gateway.budget import BudgetedUnits, JsonArrayProgress
 from gateway.chat_plan import _array_units
@@ -82,12 +84,14 @@ def _g3_case(g3, budget: int, cities: list[str]):
     tok, token_bytes = g3
     calls = ", ".join('{"name": "get_weather", "arguments": {"city": "%s"}}' % c for c in cities)
     script = tok.tokenize_str('{"tool_calls": [' + calls + "]}") + [106]
-    make = lambda n: Constraint(tok, gemma3_tool_grammar(TOOLS, "required", True, n or 16), N_VOCAB, [1, 106],  # noqa
-                                grammar_ends=True)
-    c = BudgetedUnits(make, budget, Gemma3ToolCallParser(), token_bytes, len(tok.tokenize_str("]}")) + 2)
+    make = lambda n: Constraint(  # noqa
+        tok, gemma3_tool_grammar(TOOLS, "required", True, n or 16, ids=GEMMA3_IDS), N_VOCAB, [1, 106],
+        grammar_ends=True)
+    c = BudgetedUnits(make, budget, Gemma3ToolCallParser(ids=GEMMA3_IDS), token_bytes,
+                      len(tok.tokenize_str("]}")) + 2)
     out = _drive(c, script, budget, {106}, tok)
     ended = [1] if c.capped() and out[-1] == 106 else []  # what the gateway counts: capped, ended by a stop
-    parser = Gemma3ToolCallParser()
+    parser = Gemma3ToolCallParser(ids=GEMMA3_IDS)
     for t in out:
         parser.feed(t, token_bytes[t])
     parser.finish()
@@ -148,13 +152,14 @@ def test_gemma4_budget_ends_after_the_last_call_that_fits(g4):
     call = [48] + tok.tokenize_str("call:get_weather{city:") + [52] + tok.tokenize_str("Oslo") + [52] + \
         tok.tokenize_str("}") + [49]
     script = call * 4 + [50]
-    make = lambda n: Constraint(tok, gemma4_tool_grammar(TOOLS, "required", True, n or 16), N_VOCAB, [1, 50, 106],  # noqa
-                                grammar_ends=True)
+    make = lambda n: Constraint(  # noqa
+        tok, gemma4_tool_grammar(TOOLS, "required", True, n or 16, ids=GEMMA4_IDS), N_VOCAB, [1, 50, 106],
+        grammar_ends=True)
     budget = 3 * len(call) + 3  # three calls and the close, not a fourth
-    c = BudgetedUnits(make, budget, Gemma4ToolCallParser(), token_bytes, 1)
+    c = BudgetedUnits(make, budget, Gemma4ToolCallParser(ids=GEMMA4_IDS), token_bytes, 1)
     out = _drive(c, script, budget, {50}, tok)
     assert out == call * 3 + [50] and c.max_units == 3
-    parser = Gemma4ToolCallParser()
+    parser = Gemma4ToolCallParser(ids=GEMMA4_IDS)
     for t in out:
         parser.feed(t, token_bytes[t])
     assert len(parser.result().tool_calls) == 3 and not parser.result().truncated

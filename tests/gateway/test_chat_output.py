@@ -10,14 +10,16 @@ import json
 import numpy as np
 import pytest
 
+from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
+from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.gateway import gemma4_tool_grammar
 from gateway.chat_output import ChatRoute
 from gateway.chat_plan import plan_chat
 from gateway.clients import ModelFacts
 from gateway.constraints import Constraint
-from gateway.grammar_cache import grammar_for_json_schema
 from gateway.errors import ApiError
 from gateway.generate import Delta
+from gateway.grammar_cache import grammar_for_json_schema
 from gateway.openai_types import ChatCompletionRequest
 from gateway.reasoning import ThoughtFirst
 from protos import common_pb2
@@ -64,7 +66,8 @@ def deltas(ids: list[int], split: int, finish: str = "stop") -> list[Delta]:
 
 
 def run(vocab: Vocab, ids: list[int], split: int, **kw) -> tuple[ChatRoute, list[dict]]:
-    route = ChatRoute(vocab.bytes, CONTROL, family="gemma4", **kw)
+    published = GEMMA3_IDS if kw.get("tool_format") == "gemma3" else GEMMA4_IDS  # the family's own spellings
+    route = ChatRoute(vocab.bytes, CONTROL, family="gemma4", **({"ids": published} | kw))
     sent = []
     for d in deltas(ids, split):
         sent += route.feed(d)
@@ -115,7 +118,7 @@ def test_gemma4_tool_call_deltas_stream_before_the_closing_marker():
     assert message["content"] == "Let me check."
     assert [c["function"]["arguments"] for c in message["tool_calls"]] == [c["arguments"] for c in got["calls"]]
     # Token by token: the first argument fragment leaves before `<tool_call|>` (id 49) is generated.
-    route = ChatRoute(v.bytes, CONTROL, tool_format="gemma4")
+    route = ChatRoute(v.bytes, CONTROL, tool_format="gemma4", ids=GEMMA4_IDS)
     first_args = None
     for n, d in enumerate(deltas(ids, 1)):
         out = route.feed(d)
@@ -197,7 +200,8 @@ def test_thought_first_then_json(g4_lltok):
 
 
 def test_tool_grammar_ends_with_its_own_stop_token(g4_lltok):
-    grammar = gemma4_tool_grammar([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, False)
+    grammar = gemma4_tool_grammar([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, False,
+                                  ids=GEMMA4_IDS)
     c = Constraint(g4_lltok, grammar, N, [1, 106, 50], grammar_ends=True)
     m = bits(c.mask())
     assert m[48] and m.sum() == 1  # <|tool_call> only
@@ -217,7 +221,8 @@ def test_tool_grammar_ends_with_its_own_stop_token(g4_lltok):
         generated.append(pick)
         assert len(generated) < 200
     assert generated[0] == 48 and generated[-1] == 50 and 49 in generated
-    route = ChatRoute([g4_lltok.decode_bytes([i]) for i in range(N)], CONTROL, tool_format="gemma4")
+    route = ChatRoute([g4_lltok.decode_bytes([i]) for i in range(N)], CONTROL, tool_format="gemma4",
+                      ids=GEMMA4_IDS)
     _, sent = run_with(route, generated)
     args = json.loads(merge(sent)["calls"][0]["arguments"])
     assert set(args) <= {"city", "days"} and isinstance(args["city"], str)

@@ -16,8 +16,8 @@ import types
 import llguidance
 import pytest
 
-import families
-from families import UnknownFamilyError
+from common import families
+from common.families import UnknownFamilyError
 from gateway.clients import Backends, ModelFacts
 from gateway.errors import ApiError
 from gateway.tool_calls import ParsedOutput
@@ -36,7 +36,7 @@ OLD_GEMMA3_IDS = {"<end_of_turn>": 106}
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_family_gateway_part_provides_the_interface(name):
-    fmt = families.by_name(name).part("gateway").FORMAT
+    fmt = family_format(name)
     assert isinstance(fmt, FamilyFormat) and fmt.name == name and family_format(name) is fmt
     assert list(inspect.signature(fmt.tool_grammar).parameters)[:5] == [
         "tools", "tool_choice", "parallel", "max_calls", "ids"]
@@ -44,11 +44,11 @@ def test_every_family_gateway_part_provides_the_interface(name):
     assert fmt.thinking <= (fmt.reasoning is not None)
     ids = fmt.published_ids
     for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
-        grammar = fmt.tool_grammar([TOOL], choice, True, 2, ids)
+        grammar = fmt.tool_grammar([TOOL], choice, True, 2, ids=ids)
         assert not llguidance.LLMatcher.validate_grammar(grammar), (name, choice)
-    auto = fmt.tool_grammar([TOOL], "auto", True, 2, ids)
+    auto = fmt.tool_grammar([TOOL], "auto", True, 2, ids=ids)
     assert all(f"<[{ids[s]}]>" in auto for s in fmt.end_tokens)  # an answer ends with one of them
-    assert fmt.tool_grammar([TOOL], "none", True, 2, ids) is None
+    assert fmt.tool_grammar([TOOL], "none", True, 2, ids=ids) is None
     parser = fmt.tool_parser(ids, "call_x_", set(ids.values()), False)
     assert isinstance(parser, ToolCallParser)
     assert parser.progress() == (0, False) and parser.feed(ids[fmt.end_tokens[0]]) == []
@@ -126,10 +126,11 @@ def test_the_facts_fetch_refuses_a_model_the_gateway_cannot_serve(architecture, 
 def test_resolving_every_gateway_part_leaves_jax_out():
     script = textwrap.dedent("""
         import sys
-        import families
+        from common import families
         import gateway.app
+        from gateway.tool_format import family_format
         for family in families.families():
-            family.part("gateway").FORMAT
+            family_format(family.name)
         print(sorted(m for m in sys.modules if m == "jax" or m.startswith("jax.")))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)

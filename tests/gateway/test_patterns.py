@@ -14,7 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
 from families.gemma3.gateway import gemma3_tool_grammar
+from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.gateway import gemma4_tool_grammar
 from gateway import grammar_cache, patterns, schema_check, tool_calls, tool_schema
 
@@ -114,9 +116,9 @@ def test_hostile_pattern_never_reaches_python_re(no_python_re_for_client_regexes
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"s": {"type": "string", "pattern": HOSTILE, "enum": values}},
         "required": ["s"]}}}
-    g4 = gemma4_tool_grammar([tool], "required", False)
+    g4 = gemma4_tool_grammar([tool], "required", False, ids=GEMMA4_IDS)
     assert '"' + "a" * 40 + '"' in g4 and "!" not in g4  # only the matching value is offered
-    assert gemma3_tool_grammar([tool], "required", False)
+    assert gemma3_tool_grammar([tool], "required", False, ids=GEMMA3_IDS)
     args = '{"s": "' + long_bad + '"}'
     with pytest.raises(tool_calls.ToolCallParseError):
         tool_calls.validate_tool_arguments([tool], "f", args)

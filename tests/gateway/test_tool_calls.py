@@ -27,12 +27,16 @@ from families.gemma3.gateway import (
     gemma3_tool_grammar,
     parse_gemma3_tool_calls,
 )
+from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
+from families.gemma3.tokenizer import render as render_gemma3
 from families.gemma4.gateway import (
     GEMMA4_NONE_BANNED_IDS,
     Gemma4ToolCallParser,
     gemma4_tool_grammar,
     parse_gemma4_tool_calls,
 )
+from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
+from families.gemma4.tokenizer import render as render_gemma4
 from gateway.tool_calls import (
     INTEGER_REGEX,
     MAX_PARALLEL_CALLS,
@@ -46,8 +50,6 @@ from gateway.tool_calls import (
     validate_tool_arguments,
     validation_schema,
 )
-from families.gemma3.tokenizer import render as render_gemma3
-from families.gemma4.tokenizer import render as render_gemma4
 from tokenizer_svc.chat_template import Message, tokenize_segments
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -267,7 +269,7 @@ def _check_calls(result, choice, parallel):
 
 @pytest.mark.parametrize("choice, parallel", CHOICES)
 def test_gemma4_sampled_tool_calls_parse_validate_and_stream(g4_sampler, g4_text_tok, choice, parallel):
-    grammar = gemma4_tool_grammar(TOOLS, choice, parallel)
+    grammar = gemma4_tool_grammar(TOOLS, choice, parallel, ids=GEMMA4_IDS)
     lltok, n_calls, n_text = g4_sampler.lltok, 0, 0
     for seed in range(SAMPLES):
         # auto: some answers write text first, then the trigger (the <|tool_call> token) mid-answer
@@ -286,7 +288,7 @@ def test_gemma4_sampled_tool_calls_parse_validate_and_stream(g4_sampler, g4_text
             else:
                 assert t in (50, 106) or not g4_sampler.special[t]
         assert tokens[-1] == (50 if 48 in tokens else 106)
-        steps = _stream(parser := Gemma4ToolCallParser(), g4_sampler, tokens)
+        steps = _stream(parser := Gemma4ToolCallParser(ids=GEMMA4_IDS), g4_sampler, tokens)
         result = parser.result()
         assert not result.truncated
         ends = {}
@@ -365,14 +367,14 @@ def _lazy_prefix(lltok, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("choice, parallel", CHOICES)
 def test_gemma3_sampled_tool_calls_parse_validate_and_stream(g3_sampler, text_tokenizer, choice, parallel):
-    grammar = gemma3_tool_grammar(TOOLS, choice, parallel)
+    grammar = gemma3_tool_grammar(TOOLS, choice, parallel, ids=GEMMA3_IDS)
     lltok, n_calls, n_text = g3_sampler.lltok, 0, 0
     for seed in range(SAMPLES):
         prefix = _lazy_prefix(lltok, seed) if choice == "auto" and seed % 2 else []
         first = g3_sampler.brace if seed % 2 and choice != "auto" else None
         tokens = g3_sampler.sample(grammar, seed, {106}, first=first, prefix=prefix)
         assert not any(g3_sampler.special[t] for t in tokens[:-1]) and tokens[-1] == 106
-        steps = _stream(parser := Gemma3ToolCallParser(), g3_sampler, tokens)
+        steps = _stream(parser := Gemma3ToolCallParser(ids=GEMMA3_IDS), g3_sampler, tokens)
         result = parser.result()
         assert not result.truncated
         _check_deltas(steps, result, {i: len(tokens) - 1 for i in range(len(result.tool_calls))})
@@ -450,7 +452,7 @@ def _call4(name, args_text):
     ("a:1,b:1,exact:true,op:Q+Q,precision:0", True), ("a:1,b:1,op:Q+Q,zzz:1", False),
 ])
 def test_gemma4_grammar_numbers_order_and_enums(g4_lltok, args, ok):
-    grammar = gemma4_tool_grammar([CALCULATOR], "required", False)
+    grammar = gemma4_tool_grammar([CALCULATOR], "required", False, ids=GEMMA4_IDS)
     assert _accepts(g4_lltok, grammar, _call4("calculator", args) + [50]) == ok
 
 
@@ -467,7 +469,7 @@ def test_gemma4_grammar_numbers_order_and_enums(g4_lltok, args, ok):
     ("query:QxQ", False), ("filters:{},query:QxQ", False),
 ])
 def test_gemma4_grammar_strings_arrays_and_nesting(g4_lltok, args, ok):
-    grammar = gemma4_tool_grammar([SEARCH], "required", False)
+    grammar = gemma4_tool_grammar([SEARCH], "required", False, ids=GEMMA4_IDS)
     assert _accepts(g4_lltok, grammar, _call4("search", args) + [50]) == ok
 
 
@@ -480,33 +482,36 @@ def test_gemma4_grammar_strings_arrays_and_nesting(g4_lltok, args, ok):
     ("age:151,code:QX-1Q,contact:Qa@b.coQ", False), ("code:QX-1Q,contact:Qa@b.coQ,nickname:null", True),
 ])
 def test_gemma4_grammar_refs_unions_and_formats(g4_lltok, args, ok):
-    grammar = gemma4_tool_grammar([PROFILE], "required", False)
+    grammar = gemma4_tool_grammar([PROFILE], "required", False, ids=GEMMA4_IDS)
     assert _accepts(g4_lltok, grammar, _call4("update_profile", args) + [50]) == ok
 
 
 def test_gemma4_grammar_per_tool_choice(g4_lltok):
     weather = _call4("get_weather", "city:QParisQ")
     now = _call4("now", "")
-    auto = gemma4_tool_grammar(TOOLS, "auto", True)
+    auto = gemma4_tool_grammar(TOOLS, "auto", True, ids=GEMMA4_IDS)
     assert _accepts(g4_lltok, auto, ["It is sunny.", 106]) and _accepts(g4_lltok, auto, [106])
     assert _accepts(g4_lltok, auto, weather + [50])
     assert _accepts(g4_lltok, auto, ["Let me check.\n"] + weather + now + [50])
     assert not _accepts(g4_lltok, auto, ["Hi", 50]) and not _accepts(g4_lltok, auto, weather + [106])
     assert not _accepts(g4_lltok, auto, weather + ["ok"] + [50])
     assert not _accepts(g4_lltok, auto, [48, "call:nope{}", 49, 50])
-    required = gemma4_tool_grammar(TOOLS, "required", True)
+    required = gemma4_tool_grammar(TOOLS, "required", True, ids=GEMMA4_IDS)
     assert _accepts(g4_lltok, required, weather + weather + [50]) and not _accepts(g4_lltok, required, ["x", 106])
     assert not _accepts(g4_lltok, required, ["x"] + weather + [50]) and not _accepts(g4_lltok, required, [50])
-    single = gemma4_tool_grammar(TOOLS, "required", False)
+    single = gemma4_tool_grammar(TOOLS, "required", False, ids=GEMMA4_IDS)
     assert _accepts(g4_lltok, single, now + [50]) and not _accepts(g4_lltok, single, now + now + [50])
-    named = gemma4_tool_grammar(TOOLS, {"type": "function", "function": {"name": "now"}}, True)
+    named = gemma4_tool_grammar(TOOLS, {"type": "function", "function": {"name": "now"}}, True,
+                                ids=GEMMA4_IDS)
     assert _accepts(g4_lltok, named, now + [50]) and not _accepts(g4_lltok, named, weather + [50])
     assert not _accepts(g4_lltok, named, now + now + [50])  # a named choice is exactly one call (OpenAI, vLLM)
     # Control tokens are tokens, never text: the spelling of <|"|> or <tool_call|> as text does not count.
     assert not _accepts(g4_lltok, required, [48, 'call:get_weather{city:<|"|>Paris<|"|>}', 49, 50])
     assert not _accepts(g4_lltok, auto, ["<|tool_call>call:now{}<tool_call|>", 50])
-    assert gemma4_tool_grammar(TOOLS, "none", True) is None and gemma4_tool_grammar([], None, True) is None
-    assert gemma4_tool_grammar([], "auto", True) is None and GEMMA4_NONE_BANNED_IDS == (48, 49)
+    assert gemma4_tool_grammar(TOOLS, "none", True, ids=GEMMA4_IDS) is None
+    assert gemma4_tool_grammar([], None, True, ids=GEMMA4_IDS) is None
+    assert gemma4_tool_grammar([], "auto", True, ids=GEMMA4_IDS) is None
+    assert GEMMA4_NONE_BANNED_IDS == (48, 49)
 
 
 def test_gemma3_grammar_per_tool_choice(g3_lltok):
@@ -514,7 +519,7 @@ def test_gemma3_grammar_per_tool_choice(g3_lltok):
         return '{"name": "%s", "arguments": %s}' % (name, args)
 
     weather, now = call("get_weather", '{"city": "Paris"}'), call("now", "{}")
-    auto = gemma3_tool_grammar(TOOLS, "auto", True)
+    auto = gemma3_tool_grammar(TOOLS, "auto", True, ids=GEMMA3_IDS)
     assert _accepts(g3_lltok, auto, ["It is sunny.", 106]) and _accepts(g3_lltok, auto, [106])
     assert _accepts(g3_lltok, auto, ['{"tool_calls": [' + weather + ", " + now + "]}", 106])
     # The lazy trigger: any text (braces included) is content; from `{"tool_calls"` on, anywhere, it is a call.
@@ -525,38 +530,42 @@ def test_gemma3_grammar_per_tool_choice(g3_lltok):
     assert not _accepts(g3_lltok, auto, ['Let me check. {"tool_calls": [' + weather, 106])
     assert not _accepts(g3_lltok, auto, ['{"tool_calls": [' + call("get_weather", '{"city":"Paris"}') + "]}", 106])
     assert not _accepts(g3_lltok, auto, ['{"tool_calls": [' + call("get_weather", '{"town": "Paris"}') + "]}", 106])
-    search = gemma3_tool_grammar([SEARCH], "required", False)
+    search = gemma3_tool_grammar([SEARCH], "required", False, ids=GEMMA3_IDS)
     for since, ok in (('"2024-12-31"', True), ('"0000-01-01"', False), ('"2023-02-29"', False), ("null", True),
                       ('"2024-02-29"', True)):
         args = '{"query": "x", "filters": {"lang": "en", "since": %s}}' % since
         assert _accepts(g3_lltok, search, ['{"tool_calls": [' + call("search", args) + "]}", 106]) == ok
-    single = gemma3_tool_grammar(TOOLS, "required", False)
+    single = gemma3_tool_grammar(TOOLS, "required", False, ids=GEMMA3_IDS)
     assert not _accepts(g3_lltok, single, ['{"tool_calls": [' + now + ", " + now + "]}", 106])
     assert not _accepts(g3_lltok, single, ["Hi", 106])
-    named = gemma3_tool_grammar(TOOLS, {"type": "function", "function": {"name": "now"}}, True)
+    named = gemma3_tool_grammar(TOOLS, {"type": "function", "function": {"name": "now"}}, True,
+                                ids=GEMMA3_IDS)
     assert _accepts(g3_lltok, named, ['{"tool_calls": [' + now + "]}", 106])
     assert not _accepts(g3_lltok, named, ['{"tool_calls": [' + now + ", " + now + "]}", 106])  # exactly one
     assert not _accepts(g3_lltok, named, ['{"tool_calls": [' + weather + "]}", 106])
-    assert gemma3_tool_grammar(TOOLS, "none", True) is None
+    assert gemma3_tool_grammar(TOOLS, "none", True, ids=GEMMA3_IDS) is None
 
 
 def test_parallel_calls_are_capped(g3_lltok, g4_lltok):
     """At most MAX_PARALLEL_CALLS calls per answer (a greedy base model otherwise repeats one until max_tokens)."""
     now4 = _call4("now", "")
-    g4 = gemma4_tool_grammar(TOOLS, "required", True)
+    g4 = gemma4_tool_grammar(TOOLS, "required", True, ids=GEMMA4_IDS)
     assert _accepts(g4_lltok, g4, now4 * MAX_PARALLEL_CALLS + [50])
     assert not _accepts(g4_lltok, g4, now4 * (MAX_PARALLEL_CALLS + 1) + [50])
     now3 = '{"name": "now", "arguments": {}}'
-    g3 = gemma3_tool_grammar(TOOLS, "auto", True)
+    g3 = gemma3_tool_grammar(TOOLS, "auto", True, ids=GEMMA3_IDS)
     answer = lambda n: ['{"tool_calls": [' + ", ".join([now3] * n) + "]}", 106]
     assert _accepts(g3_lltok, g3, answer(MAX_PARALLEL_CALLS))
     assert not _accepts(g3_lltok, g3, answer(MAX_PARALLEL_CALLS + 1))
 
 
 def test_tool_grammars_are_cached():
-    assert gemma4_tool_grammar(TOOLS, "auto", True) is gemma4_tool_grammar(json.loads(json.dumps(TOOLS)), "auto", True)
-    assert gemma4_tool_grammar(TOOLS, "auto", True) is not gemma4_tool_grammar(TOOLS, "auto", False)
-    assert gemma3_tool_grammar(TOOLS, "required", True) is gemma3_tool_grammar(TOOLS, "required", True)
+    assert (gemma4_tool_grammar(TOOLS, "auto", True, ids=GEMMA4_IDS)
+            is gemma4_tool_grammar(json.loads(json.dumps(TOOLS)), "auto", True, ids=GEMMA4_IDS))
+    assert (gemma4_tool_grammar(TOOLS, "auto", True, ids=GEMMA4_IDS)
+            is not gemma4_tool_grammar(TOOLS, "auto", False, ids=GEMMA4_IDS))
+    assert (gemma3_tool_grammar(TOOLS, "required", True, ids=GEMMA3_IDS)
+            is gemma3_tool_grammar(TOOLS, "required", True, ids=GEMMA3_IDS))
 
 
 def _schema_tool(schema):
@@ -594,10 +603,11 @@ def _schema_tool(schema):
     ({"type": "string", "contentMediaType": "text/html"}, "contentMediaType"),
     ({"type": "array", "unevaluatedItems": False}, "unevaluatedItems"),
 ])
-@pytest.mark.parametrize("build", [gemma4_tool_grammar, gemma3_tool_grammar])
-def test_unsupported_schema_keywords_are_rejected_by_name(schema, keyword, build):
+@pytest.mark.parametrize("build, ids", [(gemma4_tool_grammar, GEMMA4_IDS), (gemma3_tool_grammar, GEMMA3_IDS)],
+                         ids=["gemma4_tool_grammar", "gemma3_tool_grammar"])
+def test_unsupported_schema_keywords_are_rejected_by_name(schema, keyword, build, ids):
     with pytest.raises(ToolSchemaError) as err:
-        build(_schema_tool(schema), "auto", True)
+        build(_schema_tool(schema), "auto", True, ids=ids)
     assert err.value.keyword == keyword and err.value.tool == "t" and err.value.path.startswith("/properties/x")
     assert repr(keyword) in str(err.value)
 
@@ -611,7 +621,7 @@ def test_unsupported_schema_keywords_are_rejected_by_name(schema, keyword, build
 ])
 def test_malformed_tools_are_rejected(tools, keyword):
     with pytest.raises(ToolSchemaError) as err:
-        gemma4_tool_grammar(tools, "auto", True)
+        gemma4_tool_grammar(tools, "auto", True, ids=GEMMA4_IDS)
     assert err.value.keyword == keyword
 
 
@@ -619,9 +629,9 @@ def test_malformed_tools_are_rejected(tools, keyword):
                                     {"type": "function"}, {"name": "now"}])
 def test_bad_tool_choice_is_rejected(choice):
     with pytest.raises(ToolChoiceError):
-        gemma4_tool_grammar(TOOLS, choice, True)
+        gemma4_tool_grammar(TOOLS, choice, True, ids=GEMMA4_IDS)
     with pytest.raises(ToolChoiceError):
-        gemma3_tool_grammar(TOOLS, choice, True)
+        gemma3_tool_grammar(TOOLS, choice, True, ids=GEMMA3_IDS)
 
 
 def test_resolve_tool_choice_defaults():
@@ -679,7 +689,7 @@ def test_number_forms_print_back_unchanged():
 
 
 def test_gemma4_parser_streams_json_deltas():
-    parser = Gemma4ToolCallParser(id_prefix="call_abc_")
+    parser = Gemma4ToolCallParser(id_prefix="call_abc_", ids=GEMMA4_IDS)
     feed = [(48, ""), (-1, "call:get_"), (-1, "weather{city:"), (52, ""), (-1, 'Pa"ri\\s\t'), (-1, "\n\x01"),
             (52, ""), (-1, ",Days:1"), (-1, "2}"), (49, ""), (50, "")]
     steps = [parser.feed(t, text) for t, text in feed]
@@ -698,7 +708,7 @@ def test_gemma4_parser_streams_json_deltas():
 
 
 def test_gemma4_parser_content_utf8_nested_and_truncation():
-    parser = Gemma4ToolCallParser(control_ids={100})
+    parser = Gemma4ToolCallParser(control_ids={100}, ids=GEMMA4_IDS)
     out = []
     for t, b in [(-1, b"Caf\xc3"), (-1, b"\xa9 "), (100, b"<|channel>"), (48, b""), (-1, b"call:f{a:[[],{}"),
                  (-1, b",[1,-2.5,true,null],{b:"), (52, b""), (-1, b"\xe6\x9d"), (-1, b"\xb1"), (52, b""),
@@ -730,7 +740,7 @@ def test_gemma4_parser_rejects_malformed_calls(text):
 
 
 def test_gemma3_parser_streams_arguments_verbatim():
-    parser = Gemma3ToolCallParser()
+    parser = Gemma3ToolCallParser(ids=GEMMA3_IDS)
     pieces = ['{"tool_', 'calls": [{"name": "get_', 'weather", "arguments": {"city"', ': "}\\"{", "n": [1, ',
               '{}]}}, {"name": "now", "arguments": {}}]}']
     steps = [parser.feed(-1, p) for p in pieces] + [parser.feed(106, "")]
@@ -752,7 +762,7 @@ def test_gemma3_parser_lazy_trigger_streams_content_then_the_call():
     call streams as tool_calls deltas, whatever the token boundaries."""
     answer = 'Checking now {"tool_calls": [{"name": "f", "arguments": {"a": "b"}}]}'
     for cut in range(1, len(answer)):  # every split of the answer over two "tokens"
-        parser = Gemma3ToolCallParser()
+        parser = Gemma3ToolCallParser(ids=GEMMA3_IDS)
         first = parser.feed(-1, answer[:cut].encode())
         rest = parser.feed(-1, answer[cut:].encode()) + parser.feed(106) + parser.finish()
         content = "".join(d.get("content", "") for d in first + rest)
@@ -798,12 +808,12 @@ def test_recursive_refs_are_supported(g4_lltok, g3_lltok):
         "properties": {"root": {"$ref": "#/$defs/node"}},
         "required": ["root"],
     })
-    g4 = gemma4_tool_grammar([tree], "required", False)
+    g4 = gemma4_tool_grammar([tree], "required", False, ids=GEMMA4_IDS)
     assert _accepts(g4_lltok, g4, _call4("tree", "root:{children:[{children:[],name:QaQ}],name:QbQ}") + [50])
     assert not _accepts(g4_lltok, g4, _call4("tree", "root:{children:[{}],name:QbQ}") + [50])
     result = parse_gemma4_tool_calls('<|tool_call>call:tree{root:{children:[{name:<|"|>a<|"|>}],name:<|"|>b<|"|>}}'
                                      "<tool_call|><|tool_response>")
     assert validate_tool_arguments([tree], "tree", result.tool_calls[0].arguments)["root"]["children"][0]["name"] == "a"
-    g3 = gemma3_tool_grammar([tree], "required", False)
+    g3 = gemma3_tool_grammar([tree], "required", False, ids=GEMMA3_IDS)
     args = '{"root": {"name": "b", "children": [{"name": "a", "children": []}]}}'
     assert _accepts(g3_lltok, g3, ['{"tool_calls": [{"name": "tree", "arguments": ' + args + "}]}", 106])

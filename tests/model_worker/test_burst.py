@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from model_worker.loop import EngineLoop, wait_idle
 from model_worker.metrics import WorkerMetrics
-from model_worker.scheduler import Finish, SamplingSpec, Sequence
+from model_worker.sequence import Finish, SamplingSpec, Sequence
 from tests.fakes import FakeEngine, FakeEngineConfig
 
 

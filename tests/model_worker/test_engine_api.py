@@ -1,24 +1,19 @@
-"""The engine contract (`model_worker.engine_api.Engine`): the real engine and the test double both implement every
-member with the Protocol's exact signatures, and the Protocol declares exactly what the loop's side of the worker
+"""The engine contract (`model_worker.engine_api.Engine`): a type checker (mypy) holds the real engine and the test
+double to the Protocol's exact signatures, and the Protocol declares exactly what the loop's side of the worker
 uses of an engine."""
 
 from __future__ import annotations
 
 import ast
-import dataclasses
-import inspect
+import os
 import pathlib
-import types
+import subprocess
+import sys
 import typing
 
-import jax.numpy as jnp
-import pytest
-
-from families.gemma3.worker import GEMMA3_270M, gemma3_layers
 from model_worker import engine_api
-from model_worker.engine import Engine, EngineConfig
-from model_worker.params import random_flat, to_device
-from tests.fakes import FakeEngine
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 #: The modules that drive an engine after start-up (model_worker/main.py builds the concrete one).
 USERS = ("loop.py", "scheduler.py", "service.py", "metrics.py")
@@ -36,46 +31,61 @@ def nested_protocol(prop: property) -> type | None:
     return hint if getattr(hint, "_is_protocol", False) else None
 
 
-def _conforms(value, hint) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return isinstance(value, hint)
-    return isinstance(value, origin or hint)
+def mypy(*paths: pathlib.Path) -> tuple[int, list[str]]:
+    """Run mypy (the project's configuration: pyproject.toml) on `paths`; (exit status, error lines)."""
+    out = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", "--no-error-summary",
+                          *map(str, paths)], capture_output=True, text=True, cwd=REPO, timeout=600, check=False)
+    return out.returncode, [line for line in out.stdout.splitlines() if ": error:" in line]
 
 
-def signature_of(function) -> list[tuple[str, inspect._ParameterKind, object]]:
-    """(name, kind, default) of every parameter, `self` included; annotations are not compared."""
-    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+DRIFTED = '''
+from __future__ import annotations
+
+import dataclasses
+
+from model_worker import engine_api
+from model_worker.engine_api import PromptChunk
+from tests.fakes import FakeEngine
 
 
-def violations(obj, proto: type, path: str) -> list[str]:
-    """How `obj` fails `proto`: missing members, property values of the wrong type (nested Protocols checked
-    member by member), methods whose parameters differ in name, kind or default."""
-    problems = []
-    for name, member in members(proto).items():
-        where = f"{path}.{name}"
-        if not hasattr(obj, name):
-            problems.append(f"{where} is missing")
-        elif isinstance(member, property):
-            value, inner = getattr(obj, name), nested_protocol(member)
-            if inner is not None:
-                problems += violations(value, inner, where)
-            elif not _conforms(value, typing.get_type_hints(member.fget)["return"]):
-                problems.append(f"{where} = {value!r} is not {typing.get_type_hints(member.fget)['return']}")
-        elif not callable(getattr(obj, name)):
-            problems.append(f"{where} is not a method")
-        elif signature_of(getattr(type(obj), name)) != signature_of(member):
-            problems.append(f"{where}{inspect.signature(getattr(type(obj), name))} != {inspect.signature(member)}")
-    return problems
+class WrongArgumentType(FakeEngine):
+    def dispatch_compute(self, *, chunk: list[int]):  # type: ignore[override]
+        return super().dispatch_compute(chunk=PromptChunk(0, chunk, 0, [False] * len(chunk)))
 
 
-@pytest.fixture(scope="module")
-def real_engine() -> Engine:
-    """A real Engine on a tiny random Gemma 3 (nothing compiled: the contract is about its surface)."""
-    cfg = dataclasses.replace(GEMMA3_270M, vocab_size=512, hidden_size=256, num_heads=2, embed_scale=16.0,
-                              layers=gemma3_layers(2, 128, 1, 512, 1e6, pattern=2), sliding_window=8)
-    return Engine(cfg, to_device(cfg, random_flat(cfg), jnp.float32),
-                  EngineConfig(num_slots=2, max_model_len=64, prefill_chunks=(8, 32), prefix_slack=4, max_waiting=None))
+class RenamedParameter(FakeEngine):
+    def copy_slot(self, *, source: int, dst: int) -> None:  # type: ignore[override]
+        pass
+
+
+class MissingMember(FakeEngine):
+    dispatch_mixed = None  # type: ignore[assignment]
+
+
+def positional() -> engine_api.Engine:
+    return WrongArgumentType()  # drift
+
+
+def renamed() -> engine_api.Engine:
+    return RenamedParameter()  # drift
+
+
+def missing() -> engine_api.Engine:
+    return MissingMember()  # drift
+
+
+@dataclasses.dataclass(frozen=True)
+class BadSizes:
+    num_slots: int
+    max_model_len: str
+    prefill_chunks: tuple[int, ...]
+    prefix_slack: int
+    max_waiting: int | None
+
+
+def bad_sizes(sizes: BadSizes) -> engine_api.EngineSizes:
+    return sizes  # drift
+'''
 
 
 def test_the_protocol_declares_the_loops_needs():
@@ -87,34 +97,20 @@ def test_the_protocol_declares_the_loops_needs():
     assert set(members(engine_api.ModelSizes)) == {"vocab_size"}
 
 
-def test_real_engine_implements_the_protocol(real_engine):
-    assert violations(real_engine, engine_api.Engine, "Engine") == []
-
-
-def test_fake_engine_implements_the_protocol():
-    assert violations(FakeEngine(), engine_api.Engine, "FakeEngine") == []
-
-
-def test_violations_catches_a_renamed_parameter_a_changed_default_and_a_missing_member():
-    """The checker is not vacuous: each kind of drift is reported."""
-
-    class Drifted(FakeEngine):
-        def dispatch_compute(self, slot, token_ids, start, is_output, clear_penalties=True):  # default changed
-            """A drifted double."""
-
-        def copy_slot(self, source, dst):  # parameter renamed
-            """A drifted double."""
-
-        def sample(self, pending, sampling, clear_penalties, *, active):  # kind changed
-            """A drifted double."""
-
-    drifted = Drifted()
-    drifted.cfg = types.SimpleNamespace()  # vocab_size missing
-    drifted.ecfg = dataclasses.replace(drifted.ecfg, max_model_len="64")  # wrong type
-    problems = violations(drifted, engine_api.Engine, "Drifted")
-    flagged = sorted(p.split("(")[0].split(" ")[0] for p in problems)
-    assert flagged == ["Drifted.cfg.vocab_size", "Drifted.copy_slot", "Drifted.dispatch_compute",
-                       "Drifted.ecfg.max_model_len", "Drifted.sample"]
+def test_the_type_checker_holds_both_engines_to_the_protocol_and_catches_drift(tmp_path):
+    """mypy finds no error in the conformance module (the JAX engine and the test double are `engine_api.Engine`s)
+    and one error at each drifted engine: a parameter of another type, a renamed parameter, a missing method, a
+    size of the wrong type."""
+    drifted = REPO / "tests" / "model_worker" / f"_drifted_{os.getpid()}.py"
+    drifted.write_text(DRIFTED)
+    try:
+        status, errors = mypy(REPO / "tests" / "model_worker" / "engine_conformance.py", drifted)
+    finally:
+        drifted.unlink()
+    assert status == 1, errors
+    assert not [e for e in errors if "engine_conformance" in e], errors
+    lines = sorted(int(e.split(":")[1]) for e in errors if drifted.name in e)
+    assert lines == [n for n, line in enumerate(DRIFTED.splitlines(), 1) if line.endswith("# drift")], errors
 
 
 def _engine_expr(node: ast.AST) -> bool:

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from model_worker.engine import Engine, EngineConfig
+from model_worker.engine_api import PromptChunk
 from model_worker.hf_loader import load_checkpoint
 from model_worker.loop import EngineLoop, wait_idle
 from model_worker.params import to_device
-from model_worker.scheduler import Finish, SamplingSpec, Sequence
+from model_worker.sequence import Finish, SamplingSpec, Sequence
 from tests.gemma4_tiny import SHARED, write_checkpoint
 
 TOL = 2e-4  # float32 summation-order noise between batch shapes (as in test_gemma4_numerics)
@@ -308,8 +309,8 @@ def test_a_lone_prompt_pads_only_its_last_chunk(engine):
     assert ran == {32: 2, 8: 3}
     start, pending = 0, None
     while start < len(prompt):  # the same prompt in 8-token chunks, by hand
-        pending, n = engine.dispatch_compute(3, prompt[start:start + 8], start, [False] * 8,
-                                             clear_penalties=start == 0)
+        pending, n = engine.dispatch_compute(chunk=PromptChunk(3, prompt[start:start + 8], start, [False] * 8,
+                                                         clear_penalties=start == 0))
         start += n
     logprobs = jax.nn.log_softmax(pending.logits[0])
     assert sink.tokens[0] == int(np.argmax(logprobs))

@@ -21,6 +21,7 @@ import pytest
 
 from model_worker import executables
 from model_worker.engine import Engine, EngineConfig
+from model_worker.engine_api import DecodeBatch, PromptChunk
 from model_worker.executables import ExecutableCache, fingerprint
 from model_worker.hf_loader import load_checkpoint
 from model_worker.params import to_device
@@ -30,7 +31,7 @@ from tests.gemma4_tiny import SHARED, write_checkpoint
 
 LEN = 64
 ECFG = EngineConfig(num_slots=2, max_model_len=LEN, prefill_chunks=(8,), kv_bucket_factor=16, prefix_slack=4)
-KEYS = [("compute", 1, 8, 8), ("decode", 2, 1, 8)]  # a 7-token chunk and a decode at position 7: KV bucket 8
+KEYS = [ProgramKey("compute", 1, 8, 8), ProgramKey("decode", 2, 1, 8)]  # a 7-token chunk and a decode at position 7: KV bucket 8
 
 # One process's run: build the engine over the checkpoint in argv[1] with the cache in argv[2], compile KEYS
 # through the cache, run a chunk and a decode step, print the counters and the results as JSON.
@@ -67,9 +68,9 @@ def model(checkpoint):
 def run_steps(engine: Engine) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A prompt chunk in slot 0 and a decode step of slots 0 and 1: both logits and the cache's first K array."""
     ids = list(range(3, 10))
-    pending, _ = engine.dispatch_compute(0, ids, 0, [False] * len(ids))
+    pending, _ = engine.dispatch_compute(chunk=PromptChunk(0, ids, 0, [False] * len(ids)))
     chunk = np.asarray(pending.logits)
-    decode = np.asarray(engine.dispatch_decode([0, 1], [11, 12], [7, 0], [True, True]).logits)
+    decode = np.asarray(engine.dispatch_decode(batch=DecodeBatch([0, 1], [11, 12], [7, 0], [True, True])).logits)
     k = next(a for a in engine.cache.k if a is not None)
     return chunk, decode, np.asarray(k)
 

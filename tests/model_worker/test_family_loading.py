@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import families
-from families import UnknownFamilyError
+from common import families
+from common.families import UnknownFamilyError
+from common.preparation import prepare
 from families.gemma3.worker import GEMMA3_270M
-from gemma_serve.preparation import prepare
-from model_worker.config import config_from_dict, config_to_dict
+from model_worker.config import config_from_dict, config_to_dict, worker_part
 from model_worker.hf_loader import load_checkpoint
 from model_worker.main import PREPARE_PARTS
 from tests.e2e.stacks import REPO, free_ports
@@ -25,7 +25,7 @@ from tests.e2e.stacks import REPO, free_ports
 
 @pytest.mark.parametrize("family", families.families(), ids=lambda f: f.name)
 def test_every_preset_carries_its_family_registry_name(family):
-    presets = family.part("worker").PRESETS
+    presets = worker_part(family).presets
     assert presets, f"{family.name} has no preset"
     for name, cfg in presets.items():
         assert cfg.name == name and cfg.architecture == family.name
@@ -78,7 +78,7 @@ def test_a_family_without_a_loader_for_the_format_says_so(tmp_path):
     with pytest.raises(NotImplementedError, match="Gemma 3 Hugging Face checkpoints .* not supported"):
         load_checkpoint(_checkpoint(tmp_path, {"model_type": "gemma3_text"}), jnp.float32)
     with pytest.raises(NotImplementedError, match="Gemma 4 GGUF files are not supported"):
-        families.by_name("gemma4").part("worker").config_from_gguf({}, 262_144, "x")
+        worker_part(families.by_name("gemma4")).config_from_gguf({}, 262_144, "x")
 
 
 def test_a_prepared_config_of_an_unknown_family_is_refused():

@@ -17,6 +17,7 @@ from gemma_serve.cli import build_parser
 from model_worker import memory
 from model_worker.engine import Engine, EngineConfig
 from model_worker.params import random_flat, to_device
+from model_worker.programs import ProgramKey
 from tests.gemma4_tiny import SHARED
 
 GiB = 2**30
@@ -96,7 +97,7 @@ def test_a_running_engine_reports_its_arrays_and_compiled_temporaries(tiny):
     cfg, params = tiny
     engine = Engine(cfg, params, EngineConfig(num_slots=2, max_model_len=64, prefill_chunks=(16,)))
     assert engine.temp_bytes() == 0  # nothing compiled yet
-    key = ("greedy", 2, 0, 0)  # the quickest program to compile
+    key = ProgramKey("greedy", 2, 0, 0)  # the quickest program to compile
     engine.compile_all(keys=[key])
     (usage,) = memory.device_usage(engine)
     assert usage.device == jax.devices()[0] and usage.capacity is None

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 from model_worker import model
+from model_worker.engine_api import DecodeBatch, PromptChunk
 from model_worker.hf_loader import load_checkpoint
 from model_worker.kv_cache import KVCache
 from model_worker.params import to_device
+from model_worker.programs import ProgramKey
 from tests.gemma4_tiny import CONFIGS, write_checkpoint
 
 TOL = 2e-4  # float32 summation-order noise between batch shapes (as in test_gemma4_numerics)
@@ -137,7 +139,7 @@ def test_programs_update_the_cache_in_place(tiny, other, request):
     shape = lambda a, t: f"{t}[{','.join(map(str, a.shape))}]"
     cache_shapes = {shape(a, hlo_type[str(a.dtype)]) for a in arrays}
     images = {shape(a, "f32") for a in arrays if a.dtype != jnp.float32} - cache_shapes
-    for key in (("mixed", 2, 8, LEN), ("decode", 2, 1, LEN)):
+    for key in (ProgramKey("mixed", 2, 8, LEN), ProgramKey("decode", 2, 1, LEN)):
         text = engine._lower(key).compile().as_text()
         copied = [s for s in re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", text) if s in cache_shapes]
         assert not copied, f"the {key[0]} program copies cache arrays: {copied}"
@@ -164,14 +166,14 @@ def test_warm_up_runs_every_forward_program_and_changes_no_state(tiny):
     cfg, params = tiny
     engine = Engine(cfg, params, EngineConfig(num_slots=4, max_model_len=LEN, prefill_chunks=(8, 32),
                                               kv_bucket_factor=16, prefix_slack=4))
-    engine.compile_all(keys=[("compute", 1, 8, 8), ("compute", 1, 8, LEN), ("decode", 1, 1, LEN),
-                             ("decode", 2, 1, LEN), ("mixed", 2, 8, LEN)])
+    engine.compile_all(keys=[ProgramKey(*k) for k in [("compute", 1, 8, 8), ("compute", 1, 8, LEN),
+                                                      ("decode", 1, 1, LEN), ("decode", 2, 1, LEN), ("mixed", 2, 8, LEN)]])
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 20).tolist()
     start = 0
     while start < len(ids):
-        _, n = engine.dispatch_compute(1, ids[start:], start, [True] * (len(ids) - start))
+        _, n = engine.dispatch_compute(chunk=PromptChunk(1, ids[start:], start, [True] * (len(ids) - start)))
         start += n
-    jax.block_until_ready(engine.dispatch_decode([1], [ids[-1]], [20], [True]).logits)
+    jax.block_until_ready(engine.dispatch_decode(batch=DecodeBatch([1], [ids[-1]], [20], [True])).logits)
     before = jax.tree.map(np.asarray, (engine.cache, engine.pstate))
     calls = dict(engine.calls)
     assert engine.warm_up() > 0

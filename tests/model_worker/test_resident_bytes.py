@@ -14,6 +14,7 @@ from families.gemma4.worker import GEMMA4_E2B
 from model_worker.engine import Engine, EngineConfig
 from model_worker.hf_loader import load_checkpoint
 from model_worker.params import param_shapes, to_device
+from model_worker.programs import ProgramKey
 from scripts.make_synthetic_gemma4 import GROUP, scaled_config, write
 
 CFG = scaled_config(GEMMA4_E2B, layers=10, hidden=256, vocab=2048)
@@ -64,7 +65,7 @@ def _largest_layer_dequantized_bytes(itemsize: int) -> int:
     return max(per_layer.values())
 
 
-@pytest.mark.parametrize("key", [("decode", 2, 1, 512), ("compute", 1, 16, 512)], ids=["decode", "compute"])
+@pytest.mark.parametrize("key", [ProgramKey("decode", 2, 1, 512), ProgramKey("compute", 1, 16, 512)], ids=["decode", "compute"])
 def test_int4_step_temporaries_stay_below_two_layers(tmp_path_factory, key):
     """XLA's memory analysis of the compiled step: int4 weights are unpacked layer by layer, never all up front
     (all of them dequantized would be ~10 layers' worth)."""

@@ -493,7 +493,7 @@ def test_every_sampling_setting_reaches_its_row():
     `SamplingSpec` field lands in row 1 and row 0 keeps the defaults (a setting added to both dataclasses needs
     no copying code, and one missing from SamplingArrays fails here)."""
     from model_worker.loop import ROW_SETTINGS, sampling_rows
-    from model_worker.scheduler import SamplingSpec, Sequence
+    from model_worker.sequence import SamplingSpec, Sequence
 
     spec = SamplingSpec(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=(7 << 32) + 9, presence_penalty=0.5,
                         frequency_penalty=-0.5, repetition_penalty=1.3, bias_ids=(3,), bias_vals=(2.0,),

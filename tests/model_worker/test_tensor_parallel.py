@@ -28,6 +28,7 @@ import pytest
 from families.gemma4.worker import config_from_hf
 from model_worker.engine import Engine, EngineConfig
 from model_worker.params import random_flat, to_device
+from model_worker.programs import ProgramKey
 from tests.gemma4_tiny import SHARED
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -177,7 +178,7 @@ def test_more_devices_than_this_process_has_is_a_value_error():
 def test_one_device_has_no_mesh_and_unsharded_programs():
     engine = _tiny_engine()
     assert engine.mesh is None and engine.layout is None
-    assert "sharding" not in engine._lower(("decode", 1, 1, 16)).as_text()
+    assert "sharding" not in engine._lower(ProgramKey("decode", 1, 1, 16)).as_text()
 
 
 @pytest.mark.slow

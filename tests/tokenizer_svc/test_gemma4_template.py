@@ -19,12 +19,12 @@ import shutil
 import grpc
 import pytest
 
-from protos import tokenizer_pb2
-from tests.gemma4_tokenizer import GEMMA4_CONTROL_IDS
-from families import UnknownFamilyError
+from common.families import UnknownFamilyError
 from families.gemma3.tokenizer import render as render_gemma3
 from families.gemma4.tokenizer import render as render_gemma4
 from families.gemma4.tokenizer import strip_thinking
+from protos import tokenizer_pb2
+from tests.gemma4_tokenizer import GEMMA4_CONTROL_IDS
 from tokenizer_svc.chat_template import TEMPLATES, Message, TemplateError, tokenize_segments
 from tokenizer_svc.jinja_template import JinjaTemplate
 from tokenizer_svc.main import choose_template, load_tokenizer

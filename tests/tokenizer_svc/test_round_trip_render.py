@@ -17,20 +17,22 @@ import types
 
 import pytest
 
+from common.json_prefix import close_json_prefix, scan_json_prefix
+from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
+from families.gemma3.gateway import Gemma3ToolCallParser
+from families.gemma3.tokenizer import gemma3_tool_calls_text
+from families.gemma3.tokenizer import render as render_gemma3
+from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
+from families.gemma4.gateway import Gemma4ToolCallParser
+from families.gemma4.tokenizer import gemma4_arguments_prefix
+from families.gemma4.tokenizer import render as render_gemma4
 from gateway.chat_output import ChatRoute
 from gateway.completions import remember_answer
 from gateway.generate import Delta
 from gateway.history import AnswerHistory, answer_key
-from families.gemma3.gateway import Gemma3ToolCallParser
-from families.gemma4.gateway import Gemma4ToolCallParser
 from protos import common_pb2
-from families.gemma3.tokenizer import gemma3_tool_calls_text
-from families.gemma3.tokenizer import render as render_gemma3
-from families.gemma4.tokenizer import gemma4_arguments_prefix
-from families.gemma4.tokenizer import render as render_gemma4
 from tokenizer_svc.chat_template import Message, TemplateError, tokenize_segments
 from tokenizer_svc.jinja_template import JinjaTemplate
-from tokenizer_svc.json_prefix import close_json_prefix, scan_json_prefix
 
 pytestmark = pytest.mark.slow
 TEMPLATE = pathlib.Path(__file__).parent / "data" / "gemma4_chat_template.jinja"
@@ -46,7 +48,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 def _g4_parse(spelled: str) -> list[str]:
     """The arguments the gateway's Gemma 4 parser returns for `spelled` (control tokens spelled out), per call."""
     ids = {"<|tool_call>": 48, "<tool_call|>": 49, '<|"|>': 52}
-    parser, args = Gemma4ToolCallParser(), []
+    parser, args = Gemma4ToolCallParser(ids=GEMMA4_IDS), []
     deltas = []
     for n, piece in enumerate(G4_CONTROL.split(spelled)):
         deltas += parser.feed(ids[piece], piece) if n % 2 else parser.feed(-1, piece) if piece else []
@@ -85,7 +87,7 @@ def test_cut_gemma3_arguments_render_back_verbatim():
               '{"city": "Pa\\"ris\\u00e9", "n": [1, 2.5, {"x": null}]}}]}')
     start = answer.index('{"city"')
     for cut in range(start + 1, len(answer) - 3):
-        parser = Gemma3ToolCallParser()
+        parser = Gemma3ToolCallParser(ids=GEMMA3_IDS)
         deltas = parser.feed(-1, answer[:cut]) + parser.finish()
         args = ["", ""]
         for d in deltas:
@@ -128,7 +130,8 @@ def _ids(tok, spelled: str, control: re.Pattern) -> list[int]:
 def _returned(tok, fmt: str, ids: list[int], stop_ids: list[int], arch: str) -> tuple[Message, list[int]]:
     """What the gateway returns for `ids` (ChatRoute) as a template Message carrying the ids it remembered
     (`remember_answer`), and those ids."""
-    route = ChatRoute(tok.token_bytes, tok.special_ids, tool_format=fmt, channels=arch == "gemma4")
+    route = ChatRoute(tok.token_bytes, tok.special_ids, tool_format=fmt, channels=arch == "gemma4",
+                      ids=GEMMA4_IDS if arch == "gemma4" else GEMMA3_IDS)
     tokens = [common_pb2.GeneratedToken(token_id=t) for t in ids]
     delta = Delta(text="", token_ids=ids, logprobs=[], tokens=tokens, whole=True)
     route.feed(delta)

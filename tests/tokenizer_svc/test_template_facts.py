@@ -15,11 +15,11 @@ import textwrap
 
 import pytest
 
-import families
-from families import UnknownFamilyError
-from gemma_serve import preparation
+from common import families, preparation
+from common.families import UnknownFamilyError
 from gemma_serve.cli import build_parser
 from protos import tokenizer_pb2
+from tokenizer_svc.chat_template import tokenizer_part
 from tokenizer_svc.main import choose_template, load_tokenizer, run
 from tokenizer_svc.service import TokenizerServicer
 
@@ -40,7 +40,7 @@ def _facts(info) -> tuple:
 def test_info_reports_the_embedded_gguf_family_and_facts(cache_dir, prepared):
     tok, template, render = load_tokenizer("embedded", cache_dir)
     assert json.loads((prepared.dir / "gguf_architecture.json").read_text()) == {"general.architecture": "gemma3"}
-    assert render is families.by_name("gemma3").part("tokenizer").render
+    assert render is tokenizer_part(families.by_name("gemma3")).render
     info = _info(tok, template, render)
     assert _facts(info) == ("gemma3", "gemma3", True, False) and info.source == "gguf"
 
@@ -54,7 +54,7 @@ def test_info_reports_a_gemma4_checkpoint_family_and_facts(gemma4_text_tokenizer
     shutil.copy(DATA / "gemma4_chat_template.jinja", tmp_path / "chat_template.jinja")
     template, render = choose_template(tmp_path, tok)
     assert _facts(_info(tok, template, render)) == ("gemma4", "checkpoint", True, True)
-    assert render.answer_format is families.by_name("gemma4").part("tokenizer").ANSWER_FORMAT
+    assert render.answer_format is tokenizer_part(families.by_name("gemma4")).answer_format
 
 
 def test_a_gemma3_checkpoint_template_keeps_gemma3_facts(text_tokenizer, tmp_path):
@@ -119,13 +119,14 @@ def test_tokenizer_parts_render_without_jax():
     script = textwrap.dedent(
         """
         import sys
-        import families, tokenizer_svc.main, tokenizer_svc.service
-        from tokenizer_svc.chat_template import Message
+        import tokenizer_svc.main, tokenizer_svc.service
+        from common import families
+        from tokenizer_svc.chat_template import Message, tokenizer_part
         from tokenizer_svc.jinja_template import answer_format_for
         for family in families.families():
-            part = family.part("tokenizer")
+            part = tokenizer_part(family)
             assert part.render([Message("user", "Hi")], True, [], {})[0].text == "<bos>", family
-            assert part.TEMPLATE_FACTS.supports_tools, family
+            assert part.template_facts.supports_tools, family
         assert answer_format_for(["<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>"]) is not None
         print(sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "model_worker")))
         """

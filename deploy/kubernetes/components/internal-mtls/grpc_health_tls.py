@@ -19,7 +19,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gemma_serve.network import InternalTls, sync_channel
+from common.network import InternalTls, sync_channel
 
 DEFAULT_TLS_DIR = "/etc/gemma-serve/tls"
 USAGE = "usage: python grpc_health_tls.py PORT SERVER_NAME [TLS_DIR]"
