@@ -17,7 +17,7 @@ received / reused from the prefix cache / computed (`gemma_serve:prompt_tokens_c
 counter, received - reused), engine steps, prefix-cache hits, and the mean queue, prefill (admission to first
 token), decode, inter-token and end-to-end times the worker measured; and the load average during the burst.
 
-  python benchmarks/burst.py                                     # start a stack, the configuration
+  python benchmarks/burst.py                                     # start a stack: docs/performance.md, "Burst"
   python benchmarks/burst.py --max-tokens 64 --system-repeat 6 --json /tmp/burst.json   # a ~1900-token prompt
   python benchmarks/burst.py --url http://127.0.0.1:8000 --metrics-url http://127.0.0.1:8001/metrics
   python benchmarks/burst.py --in-process --prompt-tokens 415        # the worker's engine loop alone

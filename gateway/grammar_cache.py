@@ -5,9 +5,10 @@ client grammar gets (`LIMITS`), the grammar LRU keyed by schema and the matcher-
 and the entry points: `grammar_for_response_format`, `grammar_for_json_schema`, `grammar_for_json_object`,
 `check_schema`, `grammar_cache_info`, `clear_grammar_cache`. It sits between the pure schema policy
 (gateway/schema_check.py: what is accepted, and the rewrite) and the per-request matcher
-(gateway/constraints.py: `Constraint`) because it owns the process-wide state: a compile costs 0.2-20 ms and a
-matcher compile as much again, so each is done once per distinct schema/grammar and shared (figures:
-docs/performance.md).
+(gateway/constraints.py: `Constraint`) because it owns the process-wide state: a schema compile and a matcher
+compile each cost up to tens of milliseconds, far more than a copy of a compiled matcher, so each is done once
+per distinct schema/grammar and shared (figures: docs/performance.md, "JSON-schema compile" and "Per-request
+matcher from a cached template").
 
 Departures from JSON Schema semantics due to llguidance and the options given to it, all of which only
 *narrow* what is generated (the output still validates; those due to the rewrite are in
@@ -90,8 +91,8 @@ def _llg_error_keyword(msg: str) -> str | None:
 MAX_SCHEMA_CHARS = 1 << 20
 #: llguidance's budgets for a client grammar (its defaults, with error messages that do not echo the grammar):
 #: lexer fuel to build it and per token, Earley items per token and per grammar row, lexer states, grammar
-#: symbols; each bounds the time a grammar may take (figures: docs/performance.md). A grammar that needs more is
-#: an error; see `Constraint` (gateway/constraints.py).
+#: symbols; each bounds the time a grammar may take (figures: docs/performance.md, "llguidance work rates"). A
+#: grammar that needs more is an error; see `Constraint` (gateway/constraints.py).
 LIMITS = llguidance.LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                                    step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
                                    verbose_errors=False)
@@ -104,8 +105,8 @@ _cache_lock = threading.Lock()
 _stats = {"hits": 0, "misses": 0, "compiles": 0}
 
 # Compiled matchers in their initial state, keyed by (tokenizer id, grammar); a request gets a deep_copy, much
-# cheaper than a compile (figures: docs/performance.md). The tokenizer is held in the entry so its id stays
-# unique.
+# cheaper than a compile (figures: docs/performance.md, "Per-request matcher from a cached template"). The
+# tokenizer is held in the entry so its id stays unique.
 _templates: ByteLRU[tuple[int, str], tuple[Any, Any]] = ByteLRU(
     GRAMMAR_CACHE_BYTES, lambda key, entry: text_size(key[1]) + _MATCHER_OVERHEAD)
 
@@ -149,7 +150,7 @@ def grammar_for_json_schema(schema: dict, *, where: str = "response_format.json_
     schema's compact JSON. Key order is kept, not sorted: llguidance generates properties in the order of
     `properties`, so `{"a", "b"}` and `{"b", "a"}` are different grammars. Two requests racing on the same new
     schema may both compile it (harmless). A large schema's compile is long enough that callers on an event
-    loop may prefer `asyncio.to_thread` (figures: docs/performance.md).
+    loop may prefer `asyncio.to_thread` (figures: docs/performance.md, "JSON-schema compile").
 
     Args:
       schema: the JSON Schema (`response_format.json_schema.schema`).
@@ -239,7 +240,8 @@ def matcher_template(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguida
     advance it (gateway/constraints.py `Constraint` does).
 
     Cached by (tokenizer, grammar) in an LRU of GRAMMAR_CACHE_BYTES, since a matcher compile costs as much as
-    a schema compile and a copy is much cheaper (figures: docs/performance.md). Compiled under `LIMITS`.
+    a schema compile and a copy is much cheaper (figures: docs/performance.md, "Per-request matcher from a cached
+    template"). Compiled under `LIMITS`.
 
     Args:
       tokenizer: from gateway.constraints.build_tokenizer.

@@ -1,9 +1,9 @@
 """A disk cache of the engine's compiled programs, so that a restarted worker skips tracing and lowering.
 
 JAX's persistent compilation cache (`engine.enable_compilation_cache`) saves only XLA's compile: its key is the
-lowered module, so every start still traces and lowers each program, which costs 1-9 s per program for the
-embedded model on this project's CPU (the mixed programs are the dearest; figures: docs/performance.md) and made
-a worker restart after a crash take ~20-40 s. This cache stores each compiled program whole, serialized with
+lowered module, so every start still traces and lowers each program, which costs seconds per program (the mixed
+programs are the dearest) and made a worker restart after a crash take tens of seconds (figures:
+docs/performance.md, "Executable cache"). This cache stores each compiled program whole, serialized with
 `jax.experimental.serialize_executable`, under a fingerprint of everything the program is a function of:
 
   * the program's key, the model and engine configurations (`repr` of the frozen dataclasses);
@@ -144,7 +144,8 @@ def fingerprint(key: Sequence, cfg, ecfg, args: Sequence) -> str:
 
 
 #: Default bound of a cache directory: past it, `store` deletes the least recently used entries (stale entries
-#: of older code or toolchains accumulate otherwise; the embedded model's 14 programs take ~30 MB).
+#: of older code or toolchains accumulate otherwise; the embedded model's programs take a small fraction of it,
+#: figures: docs/performance.md, "Executable cache").
 MAX_BYTES = 2 << 30
 
 

@@ -213,9 +213,9 @@ def write_rings(cache: KVCache, deferred: list, anchor, positions, start, n_vali
 
 BF16_BITS = jnp.uint16
 """The store of bfloat16 K/V: their bit patterns. XLA CPU has no in-place bfloat16 scatter: it converts the whole
-cache array to float32 and back to write one token (18 ms for one 8-slot x 8192-position layer array, against
-7 us for the same uint16 write; docs/performance.md), so bfloat16 K/V are written and kept as uint16 and
-bit-cast back on every read (free)."""
+cache array to float32 and back to write one token, thousands of times the cost of the same uint16 write
+(figures: docs/performance.md, "bfloat16 K/V writes on XLA CPU"), so bfloat16 K/V are written and kept as uint16
+and bit-cast back on every read (free)."""
 
 
 def storage_dtype(cfg: ModelConfig, dtype, int8: bool):

@@ -39,7 +39,7 @@ MAX_AUTO_SLOTS = 256
 DEFAULT_SLOTS = 4
 #: Rows of [B, V] float32 per sequence in the sampling step: the logits handed from the forward program, and the
 #: sample program's temporaries (penalised logits, probabilities, the sorted copy of top-p / top-k): 5 rows
-#: measured on XLA CPU (docs/performance.md), one more for margin.
+#: measured on XLA CPU (docs/performance.md, "Sampling temporaries"), one more for margin.
 SAMPLING_ROWS = 6
 
 
@@ -185,9 +185,10 @@ def estimate_temporaries(cfg: ModelConfig, ecfg, weights: Params, tp: int = 1,
         CPU.
       * per slot: `SAMPLING_ROWS` rows of [V] (logits and sampling), and twice a decode row's activations.
 
-    Against XLA CPU's figures (docs/performance.md): 1.9x on an E2B look-alike with 512-token chunks, 1.25-3x on
-    the tiny models, whose compiled programs tests/tp_check.py checks it bounds. Not measured on an accelerator:
-    the worker logs both figures at start and warns when the compiled one is larger.
+    Against XLA CPU's figures it errs high, on an E2B look-alike with 512-token chunks and on the tiny models,
+    whose compiled programs tests/tp_check.py checks it bounds (figures: docs/performance.md, "Estimated step
+    temporaries against XLA CPU's"). Not measured on an accelerator: the worker logs both figures at start and
+    warns when the compiled one is larger.
 
     Args:
       cfg, ecfg: the model and engine configs (`EngineConfig`: chunks, max_model_len, prefix_slack, dtype).

@@ -3,9 +3,9 @@ are bit-identical however it is computed - alone or next to other rows in a deco
 any alignment (a prefix hit against a cold run), or in a mixed step - for the embedded Gemma 3 and the tiny Gemma 4
 configs (sliding and full layers, KV sharing, PLE). Equality is exact (`np.array_equal`), not within a tolerance.
 
-The kernel-level tests pin what the design relies on (docs/architecture.md, "Batch invariance"): XLA CPU's
-bfloat16 GEMM computes each output row independently of the other rows and of their number (from 2 rows up),
-and `layers.fixed_order_sum` is one order whatever the array's shape.
+The kernel-level tests pin what the design relies on (docs/architecture.md, "bfloat16 matmul precision with batch
+invariance"): XLA CPU's bfloat16 GEMM computes each output row independently of the other rows and of their
+number (from 2 rows up), and `layers.fixed_order_sum` is one order whatever the array's shape.
 """
 
 from __future__ import annotations
