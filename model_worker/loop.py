@@ -162,6 +162,8 @@ class EngineLoop:
                                    max_waiting=engine.ecfg.max_waiting, token_budget=self.token_budget,
                                    lease_preempt_after=lease_preempt_after)
         self._inbox: queue.Queue[Command] = queue.Queue()
+        self._submitted = 0  # `Submit`s in the inbox, not yet taken in (`load`); changed under `_submitted_lock`
+        self._submitted_lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # compute chunks, decode steps, slot copies; "mixed": iterations with both a chunk and a decode step (one
@@ -185,7 +187,7 @@ class EngineLoop:
         under the GIL; a loop blocked on masks runs no iteration, so the last snapshot can be stale), the KV
         usage is the latest iteration's."""
         sched = self.scheduler
-        return len(sched.running), len(sched.waiting) + self._inbox.qsize(), self.last.kv_usage
+        return len(sched.running), len(sched.waiting) + self._submitted, self.last.kv_usage
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -199,6 +201,8 @@ class EngineLoop:
 
     def submit(self, seq: Sequence) -> None:
         """Queue a sequence (thread-safe). Its events arrive through seq.sink."""
+        with self._submitted_lock:
+            self._submitted += 1
         self._inbox.put(Submit(seq))
 
     def abort(self, request_id: str) -> None:
@@ -298,6 +302,8 @@ class EngineLoop:
         """Apply one inbox command (on the loop thread)."""
         match cmd:
             case Submit(seq):
+                with self._submitted_lock:
+                    self._submitted -= 1
                 self._add(seq)
             case Abort(request_id):
                 aborted = self.scheduler.abort(request_id)

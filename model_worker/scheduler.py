@@ -407,8 +407,11 @@ class Scheduler:
         return seq.finish
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished sequence's slot (free for the next iteration; its KV stays for prefix reuse)."""
+        """Forget a finished sequence: out of the waiting queue if it never ran, else its slot released (free for
+        the next iteration; its KV stays for prefix reuse)."""
         self.by_id.pop(seq.request_id, None)
+        if seq.slot is None and seq in self.waiting:
+            self.waiting.remove(seq)
         if seq.slot is not None and self.running.get(seq.slot) is seq:
             del self.running[seq.slot]
             self.cache.release(seq.slot, seq.tokens[: seq.num_computed], seq.session, seq.lease_ttl)
@@ -419,8 +422,6 @@ class Scheduler:
         seq = self.by_id.get(request_id)
         if seq is None:
             return None
-        if seq in self.waiting:
-            self.waiting.remove(seq)
         seq.finish = Finish.ABORT
         self.finish(seq)
         return seq

@@ -148,6 +148,7 @@ CASES = [
     _case("boolean", {"type": "boolean"}, [True, False, None, 0, "true"]),
     _case("null", {"type": "null"}, [None, False, 0, ""]),
     _case("type-list", {"type": ["integer", "null"]}, [1, None, "1", 1.5, True]),
+    _case("integer-and-number", {"type": ["number", "integer"], "maximum": 3}, [3, 2.5, -7, 3.5, 4, "x"]),
     _case("nullable", {"type": "string", "nullable": True}, ["x", None, 1], {"type": ["string", "null"]}),
     _case("enum-with-siblings", {"enum": ["a", "bb", "ccc", 1, None], "type": "string", "maxLength": 2},
           ["a", "bb", "ccc", 1, None, "d"]),
@@ -431,7 +432,7 @@ def test_the_parameters_must_be_a_plain_object_schema(parameters):
     assert "at / " in err.message
 
 
-def test_the_first_unsupported_keyword_in_a_sibling_is_reported_where_it_is():
+def test_additional_properties_is_checked_even_where_it_produces_no_value():
     """Subschemas are checked where they are, not only where values are produced: `additionalProperties`
     under declared properties produces nothing but is still checked."""
     err = _error({"type": "object", "properties": {"a": {"type": "integer"}},

@@ -268,11 +268,11 @@ def test_long_prompt_is_chunked_while_running_streams_keep_decoding(engine):
     long_prompt = rng.integers(0, 512, 100).tolist()
     loop = EngineLoop(engine, token_budget=8)
     order = []
-    finish_compute, finish_decode = loop._finish_compute, loop._finish_decode
-    loop._finish_compute = lambda seq, p, n: (order.append(("compute", seq.request_id, n)),
-                                              finish_compute(seq, p, n))
-    loop._finish_decode = lambda seqs, p: (order.append(("decode", tuple(s.request_id for s in seqs))),
-                                           finish_decode(seqs, p))
+    sample_chunk, sample_decode = loop._sample_chunk, loop._sample_decode
+    loop._sample_chunk = lambda seq, p, n: (order.append(("compute", seq.request_id, n)),
+                                            sample_chunk(seq, p, n))[1]
+    loop._sample_decode = lambda seqs, p: (order.append(("decode", tuple(s.request_id for s in seqs))),
+                                           sample_decode(seqs, p))[1]
     mixed_before = sum(n for key, n in engine.calls.items() if key[0] == "mixed")
     loop.start()
     try:

@@ -1,8 +1,8 @@
-"""`PrefixCache` on its own (model_worker/prefix_cache.py), with the `LiveSlot`s a scheduler would pass: which
-slot a new prompt gets and how many of its tokens are reused (the longest exact prefix of its own `cache_salt`,
-under the sliding rings' slack rule), free slots before LRU eviction, what `release` records, pinned snapshots,
-prompts in flight (leaders), session leases (bounded, expiring, preempted), `best_source`, and the counters.
-Plain Python: no engine, no scheduler."""
+"""`PrefixCache` on its own (model_worker/prefix_cache.py), with the `LiveSlot`s a scheduler would pass:
+which slot a new prompt gets and how many of its tokens are reused (the longest exact prefix of its own
+`cache_salt`, under the sliding rings' slack rule), free slots before LRU eviction, what `release` records,
+pinned snapshots, prompts in flight (leaders), session leases (bounded, expiring, preempted), `best_source`,
+and the counters. Plain Python: no engine, no scheduler."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ H = list(range(100, 120))  # a finished request's history: 20 tokens none of the
 
 
 def hold(cache: PrefixCache, salt: str = "", session: str = "") -> int:
-    """Give a fresh request a slot without looking for a prefix (as the scheduler does for a fork); the slot is
-    busy until released."""
+    """Give a fresh request a slot without looking for a prefix (as the scheduler does for a fork); the slot
+    is busy until released."""
     placement = cache.place([0], salt, {}, reuse=False, session=session)
     assert placement is not None and placement.copy_from is None and placement.cached == 0
     return placement.slot
@@ -68,10 +68,10 @@ def test_placement_takes_over_the_finished_slot_with_the_longest_prefix_in_place
 
 @pytest.mark.parametrize("slack", [0, 4])
 @pytest.mark.parametrize("behind", [0, 1, 2, 4, 5, 6, 10])
-def test_a_split_within_the_slack_of_the_slots_end_is_reused_exactly_and_one_further_back_is_not(slack, behind):
-    """A prompt that diverges from a 20-token history `behind` positions before its end: the sliding rings still
-    hold the right window at the split iff behind <= slack + 1 (`exact_split`); else the prompt starts from
-    scratch in another (empty) slot and the slot keeps its history."""
+def test_a_split_within_the_slack_of_the_slots_end_is_reused_exactly_and_further_back_not(slack, behind):
+    """A prompt that diverges from a 20-token history `behind` positions before its end: the sliding rings
+    still hold the right window at the split iff behind <= slack + 1 (`exact_split`); else the prompt starts
+    from scratch in another (empty) slot and the slot keeps its history."""
     cache = PrefixCache(2, slack=slack, min_share=1000)
     slot = run(cache, H)
     split = len(H) - behind
@@ -152,9 +152,9 @@ def test_a_running_slots_prefix_is_copied_into_another_slot():
 
 
 def test_a_prompt_in_flight_is_waited_for_when_it_shares_enough():
-    """A prompt sharing more with a prompt being computed than with any slot's KV waits for that leader (placed
-    with nothing cached): when the shared part is all but its last token, or at least `min_share` tokens more than
-    it could reuse now; never across salts. Such a placement is a query, not a hit."""
+    """A prompt sharing more with a prompt being computed than with any slot's KV waits for that leader
+    (placed with nothing cached): when the shared part is all but its last token, or at least `min_share`
+    tokens more than it could reuse now; never across salts. Such a placement is a query, not a hit."""
     prompt = list(range(300, 340))
     cache = PrefixCache(6, slack=4, min_share=32)
     leader = hold(cache)
@@ -278,7 +278,8 @@ def test_queries_count_placements_and_hits_count_those_that_reuse_a_prefix():
     assert (cache.queries, cache.hits) == (2, 1)
     cache.place([7, 8], "", idle(cache))
     assert (cache.queries, cache.hits) == (3, 1)
-    assert cache.place([7, 8], "", idle(cache)) is None and (cache.queries, cache.hits) == (3, 1), "no slot: no query"
+    assert cache.place([7, 8], "", idle(cache)) is None
+    assert (cache.queries, cache.hits) == (3, 1), "no slot: no query"
     cache.release(slot, [])
     cache.place(H, "", {}, reuse=False)
     assert (cache.queries, cache.hits) == (4, 1)
@@ -291,8 +292,9 @@ PROMPTS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
 
 
 def build(slots, slack: int) -> tuple[PrefixCache, dict[int, LiveSlot], list[list[int]]]:
-    """A cache whose slot i is `slots[i]` = (kind, salt, history): finished, busy (running, computing no prompt
-    of its own), a pinned snapshot, or empty (its history ignored). Returns it, the live view, the histories."""
+    """A cache whose slot i is `slots[i]` = (kind, salt, history): finished, busy (running, computing no
+    prompt of its own), a pinned snapshot, or empty (its history ignored). Returns it, the live view, the
+    histories."""
     cache = PrefixCache(len(slots), slack=slack, max_snapshots=0, min_share=1000)
     live, histories = {}, []
     for i, (kind, salt, history) in enumerate(slots):
@@ -311,12 +313,14 @@ def build(slots, slack: int) -> tuple[PrefixCache, dict[int, LiveSlot], list[lis
 @settings(max_examples=400, deadline=None, derandomize=True)
 @given(slots=SLOTS, prompt=PROMPTS, salt=st.sampled_from(["", "x"]), slack=st.integers(0, 4))
 def test_place_reuses_exactly_the_longest_exact_prefix_of_its_own_salt(slots, prompt, salt, slack):
-    """For random slot contents and prompts: `cached` is the longest common prefix with the source slot's history
-    (capped at all but the prompt's last token), the split is exact under the slack rule, the source has the
-    prompt's salt, and no same-salt slot offers a longer exact prefix; a finished slot is taken over in place,
-    a busy or pinned one copied; a slot is evicted only when no empty one is free; `best_source` agrees."""
+    """For random slot contents and prompts: `cached` is the longest common prefix with the source slot's
+    history (capped at all but the prompt's last token), the split is exact under the slack rule, the source
+    has the prompt's salt, and no same-salt slot offers a longer exact prefix; a finished slot is taken over
+    in place, a busy or pinned one copied; a slot is evicted only when no empty one is free; `best_source`
+    agrees."""
     cache, live, histories = build(slots, slack)
-    exact = [exact_reuse(h, prompt, slack) if s == salt else 0 for (_, s, _), h in zip(slots, histories)]
+    exact = [exact_reuse(h, prompt, slack) if s == salt else 0
+             for (_, s, _), h in zip(slots, histories, strict=True)]
     best = max(exact)
     source, usable = cache.best_source(prompt, salt, 0, live)
     assert usable == max(exact[1:], default=0) and (source is None) == (usable == 0)
@@ -338,6 +342,6 @@ def test_place_reuses_exactly_the_longest_exact_prefix_of_its_own_salt(slots, pr
     if p.copy_from is not None:
         assert best and slots[p.copy_from][0] in ("busy", "pinned") and p.slot != p.copy_from
         assert all(slots[i][0] != "finished" for i in range(len(slots)) if exact[i] == best), "in place first"
-    if p.copy_from is not None or not best:  # a victim: an empty slot whenever one is free
-        if any(not histories[i] for i in free if i != p.copy_from):
-            assert not histories[p.slot]
+    victim = p.copy_from is not None or not best  # the slot was chosen by eviction: empty if one is free
+    if victim and any(not histories[i] for i in free if i != p.copy_from):
+        assert not histories[p.slot]
