@@ -1,6 +1,7 @@
 # gemma-serve: two commands do all set-up on a fresh machine.
 #   make serve   create .venv, install, start the three services on the embedded Gemma 3 270M
 #   make test    create .venv with the test extra, run the CPU test suite
+#   make test-fast   the unit tests only (no stacks, no references, no model compiles): the inner loop
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 SERVE_ARGS ?=
 
-.PHONY: serve test install install-test protos clean
+.PHONY: serve test test-fast install install-test protos clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,11 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop: every test not marked `slow` (pyproject.toml: no real stacks, no transformers references, no
+# compiled model programs).
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # Regenerate the committed gRPC stubs from protos/*.proto (needs the test extra for grpcio-tools).
 protos: $(VENV)/.installed-test

@@ -1,17 +1,9 @@
-"""Shared fixtures: the embedded model prepared once per session in a repo-local cache, and references.
+"""Shared fixtures: the embedded model prepared once per session in a repo-local cache, and the references.
 
 The cache lives in `<repo>/.cache/test` (or $GEMMA_SERVE_TEST_CACHE): prepared weights, the tokenizer and JAX's
-persistent compilation cache survive between runs on the same clone; a fresh clone (CI) builds them once.
-
-Order. `make test` runs two pytest-xdist workers (pyproject: `-n 2 --dist loadscope`): each test module is one
-scope, and the end-to-end tests (tests/e2e) are one scope (`pytest_xdist_make_scheduler` below), sent first, so one
-worker launches the real stacks (tests/e2e/stacks.py) and drives them while the other runs unit modules; the
-stacks' compilation overlaps the unit tests. The unit modules follow heaviest first (`UNIT_ORDER`), so that the
-last ones to finish are short and neither worker idles long at the end; the modules that read the embedded GGUF
-with gguf-py share one scope (`SHARED_SCOPES`), so they parse its metadata once. Without xdist workers (`-n 0`)
-the e2e tests run last, and the session's first test launches their stacks so that they compile while the unit
-tests run. Either way tests/e2e/test_faults.py runs after every other e2e test: it kills and finally stops the
-embedded stack.
+persistent compilation cache survive between runs on the same clone; a fresh clone (CI) builds them once. The
+order of the tests and the lanes of `make test` are the business of tests/plugins/scheduling.py; the shared gguf-py
+readers, of tests/plugins/gguf_readers.py.
 """
 
 from __future__ import annotations
@@ -40,136 +32,10 @@ CACHE = pathlib.Path(os.environ.get("GEMMA_SERVE_TEST_CACHE") or REPO / ".cache"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-_SERIAL_EARLY_LAUNCH = pytest.StashKey[bool]()
 
-
-def pytest_configure(config):
-    """Share one `gguf.GGUFReader` per file in this session. gguf-py parses a GGUF's metadata in Python (the
-    262,144-token vocabulary of the embedded model takes ~15 s), and the references read it again and again:
-    transformers twice per model load (config, then weights), its tokenizer, our converter and the tokenizer
-    tests. A reader is read-only over a memory map, so every reader of the same file gets the same object."""
-    import gguf
-
-    reader_class = gguf.GGUFReader
-    if getattr(reader_class, "_shared_per_file", False):
-        return
-    readers: dict[str, object] = {}
-    init = reader_class.__init__
-
-    def new(cls, path, mode="r"):
-        key = os.path.realpath(path)
-        if mode != "r":
-            return object.__new__(cls)
-        if key not in readers:
-            readers[key] = object.__new__(cls)
-        return readers[key]
-
-    def shared_init(self, path, mode="r"):
-        if not getattr(self, "_initialized", False):
-            init(self, path, mode)
-            self._initialized = True
-
-    reader_class.__new__ = new
-    reader_class.__init__ = shared_init
-    reader_class._shared_per_file = True
-
-
-def _is_e2e(item) -> bool:
-    return "e2e" in pathlib.Path(str(item.fspath)).parts
-
-
-#: xdist workers take the unit modules in this order, then the others in collection order: the heaviest first
-#: (seconds in a `make test` on a fresh clone, 2 cores, both busy), so that short modules fill the end and the two
-#: workers finish within seconds of each other. A module missing here only runs later; the order changes no result.
-UNIT_ORDER = (
-    "tests/model_worker/test_int8.py",  # 43 s; one scope with the next two (SHARED_SCOPES): 200 s together
-    "tests/tokenizer_svc/test_gguf_tokenizer.py",  # 15 s
-    "tests/model_worker/test_gemma3_numerics.py",  # 140 s
-    "tests/model_worker/test_mixed_step.py",  # 146 s
-    "tests/model_worker/test_batch_invariance.py",  # 100 s
-    "tests/model_worker/test_tensor_parallel.py",  # 56 s cold, 36 s warm: two subprocesses, 4 simulated devices
-    "tests/docker/test_images.py",  # 45 s, mostly waiting on the services it starts
-    "tests/model_worker/test_gemma4_numerics.py",  # 37 s
-    "tests/model_worker/test_engine_batching.py",  # 34 s
-    "tests/model_worker/test_sampling.py",  # 22 s
-    "tests/model_worker/test_gemma4_int4.py",
-    "tests/gateway/test_tool_calls.py",
-    "tests/model_worker/test_attention_in_place.py",
-    "tests/gateway/test_constraints.py",
-    "tests/model_worker/test_int4.py",  # 15 s
-    "tests/model_worker/test_resident_bytes.py",
-    "tests/model_worker/test_executables.py",  # 20 s
-    "tests/model_worker/test_bf16_matmul.py",
-    "tests/tokenizer_svc/test_gemma4_template.py",
-    "tests/gateway/test_budget.py",
-    "tests/tokenizer_svc/test_text_tokenizer.py",
-    "tests/tokenizer_svc/test_template_facts.py",
-    "tests/deploy/test_kubernetes.py",  # 7 s
-    "tests/test_no_torch.py",  # 5 s
-    "tests/gateway/test_routing.py",  # 2 s
-)
-#: Modules that run as one xdist scope (in one worker process) because they share a costly per-process object:
-#: gguf-py's parse of the embedded GGUF's metadata (~15 s, shared per process by `pytest_configure`), which
-#: transformers' GGUF loaders need too (the Gemma 3 reference's first build, `hf_gemma3_float32_dir`).
-SHARED_SCOPES = dict.fromkeys(UNIT_ORDER[:3], "tests/gguf-readers")
-
-
-def _module(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
-
-
-def pytest_collection_modifyitems(config, items):
-    """Order the tests (see the module docstring); note which stacks the e2e tests need."""
-    from tests.e2e import stacks
-
-    stacks.NEEDED[:] = [name for name in stacks.SPECS if any(name in item.fixturenames for item in items)]
-
-    def breaks_stacks(item) -> bool:  # test_faults kills and finally stops the stacks
-        return item.fspath.basename == "test_faults.py"
-
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the controller schedules in this (the workers') order
-        rank = {module: i for i, module in enumerate(UNIT_ORDER)}
-        # stable: the tests of a module keep their order
-        items.sort(key=lambda item: (not _is_e2e(item), breaks_stacks(item),
-                                     rank.get(_module(item.nodeid), len(rank))))
-        config.stash[_SERIAL_EARLY_LAUNCH] = False
-    else:
-        items.sort(key=lambda item: (_is_e2e(item), breaks_stacks(item)))
-        config.stash[_SERIAL_EARLY_LAUNCH] = True
-
-
-def _test_scope(nodeid: str) -> str:
-    """The xdist scope of a test: its module, except that every e2e test shares one (one worker, one set of
-    stacks) and the modules of `SHARED_SCOPES` share theirs."""
-    path = _module(nodeid)
-    return "tests/e2e" if path.startswith("tests/e2e/") else SHARED_SCOPES.get(path, path)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """xdist's load-scope scheduling with `_test_scope` as the scope. (Its `loadgroup` mode cannot serve: it tags
-    node ids through an attribute pytest 9 no longer reads.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class E2eTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _test_scope(nodeid)
-
-    return E2eTogether(config, log)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _launch_stacks_early(request, tmp_path_factory):
-    """Serial runs: launch the stacks the selected e2e tests need at the session's first test (without waiting
-    for them). Either way, stop every stack this process launched at the end."""
-    from tests.e2e import stacks
-
-    if request.config.stash.get(_SERIAL_EARLY_LAUNCH, False) and stacks.NEEDED:
-        cache, prep = request.getfixturevalue("cache_dir"), request.getfixturevalue("prepared")
-        for name in stacks.NEEDED:
-            stacks.launch(name, cache, prep, tmp_path_factory)
-    yield
-    stacks.stop_all()
+#: The suite's plugins: the order of the tests and the lanes of `make test` (scheduling), one gguf-py reader per
+#: file (gguf_readers).
+pytest_plugins = ("tests.plugins.scheduling", "tests.plugins.gguf_readers")
 
 
 @pytest.fixture(scope="session")

@@ -263,7 +263,8 @@ def tiny_checks() -> dict:
             eng = engine(cfg, params, tp, kv_int8)
             copy = name == "int4" and tp == 2
             samples = name == "ple" and tp < 4  # one split suffices for sampling (each program ~2 s to compile)
-            extra = [("copy", 1, 0, 0)] * copy + [("greedy", 1, 0, 0), ("sample", 1, 0, 0)] * samples
+            extra = ([ProgramKey("copy", 1, 0, 0)] * copy
+                     + [ProgramKey("greedy", 1, 0, 0), ProgramKey("sample", 1, 0, 0)] * samples)
             got = run(eng, prompt, follow, keys + extra)
             # "ple" is dense float32 as a config gives it (memory.abstract_params); "int4" as it was loaded
             res["memory"][f"{name}/tp{tp}"] = memory_report(

@@ -49,6 +49,8 @@ from common.network import InternalTls
 from tests.deploy.test_kubernetes import IMAGE_USER, exact_parser
 from tests.e2e.stacks import free_ports, pki
 
+pytestmark = pytest.mark.slow  # runs the services as processes: outside `make test-fast`
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 VENV_BIN = pathlib.Path(sys.executable).parent

@@ -37,7 +37,7 @@ def gemma4_stack(cache_dir, prepared, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fuzz_stack(cache_dir, prepared, tmp_path_factory) -> Stack:
-    """A gateway with --max-tokens-cap 4 in front of the embedded stack's backends (fuzzing and hostile input)."""
+    """A gateway with --max-tokens-cap 4 in front of the tiny Gemma 4 stack's backends (fuzzing and hostile input)."""
     return _ready("fuzz_stack", cache_dir, prepared, tmp_path_factory)
 
 

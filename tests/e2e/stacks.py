@@ -203,8 +203,8 @@ def _embedded(cache_dir, prepared, tmp, factory) -> Stack:
 def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:
     """A tiny random Gemma 4 checkpoint directory (KV sharing, PLE, double-wide MLP, window 8, the full
     262,144-token vocabulary, the Gemma 4 test tokenizer and the official chat template), max_model_len 512,
-    one slot (9 programs: its tests send one request at a time); its transformers model is the stack's
-    `reference`."""
+    one slot (9 programs: its tests send one request at a time), internal links over mutual TLS like the
+    embedded stack's (the fuzz gateway fronts it); its transformers model is the stack's `reference`."""
     from tests.gemma4_tiny import SHARED, write_checkpoint
     from tests.gemma4_tokenizer import write_gemma4_test_tokenizer
 
@@ -216,7 +216,7 @@ def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:
                     ["--model", str(ckpt), "--max-model-len", "512", "--num-slots", "1", "--prefill-chunks", "32",
                      # exact weights: its tests compare served tokens with transformers' float32 choices and rely on
                      # what the random model writes (the embedded stack runs the default bfloat16 mode)
-                     "--matmul-precision", "float32"])
+                     "--matmul-precision", "float32", *pki(tmp).internal_flags()])
     s.reference = model
     return s
 
@@ -249,9 +249,11 @@ def _tensor_parallel(cache_dir, prepared, tmp, factory) -> Stack:
 
 
 def _fuzz(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:
-    """A gateway with `--max-tokens-cap 4` in front of the embedded stack's backends, for the fuzzer and the
-    hostile-input tests: every answer is short, whatever was asked."""
-    backend = launch("stack", cache_dir, prepared, tmp_path_factory)
+    """A gateway with `--max-tokens-cap 4` in front of the tiny Gemma 4 stack's backends, for the fuzzer and the
+    hostile-input tests: every answer is short, whatever was asked, and every prompt is cheap to compute (what
+    they test is the gateway's handling of any request; a generated request may ask for dozens of choices of
+    hundreds of prompt tokens, which the embedded model takes seconds to compute and the tiny one milliseconds)."""
+    backend = launch("gemma4_stack", cache_dir, prepared, tmp_path_factory)
     return front_gateway(backend, cache_dir, tmp, "fuzz", ["--max-tokens-cap", str(FUZZ_MAX_TOKENS)])
 
 

@@ -1,5 +1,5 @@
-"""schemathesis against the live gateway's own OpenAPI document (the fuzz stack: --max-tokens-cap 4, the embedded model):
-requests generated from the schema — valid ones, then invalid ones — never get a 5xx, every error is an OpenAI
+"""schemathesis against the live gateway's own OpenAPI document (the fuzz stack: --max-tokens-cap 4, in front of the
+tiny Gemma 4 stack's backends): requests generated from the schema — valid ones, then invalid ones — never get a 5xx, every error is an OpenAI
 error object, every stream ends with `[DONE]` and no internal error, and at least 30% of all the generated requests
 were valid and answered 200, so the run does not pass on rejections alone.
 

@@ -1,5 +1,5 @@
 """Hostile and malformed requests against the real stack (the fuzz stack: a gateway with --max-tokens-cap 4 in
-front of the embedded model's tokenizer service and worker): every one gets a bounded, clear answer — a 4xx OpenAI error object (or the right gRPC
+front of the tiny Gemma 4 stack's tokenizer service and worker): every one gets a bounded, clear answer — a 4xx OpenAI error object (or the right gRPC
 status) — on a keep-alive connection that then serves a normal request; the gateway's event loop keeps answering
 /health within a second while a hostile request is being worked on; nothing a client sends reaches Python's
 backtracking `re`."""
@@ -45,7 +45,8 @@ def _error(r: httpx.Response, status: int) -> dict:
 
 
 class HealthWatch:
-    """Polls /health on its own connection while a block runs; `worst` is the slowest answer in seconds."""
+    """Polls /health on its own connection (every 10 ms) while a block runs; `worst` is the slowest answer in
+    seconds, `count` the answers seen."""
 
     def __init__(self, base_url: str):
         self.base_url, self.worst, self.count = base_url, 0.0, 0
@@ -59,7 +60,7 @@ class HealthWatch:
                     assert c.get("/health").status_code == 200
                     self.worst = max(self.worst, time.monotonic() - t0)
                     self.count += 1
-                    self._stop.wait(0.05)
+                    self._stop.wait(0.01)
 
         self._thread = threading.Thread(target=poll, daemon=True)
         self._thread.start()

@@ -267,6 +267,7 @@ def _check_calls(result, choice, parallel):
         assert len(result.tool_calls) <= 1
 
 
+@pytest.mark.slow  # random walks through the tool grammars over the 262,144-token vocabulary
 @pytest.mark.parametrize("choice, parallel", CHOICES)
 def test_gemma4_sampled_tool_calls_parse_validate_and_stream(g4_sampler, g4_text_tok, choice, parallel):
     grammar = gemma4_tool_grammar(TOOLS, choice, parallel, ids=GEMMA4_IDS)
@@ -365,6 +366,7 @@ def _lazy_prefix(lltok, seed: int) -> list[int]:
     return lltok.tokenize_str(text + ' {"') + lltok.tokenize_str(GEMMA3_CALL_TRIGGER[2:])
 
 
+@pytest.mark.slow  # random walks through the tool grammars over the 262,144-token vocabulary
 @pytest.mark.parametrize("choice, parallel", CHOICES)
 def test_gemma3_sampled_tool_calls_parse_validate_and_stream(g3_sampler, text_tokenizer, choice, parallel):
     grammar = gemma3_tool_grammar(TOOLS, choice, parallel, ids=GEMMA3_IDS)

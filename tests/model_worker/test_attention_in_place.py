@@ -18,6 +18,8 @@ from model_worker import attention, model
 from model_worker.attention import attend
 from model_worker.kv_cache import KVCache, dequantize_kv, quantize_kv
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 S, T, K, N, D = 3, 2048, 2, 4, 16
 TOL = 2e-5
 

@@ -25,6 +25,8 @@ from model_worker.layers import fixed_order_sum
 from model_worker.params import for_matmul_precision, to_device
 from tests.gemma4_tiny import CONFIGS, write_checkpoint
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 SLOTS = 4
 
 

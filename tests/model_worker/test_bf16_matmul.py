@@ -23,6 +23,8 @@ from families.gemma3.worker import GEMMA3_270M, gemma3_layers
 from model_worker.params import random_flat, to_device, with_bf16_matmuls
 from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight, bf16_linear, linear
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 
 def _bf16(a: np.ndarray) -> np.ndarray:
     """Round to nearest-even bfloat16, back as float64."""

@@ -22,6 +22,8 @@ from model_worker.params import to_device
 from model_worker.sequence import Finish, SamplingSpec, Sequence
 from tests.gemma4_tiny import SHARED, write_checkpoint
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 TOL = 2e-4  # float32 summation-order noise between batch shapes (as in test_gemma4_numerics)
 
 

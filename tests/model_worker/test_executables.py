@@ -29,6 +29,8 @@ from model_worker.programs import PROGRAMS, ProgramKey
 from tests.conftest import REPO
 from tests.gemma4_tiny import SHARED, write_checkpoint
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 LEN = 64
 ECFG = EngineConfig(num_slots=2, max_model_len=LEN, prefill_chunks=(8,), kv_bucket_factor=16, prefix_slack=4)
 KEYS = [ProgramKey("compute", 1, 8, 8), ProgramKey("decode", 2, 1, 8)]  # a 7-token chunk and a decode at position 7: KV bucket 8

@@ -28,6 +28,8 @@ from model_worker.quant import Int4Weight  # noqa: E402
 from tests.ct_checkpoint import compress_checkpoint, decompress_weight  # noqa: E402
 from tests.gemma4_tiny import SHARED, write_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 TOL = 2e-4
 TINY = {**SHARED, "hidden_size_per_layer_input": 32}  # every Linear's K is a multiple of 32
 

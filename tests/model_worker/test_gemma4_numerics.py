@@ -24,6 +24,8 @@ from model_worker.model import forward_jit
 from model_worker.params import to_device
 from tests.gemma4_tiny import CONFIGS, Reference, write_checkpoint
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 NOISE_FACTOR = 3.0
 TOL = 2e-4  # same-code comparisons (padding, slicing): float32 summation-order noise only
 MAX_LEN = 64

@@ -46,6 +46,8 @@ from tests.ct_checkpoint import (
     weight_scheme,
 )
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
 

@@ -67,6 +67,7 @@ def test_values_that_do_not_round_trip_stay_dense():
     assert int8_from_gguf(raw, T.F16, ref) is None, "an unsupported type"
 
 
+@pytest.mark.slow
 def test_matrices_of_the_embedded_model_are_int8(gguf_path):
     import gguf
 
@@ -122,6 +123,7 @@ def test_rows_are_the_dequantized_rows_and_flat_round_trip():
         int8_from_flat({"embed.q8": w.q, "embed.q8_scale": w.scale[:, :3]})
 
 
+@pytest.mark.slow
 def test_forward_with_int8_weights_equals_the_dense_weights():
     """The embedding lookup, the tied LM head and every projection through Int8Weights (all four block types)
     give the logits of the same values held dense (only summation orders differ)."""
@@ -154,6 +156,7 @@ def test_forward_with_int8_weights_equals_the_dense_weights():
     np.testing.assert_allclose(out[1], out[0], rtol=0, atol=1e-4 * np.abs(out[0]).max())
 
 
+@pytest.mark.slow
 def test_embedded_model_keeps_its_matrices_as_int8(gemma3):
     cfg, params = gemma3
     assert isinstance(params, Params) and isinstance(params.embed, Int8Weight)

@@ -22,6 +22,8 @@ from model_worker.params import to_device
 from model_worker.programs import ProgramKey
 from tests.gemma4_tiny import CONFIGS, write_checkpoint
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 TOL = 2e-4  # float32 summation-order noise between batch shapes (as in test_gemma4_numerics)
 SLOTS, LEN = 4, 128
 

@@ -17,6 +17,8 @@ from model_worker.params import param_shapes, to_device
 from model_worker.programs import ProgramKey
 from scripts.make_synthetic_gemma4 import GROUP, scaled_config, write
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 CFG = scaled_config(GEMMA4_E2B, layers=10, hidden=256, vocab=2048)
 DENSE_ONLY = {"embed", "ple_embed"}  # tables stay bf16 in every format (docs/formats.md §2)
 

@@ -25,6 +25,8 @@ from model_worker.params import to_device
 from model_worker.quant import Int4Weight
 from scripts.make_synthetic_gemma4 import scaled_config, write
 
+pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CFG = scaled_config(GEMMA4_E2B, layers=10, hidden=256, vocab=2048)
 ECFG = dict(num_slots=4, max_model_len=2048, prefill_chunks=(16,), dtype="float32")

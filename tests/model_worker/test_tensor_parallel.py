@@ -45,6 +45,8 @@ def _run(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+pytestmark = pytest.mark.slow  # compiles model programs on simulated devices in a subprocess: outside `make test-fast`
+
 @pytest.fixture(scope="module")
 def tiny() -> dict:
     return _run()
