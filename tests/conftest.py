@@ -17,10 +17,9 @@ import pytest
 # References load from local files only; never reach for the Hugging Face Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# One OpenMP thread for torch (the references) and numpy's BLAS: `make test` keeps both cores busy (two xdist
-# workers, the stacks), and there a second OpenMP thread only spins. Measured on this 2-core machine under that
-# load: a tiny Gemma 4 linear layer 3.3 ms -> 0.016 ms, a [200, 640] x [640, 262144] LM head 1.5 -> 1.2 s. Set
-# before torch is imported (OpenMP reads it when its library loads).
+# One OpenMP thread for torch (the references) and numpy's BLAS: `make test` keeps both cores busy (three xdist
+# workers, the stacks), and there a second OpenMP thread only spins (figures: docs/performance.md, "Test suite").
+# Set before torch is imported (OpenMP reads it when its library loads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -91,7 +90,8 @@ def text_tokenizer(prepared):
 @pytest.fixture(scope="session")
 def hf_gemma3(gguf_path):
     """transformers' Gemma3ForCausalLM of the same GGUF (torch, CPU, float32, eager attention), loaded from its
-    float32 copy (`hf_gemma3_float32_dir`) in ~1 s instead of ~35 s from the GGUF."""
+    float32 copy (`hf_gemma3_float32_dir`), a small fraction of the time a load from the GGUF takes (figures:
+    docs/performance.md, "Test suite")."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -105,8 +105,9 @@ def hf_gemma3_float32_dir(gguf_path: pathlib.Path) -> pathlib.Path:
     """A directory with transformers' own float32 dequantization of `gguf_path` (config.json, model.safetensors),
     written once per test cache by transformers (`save_pretrained`).
 
-    Why: transformers dequantizes a GGUF in Python (~20 s) after gguf-py parsed its 262,144-token metadata (~15
-    s), and three test modules in both xdist workers use the reference, run after run. The copy is keyed by the
+    Why: transformers dequantizes a GGUF in Python after gguf-py parsed its 262,144-token metadata, both slow
+    (figures: docs/performance.md, "Test suite"), and several test modules in several xdist workers use the
+    reference, run after run. The copy is keyed by the
     GGUF (path, size, mtime) and the transformers and gguf versions, and built under a file lock, so concurrent
     workers build it once. Before it is used, a model loaded from it is checked to hold exactly (torch.equal) the
     parameters of the model loaded from the GGUF, so the reference stays transformers' reading of the GGUF.
@@ -147,8 +148,9 @@ def hf_gemma3_float32_dir(gguf_path: pathlib.Path) -> pathlib.Path:
     return out
 
 
-# The Gemma 4 test tokenizer (tests/gemma4_tokenizer.py), built once per session: writing it takes ~2 s, loading
-# it ~2.5 s and llguidance's tokenizer of it ~2.5 s, and five test modules plus the Gemma 4 stack use it.
+# The Gemma 4 test tokenizer (tests/gemma4_tokenizer.py), built once per session and process: writing it,
+# loading it and llguidance's tokenizer of it take seconds each, and several test modules plus the Gemma 4 stack
+# use it.
 
 
 @pytest.fixture(scope="session")

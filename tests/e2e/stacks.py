@@ -61,6 +61,12 @@ class Pki:
         """`gemma-serve` flags for TLS on the gateway's public ports."""
         return ["--ssl-certfile", str(self.cert), "--ssl-keyfile", str(self.key)]
 
+    def internal_tls(self):
+        """The client side of the internal links' mutual TLS (`common.network.InternalTls`)."""
+        from common.network import InternalTls
+
+        return InternalTls(self.cert.read_bytes(), self.key.read_bytes(), self.ca.read_bytes())
+
 
 _PKI: list[Pki] = []
 
@@ -95,6 +101,7 @@ class Stack:
     startup_s: float = 0.0
     healthy: bool = False
     ca: pathlib.Path | None = None
+    internal: Pki | None = None
 
     @property
     def base_url(self) -> str:
@@ -109,6 +116,14 @@ class Stack:
     @property
     def grpc_addr(self) -> str:
         return f"127.0.0.1:{self.ports['grpc']}"
+
+    def internal_channel(self, service: str):
+        """A blocking gRPC channel to the stack's "tokenizer" or "worker" service, over its internal links' mutual
+        TLS when it has them (a test then talks to it as the gateway does)."""
+        from common.network import sync_channel
+
+        address = f"127.0.0.1:{self.ports[service]}"
+        return sync_channel(address, self.internal.internal_tls() if self.internal else None)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -195,9 +210,11 @@ def _embedded(cache_dir, prepared, tmp, factory) -> Stack:
     (tests/e2e/test_faults.py, which runs last, breaks and finally stops this stack)."""
     from model_worker.loop import FAULT_ENV
 
-    return start_stack(cache_dir, tmp("stack") / "stack.log",
-                       ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64",
-                        "--drain-timeout", "120", *pki(tmp).internal_flags()], env={FAULT_ENV: FAULT_SALT})
+    s = start_stack(cache_dir, tmp("stack") / "stack.log",
+                    ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64",
+                     "--drain-timeout", "120", *pki(tmp).internal_flags()], env={FAULT_ENV: FAULT_SALT})
+    s.internal = pki(tmp)
+    return s
 
 
 def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:
@@ -217,7 +234,7 @@ def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:
                      # exact weights: its tests compare served tokens with transformers' float32 choices and rely on
                      # what the random model writes (the embedded stack runs the default bfloat16 mode)
                      "--matmul-precision", "float32", *pki(tmp).internal_flags()])
-    s.reference = model
+    s.reference, s.internal = model, pki(tmp)
     return s
 
 

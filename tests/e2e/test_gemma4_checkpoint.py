@@ -29,7 +29,7 @@ def test_chat_tokens_are_the_reference_greedy_choice(gemma4_stack):
                                                for m in MESSAGES])
         request = gateway_pb2.GenerateRequest(chat=chat, max_tokens=12, include_special_tokens=True)
         replies = list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=120))
-        with grpc.insecure_channel(f"127.0.0.1:{stack.ports['tokenizer']}") as tchan:
+        with stack.internal_channel("tokenizer") as tchan:
             from protos import tokenizer_pb2_grpc
 
             prompt = list(tokenizer_pb2_grpc.TokenizerStub(tchan).ApplyChatTemplate(

@@ -130,9 +130,8 @@ def test_tool_turn_sent_back_renders_in_the_model_turn(gemma4_stack, client):
     follow = c.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=5, temperature=0)
     assert follow.usage.prompt_tokens > r.usage.prompt_tokens + r.usage.completion_tokens
     from protos import tokenizer_pb2, tokenizer_pb2_grpc
-    import grpc
 
-    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['tokenizer']}") as channel:
+    with stack.internal_channel("tokenizer") as channel:
         pb = [tokenizer_pb2.ChatMessage(role="user", content=MESSAGES[0]["content"]),
               tokenizer_pb2.ChatMessage(role="assistant", tool_calls=[tokenizer_pb2.ToolCall(
                   id=call.id, name=call.function.name, arguments_json=call.function.arguments)]),

@@ -1,10 +1,10 @@
 """pytest plugin: one `gguf.GGUFReader` per file for the whole test session.
 
-gguf-py parses a GGUF's metadata in Python (the 262,144-token vocabulary of the embedded model takes ~15 s), and the
-references read it again and again: transformers twice per model load (config, then weights), its tokenizer, our
-converter and the tokenizer tests. A reader is read-only over a memory map, so every read-only reader of the same
-file can be the same object; this plugin makes `GGUFReader(path)` return it (readers opened for writing are
-untouched). Registered by tests/conftest.py (`pytest_plugins`); it changes nothing outside the test process.
+gguf-py parses a GGUF's metadata in Python (slow for the 262,144-token vocabulary of the embedded model: figures in
+docs/performance.md, "Test suite"), and the references read it again and again: transformers twice per model load
+(config, then weights), its tokenizer, our converter and the tokenizer tests. A reader is read-only over a memory
+map, so every read-only reader of the same file can be the same object; this plugin makes `GGUFReader(path)` return
+it (readers opened for writing are untouched). Registered by tests/conftest.py (`pytest_plugins`); it changes nothing outside the test process.
 """
 
 from __future__ import annotations
