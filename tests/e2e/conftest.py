@@ -1,6 +1,7 @@
-"""Fixtures of the real stacks (tests/e2e/stacks.py): the first one launches every stack the session's e2e tests
-use (unless the session already did), then each waits until its own stack is healthy; all are stopped (SIGTERM)
-when the session ends."""
+"""Fixtures of the real stacks (tests/e2e/stacks.py): the first one starts launching every stack the session's e2e
+tests use, one after another in the background (unless the session already did), then each waits until its own
+stack is healthy (launching it at once if its turn has not come); all are stopped (SIGTERM) when the session
+ends."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def _ready(name: str, cache_dir, prepared, tmp_path_factory) -> Stack:
-    stacks.launch_needed(cache_dir, prepared, tmp_path_factory)  # all at once: they compile side by side
+    stacks.launch_needed(cache_dir, prepared, tmp_path_factory)  # one after another, in the background
     return stacks.launch(name, cache_dir, prepared, tmp_path_factory).wait_healthy()
 
 

@@ -1,10 +1,10 @@
 """The real stacks the end-to-end tests drive: `gemma-serve up` (three processes) on free ports, one per family of
 e2e modules, each compiling only the programs its tests use.
 
-A stack's worker spends most of its start-up compiling (about a minute for the embedded model on 2 cores), mostly
-on one core. So the stacks a test session needs are launched early (`launch_early`, from the session's first
-test) and compile while the unit tests run — the e2e tests run last (tests/conftest.py) — and each e2e fixture
-only waits until its stack is healthy.
+A stack's worker spends most of its start-up compiling (about a minute for the embedded model on 2 cores), on one
+core. So the stacks a test session needs are launched early (`launch_needed`, from the first e2e fixture, or the
+session's first test in a serial run), one after another in the background while the unit tests run
+(tests/plugins/scheduling.py), and each e2e fixture only waits until its own stack is healthy.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -130,10 +131,19 @@ class Stack:
 
     def wait_healthy(self, timeout: float = 900) -> "Stack":
         """Block until /health is 200 (fails the test on exit or timeout)."""
-        deadline = time.monotonic() + timeout
-        while not self.healthy:
+        if not self.poll_healthy(timeout):
             if self.proc.poll() is not None:
                 pytest.fail(f"gemma-serve up exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
+            self.proc.kill()
+            pytest.fail(f"stack not healthy in time:\n{self.log()[-5000:]}")
+        return self
+
+    def poll_healthy(self, timeout: float = 900) -> bool:
+        """Wait until /health is 200 (True), the process exits or `timeout` seconds pass (False)."""
+        deadline = time.monotonic() + timeout
+        while not self.healthy:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2, context=self.ssl_context()) as resp:
                     if resp.status == 200:
@@ -141,11 +151,8 @@ class Stack:
                         break
             except OSError:
                 pass
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                pytest.fail(f"stack not healthy in time:\n{self.log()[-5000:]}")
             time.sleep(0.5)
-        return self
+        return True
 
     def service_pid(self, service: str) -> int:
         """The pid of one of this `up`'s services ("gateway", "worker", "tokenizer")."""
@@ -293,23 +300,46 @@ def _auth(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:
 #: Stack fixture name -> launcher(cache_dir, prepared, mktemp) -> Stack.
 SPECS = {"stack": _embedded, "gemma4_stack": _gemma4, "fuzz_stack": _fuzz, "auth_stack": _auth,
          "tp_stack": _tensor_parallel}
+#: The order `launch_needed` starts them in: the e2e tests' order of first use (tests/plugins/scheduling.py
+#: runs the e2e modules in file order).
+ORDER = ("stack", "auth_stack", "gemma4_stack", "fuzz_stack", "tp_stack")
 _LAUNCHED: dict[str, Stack] = {}
+_LOCK = threading.RLock()
+_CHAIN: list[threading.Thread] = []
+_SESSION_OVER = threading.Event()
 #: The stacks the session's e2e tests use (set at collection).
 NEEDED: list[str] = []
 
 
 def launch_needed(cache_dir, prepared, tmp_path_factory) -> None:
-    """Launch every stack the session's e2e tests use (so they compile together), without waiting."""
-    for name in NEEDED:
-        launch(name, cache_dir, prepared, tmp_path_factory)
+    """Launch every stack the session's e2e tests use, one after another, in the background: each once the one
+    before it is healthy (or gone), so that one stack compiles at a time. Three compiling at once beside the
+    unit tests' own compiles oversubscribed the two cores so much that the same work cost more CPU time
+    (docs/performance.md, "Test suite"). A test that needs a stack before its turn launches it at once."""
+    with _LOCK:
+        if _CHAIN:
+            return
+        names = sorted(NEEDED, key=ORDER.index)
+        _CHAIN.append(threading.Thread(target=_launch_in_turn, args=(names, cache_dir, prepared, tmp_path_factory),
+                                       name="stack-launcher", daemon=True))
+        _CHAIN[0].start()
+
+
+def _launch_in_turn(names: list[str], cache_dir, prepared, tmp_path_factory) -> None:
+    for name in names:
+        launch(name, cache_dir, prepared, tmp_path_factory).poll_healthy()
+    # The children it started die with this thread (`_die_with_parent`: the kernel's parent-death signal follows
+    # the creating thread, not the process), so it lives until the session stops them.
+    _SESSION_OVER.wait()
 
 
 def launch(name: str, cache_dir, prepared, tmp_path_factory) -> Stack:
     """The session's stack `name`, launched now unless already running."""
-    if name not in _LAUNCHED:
-        tmp = lambda prefix: tmp_path_factory.mktemp(prefix)  # noqa: E731
-        _LAUNCHED[name] = SPECS[name](cache_dir, prepared, tmp, tmp_path_factory)
-    return _LAUNCHED[name]
+    with _LOCK:
+        if name not in _LAUNCHED:
+            tmp = lambda prefix: tmp_path_factory.mktemp(prefix)  # noqa: E731
+            _LAUNCHED[name] = SPECS[name](cache_dir, prepared, tmp, tmp_path_factory)
+        return _LAUNCHED[name]
 
 
 def launched() -> dict[str, Stack]:
@@ -319,5 +349,8 @@ def launched() -> dict[str, Stack]:
 
 def stop_all() -> None:
     """Stop every launched stack (end of session), the front gateways before the stack they front."""
-    for s in reversed(list(_LAUNCHED.values())):
+    with _LOCK:
+        launched_now = list(_LAUNCHED.values())
+    for s in reversed(launched_now):
         s.stop()
+    _SESSION_OVER.set()

@@ -119,13 +119,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="session", autouse=True)
 def _launch_stacks_early(request, tmp_path_factory):
-    """Serial runs: launch the stacks the selected e2e tests need at the session's first test (without waiting
-    for them). Either way, stop every stack this process launched at the end."""
+    """Serial runs: start launching the stacks the selected e2e tests need at the session's first test (in the
+    background, one after another). Either way, stop every stack this process launched at the end."""
     from tests.e2e import stacks
 
     if request.config.stash.get(_SERIAL_EARLY_LAUNCH, False) and stacks.NEEDED:
         cache, prep = request.getfixturevalue("cache_dir"), request.getfixturevalue("prepared")
-        for name in stacks.NEEDED:
-            stacks.launch(name, cache, prep, tmp_path_factory)
+        stacks.launch_needed(cache, prep, tmp_path_factory)
     yield
     stacks.stop_all()
