@@ -5,6 +5,7 @@ the grammar. Judged by the official `openai` client and jsonschema, not by the p
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -61,9 +62,13 @@ def test_stream_equals_non_stream_and_history_round_trip(client):
 
 
 def test_auto_gives_text_or_valid_calls(client):
-    for seed in range(3):
-        choice = client.chat.completions.create(model="gemma-3-270m", messages=MESSAGES, tools=[LOOKUP],
-                                                max_tokens=40, temperature=1.0, seed=seed).choices[0]
+    def ask(seed: int):
+        return client.chat.completions.create(model="gemma-3-270m", messages=MESSAGES, tools=[LOOKUP],
+                                              max_tokens=40, temperature=1.0, seed=seed).choices[0]
+
+    with ThreadPoolExecutor(3) as pool:  # seeded rows are batch-invariant: together they decode in shared steps
+        choices = list(pool.map(ask, range(3)))
+    for choice in choices:
         for call in choice.message.tool_calls or []:
             jsonschema.validate(json.loads(call.function.arguments), LOOKUP["function"]["parameters"])
         # the lazy trigger: any `{"tool_calls"` the model writes becomes a call, never content
@@ -131,11 +136,15 @@ def test_budget_aware_ending_gives_complete_calls(client, stack):
         return sum(float(line.split()[-1]) for line in text.splitlines()
                    if line.startswith('gemma_serve:gateway_budget_endings_total{kind="tool_calls"}'))
 
+    def ask(seed: int):
+        return client.chat.completions.create(
+            model="gemma-3-270m", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
+            tool_choice="required", max_tokens=80, temperature=1.0, seed=seed)
+
     before = endings()
-    for seed in (1, 4):  # seeds whose answers run into the budget (others stop after one call on their own)
-        r = client.chat.completions.create(model="gemma-3-270m", messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                                           tools=[WEATHER], tool_choice="required", max_tokens=80, temperature=1.0,
-                                           seed=seed)
+    with ThreadPoolExecutor(2) as pool:  # seeds whose answers run into the budget (others stop after one call)
+        answers = list(pool.map(ask, (1, 4)))
+    for r in answers:
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls", (choice, r.usage)
         assert r.usage.completion_tokens <= 80 and len(choice.message.tool_calls) >= 2
