@@ -239,7 +239,7 @@ def main() -> None:
     del params  # under tensor parallelism the engine keeps its own split copy
     engine.kv_buckets, engine.batch_buckets = tuple(kv_buckets), tuple(sorted(set(args.batches)))
     keys = [ProgramKey("decode", b, 1, L) for b in engine.batch_buckets for L in engine.kv_buckets]
-    keys += [("greedy", b, 0, 0) for b in engine.batch_buckets]  # a step = forward + (greedy) sampling
+    keys += [ProgramKey("greedy", b, 0, 0) for b in engine.batch_buckets]  # a step = forward + (greedy) sampling
     compile_s = engine.compile_all(keys=keys)
     device = device_label(args.tensor_parallel)
     if args.compile_only:
