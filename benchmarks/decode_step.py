@@ -39,6 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from common.preparation import default_cache_dir  # noqa: E402
 from model_worker import sharding  # noqa: E402
 from model_worker.engine import Engine, EngineConfig, enable_compilation_cache  # noqa: E402
+from model_worker.engine_api import VerifyBatch  # noqa: E402
 from model_worker.programs import ProgramKey  # noqa: E402
 from model_worker.sampling import SamplingArrays  # noqa: E402
 
@@ -186,6 +187,29 @@ def time_step(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def time_verify(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
+    """Median seconds of one verify step (speculative decoding: every row's pending token and max_draft_tokens
+    drafts, forward + greedy sampling of every position, results on the host) of `batch` sequences ending at
+    position kv_len - 1."""
+    T = engine.ecfg.max_draft_tokens + 1
+    batch_rows = VerifyBatch(list(range(batch)), [[1] * T] * batch, [kv_len - T] * batch, [True] * batch)
+    sampling = SamplingArrays.defaults(batch, engine.cfg.vocab_size)
+    flags = [False] * batch
+
+    def step():
+        pending = engine.dispatch_verify(batch=batch_rows)
+        engine.sample_verify(pending, sampling=sampling, clear_penalties=flags, active=[True] * batch)
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def device_label(tensor_parallel: int) -> str:
     """The device kind and platform the benchmark runs on, e.g. "NVIDIA H200 (gpu) x 2"."""
     d = jax.devices()[0]
@@ -225,6 +249,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--kv", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--verify-tokens", type=int, default=0, metavar="T",
+                        help="also time verify steps of T tokens per row (speculative decoding: the pending token "
+                        "and T - 1 drafts) at each batch and KV length: column 'verify ms' and its ratio to the "
+                        "decode step")
     args = parser.parse_args()
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
@@ -234,12 +262,16 @@ def main() -> None:
     slots = max(args.batches)
     kv_buckets = sorted(set(args.kv))
     ecfg = EngineConfig(num_slots=slots, max_model_len=max(kv_buckets), prefill_chunks=(min(kv_buckets),),
-                        dtype=dtype, kv_int8=args.kv_int8, tensor_parallel=args.tensor_parallel)
+                        dtype=dtype, kv_int8=args.kv_int8, tensor_parallel=args.tensor_parallel,
+                        max_draft_tokens=max(0, args.verify_tokens - 1), max_verify_batch=slots)
     engine = Engine(cfg, params, ecfg)
     del params  # under tensor parallelism the engine keeps its own split copy
     engine.kv_buckets, engine.batch_buckets = tuple(kv_buckets), tuple(sorted(set(args.batches)))
     keys = [ProgramKey("decode", b, 1, L) for b in engine.batch_buckets for L in engine.kv_buckets]
     keys += [ProgramKey("greedy", b, 0, 0) for b in engine.batch_buckets]  # a step = forward + (greedy) sampling
+    if args.verify_tokens > 1:
+        keys += [ProgramKey(kind, b, args.verify_tokens, L if kind == "verify" else 0) for b in engine.batch_buckets
+                 for kind in ("verify", "vgreedy") for L in (engine.kv_buckets if kind == "verify" else [0])]
     compile_s = engine.compile_all(keys=keys)
     device = device_label(args.tensor_parallel)
     if args.compile_only:
@@ -255,7 +287,9 @@ def main() -> None:
              f"{resident / 2**30:.2f} GiB); bandwidth {bandwidth / 1e9:.0f} GB/s (a device copy of "
              f"{args.bandwidth_mib} MiB, bytes read + written); {len(keys)} programs compiled in {compile_s:.0f} s")
     print(f"{title}; {facts}")
-    print(f"{'batch':>5} {'kv_len':>6} {'step ms':>8} {'tok/s':>8} {'MB/step':>8} {'bw':>5} {'vs B=1':>7}")
+    verify = args.verify_tokens > 1
+    print(f"{'batch':>5} {'kv_len':>6} {'step ms':>8} {'tok/s':>8} {'MB/step':>8} {'bw':>5} {'vs B=1':>7}"
+          + (f" {'verify ms':>9} {'verify/step':>11}" if verify else ""))
     rows = []
     for L in engine.kv_buckets:
         base = None
@@ -267,8 +301,12 @@ def main() -> None:
                        weight_bytes=moved.weights, kv_bytes=moved.kv, kv_shared_bytes=moved.kv_shared,
                        bandwidth_fraction=moved.total / seconds / bandwidth, vs_batch1=seconds / base)
             rows.append(row)
+            extra = ""
+            if verify:
+                row["verify_ms"] = time_verify(engine, b, L, args.steps) * 1e3
+                extra = f" {row['verify_ms']:>9.2f} {row['verify_ms'] / row['step_ms']:>10.2f}x"
             print(f"{b:>5} {L:>6} {row['step_ms']:>8.2f} {row['tokens_per_s']:>8.1f} {moved.total / 1e6:>8.0f} "
-                  f"{row['bandwidth_fraction']:>5.0%} {row['vs_batch1']:>6.2f}x")
+                  f"{row['bandwidth_fraction']:>5.0%} {row['vs_batch1']:>6.2f}x" + extra)
     if args.json:
         args.json.write_text(json.dumps(dict(model=cfg.name, device=device, backend=backend, dtype=dtype,
                                              weights=weights, matmul_precision=args.matmul_precision,

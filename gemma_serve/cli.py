@@ -110,6 +110,21 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "conversation up to this many tokens before its end still reuses it exactly (default: %(default)s)",
     )
     p.add_argument(
+        "--speculation", default="auto", choices=["auto", "always", "off"],
+        help="speculative decoding with drafts from the conversation itself (its own tokens, the request's "
+        "`prediction`, recent answers of the same cache scope), verified so that every request gets exactly the "
+        "tokens and logprobs it gets without: auto = verify drafts when the measured step costs say it pays; always "
+        "= whenever there are drafts (measurements); off = never. Only where a row's logits are batch-invariant "
+        "(the CPU default); elsewhere it is off, with a log line (docs/architecture.md, Speculative decoding) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-draft-tokens", type=int, default=7,
+        help="most drafted tokens verified per sequence in one step: 1, 3, 7, 15, ... (a verify step computes 1 + "
+        "this many positions per row, a power of two; its programs are compiled at start); at most --prefix-slack; "
+        "0 compiles no verify programs (default: %(default)s)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "int8"],

@@ -63,6 +63,7 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
               "--kv-cache-dtype", args.kv_cache_dtype, "--max-waiting", str(args.max_waiting),
               "--prefix-slack", str(args.prefix_slack), "--max-session-ttl", str(args.max_session_ttl),
               "--lease-preempt-after", str(args.lease_preempt_after),
+              "--speculation", args.speculation, "--max-draft-tokens", str(args.max_draft_tokens),
               "--tensor-parallel", str(getattr(args, "tensor_parallel", 1))]
     if args.prefill_token_budget:
         engine += ["--prefill-token-budget", str(args.prefill_token_budget)]

@@ -14,6 +14,9 @@ warm-up and dispatch all read it); a key is `programs.ProgramKey(kind, batch, ch
   * sample  (B rows of logits)                            -> ("sample", B, 0, 0): penalties, masks, sampling
   * greedy  (B rows, plain greedy, no penalty clearing)   -> ("greedy", B, 0, 0): mask + argmax only
   * copy    (one slot's KV and penalty rows to another)   -> ("copy", 1, 0, 0): prefix reuse, `n` > 1
+  * verify  (B slots, T tokens each: pending + drafts)     -> ("verify", B, T, max_model_len), T = 1 +
+    max_draft_tokens, B in the batch buckets up to max_verify_batch; its sampling ("vsample" / "vgreedy", (B, T,
+    0)) walks the positions in order (speculative decoding; none when max_draft_tokens is 0)
 
 The forward programs return logits that stay on the device; sampling is a separate program, dispatched once
 the token masks of constrained rows have arrived, so a client builds step t's mask while step t's forward pass
@@ -48,7 +51,7 @@ import numpy as np
 
 from model_worker import sharding
 from model_worker.config import ModelConfig
-from model_worker.engine_api import DecodeBatch, HostOutput, PromptChunk
+from model_worker.engine_api import DecodeBatch, HostOutput, PromptChunk, VerifyBatch, VerifyOutput
 from model_worker.executables import ExecutableCache, fingerprint
 from model_worker.kv_cache import KVCache
 from model_worker.model import Batch
@@ -86,6 +89,11 @@ class EngineConfig:
       max_waiting: bound of the waiting queue (requests beyond it are refused: RESOURCE_EXHAUSTED).
       tensor_parallel: devices one engine splits its weights, KV cache and logits over (a mesh of that many
         devices, axis "model"; `model_worker.sharding`); 1: one device, no mesh, today's programs exactly.
+      max_draft_tokens: most drafted tokens per row of a verify step (speculative decoding); 0: no verify
+        programs; at most prefix_slack (`reuse_slack`), and 1 + max_draft_tokens a power of two (`__init__`). Exact only where a row's logits do not depend on the program computing them (batch-invariant
+        numerics): the worker turns it off otherwise.
+      max_verify_batch: the largest batch bucket that gets verify programs (larger batches decode plainly: their
+        steps are closer to compute-bound, where checking drafts costs what it saves).
     """
 
     num_slots: int = 4
@@ -97,6 +105,21 @@ class EngineConfig:
     prefix_slack: int = 256
     max_waiting: int | None = 64
     tensor_parallel: int = 1
+    max_draft_tokens: int = 0
+    max_verify_batch: int = 4
+
+    @property
+    def reuse_slack(self) -> int:
+        """How far before a slot's end a new prompt may diverge and still reuse the slot exactly: `prefix_slack`
+        less the drafts of a verify step, whose rejected positions overwrite that many ring entries older than the
+        window (entries no later step attends to, but which a prefix reuse at the deepest split would read)."""
+        return max(0, self.prefix_slack - self.max_draft_tokens)
+
+    def verify_batches(self) -> tuple[int, ...]:
+        """Batch buckets with verify programs (none without drafts)."""
+        if self.max_draft_tokens <= 0:
+            return ()
+        return tuple(b for b in self.batch_buckets() if b <= max(1, self.max_verify_batch))
 
     def kv_buckets(self, window: int) -> tuple[int, ...]:
         """KV length buckets: window * factor**i below max_model_len, then max_model_len."""
@@ -196,6 +219,13 @@ class Engine:
             raise ValueError(
                 f"max_model_len {ecfg.max_model_len} exceeds the model's context of {cfg.max_position_embeddings}"
             )
+        if ecfg.max_draft_tokens and (ecfg.max_draft_tokens + 1) & ecfg.max_draft_tokens:
+            raise ValueError(f"max_draft_tokens + 1 must be a power of two (verify steps of 2, 4, 8, ... tokens per "
+                             f"row keep their products' rows in the same kernel blocks as decode steps: "
+                             f"docs/architecture.md, Speculative decoding), got {ecfg.max_draft_tokens}")
+        if ecfg.max_draft_tokens > ecfg.prefix_slack:
+            raise ValueError(f"max_draft_tokens {ecfg.max_draft_tokens} exceeds prefix_slack {ecfg.prefix_slack}: a "
+                             "rejected draft would overwrite ring entries still in the window")
         if max(ecfg.prefill_chunks) > ecfg.max_model_len:
             raise ValueError(f"prefill chunk {max(ecfg.prefill_chunks)} exceeds max_model_len {ecfg.max_model_len}")
         self.cfg, self.ecfg, self.params = cfg, ecfg, params
@@ -225,7 +255,8 @@ class Engine:
     def grid(self) -> list[ProgramKey]:
         """Every program key (kind, batch, tokens per row, kv_len), kind by kind (`programs.PROGRAMS`)."""
         return program_keys(GridSizes(tuple(self.ecfg.prefill_chunks), tuple(self.kv_buckets),
-                                      tuple(self.batch_buckets), self.mixed_chunk, self.ecfg.num_slots))
+                                      tuple(self.batch_buckets), self.mixed_chunk, self.ecfg.num_slots,
+                                      self.ecfg.max_draft_tokens + 1, self.ecfg.verify_batches()))
 
     def _lower(self, key: ProgramKey) -> jax.stages.Lowered:
         """The program of `key`, lowered for its shapes."""
@@ -410,6 +441,44 @@ class Engine:
         key = ProgramKey("greedy" if greedy else "sample", pending.slots.shape[0], 0, 0)
         inputs = pending.sample_inputs(clear_penalties, active, sampling, self.cfg.vocab_size)
         return host_output(self._run(key, inputs), n)
+
+    def dispatch_verify(self, *, batch: VerifyBatch) -> Pending:
+        """Dispatch a verify step (asynchronously) in the smallest verify batch bucket holding its rows, rows
+        padded with idle slots and each row's tokens with position -1. Arguments, result and errors:
+        `engine_api.Engine.dispatch_verify`."""
+        n, T = len(batch.slots), self.ecfg.max_draft_tokens + 1
+        buckets = self.ecfg.verify_batches()
+        if not buckets or n > buckets[-1] or any(not 1 <= len(t) <= T for t in batch.tokens):
+            raise ValueError(f"a verify step takes 1 to {buckets[-1] if buckets else 0} rows of 1 to {T} tokens")
+        B = next(b for b in buckets if n <= b)
+        idle = [s for s in range(self.ecfg.num_slots) if s not in set(batch.slots)][: B - n]
+        slots = np.array(list(batch.slots) + idle, np.int32)
+        rows = dataclasses.replace(idle_batch(B, T, slots), logit_rows=None)
+        outs: np.ndarray = np.zeros((B, T), bool)
+        for r, (tokens, start) in enumerate(zip(batch.tokens, batch.positions)):
+            self.kv_bucket(start + len(tokens))  # raises ValueError beyond max_model_len
+            rows.tokens[r, : len(tokens)] = tokens
+            rows.positions[r, : len(tokens)] = np.arange(start, start + len(tokens))
+            outs[r, : len(tokens)] = True
+            outs[r, 0] = batch.is_output[r]
+        logits = self._run(ProgramKey("verify", B, T, self.kv_buckets[-1]), rows)
+        return Pending(logits, slots, rows.tokens, rows.positions, outs, n)
+
+    def sample_verify(self, pending: Pending, *, sampling: SamplingArrays, clear_penalties: Sequence[bool],
+                      active: Sequence[bool]) -> VerifyOutput:
+        """Sample a verify step: the `vgreedy` program when every real row is plain greedy and clears nothing,
+        else `vsample`. Arguments and result: `engine_api.Engine.sample_verify`."""
+        n = pending.num_rows
+        greedy = not any(clear_penalties[:n]) and is_plain_greedy(sampling, n)
+        B, T = pending.tokens.shape
+        key = ProgramKey("vgreedy" if greedy else "vsample", B, T, 0)
+        inputs = pending.sample_inputs(clear_penalties, active, sampling, self.cfg.vocab_size)
+        out = host_output(self._run(key, inputs), n)
+        following = np.concatenate([pending.tokens[:n, 1:], np.full((n, 1), -1, np.int32)], axis=1)
+        drafted = np.concatenate([pending.positions[:n, 1:] >= 0, np.zeros((n, 1), bool)], axis=1)
+        accepted = np.cumprod((out.tokens == following) & drafted, axis=1).sum(axis=1)
+        return VerifyOutput(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.mask_empty,
+                            (accepted + 1).astype(np.int32))
 
     # Convenience for tests and benchmarks: dispatch + sample in one call, positional arguments.
     def compute(self, slot: int, token_ids: Sequence[int], start: int, is_output: Sequence[bool],

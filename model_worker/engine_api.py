@@ -74,6 +74,43 @@ class DecodeBatch:
     is_output: Sequence[bool]
 
 
+@dataclasses.dataclass(frozen=True)
+class VerifyBatch:
+    """A decode step whose rows may carry drafted tokens (speculative decoding): each slot computes its pending
+    token and its drafts at consecutive positions, and every position's logits are sampled in order.
+
+    Attributes:
+      slots: distinct cache rows (1 to the largest verify batch).
+      tokens: per row, the pending token then 0 to `EngineSizes.max_draft_tokens` drafted tokens.
+      positions: each row's position of its pending token; positions below it must already be in the cache.
+      is_output: per row, whether the pending token was generated (drafts always count as generated).
+    """
+
+    slots: Sequence[int]
+    tokens: Sequence[Sequence[int]]
+    positions: Sequence[int]
+    is_output: Sequence[bool]
+
+
+@dataclasses.dataclass
+class VerifyOutput:
+    """A verify step's sampling result on the host, one row per requested row and one column per position.
+
+    Attributes:
+      tokens: [R, T] int32, the token sampled at each position (as a decode step there would sample it);
+      logprobs: [R, T] float32; top_ids, top_logprobs: [R, T, 20]; mask_empty: [R, T] bool (as `HostOutput`);
+      emitted: [R] int32, how many leading tokens are the sequence's next tokens: the accepted drafts (each equal
+        to the sample before it) and the first sample that differs from its draft (or follows the last draft).
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    mask_empty: np.ndarray
+    emitted: np.ndarray
+
+
 @dataclasses.dataclass
 class HostOutput:
     """A sampling result on the host (numpy), one entry per requested row: what `Engine.sample` returns.
@@ -109,9 +146,20 @@ class EngineSizes(Protocol):
         ...
 
     @property
-    def prefix_slack(self) -> int:
-        """Sliding-ring positions kept beyond the window: how far before a slot's end a prompt may diverge from
-        its history and still reuse the slot exactly (the scheduler's prefix-reuse tolerance)."""
+    def reuse_slack(self) -> int:
+        """How far before a slot's end a prompt may diverge from its history and still reuse the slot exactly (the
+        scheduler's prefix-reuse tolerance): the sliding rings' positions kept beyond the window, less the ones a
+        verify step's rejected drafts may overwrite."""
+        ...
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Most drafted tokens a verify step takes per row (0: the engine has no verify programs)."""
+        ...
+
+    @property
+    def max_verify_batch(self) -> int:
+        """Most rows of a verify step (the largest compiled verify batch)."""
         ...
 
     @property
@@ -187,6 +235,33 @@ class Engine(Protocol):
           clear_penalties: per row, clear the slot's penalty history first (a fresh sequence).
           active: per row, whether the row's step counts; False leaves the slot's penalty history as it was (the
             row's mask did not arrive: the loop ignores its result and computes the row again later).
+        Returns:
+          One result row per pending row.
+        """
+        ...
+
+    def dispatch_verify(self, *, batch: VerifyBatch) -> Pending:
+        """A decode step with drafts: every row's pending token and drafts computed into its slot's cache (the
+        positions after a rejected draft are written too; the loop counts as computed only what was accepted, and
+        they are overwritten before anything attends to them).
+
+        Returns:
+          The pending logits of every position, in row order.
+        Raises:
+          ValueError: more rows than `max_verify_batch` or tokens than 1 + `max_draft_tokens` in a row; a
+            position beyond max_model_len.
+        """
+        ...
+
+    def sample_verify(
+        self, pending: Pending, *, sampling: SamplingArrays, clear_penalties: Sequence[bool], active: Sequence[bool]
+    ) -> VerifyOutput:
+        """Sample a verify step's logits position by position, each exactly as a decode step there would (the
+        same settings, the random draw of that output step, the penalty history holding the accepted tokens before
+        it; the row's mask at every position, so drafts are for unconstrained rows or rows with one mask for all
+        steps); the penalty history keeps only the accepted positions' tokens.
+
+        Args: as `sample`, for a pending from `dispatch_verify`.
         Returns:
           One result row per pending row.
         """

@@ -26,7 +26,8 @@ from collections.abc import Callable
 import numpy as np
 
 from model_worker import engine_api
-from model_worker.engine_api import DecodeBatch
+from model_worker.drafting import StepCosts
+from model_worker.engine_api import DecodeBatch, VerifyBatch
 from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Emission, Scheduler, StepResult, Work
 from model_worker.sequence import Failure, Finish, SamplingSpec, Sequence, TokenEvent
@@ -39,6 +40,8 @@ ENGINE_FAILED = "the model worker failed and is restarting"
 #: Environment variable naming a `cache_salt` whose requests fail the step that runs them (fault injection for
 #: tests of the process supervision; no client sends it by chance).
 FAULT_ENV = "GEMMA_SERVE_TEST_FAULT_SALT"
+#: `--speculation` values: verify drafts when it pays, whenever there are any, or never.
+SPECULATION_MODES = ("auto", "always", "off")
 
 
 #: The settings copied one to one from a sequence's `SamplingSpec` to its row of `SamplingArrays` (same name, one
@@ -139,7 +142,7 @@ class EngineLoop:
 
     def __init__(self, engine: engine_api.Engine, token_budget: int | None = None, metrics=None,
                  mask_wait: float = 0.2, on_fatal: Callable[[BaseException], None] | None = None,
-                 fault_salt: str | None = None, lease_preempt_after: float = 10.0):
+                 fault_salt: str | None = None, lease_preempt_after: float = 10.0, speculation: str = "auto"):
         """Args: engine: a compiled engine (`engine_api.Engine`; the loop becomes its only user); token_budget:
         most prompt tokens computed in an iteration that also decodes running streams (bounds the pause a long new
         prompt causes in them; default: the smallest chunk); a lone prompt uses the largest chunks it fills
@@ -149,7 +152,15 @@ class EngineLoop:
         later step). on_fatal: called (on this thread) after a step failed and every sequence was ended;
         fault_salt: a cache_salt whose sequences make the step running them fail (a fault-injection hook for tests
         of the process supervision; None in production); lease_preempt_after: seconds a request waits for a slot
-        before it may take the oldest session lease's slot (`prefix_cache.PrefixCache`)."""
+        before it may take the oldest session lease's slot (`prefix_cache.PrefixCache`); speculation: "auto"
+        verifies drafts when the engine has verify programs (`engine_api.EngineSizes.max_draft_tokens`) and it pays
+        (`drafting.StepCosts`), "always" whenever there are drafts (tests and measurements), "off" never.
+
+        Raises:
+          ValueError: an unknown speculation mode."""
+        if speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {SPECULATION_MODES}, not {speculation!r}")
+        self.speculation = speculation
         self.engine = engine
         self.on_fatal = on_fatal
         self.fault_salt = fault_salt
@@ -158,9 +169,12 @@ class EngineLoop:
         self.token_budget = token_budget or min(engine.ecfg.prefill_chunks)
         self.metrics = metrics
         self.vocab = engine.cfg.vocab_size
-        self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len, slack=engine.ecfg.prefix_slack,
+        drafts = engine.ecfg.max_draft_tokens if speculation != "off" else 0
+        self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len, slack=engine.ecfg.reuse_slack,
                                    max_waiting=engine.ecfg.max_waiting, token_budget=self.token_budget,
-                                   lease_preempt_after=lease_preempt_after)
+                                   lease_preempt_after=lease_preempt_after, max_draft_tokens=drafts,
+                                   max_verify_batch=engine.ecfg.max_verify_batch if drafts else 0)
+        self.costs = StepCosts()
         self._inbox: queue.Queue[Command] = queue.Queue()
         self._submitted = 0  # `Submit`s in the inbox, not yet taken in (`load`); changed under `_submitted_lock`
         self._submitted_lock = threading.Lock()
@@ -169,7 +183,9 @@ class EngineLoop:
         # compute chunks, decode steps, slot copies; "mixed": iterations with both a chunk and a decode step (one
         # pass when the chunk is the smallest, `Engine.dispatch_mixed`), also counted in "compute" and "decode";
         # tokens run through the model, and how many of them were prompt tokens
-        self.steps = {"compute": 0, "decode": 0, "mixed": 0, "copy": 0, "computed_tokens": 0, "prompt_tokens": 0}
+        # "verify": decode steps that verified drafts (also counted in "decode"); drafted and accepted draft tokens
+        self.steps = {"compute": 0, "decode": 0, "mixed": 0, "copy": 0, "computed_tokens": 0, "prompt_tokens": 0,
+                      "verify": 0, "drafted_tokens": 0, "accepted_tokens": 0}
         # the state after the latest iteration, read by other threads (the worker's GetLoad RPC)
         self.last = LoopSnapshot(0, 0, 0.0, 0, 0, 0, dict(self.steps), 0)
 
@@ -348,7 +364,10 @@ class EngineLoop:
             computing = pending
             if chunk.snapshot_to is not None and chunk.snapshot_due(result.computed):  # pin the shared prefix
                 self.engine.copy_slot(src=chunk.rows.slot, dst=chunk.snapshot_to)
+        elif decode and self._worth_verifying(work):
+            return self._run_verify(work, result)
         elif decode:
+            started = time.perf_counter()
             decoding = self.engine.dispatch_decode(batch=batch)
         if decoding is not None:
             self._await_constraints(decode)
@@ -356,6 +375,42 @@ class EngineLoop:
             result.compute_sample = self._sample_chunk(chunk.seq, computing, result.computed)
         if decoding is not None:
             result.decode_sample, result.sampled, result.active = self._sample_decode(decode, decoding)
+            if chunk is None:
+                self.costs.observe("decode", len(decode), time.perf_counter() - started)
+        return result
+
+    def _worth_verifying(self, work: Work) -> bool:
+        """Whether this decode step verifies the scheduler's drafts: some row has one, and the expected tokens
+        per second beat a plain step's (`drafting.StepCosts`, from each row's acceptance so far), or a row's draft
+        is due for a probe (`drafting.Acceptance.probe_due`). Drafts not verified are noted as passed over."""
+        drafted = [(s.request_id, len(d)) for s, d in zip(work.decode, work.drafts) if d]
+        if not drafted:
+            return False
+        if self.speculation == "always":
+            return True
+        drafter = self.scheduler.drafter
+        expected = len(work.decode) - len(drafted) + sum(drafter.expected_tokens(r, k) for r, k in drafted)
+        if any(drafter.probe_due(r) for r, _ in drafted) or self.costs.worth_verifying(
+                len(work.decode), len(work.decode), expected):
+            return True
+        for r, _ in drafted:
+            drafter.passed_over(r)
+        return False
+
+    def _run_verify(self, work: Work, result: StepResult) -> StepResult:
+        """A decode step that verifies drafts (`Engine.dispatch_verify`, `Engine.sample_verify`); its cost goes to
+        `self.costs`."""
+        decode = work.decode
+        started = time.perf_counter()
+        pending = self.engine.dispatch_verify(batch=VerifyBatch(
+            [s.row for s in decode], [[s.tokens[-1], *d] for s, d in zip(decode, work.drafts)],
+            [s.num_computed for s in decode], [s.num_computed >= len(s.prompt) for s in decode]))
+        self._await_constraints(decode)
+        result.sampled, result.active = self.scheduler.decode_rows(decode)
+        result.verify_sample = self.engine.sample_verify(
+            pending, sampling=sampling_rows(decode, self.vocab), clear_penalties=[s.clear_penalties for s in decode],
+            active=result.active)
+        self.costs.observe("verify", len(decode), time.perf_counter() - started)
         return result
 
     def _sample_chunk(self, seq: Sequence, pending: engine_api.Pending, n: int) -> engine_api.HostOutput | None:
@@ -387,11 +442,22 @@ class EngineLoop:
             self.steps["prompt_tokens"] += max(0, min(n, len(work.chunk.seq.prompt) - work.chunk.rows.start))
             self.steps["copy"] += work.chunk.snapshot_due(n)
             self.steps["mixed"] += bool(work.decode)
-        if result.decode_sample is not None:
+        if result.decode_sample is not None or result.verify_sample is not None:
             self.steps["decode"] += 1
             self.steps["computed_tokens"] += sum(result.active)
             self.steps["prompt_tokens"] += sum(active and seq.num_computed < len(seq.prompt)
                                                for seq, active in zip(work.decode, result.active))
+        if result.verify_sample is not None:
+            self.steps["verify"] += 1
+            for r, draft in enumerate(work.drafts):
+                if not (draft and result.sampled[r]):
+                    continue
+                accepted = int(result.verify_sample.emitted[r]) - 1
+                self.steps["drafted_tokens"] += len(draft)
+                self.steps["accepted_tokens"] += accepted
+                self.steps["computed_tokens"] += accepted
+                if self.metrics is not None:
+                    self.metrics.accepted_length.observe(accepted)
 
     def _await_constraints(self, seqs: list[Sequence]) -> None:
         """While the forward pass runs, wait (up to mask_wait) for the masks or forced runs of constrained rows."""

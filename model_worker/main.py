@@ -61,6 +61,30 @@ PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"weights": write_weights}
 
 
 
+def speculation_drafts(args: argparse.Namespace, invariant: bool) -> int:
+    """The engine's `max_draft_tokens`: `--max-draft-tokens` with speculation on where it is exact (a row's logits
+    batch-invariant: a verify step's positions then equal the decode steps'), else 0 (no verify programs).
+
+    Raises:
+      FlagsRefused: a negative `--max-draft-tokens`.
+    """
+    if args.max_draft_tokens < 0:
+        raise FlagsRefused(f"--max-draft-tokens must be >= 0, got {args.max_draft_tokens}")
+    if args.speculation == "off" or args.max_draft_tokens == 0:
+        return 0
+    if args.max_draft_tokens & (args.max_draft_tokens + 1):
+        raise FlagsRefused(f"--max-draft-tokens must be one less than a power of two (1, 3, 7, 15, ...), got "
+                           f"{args.max_draft_tokens}")
+    if args.max_draft_tokens > args.prefix_slack:
+        raise FlagsRefused(f"--max-draft-tokens {args.max_draft_tokens} exceeds --prefix-slack {args.prefix_slack} "
+                           "(rejected drafts overwrite that many sliding-ring entries)")
+    if not invariant:
+        log.warning("speculation off: these numerics are not batch-invariant, so verified drafts could change a "
+                    "request's tokens (--batch-invariant makes it exact)")
+        return 0
+    return args.max_draft_tokens
+
+
 def load_engine(prepared, args: argparse.Namespace):
     """Load the prepared weights onto the device and compile the program grid.
 
@@ -128,6 +152,7 @@ def load_engine(prepared, args: argparse.Namespace):
         prefix_slack=args.prefix_slack,
         max_waiting=args.max_waiting,
         tensor_parallel=args.tensor_parallel,
+        max_draft_tokens=speculation_drafts(args, cfg.batch_invariant),
     )
     try:
         ecfg, footprint, limit = memory.size_slots(cfg, params, ecfg, auto=args.num_slots == "auto")
@@ -274,7 +299,8 @@ async def serve(args: argparse.Namespace) -> int:
     fault = os.environ.get(FAULT_ENV)
     loop = EngineLoop(engine, token_budget=args.prefill_token_budget, metrics=metrics,
                       on_fatal=lambda exc: aio_loop.call_soon_threadsafe(fatal.set),
-                      fault_salt=fault or None, lease_preempt_after=args.lease_preempt_after)
+                      fault_salt=fault or None, lease_preempt_after=args.lease_preempt_after,
+                      speculation=args.speculation)
     loop.start()
     servicer.set_ready(loop, info)
     for name in ("", SERVICE_NAME):

@@ -53,7 +53,16 @@ class WorkerMetrics:
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
         self.computed_tokens = Counter(p + "computed_tokens", "Tokens run through the model.", registry=r)
         self.steps = Counter(p + "engine_steps", "Engine steps: compute chunks, decode steps, slot copies; mixed: "
-                             "iterations with both a chunk and a decode step (also counted in those).", ["kind"], registry=r)
+                             "iterations with both a chunk and a decode step (also counted in those); verify: decode "
+                             "steps that verified drafts (speculation on; also counted in decode).", ["kind"],
+                             registry=r)
+        # Speculative decoding, with vLLM's names (`vllm:spec_decode_num_draft_tokens`, ...).
+        self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
+        self.accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.acceptance = Gauge(p + "spec_decode_acceptance_rate", "Accepted / verified draft tokens since start.",
+                                registry=r)
+        self.accepted_length = Histogram(p + "spec_decode_accepted_length", "Draft tokens accepted per verified "
+                                         "draft (a row of a verify step).", buckets=tuple(range(17)), registry=r)
         self.rejected = Counter(p + "requests_rejected", "Requests refused because the queue was full.", registry=r)
         self.compilations = Counter(p + "compilations", "XLA compilations (after warm-up this must stay flat).",
                                     registry=r)
@@ -83,9 +92,15 @@ class WorkerMetrics:
             self.prefix_queries.inc(snap.prefix_queries - seen["queries"])
             self.prefix_hits.inc(snap.prefix_hits - seen["hits"])
             seen["queries"], seen["hits"] = snap.prefix_queries, snap.prefix_hits
-            for kind in ("compute", "decode", "mixed", "copy"):
+            for kind in ("compute", "decode", "mixed", "copy", "verify"):
                 self.steps.labels(kind).inc(snap.steps[kind] - seen["steps"].get(kind, 0))
                 seen["steps"][kind] = snap.steps[kind]
+            self.draft_tokens.inc(snap.steps["drafted_tokens"] - seen["steps"].get("drafted_tokens", 0))
+            self.accepted_tokens.inc(snap.steps["accepted_tokens"] - seen["steps"].get("accepted_tokens", 0))
+            seen["steps"]["drafted_tokens"] = snap.steps["drafted_tokens"]
+            seen["steps"]["accepted_tokens"] = snap.steps["accepted_tokens"]
+            if snap.steps["drafted_tokens"]:
+                self.acceptance.set(snap.steps["accepted_tokens"] / snap.steps["drafted_tokens"])
             self.computed_tokens.inc(snap.steps["computed_tokens"] - seen["computed"])
             seen["computed"] = snap.steps["computed_tokens"]
             self.prompt_computed.inc(snap.steps["prompt_tokens"] - seen["prompt"])

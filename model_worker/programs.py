@@ -15,6 +15,15 @@ padding for the forward kinds, which therefore run without writing anything: `En
   sample   SampleInputs           (B, 0, 0): B in batch_buckets and 1                 SampleOutput [B]
   greedy   SampleInputs           as sample                                           SampleOutput [B]
   copy     CopyInputs             (1, 0, 0)                                           None
+  verify   Batch                  (B, T, the largest L): B in verify_batches           logits [B, T, V]
+  vsample  SampleInputs ([B, T])  (B, T, 0): as verify                                 SampleOutput [B, T]
+  vgreedy  SampleInputs ([B, T])  as vsample                                           SampleOutput [B, T]
+
+Verify programs (exact speculative decoding, docs/architecture.md "Speculative decoding"): a decode step whose rows
+carry T tokens each, the pending token and up to T - 1 drafted ones, with the logits of every position; its sample
+program walks the positions in order, each sampled exactly as a decode step would sample it (the same settings,
+the random draw of that output step, the penalty history with the accepted tokens before it), and commits a
+position to the penalty history only while every draft before it was accepted. None exist when T <= 1.
 """
 
 from __future__ import annotations
@@ -46,7 +55,8 @@ class GridSizes:
 
     Attributes:
       prefill_chunks: compute chunk lengths; kv_buckets: KV lengths, ascending; batch_buckets: decode batch sizes,
-      ascending; mixed_chunk: the chunk of a mixed step; num_slots: KV cache rows.
+      ascending; mixed_chunk: the chunk of a mixed step; num_slots: KV cache rows; verify_tokens: tokens per row of
+      a verify step (1 + the most drafted tokens; <= 1: no verify programs); verify_batches: its batch buckets.
     """
 
     prefill_chunks: tuple[int, ...]
@@ -54,6 +64,8 @@ class GridSizes:
     batch_buckets: tuple[int, ...]
     mixed_chunk: int
     num_slots: int
+    verify_tokens: int = 0
+    verify_batches: tuple[int, ...] = ()
 
 
 @jax.tree_util.register_dataclass
@@ -106,9 +118,10 @@ class SampleInputs:
     """A sample program's inputs: B rows of logits and what each row commits to its slot's penalty history.
 
     Attributes:
-      logits: [B, V] float32.
+      logits: [B, V] float32 ([B, T, V] for a verify step).
       tokens, positions, is_output: [B, 1] int32 / int32 / bool, the row's input token, recorded in the history
-        when its position is >= 0 (a compute chunk recorded its own: position -1).
+        when its position is >= 0 (a compute chunk recorded its own: position -1). [B, T] for a verify step's
+        sampling: per position the input token (the pending one, then the drafts), -1 past the row's drafts.
       slots: [B] int32, the row's slot (the history row).
       clear_penalties: [B] bool, clear the history first (the greedy program has all False and ignores it).
       active: [B] bool; False: the row is sampled but commits nothing (its mask did not arrive).
@@ -125,11 +138,14 @@ class SampleInputs:
     sampling: SamplingArrays
 
     @staticmethod
-    def example(batch: int, vocab: int) -> SampleInputs:
-        """Inputs of the compiled shapes (the logits only as a shape: for lowering, not for running)."""
-        return SampleInputs(jax.ShapeDtypeStruct((batch, vocab), jnp.float32), np.zeros((batch, 1), np.int32),
-                            np.full((batch, 1), -1, np.int32), np.arange(batch, dtype=np.int32),
-                            np.zeros((batch, 1), bool), np.zeros(batch, bool), np.zeros(batch, bool),
+    def example(batch: int, vocab: int, tokens: int = 0) -> SampleInputs:
+        """Inputs of the compiled shapes (the logits only as a shape: for lowering, not for running); `tokens` > 0:
+        a verify step's, T = tokens positions per row."""
+        t = max(tokens, 1)
+        logits = (batch, tokens, vocab) if tokens else (batch, vocab)
+        return SampleInputs(jax.ShapeDtypeStruct(logits, jnp.float32), np.zeros((batch, t), np.int32),
+                            np.full((batch, t), -1, np.int32), np.arange(batch, dtype=np.int32),
+                            np.zeros((batch, t), bool), np.zeros(batch, bool), np.zeros(batch, bool),
                             SamplingArrays.defaults(batch, vocab))
 
 
@@ -219,6 +235,75 @@ def sample_program(pstate, inputs: SampleInputs, *, vocab_parts: int = 1):
     return out, pstate
 
 
+def verify_program(params, cache, rows: Batch, *, cfg, kv_len):
+    """The model on a verify step: B rows of T tokens (the pending token, then drafts; -1 positions past them),
+    the logits of every position. Returns (logits [B, T, V] float32, cache). Every position's K/V is written;
+    the loop counts as computed only the accepted ones, so a rejected position is overwritten before anything
+    attends to it (a sliding ring entry it overwrites is older than the window: `EngineConfig.reuse_slack`)."""
+    return forward(params, rows.tokens, rows.positions, cache, rows.slots, cfg, kv_len, None)
+
+
+def _next_inputs(inputs: SampleInputs) -> tuple[jax.Array, jax.Array]:
+    """Per position t of a verify step, the draft to compare its sample with (the input token at t + 1) and
+    whether there is one: ([B, T] int32, [B, T] bool)."""
+    pad = jnp.full((inputs.tokens.shape[0], 1), -1, jnp.int32)
+    nxt = jnp.concatenate([jnp.asarray(inputs.tokens)[:, 1:], pad], axis=1)
+    has = jnp.concatenate([jnp.asarray(inputs.positions)[:, 1:] >= 0, pad >= 0], axis=1)
+    return nxt, has
+
+
+def verify_sample_program(pstate, inputs: SampleInputs, *, vocab_parts: int = 1):
+    """Sample a verify step position by position, exactly as decode steps would, one after another.
+
+    Position t of row b: its input token is recorded in the row's penalty history (as a decode step's sample
+    program records it), then it is sampled with the row's settings at output step `step + t` (the random draw
+    of that token) and the row's mask; the draft at t + 1 is accepted when it equals that sample. A position is
+    recorded only while every draft before it was accepted, so the history ends exactly as the decode steps of
+    the accepted tokens would leave it; inactive rows commit nothing. `vocab_parts`: as `sample_program`.
+    Returns:
+      (SampleOutput with [B, T] leading axes, pstate).
+    """
+    slots = inputs.slots
+    old = jax.tree_util.tree_map(lambda a: jnp.take(a, slots, axis=0), pstate)
+    expand = lambda flag, a: flag.reshape((-1,) + (1,) * (a.ndim - 1))
+    rows = jax.tree_util.tree_map(lambda a: jnp.where(expand(inputs.clear_penalties, a), 0, a).astype(a.dtype), old)
+    nxt, has = _next_inputs(inputs)
+    tokens, positions, is_output = (jnp.asarray(a) for a in (inputs.tokens, inputs.positions, inputs.is_output))
+
+    def position(carry, t):
+        rows, alive = carry
+        col = lambda a: jax.lax.dynamic_index_in_dim(a, t, axis=1, keepdims=True)
+        live = alive & (col(positions)[:, 0] >= 0)
+        rows = _record_inputs(rows, col(tokens), jnp.where(live[:, None], col(positions), -1), col(is_output))
+        settings = dataclasses.replace(inputs.sampling, step=inputs.sampling.step + t)
+        out = sample(jax.lax.dynamic_index_in_dim(inputs.logits, t, axis=1, keepdims=False), settings, rows,
+                     vocab_parts)
+        alive = live & col(has)[:, 0] & (out.tokens == col(nxt)[:, 0])
+        return (rows, alive), out
+
+    T = inputs.tokens.shape[1]
+    (rows, _), outs = jax.lax.scan(position, (rows, jnp.ones(slots.shape[0], bool)), jnp.arange(T))
+    kept = jax.tree_util.tree_map(lambda new, prev: jnp.where(expand(inputs.active, new), new, prev), rows, old)
+    pstate = jax.tree_util.tree_map(lambda a, r: a.at[slots].set(r), pstate, kept)
+    return jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), outs), pstate
+
+
+def verify_greedy_program(pstate, inputs: SampleInputs, *, vocab_parts: int = 1):
+    """`verify_sample_program` for a batch that passes `is_plain_greedy` and clears no penalties: every position
+    sampled at once (`sample_greedy` reads no history), then the accepted positions' input tokens recorded by
+    point updates, as `greedy_program` does. Returns (SampleOutput with [B, T] leading axes, pstate)."""
+    B, T, V = inputs.logits.shape
+    repeat = lambda a: jnp.repeat(jnp.asarray(a), T, axis=0)
+    settings = jax.tree_util.tree_map(repeat, inputs.sampling)
+    out = sample_greedy(inputs.logits.reshape(B * T, V), settings, vocab_parts)
+    out = jax.tree_util.tree_map(lambda a: a.reshape((B, T) + a.shape[1:]), out)
+    nxt, has = _next_inputs(inputs)
+    accepted = jnp.cumprod((out.tokens == nxt) & has, axis=1).astype(bool)  # drafts 1..t+1 all accepted
+    alive = jnp.concatenate([jnp.ones((B, 1), bool), accepted[:, :-1]], axis=1) & inputs.active[:, None]
+    committed = jnp.where(alive, jnp.asarray(inputs.positions), -1)
+    return out, _record_inputs(pstate, inputs.tokens, committed, inputs.is_output, rows=inputs.slots)
+
+
 def copy_program(cache, pstate, inputs: CopyInputs):
     """Copy slot src's KV rows and penalty rows to slot dst. Returns (None, cache, pstate)."""
     move = lambda a: None if a is None else a.at[inputs.dst].set(a[inputs.src])
@@ -268,6 +353,14 @@ def _sample_grid(g: GridSizes) -> list[tuple[int, int, int]]:
     return [(b, 0, 0) for b in sorted(set(g.batch_buckets) | {1})]
 
 
+def _verify_grid(g: GridSizes, sampling: bool = False) -> list[tuple[int, int, int]]:
+    """Verify steps read only the key blocks each row's position needs (as mixed steps do), so their forward
+    programs exist for the largest KV bucket only; their sample programs need no bucket."""
+    if g.verify_tokens <= 1:
+        return []
+    return [(b, g.verify_tokens, 0 if sampling else g.kv_buckets[-1]) for b in g.verify_batches]
+
+
 _FORWARD = ("params", "cache")
 _CHUNK = ("params", "cache", "pstate")
 
@@ -290,6 +383,17 @@ PROGRAMS: dict[str, ProgramKind] = {
     "greedy": ProgramKind(
         greedy_program, ("pstate",), ("pstate",), model=False, grid=_sample_grid, samples=True,
         example=lambda key, vocab: (SampleInputs.example(key.batch, vocab),)),
+    "verify": ProgramKind(
+        verify_program, _FORWARD, ("cache",), model=True, warm=True, grid=_verify_grid,
+        example=lambda key, vocab: (dataclasses.replace(idle_batch(key.batch, key.chunk), logit_rows=None),)),
+    "vsample": ProgramKind(
+        verify_sample_program, ("pstate",), ("pstate",), model=False, samples=True,
+        grid=lambda g: _verify_grid(g, sampling=True),
+        example=lambda key, vocab: (SampleInputs.example(key.batch, vocab, key.chunk),)),
+    "vgreedy": ProgramKind(
+        verify_greedy_program, ("pstate",), ("pstate",), model=False, samples=True,
+        grid=lambda g: _verify_grid(g, sampling=True),
+        example=lambda key, vocab: (SampleInputs.example(key.batch, vocab, key.chunk),)),
     "copy": ProgramKind(
         copy_program, ("cache", "pstate"), ("cache", "pstate"), model=False, grid=lambda g: [(1, 0, 0)],
         example=lambda key, vocab: (CopyInputs(np.int32(0), np.int32(0)),)),

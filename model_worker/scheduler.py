@@ -39,10 +39,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from typing import Any
 
 import numpy as np
 
-from model_worker.engine_api import HostOutput, PromptChunk
+from model_worker.drafting import Drafter
+from model_worker.engine_api import HostOutput, PromptChunk, VerifyOutput
 from model_worker.prefix_cache import LiveSlot, PrefixCache
 from model_worker.sequence import Failure, Finish, Sequence, TokenEvent
 
@@ -101,6 +103,9 @@ class Work:
       admitted: sequences admitted into a slot by this `schedule()` call, in admission order.
       emissions: events made while scheduling (forced tokens appended, sequences they ended), to publish before
         the step runs.
+      drafts: per `decode` sequence, draft tokens to verify after its pending token (speculative decoding; empty
+        lists when it has none, and no entries at all when the step has a chunk or too many rows); the loop
+        decides whether the step verifies them.
     """
 
     copies: list[tuple[int, int]]
@@ -108,6 +113,7 @@ class Work:
     chunk: Chunk | None = None
     admitted: list[Sequence] = dataclasses.field(default_factory=list)
     emissions: list[Emission] = dataclasses.field(default_factory=list)
+    drafts: list[list[int]] = dataclasses.field(default_factory=list)
 
     @property
     def compute(self) -> Sequence | None:
@@ -127,6 +133,8 @@ class StepResult:
       sampled: per decode row, whether its sample is used (its mask had arrived or it needs none).
       active: per decode row, whether its step counts (sampled, or its forced tokens arrived: its KV is kept and
         the forced tokens follow); an inactive live row missed its mask and is computed again later.
+      verify_sample: when the decode step verified `Work.drafts` (a verify step), its samples instead of
+        `decode_sample`: per row, the tokens it emits (`VerifyOutput.emitted`).
     """
 
     computed: int = 0
@@ -134,6 +142,7 @@ class StepResult:
     decode_sample: HostOutput | None = None
     sampled: list[bool] = dataclasses.field(default_factory=list)
     active: list[bool] = dataclasses.field(default_factory=list)
+    verify_sample: VerifyOutput | None = None
 
 
 class Scheduler:
@@ -141,12 +150,18 @@ class Scheduler:
     `self.cache`."""
 
     def __init__(self, num_slots: int, max_model_len: int, slack: int = 0, max_waiting: int | None = None,
-                 token_budget: int | None = None, lease_preempt_after: float = 10.0):
+                 token_budget: int | None = None, lease_preempt_after: float = 10.0, max_draft_tokens: int = 0,
+                 max_verify_batch: int = 0):
         """Args: num_slots: cache rows; max_model_len: context limit used to finish sequences with LENGTH;
         slack: sliding-ring positions beyond the window (prefix reuse tolerance, see PrefixCache);
         max_waiting: bound of the waiting queue (None: unbounded); token_budget: most chunk tokens in an
         iteration that also decodes (None: no bound; a chunk alone is never bounded); lease_preempt_after:
-        seconds a request waits for a slot before it may take the oldest session lease's slot."""
+        seconds a request waits for a slot before it may take the oldest session lease's slot;
+        max_draft_tokens: most draft tokens proposed per decode row (0: no speculation); max_verify_batch: most
+        decode rows of a step that proposes drafts."""
+        self.max_draft_tokens = max_draft_tokens
+        self.max_verify_batch = max_verify_batch
+        self.drafter = Drafter()
         self.lease_preempt_after = lease_preempt_after
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
@@ -173,6 +188,8 @@ class Scheduler:
         seq.arrival = self._arrivals
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
+        if self.max_draft_tokens > 0:
+            self.drafter.start(seq.request_id, seq.tokens, seq.prediction)
 
     def schedule(self) -> Work:
         """Append the forced tokens that are due, admit waiting sequences (reusing cached prefixes), copy due forks
@@ -191,7 +208,20 @@ class Scheduler:
         chunk = None
         if compute is not None:
             chunk = self._plan_chunk(compute, self.token_budget if decode else None)
-        return Work(copies=copies, decode=decode, chunk=chunk, admitted=admitted, emissions=emissions)
+        drafts = []
+        if chunk is None and decode and len(decode) <= self.max_verify_batch:
+            drafts = [self._draft(seq) for seq in decode]
+        return Work(copies=copies, decode=decode, chunk=chunk, admitted=admitted, emissions=emissions,
+                    drafts=drafts)
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """Draft tokens to verify after a decode candidate's pending token: none for a sequence with per-step
+        masks or forced tokens (its grammar decides its tokens), nor past its token limit or the context."""
+        if seq.constrained or seq.forced:
+            return []
+        k = min(self.max_draft_tokens, seq.max_tokens - len(seq.output) - 1,
+                self.max_model_len - len(seq.prompt) - len(seq.output))
+        return self.drafter.propose(seq.request_id, seq.cache_salt, k)
 
     def _force(self, seq: Sequence) -> Emission | None:
         """Append the forced tokens due at `seq`'s current step; their event (None: none were due)."""
@@ -201,7 +231,7 @@ class Scheduler:
         if seq.finish != Finish.NONE:
             self.finish(seq)
         return Emission(seq, TokenEvent(applied, [0.0] * len(applied), seq.finish, forced=[True] * len(applied),
-                                        top=[([], [])] * len(applied)))
+                                        top=[([], [])] * len(applied), **_prediction_usage(seq)))
 
     def _plan_chunk(self, seq: Sequence, budget: int | None) -> Chunk:
         """The next chunk of a compute candidate's pending tokens (at most `budget`)."""
@@ -362,21 +392,46 @@ class Scheduler:
             seq.missed = seq.slot is not None and not result.active[r]
             if not result.active[r]:
                 continue
-            seq.num_computed += 1
             seq.clear_penalties = False
+            if result.verify_sample is not None:
+                emissions += self._verified(seq, work.drafts[r], result.verify_sample, r, result.sampled[r])
+                continue
+            seq.num_computed += 1
             if result.sampled[r] and result.decode_sample is not None:
                 emissions += self._sampled(seq, result.decode_sample, r)
         return emissions
 
-    def _sampled(self, seq: Sequence, out: HostOutput, row: int) -> list[Emission]:
-        """Record row `row` of a sample as `seq`'s next token (or end it if its mask allowed none)."""
+    def _verified(self, seq: Sequence, draft: list[int], out: VerifyOutput, row: int, sampled: bool) -> list[Emission]:
+        """Commit row `row` of a verify step: its pending token and its accepted drafts are computed, and the
+        emitted tokens (the accepted drafts and the sample after them) become `seq`'s next tokens, one event each,
+        until one ends it."""
+        if not sampled:  # its forced tokens arrived: only the pending token counts
+            seq.num_computed += 1
+            return []
+        emitted = int(out.emitted[row])
+        if seq.slot is not None:
+            self.drafter.verified(seq.request_id, len(draft), emitted - 1)
+        base = seq.num_computed
+        emissions: list[Emission] = []
+        for t in range(emitted):
+            seq.num_computed = base + t + 1  # the input at position t (the pending token, then drafts) is in
+            emissions += self._sampled(seq, out, row, t)
+            if seq.finish != Finish.NONE:
+                break
+        return emissions
+
+    def _sampled(self, seq: Sequence, out: HostOutput | VerifyOutput, row: int, col: int | None = None
+                 ) -> list[Emission]:
+        """Record row `row` (position `col` of a verify step's row) of a sample as `seq`'s next token (or end it
+        if its mask allowed none)."""
         if seq.slot is None:  # aborted while the step ran
             return []
-        if out.mask_empty[row]:
+        at = (row,) if col is None else (row, col)
+        if out.mask_empty[at]:
             return [self.end(seq, Finish.ABORT, error="the token mask allows no token", failure=Failure.MASK_EMPTY)]
-        token = int(out.tokens[row])
+        token = int(out.tokens[at])
         n = seq.sampling.top_logprobs
-        top = (out.top_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist())
+        top = (out.top_ids[at][:n].tolist(), out.top_logprobs[at][:n].tolist())
         first = not seq.output
         finish = self.append_token(seq, token)
         now, previous = time.monotonic(), seq.last_token_at
@@ -385,8 +440,8 @@ class Scheduler:
         seq.last_token_at = now
         if finish != Finish.NONE:
             self.finish(seq)
-        event = TokenEvent([token], [float(out.logprobs[row])], finish, forced=[False], top=[top],
-                           cached_tokens=seq.cached_tokens if first else 0)
+        event = TokenEvent([token], [float(out.logprobs[at])], finish, forced=[False], top=[top],
+                           cached_tokens=seq.cached_tokens if first else 0, **_prediction_usage(seq))
         return [Emission(seq, event, sampled_at=now, previous_at=previous)]
 
     def end(self, seq: Sequence, finish: Finish, error: str | None = None,
@@ -394,12 +449,13 @@ class Scheduler:
         """End a sequence now (freeing its slot); its last event, carrying `error` and its kind if any."""
         seq.finish = finish
         self.finish(seq)
-        return Emission(seq, TokenEvent([], [], finish, error=error, failure=failure))
+        return Emission(seq, TokenEvent([], [], finish, error=error, failure=failure, **_prediction_usage(seq)))
 
     def append_token(self, seq: Sequence, token: int) -> Finish:
         """Record a generated (or forced) token and decide whether the sequence ends here."""
         seq.output.append(token)
         seq.masks.pop(len(seq.output) - 1, None)
+        self.drafter.append(seq.request_id, token)
         if token in seq.stop_ids:
             seq.finish = Finish.STOP
         elif len(seq.output) >= seq.max_tokens or len(seq.prompt) + len(seq.output) >= self.max_model_len:
@@ -410,6 +466,9 @@ class Scheduler:
         """Forget a finished sequence: out of the waiting queue if it never ran, else its slot released (free for
         the next iteration; its KV stays for prefix reuse)."""
         self.by_id.pop(seq.request_id, None)
+        drafting = self.drafter.finish(seq.request_id, seq.cache_salt, seq.output)
+        if drafting is not None:
+            seq.prediction_accepted = min(drafting.prediction_accepted, len(seq.prediction))
         if seq.slot is None and seq in self.waiting:
             self.waiting.remove(seq)
         if seq.slot is not None and self.running.get(seq.slot) is seq:
@@ -425,3 +484,12 @@ class Scheduler:
         seq.finish = Finish.ABORT
         self.finish(seq)
         return seq
+
+
+def _prediction_usage(seq: Sequence) -> dict[str, Any]:
+    """The Predicted Outputs counts of a sequence's last event (nothing before it ends, or without a prediction):
+    predicted tokens accepted as drafts, and the rest (`TokenEvent` keyword arguments)."""
+    if seq.finish == Finish.NONE or not seq.prediction:
+        return {}
+    return {"accepted_prediction": seq.prediction_accepted,
+            "rejected_prediction": len(seq.prediction) - seq.prediction_accepted}

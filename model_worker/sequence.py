@@ -69,6 +69,8 @@ class TokenEvent:
       token_ids, logprobs, forced: per token.
       top: per token, (ids, logprobs) of the most likely alternatives (empty when not requested).
       cached_tokens: prompt tokens reused from the prefix cache (on the first event).
+      accepted_prediction, rejected_prediction: on the last event of a sequence with a prediction, its predicted
+        tokens accepted as drafts and the rest (OpenAI `accepted_prediction_tokens`, `rejected_prediction_tokens`).
       finish: why the sequence ended (NONE while live).
       error: a message when it ended because of an error.
       failure: the kind of that error (NONE without one), which decides the RPC's status.
@@ -82,6 +84,8 @@ class TokenEvent:
     forced: list[bool] = dataclasses.field(default_factory=list)
     top: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
+    accepted_prediction: int = 0
+    rejected_prediction: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -120,6 +124,8 @@ class Sequence:
         waits (computing nothing) until the leader has computed them, then copies its slot; None otherwise.
       share: prompt tokens to take from the leader's slot.
       first_token_at: time.monotonic() of the first generated token (prefill / decode time metrics).
+      prediction: the client's expected output tokens (OpenAI Predicted Outputs), a source of drafts.
+      prediction_accepted: how many of them were accepted as drafts (set when the sequence ends).
     """
 
     request_id: str
@@ -151,6 +157,8 @@ class Sequence:
     leader: Sequence | None = dataclasses.field(default=None, repr=False, compare=False)
     share: int = 0
     first_token_at: float | None = None
+    prediction: list[int] = dataclasses.field(default_factory=list)
+    prediction_accepted: int = 0
 
     @property
     def row(self) -> int:

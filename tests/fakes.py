@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from model_worker.engine_api import DecodeBatch, HostOutput, PromptChunk
+from model_worker.engine_api import DecodeBatch, HostOutput, PromptChunk, VerifyBatch, VerifyOutput
 from model_worker.sampling import SamplingArrays, unpack_mask
 
 
@@ -29,10 +29,16 @@ class FakeEngineConfig:
     chunk: int = 4
     prefix_slack: int = 4
     max_waiting: int | None = 64
+    max_draft_tokens: int = 0
+    max_verify_batch: int = 4
 
     @property
     def prefill_chunks(self) -> tuple[int, ...]:
         return (self.chunk,)
+
+    @property
+    def reuse_slack(self) -> int:
+        return max(0, self.prefix_slack - self.max_draft_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +56,7 @@ class FakeEngine:
         self.ecfg, self.vocab, self.step_delay = ecfg, vocab, step_delay
         self.cfg = FakeModelConfig(vocab)
         self.calls = {"compute": 0, "decode": 0, "copy": 0}
+        self.verify_delay = step_delay  # seconds a verify step waits (`step_delay` unless a test sets it)
         self.prompt_tokens = 0  # prompt (not generated) tokens computed, in chunks and decode rows
         self.chunks: list[tuple[int, int, int]] = []  # (slot, start position, tokens consumed) per compute call
         self.gate = threading.Event()
@@ -101,6 +108,32 @@ class FakeEngine:
                active: Sequence[bool]) -> HostOutput:
         """next = (last + 1) % vocab per row (masked: the smallest allowed token >= that, wrapping)."""
         return self._out([self._next(t, sampling, r) for r, t in enumerate(pending.last)], pending.logprob)
+
+    def dispatch_verify(self, *, batch: VerifyBatch) -> types.SimpleNamespace:
+        """One row per slot with its drafts; pending = each row's input tokens (waits on `gate`, `step_delay`)."""
+        if len(batch.slots) > self.ecfg.max_verify_batch or any(
+                not 1 <= len(t) <= self.ecfg.max_draft_tokens + 1 for t in batch.tokens):
+            raise ValueError("verify step outside the compiled grid")
+        self.gate.wait()
+        if self.verify_delay:
+            threading.Event().wait(self.verify_delay)
+        self.calls["verify"] = self.calls.get("verify", 0) + 1
+        self.prompt_tokens += sum(not o for o in batch.is_output)
+        return types.SimpleNamespace(rows=[list(t) for t in batch.tokens], logprob=-0.25)
+
+    def sample_verify(self, pending: types.SimpleNamespace, *, sampling: SamplingArrays,
+                      clear_penalties: Sequence[bool], active: Sequence[bool]) -> VerifyOutput:
+        """Position t of a row samples next(its input token t); drafts are accepted while they equal it."""
+        n, T = len(pending.rows), self.ecfg.max_draft_tokens + 1
+        tokens = np.full((n, T), -1, np.int32)
+        emitted = np.ones(n, np.int32)
+        for r, row in enumerate(pending.rows):
+            for t, token in enumerate(row):
+                tokens[r, t] = self._next(token, sampling, r)
+            while emitted[r] < len(row) and row[emitted[r]] == tokens[r, emitted[r] - 1]:
+                emitted[r] += 1
+        return VerifyOutput(tokens, np.full((n, T), pending.logprob, np.float32), np.full((n, T, 20), -1, np.int32),
+                            np.zeros((n, T, 20), np.float32), np.zeros((n, T), bool), emitted)
 
     def copy_slot(self, *, src: int, dst: int) -> None:
         """Count the copy (the fake keeps no per-slot state)."""

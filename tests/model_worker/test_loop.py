@@ -140,7 +140,8 @@ def test_tokens_follow_the_fake_arithmetic_and_every_step_is_counted(loops):
     loop.stop()
     assert fake.chunks == [(0, 0, 4), (0, 4, 2), (1, 0, 2)], "a in slot 0; b in the empty slot 1"
     assert loop.steps == {"compute": 3, "decode": 4 + 2, "mixed": 0, "copy": 0,
-                          "computed_tokens": 6 + 4 + 2 + 2, "prompt_tokens": 8}
+                          "computed_tokens": 6 + 4 + 2 + 2, "prompt_tokens": 8, "verify": 0, "drafted_tokens": 0,
+                          "accepted_tokens": 0}
     assert fake.prompt_tokens == loop.steps["prompt_tokens"]
     assert (fake.calls["compute"], fake.calls["decode"]) == (3, 6)
 
@@ -290,7 +291,7 @@ def test_a_follower_copies_its_leaders_slot_and_the_counters_agree_with_the_engi
     loop.stop()
     assert fake.chunks == [(0, 0, 4), (0, 4, 4), (0, 8, 2)]
     assert loop.steps == {"compute": 3, "decode": 3, "mixed": 0, "copy": 1, "computed_tokens": 10 + 5,
-                          "prompt_tokens": 11}
+                          "prompt_tokens": 11, "verify": 0, "drafted_tokens": 0, "accepted_tokens": 0}
     assert (fake.calls["copy"], fake.prompt_tokens) == (1, 11)
 
 

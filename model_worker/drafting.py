@@ -1,0 +1,259 @@
+"""Draft tokens without a draft model: what a sequence's own context, the client's prediction and recent answers
+say comes next (speculative decoding; docs/architecture.md, "Speculative decoding"). Plain Python, no JAX.
+
+Agent turns repeat their context: tool-call arguments quote the user's words and paths, JSON repeats keys, code
+is echoed and edited, and a base model loops on its own text. So the continuation of the most recent earlier
+occurrence of a sequence's last few tokens is a good guess (prompt lookup / n-gram speculation, as vLLM's
+`ngram` proposer and llama.cpp's lookup decoding do). Three sources, looked up the same way:
+
+  * the sequence's own tokens (prompt and output so far);
+  * the client's prediction (OpenAI's Predicted Outputs, `prediction.content`), an expected text such as a file
+    being edited: also proposed from its start while the output is still empty;
+  * recent finished answers of the same cache scope (`cache_salt`, which the gateway derives per tenant where
+    keys are configured): another scope's answers would let a request's speed reveal what that scope was told.
+
+The longest match wins (ties: prediction, own tokens, answers). Whether a draft is worth checking is the loop's
+decision (`StepCosts`, `worth_verifying`), from each sequence's acceptance so far (`Acceptance`).
+
+Exactness does not depend on any of this: a draft only decides which tokens a verify step checks; the tokens a
+sequence gets are the sampler's (`programs.verify_sample_program`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+#: Longest and shortest n-gram looked up (tokens): longer matches first, down to NGRAM_MIN.
+NGRAM_MAX = 4
+NGRAM_MIN = 2
+#: Finished answers kept per cache scope, and scopes kept (least recently used dropped first).
+ANSWERS_PER_SCOPE = 8
+ANSWER_SCOPES = 64
+#: Tokens of an answer kept for drafting (its tail beyond is dropped).
+ANSWER_TOKENS = 4096
+
+
+class NgramIndex:
+    """For n in NGRAM_MIN..NGRAM_MAX, the index after the most recent occurrence of each n-gram of a token
+    stream, so the continuation of any suffix is one dictionary lookup. Appending a token costs O(NGRAM_MAX)."""
+
+    def __init__(self, tokens: Sequence[int] = ()):
+        """Index `tokens` (appended in order)."""
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens. An n-gram is indexed once the token after it is known (so the stream's own suffix is
+        never its own match)."""
+        for token in tokens:
+            end = len(self.tokens)  # the index `token` takes; the n-grams ending just before it are followed by it
+            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+                if end >= n:
+                    self._after[tuple(self.tokens[end - n:end])] = end
+            self.tokens.append(token)
+
+    def lookup(self, tail: Sequence[int], k: int) -> tuple[int, list[int]]:
+        """The continuation (at most `k` tokens) of the longest n-gram ending `tail` that occurred in the stream:
+        (n, tokens); (0, []) without a match."""
+        for n in range(min(NGRAM_MAX, len(tail)), NGRAM_MIN - 1, -1):
+            at = self._after.get(tuple(tail[len(tail) - n:]))
+            if at is not None:
+                return n, self.tokens[at:at + k]
+        return 0, []
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """A sequence's recent draft acceptance: the chance that the next drafted token is accepted, estimated as
+    accepted / (accepted + rejections) over exponentially decayed counts (the maximum-likelihood estimate of a
+    geometric run's continuation probability), starting from a prior of one of each.
+
+    Attributes:
+      accepted, rejected: decayed counts; drafted, taken: totals since start (metrics, Predicted Outputs usage);
+      passed: drafts passed over since the last verified one.
+    """
+
+    accepted: float = 1.0
+    rejected: float = 1.0
+    drafted: int = 0
+    taken: int = 0
+    passed: int = 0
+    DECAY = 0.7
+    #: Drafts passed over (not worth verifying) before one is verified anyway: acceptance changes along a text
+    #: (a model that starts to loop), and an estimate that is never tested again could not notice.
+    PROBE_AFTER = 16
+
+    @property
+    def rate(self) -> float:
+        """Estimated probability that a drafted token is accepted, in (0, 1)."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Record one verified draft of `drafted` tokens of which the first `accepted` were accepted."""
+        if drafted <= 0:
+            return
+        self.passed = 0
+        self.accepted = self.accepted * self.DECAY + accepted
+        self.rejected = self.rejected * self.DECAY + (accepted < drafted)
+        self.drafted += drafted
+        self.taken += accepted
+
+    @property
+    def probe_due(self) -> bool:
+        """Whether enough drafts were passed over that the next one is verified to refresh the estimate."""
+        return self.passed >= self.PROBE_AFTER
+
+    def expected_tokens(self, drafted: int) -> float:
+        """Tokens a verify step is expected to emit for a row with `drafted` drafts: 1 + a + a^2 + ... + a^k."""
+        a = self.rate
+        return sum(a ** i for i in range(drafted + 1))
+
+
+@dataclasses.dataclass
+class DraftState:
+    """Drafting state of one live sequence (the scheduler's, like the sequence itself).
+
+    Attributes:
+      own: index of the sequence's tokens (prompt, then output as it grows).
+      prediction: index of the client's predicted tokens, or None.
+      acceptance: its acceptance so far.
+      prediction_accepted: predicted tokens that the output reproduced (OpenAI `accepted_prediction_tokens`):
+        while the output follows the prediction from its start, each of its tokens; after that, accepted drafts
+        taken from a later match in the prediction.
+      source: where the latest draft came from: "prediction" (aligned), "prediction-match", "own", "answers" or
+        "".
+      aligned: the output so far equals the prediction's start, so the prediction's next tokens are the draft.
+      generated: output tokens so far.
+    """
+
+    own: NgramIndex
+    prediction: NgramIndex | None = None
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)
+    prediction_accepted: int = 0
+    source: str = ""
+    aligned: bool = True
+    generated: int = 0
+
+
+class Drafter:
+    """Proposes drafts for live sequences and remembers recent answers per cache scope (bounded)."""
+
+    def __init__(self):
+        self.states: dict[str, DraftState] = {}
+        self._answers: collections.OrderedDict[str, collections.deque[NgramIndex]] = collections.OrderedDict()
+
+    def start(self, request_id: str, tokens: Sequence[int], prediction: Sequence[int] = ()) -> DraftState:
+        """Begin drafting for a sequence whose tokens so far are `tokens`."""
+        state = DraftState(NgramIndex(tokens), NgramIndex(prediction) if prediction else None)
+        self.states[request_id] = state
+        return state
+
+    def append(self, request_id: str, token: int) -> None:
+        """A sequence got its next token."""
+        state = self.states.get(request_id)
+        if state is not None:
+            state.own.extend([token])
+            predicted = state.prediction.tokens if state.prediction is not None else ()
+            state.aligned = state.aligned and state.generated < len(predicted) and predicted[state.generated] == token
+            state.prediction_accepted += state.aligned  # the output reproduces the prediction so far
+            state.generated += 1
+
+    def propose(self, request_id: str, scope: str, k: int) -> list[int]:
+        """Up to `k` draft tokens to follow a sequence's tokens (empty: no match); `scope`: its cache scope. While
+        the output follows the prediction from its start, the prediction's next tokens are the draft."""
+        state = self.states.get(request_id)
+        if state is None or k <= 0:
+            return []
+        tail = state.own.tokens[-NGRAM_MAX:]
+        best: tuple[int, list[int], str] = (0, [], "")
+        if state.prediction is not None:
+            ahead = state.prediction.tokens[state.generated:state.generated + k] if state.aligned else []
+            if ahead:
+                best = (NGRAM_MAX + 1, ahead, "prediction")
+            else:
+                n, draft = state.prediction.lookup(tail, k)
+                best = (n, draft, "prediction-match") if draft else best
+        n, draft = state.own.lookup(tail, k)
+        if n > best[0] and draft:
+            best = (n, draft, "own")
+        for answer in self._answers.get(scope, ()):
+            n, draft = answer.lookup(tail, k)
+            if n > best[0] and draft:
+                best = (n, draft, "answers")
+        state.source = best[2]
+        return best[1]
+
+    def expected_tokens(self, request_id: str, drafted: int) -> float:
+        """Tokens a verify step is expected to emit for a sequence with `drafted` drafts (1 without them)."""
+        state = self.states.get(request_id)
+        return 1.0 if state is None or not drafted else state.acceptance.expected_tokens(drafted)
+
+    def probe_due(self, request_id: str) -> bool:
+        """Whether a sequence's next draft should be verified whatever the costs say (`Acceptance.probe_due`)."""
+        state = self.states.get(request_id)
+        return state is not None and state.acceptance.probe_due
+
+    def passed_over(self, request_id: str) -> None:
+        """A sequence's draft was not verified (not worth it this step)."""
+        state = self.states.get(request_id)
+        if state is not None:
+            state.acceptance.passed += 1
+
+    def verified(self, request_id: str, drafted: int, accepted: int) -> None:
+        """Record how many of a sequence's latest draft's `drafted` tokens were accepted."""
+        state = self.states.get(request_id)
+        if state is None:
+            return
+        state.acceptance.update(drafted, accepted)
+        if state.source == "prediction-match":  # aligned drafts are counted as the output reproduces them
+            state.prediction_accepted += accepted
+
+    def finish(self, request_id: str, scope: str, output: Sequence[int]) -> DraftState | None:
+        """A sequence ended: keep its answer for its scope's later drafts; returns its state (None if unknown)."""
+        state = self.states.pop(request_id, None)
+        if state is not None and len(output) > NGRAM_MIN:
+            answers = self._answers.setdefault(scope, collections.deque(maxlen=ANSWERS_PER_SCOPE))
+            self._answers.move_to_end(scope)
+            answers.append(NgramIndex(output[:ANSWER_TOKENS]))
+            while len(self._answers) > ANSWER_SCOPES:
+                self._answers.popitem(last=False)
+        return state
+
+
+class StepCosts:
+    """Measured seconds of decode and verify steps by (kind, batch bucket), exponentially averaged, from which
+    the loop decides whether checking drafts pays: a verify step runs when its expected tokens per second beat a
+    plain decode step's (`worth_verifying`). Until a verify bucket has been measured, its cost is the decode
+    step's times `PRIOR_RATIO`, so speculation gets tried and then judged by its own measurements."""
+
+    PRIOR_RATIO = 1.5
+    WEIGHT = 0.2
+
+    def __init__(self):
+        self.seconds: dict[tuple[str, int], float] = {}
+
+    def observe(self, kind: str, batch: int, seconds: float) -> None:
+        """One measured step (dispatch to sampled tokens on the host)."""
+        key = (kind, batch)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else (1 - self.WEIGHT) * old + self.WEIGHT * seconds
+
+    def estimate(self, kind: str, batch: int) -> float | None:
+        """The expected seconds of a step, or None when nothing is known."""
+        known = self.seconds.get((kind, batch))
+        if known is not None or kind != "verify":
+            return known
+        decode = self.seconds.get(("decode", batch))
+        return None if decode is None else decode * self.PRIOR_RATIO
+
+    def worth_verifying(self, batch: int, rows: int, expected_tokens: float) -> bool:
+        """Whether a verify step expected to emit `expected_tokens` for `rows` sequences (batch bucket `batch`)
+        gives more tokens per second than a plain decode step of them. A batch size whose decode step was never
+        measured decodes plainly first (so there is something to compare with)."""
+        decode, verify = self.estimate("decode", batch), self.estimate("verify", batch)
+        if decode is None or verify is None:
+            return False
+        return expected_tokens / verify > rows / decode
