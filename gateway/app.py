@@ -285,6 +285,11 @@ class _Gathered:
     def cached(self, index: int) -> int:
         return self.last[index].usage.cached_tokens if self.last[index] is not None else 0
 
+    def predicted(self) -> tuple[int, int]:
+        """(accepted, rejected) prediction tokens over every choice (OpenAI Predicted Outputs)."""
+        done = [d.usage for d in self.last if d is not None]
+        return (sum(u.accepted_prediction_tokens for u in done), sum(u.rejected_prediction_tokens for u in done))
+
 
 async def _collect(stream, count: int, routes: list | None = None) -> _Gathered:
     """Gather every choice; with `routes` (chat), each delta also goes through its choice's ChatRoute exactly as
@@ -355,7 +360,8 @@ async def _chat(backends: Backends, limits: Limits, req: ChatCompletionRequest, 
         remember_answer(backends, plan.scope, route, got.last[i], got.tokens[i], plan.jobs[i].params.stop_token_ids)
         choices.append({"index": i, "message": route.message(), "logprobs": lp,
                         "finish_reason": route.finish_reason(got.finishes[i])})
-    usage = usage_dict(plan.prompt_tokens, got.completion_tokens, got.cached(0))
+    usage = usage_dict(plan.prompt_tokens, got.completion_tokens, got.cached(0),
+                       got.predicted() if req.prediction is not None else None)
     return {**ids.head("chat.completion"), "choices": choices, "usage": usage}
 
 
@@ -364,7 +370,7 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
     extra = {"usage": None} if include_usage else {}
     head = ids.head("chat.completion.chunk")
     facts = backends.ready_facts()
-    completion_tokens = cached = 0
+    completion_tokens = cached = accepted = rejected = 0
     started = set()
     tokens: dict[int, list] = {}
     strings: dict[int, TokenStrings] = {}  # logprob token strings continue across a choice's chunks
@@ -395,11 +401,15 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
             if delta.finish_reason:
                 completion_tokens += delta.usage.completion_tokens
                 cached += delta.usage.cached_tokens if index == 0 else 0
+                accepted += delta.usage.accepted_prediction_tokens
+                rejected += delta.usage.rejected_prediction_tokens
                 remember_answer(backends, plan.scope, route, delta, tokens[index],
                                 plan.jobs[index].params.stop_token_ids)
                 yield chunk(index, {}, route.finish_reason(delta.finish_reason))
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": usage_dict(plan.prompt_tokens, completion_tokens, cached)})
+            predicted = (accepted, rejected) if req.prediction is not None else None
+            yield _sse({**head, "choices": [], "usage": usage_dict(plan.prompt_tokens, completion_tokens, cached,
+                                                                   predicted)})
     except ApiError as err:
         yield _sse(err.body())
     yield "data: [DONE]\n\n"

@@ -55,14 +55,20 @@ async def run_choices(backends: Backends, jobs: list) -> AsyncIterator[tuple[int
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI usage object (cached_tokens: prompt tokens whose KV was reused)."""
-    return {
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+               prediction: tuple[int, int] | None = None) -> dict:
+    """OpenAI usage object (cached_tokens: prompt tokens whose KV was reused; prediction: with Predicted Outputs,
+    (accepted, rejected) prediction tokens, reported in `completion_tokens_details` as OpenAI does)."""
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if prediction is not None:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": prediction[0],
+                                              "rejected_prediction_tokens": prediction[1]}
+    return usage
 
 
 def remember_answer(backends: Backends, scope: str, route, delta: Delta, tokens: list, stop_ids: list[int]) -> None:

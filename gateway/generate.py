@@ -57,6 +57,10 @@ class GenParams:
         this generation ends; None: counted here.
       session: the request's session (`workers.Session` with its key set): the worker keeps its KV leased to it
         after this generation when it asks for a ttl; None: no session.
+      prediction: the expected answer's token ids (OpenAI Predicted Outputs), drafts for the worker's speculative
+        decoding; empty without one.
+      draft_scope: whose finished answers the worker may draft from (the answer-history scope: tenant and
+        cache_salt, gateway/history.py).
     """
 
     sampling: common_pb2.SamplingParams
@@ -74,6 +78,8 @@ class GenParams:
     worker: str = ""
     reservation: object | None = None
     session: object | None = None
+    prediction: list[int] | None = None
+    draft_scope: str = ""
 
 
 @dataclasses.dataclass
@@ -138,6 +144,9 @@ class _AnswerText:
         self.stops = StopMatcher(params.stop)
         self.count = 0
         self.cached = 0
+        self.prediction = list(params.prediction or [])
+        self.predicted: tuple[int, int] | None = None  # the worker's (accepted, rejected), once it ended
+        self.ids: list[int] = []
         self.done = False
 
     def feed(self, tokens: list[common_pb2.GeneratedToken]) -> Delta:
@@ -147,11 +156,27 @@ class _AnswerText:
             if self.stops.stopped:
                 break
             self.count += 1
+            self.ids.append(t.token_id)
             ids.append(t.token_id)
             lps.append(t.logprob)
             kept.append(t)
             text += self.stops.push(self.detok.push(t.token_id))
         return Delta(text=text, token_ids=ids, logprobs=lps, tokens=kept)
+
+    def note_usage(self, usage: common_pb2.Usage) -> None:
+        """The worker's counts on its last message (the prediction's accepted and rejected tokens)."""
+        if self.prediction:
+            self.predicted = (usage.accepted_prediction_tokens, usage.rejected_prediction_tokens)
+
+    def _predicted_here(self) -> tuple[int, int]:
+        """(accepted, rejected) prediction tokens when the worker's counts did not come (a stop string ended the
+        answer here and the worker was aborted): the prediction's tokens the answer repeats from its start."""
+        same = 0
+        for a, b in zip(self.ids, self.prediction):
+            if a != b:
+                break
+            same += 1
+        return same, len(self.prediction) - same
 
     def close(self, delta: Delta, finish: int, prompt_tokens: int) -> Delta:
         """Mark the delta final: flush held text and attach the finish reason and usage."""
@@ -165,6 +190,9 @@ class _AnswerText:
         delta.whole = not self.stops.stopped
         delta.usage = common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=self.count,
                                        cached_tokens=self.cached)
+        if self.prediction:
+            accepted, rejected = self.predicted or self._predicted_here()
+            delta.usage.accepted_prediction_tokens, delta.usage.rejected_prediction_tokens = accepted, rejected
         self.done = True
         return delta
 
@@ -192,6 +220,8 @@ async def generate(
         ),
         share_prompt_with=params.share_prompt_with or "",
         cache_salt=params.cache_salt,
+        prediction_token_ids=params.prediction or [],
+        draft_scope=params.draft_scope,
     )
     if params.session is not None:
         prefill.session_id = params.session.key
@@ -263,6 +293,8 @@ async def _decode(worker: _Routed, rid: str, reply: model_worker_pb2.PrefillResp
     """The rest of a generation after its Prefill reply: the Decode stream, the constraint's masks, the deltas."""
     prompt_tokens = reply.usage.prompt_tokens
     stream.cached = reply.usage.cached_tokens
+    if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        stream.note_usage(reply.usage)
     delta = clock.tick(stream.feed([reply.first_token]))
     if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or stream.stops.stopped:
         if stream.stops.stopped and reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -293,6 +325,7 @@ async def _decode(worker: _Routed, rid: str, reply: model_worker_pb2.PrefillResp
                 if msg.finish_reason == common_pb2.FINISH_REASON_ABORT:
                     raise ApiError(500, "the model worker aborted the request", code="aborted")
                 _count_budget_ending(backends, driver, msg.finish_reason)
+                stream.note_usage(msg.usage)
                 clock.done()
                 yield stream.close(delta, msg.finish_reason, prompt_tokens)
                 return

@@ -185,9 +185,24 @@ class ChatPromptFields(_Body):
         return self.add_generation_prompt and not self.continue_final_message
 
 
+class Prediction(_Body):
+    """OpenAI Predicted Outputs: text the answer is expected to repeat (a file being edited), a source of draft
+    tokens for speculative decoding. It never changes the answer, only how fast it comes."""
+
+    type: Literal["content"]
+    content: StrictStr | list[ContentPart]
+
+    def text(self) -> str:
+        """The predicted text (list-form content joined)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content)
+
+
 class ChatCompletionRequest(SamplingFields, ChatPromptFields):
     """POST /v1/chat/completions."""
 
+    prediction: Prediction | None = None
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
     logprobs: StrictBool = False

@@ -143,8 +143,31 @@ async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, l
     chat = await _chat_plan(backends, req)
     scope = history_scope(tenant, req.cache_salt)
     prompt = await _chat_prompt(backends, req, chat.template_kwargs, scope)
-    return await _finish(backends, req, limits, model, [(prompt, "")], max_tokens, param, req.top_logprobs or 0,
+    prediction = await _prediction(backends, req)
+    plan = await _finish(backends, req, limits, model, [(prompt, "")], max_tokens, param, req.top_logprobs or 0,
                          chat, call_prefix, request_id, scope, session)
+    for job in plan.jobs:
+        job.params.prediction = prediction
+    return plan
+
+
+async def _prediction(backends: Backends, req: ChatCompletionRequest) -> list[int] | None:
+    """The token ids of a request's `prediction` (OpenAI Predicted Outputs; encoded as answer text: no BOS,
+    control tokens parsed), or None without one.
+
+    Raises:
+      ApiError: 400 when it has more tokens than max_model_len (no answer can repeat it).
+    """
+    if req.prediction is None:
+        return None
+    text = req.prediction.text()
+    _check_prompt_bytes(len(text.encode("utf-8")), backends.ready_facts(), "prediction")
+    ids = await _encode(backends, text, False)
+    limit = backends.ready_facts().max_model_len
+    if len(ids) > limit:
+        raise ApiError(400, f"prediction has {len(ids)} tokens, more than the model's context of {limit}",
+                       param="prediction")
+    return ids
 
 
 async def tokenize(backends: Backends, req: TokenizeCompletionRequest | TokenizeChatRequest, limits: Limits,
@@ -505,6 +528,7 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model
             for tid in chat.banned_ids:
                 params.sampling.logit_bias[tid] = -100.0
             params.cache_salt = req.cache_salt or ""
+            params.draft_scope = scope
             jobs.append(Job(p * req.n + j, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
     if factory is not None:
         loop = asyncio.get_running_loop()

@@ -106,7 +106,7 @@ class EngineConfig:
     max_waiting: int | None = 64
     tensor_parallel: int = 1
     max_draft_tokens: int = 0
-    max_verify_batch: int = 4
+    max_verify_batch: int = 2
 
     @property
     def reuse_slack(self) -> int:

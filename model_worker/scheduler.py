@@ -221,7 +221,7 @@ class Scheduler:
             return []
         k = min(self.max_draft_tokens, seq.max_tokens - len(seq.output) - 1,
                 self.max_model_len - len(seq.prompt) - len(seq.output))
-        return self.drafter.propose(seq.request_id, seq.cache_salt, k)
+        return self.drafter.propose(seq.request_id, seq.draft_scope, k)
 
     def _force(self, seq: Sequence) -> Emission | None:
         """Append the forced tokens due at `seq`'s current step; their event (None: none were due)."""
@@ -466,7 +466,7 @@ class Scheduler:
         """Forget a finished sequence: out of the waiting queue if it never ran, else its slot released (free for
         the next iteration; its KV stays for prefix reuse)."""
         self.by_id.pop(seq.request_id, None)
-        drafting = self.drafter.finish(seq.request_id, seq.cache_salt, seq.output)
+        drafting = self.drafter.finish(seq.request_id, seq.draft_scope, seq.output)
         if drafting is not None:
             seq.prediction_accepted = min(drafting.prediction_accepted, len(seq.prediction))
         if seq.slot is None and seq in self.waiting:

@@ -118,6 +118,8 @@ class Sequence:
       missed: the last step ran this (constrained) sequence but its mask came too late; it waits for the mask
         before it joins a step again.
       cache_salt: prefix-cache scope: the prompt reuses only KV computed under the same salt (PrefixCache).
+      draft_scope: the finished answers it may draft from and that its own answer joins (drafting.Drafter);
+        the gateway sends the tenant and cache_salt.
       session, lease_ttl: the session this request belongs to ("" for none) and how long its slot's KV stays
         leased to it after the request ends (seconds; 0: no lease, and a lease the session held ends).
       leader: the running sequence computing a prompt that shares `share` tokens with this one: this sequence
@@ -152,6 +154,7 @@ class Sequence:
     last_token_at: float | None = None
     missed: bool = False
     cache_salt: str = ""
+    draft_scope: str = ""
     session: str = ""
     lease_ttl: float = 0.0
     leader: Sequence | None = dataclasses.field(default=None, repr=False, compare=False)

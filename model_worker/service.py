@@ -204,7 +204,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             first_token=tokens_pb(ev)[0] if ev.token_ids else None,
             finish_reason=int(ev.finish),
             usage=common_pb2.Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.generated,
-                                   cached_tokens=ev.cached_tokens),
+                                   cached_tokens=ev.cached_tokens, accepted_prediction_tokens=ev.accepted_prediction,
+                                   rejected_prediction_tokens=ev.rejected_prediction),
         )
 
     async def Decode(self, request_iterator, context):
@@ -276,6 +277,12 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         _check(len(request.session_id) <= 256, "session_id is longer than 256 characters")
         _check(not request.constrained or request.HasField("initial_mask"),
                "a constrained request needs initial_mask for its first token")
+        prediction = list(request.prediction_token_ids)
+        _check(len(prediction) <= info.max_model_len,
+               f"the prediction has {len(prediction)} tokens, more than max_model_len {info.max_model_len}")
+        _check(all(0 <= t < info.vocab_size for t in prediction),
+               f"prediction token ids must be in [0, {info.vocab_size})")
+        _check(len(request.draft_scope) <= 1024, "draft_scope is longer than 1024 characters")
         stop = set(request.stopping.stop_token_ids)
         if not request.stopping.ignore_eos:
             stop |= set(info.default_stop_token_ids)
@@ -293,6 +300,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             masks={0: mask_from_pb(request.initial_mask, info.vocab_size)} if initial else {},
             allowed=mask_from_pb(request.allowed_tokens, info.vocab_size) if allowed else None,
             cache_salt=request.cache_salt,
+            draft_scope=request.draft_scope,
+            prediction=prediction,
             session=request.session_id,
             lease_ttl=0.0 if request.session_release else min(max(request.session_ttl_s, 0.0), self.max_session_ttl),
         )
@@ -316,16 +325,19 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             self.loop.add_forced(rid, msg.step, ids)
 
     def _decode_reply(self, live: _Live, events: list[TokenEvent]):
-        tokens, finish, error = [], Finish.NONE, None
+        tokens, finish, error, last = [], Finish.NONE, None, events[-1]
         for ev in events:
             tokens += tokens_pb(ev)
             finish = ev.finish if ev.finish != Finish.NONE else finish
             error = ev if ev.error else error
+            last = ev if ev.finish != Finish.NONE else last
         live.generated += len(tokens)
         reply = model_worker_pb2.DecodeResponse(tokens=tokens, finish_reason=int(finish))
         if finish != Finish.NONE:
             reply.usage.CopyFrom(
-                common_pb2.Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.generated)
+                common_pb2.Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.generated,
+                                 accepted_prediction_tokens=last.accepted_prediction,
+                                 rejected_prediction_tokens=last.rejected_prediction)
             )
         return reply, finish != Finish.NONE, error
 

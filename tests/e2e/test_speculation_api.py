@@ -1,0 +1,77 @@
+"""Speculative decoding through the real stack (on by default): OpenAI's Predicted Outputs field and its usage
+counts with the official client, answers that are the same with or without drafts (greedy and seeded, streamed
+and not), and drafts that are actually accepted (the worker's spec-decode metrics move), so these tests fail if
+speculation silently never runs. Exactness against speculation off, bit for bit: tests/model_worker/
+test_speculation.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+MODEL = "gemma-3-270m"
+TEXT = ("def area(width, height):\n    return width * height\n\n"
+        "def perimeter(width, height):\n    return 2 * (width + height)\n")
+MESSAGES = [{"role": "user", "content": "Copy this code exactly:\n\n" + TEXT}]
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def accepted_drafts(stack) -> float:
+    """The worker's `gemma_serve:spec_decode_num_accepted_tokens` now."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{stack.ports['metrics']}/metrics", timeout=30).read().decode()
+    match = re.search(r"^gemma_serve:spec_decode_num_accepted_tokens_total (\S+)$", body, re.M)
+    assert match, "the worker exports the accepted draft tokens"
+    return float(match.group(1))
+
+
+def test_a_prediction_changes_nothing_but_the_usage_counts(client, stack):
+    """The answer with its own text as the prediction equals the answer without one (greedy, with logprobs);
+    the usage reports the prediction's tokens as accepted, and the worker accepted drafts."""
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0,
+                                           logprobs=True)
+    answer = plain.choices[0].message.content
+    before = accepted_drafts(stack)
+    predicted = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0,
+                                               logprobs=True, prediction={"type": "content", "content": answer})
+    assert predicted.choices[0].message.content == answer
+    assert [c.logprob for c in predicted.choices[0].logprobs.content] == \
+        [c.logprob for c in plain.choices[0].logprobs.content]
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= predicted.usage.completion_tokens - 1
+    assert details.rejected_prediction_tokens <= 1
+    assert accepted_drafts(stack) > before, "the prediction's drafts were verified and accepted"
+    assert plain.usage.completion_tokens_details is None or \
+        not plain.usage.completion_tokens_details.accepted_prediction_tokens
+
+
+def test_a_wrong_prediction_and_seeded_sampling_change_nothing(client, stack):
+    """Seeded sampling with a prediction that is wrong after its first words (list-form content, streamed with
+    usage): the same text as without a prediction; accepted + rejected = the prediction's tokens."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0.8, top_p=0.9, seed=1234)
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    prediction = {"type": "content", "content": [{"type": "text", "text": TEXT[:30]},
+                                                 {"type": "text", "text": " unrelated words " * 4}]}
+    chunks = list(client.chat.completions.create(**kwargs, prediction=prediction, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain
+    details = chunks[-1].usage.completion_tokens_details
+    body = json.dumps({"model": MODEL, "prompt": TEXT[:30] + " unrelated words " * 4, "add_special_tokens": False})
+    request = urllib.request.Request(stack.base_url + "/tokenize", body.encode(), {"Content-Type": "application/json"})
+    tokens = json.loads(urllib.request.urlopen(request, timeout=60).read())["count"]
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == tokens
+
+
+def test_a_bad_prediction_is_a_400(client):
+    for bad in ({"type": "text", "content": "x"}, {"type": "content"}, {"type": "content", "content": 5}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, prediction=bad)
