@@ -82,7 +82,9 @@ log "checkpoints ready in $WORK"
 
 # ----- (3) compile, (4) measure -----------------------------------------------------------------------------------
 read -r -a B <<<"$BATCHES"
-DECODE=(benchmarks/decode_step.py --batches "${B[@]}" --kv "$CONTEXT" --steps 20)
+# --verify-tokens 8: each row also times a verify step (speculative decoding: the pending token and 7 drafts per
+# row), so the table shows what checking drafts costs against a plain decode step on the device
+DECODE=(benchmarks/decode_step.py --batches "${B[@]}" --kv "$CONTEXT" --steps 20 --verify-tokens 8)
 # decode rows at 7900 + 7r (r < 32) and the 64-token chunk at 7900 (for 8192): every program reads the last bucket
 MIXED=(benchmarks/mixed_step.py --batches "${B[@]}" --chunk 64 --position $((CONTEXT - 292)) --max-model-len "$CONTEXT"
        --iterations 10)

@@ -75,3 +75,23 @@ def test_a_bad_prediction_is_a_400(client):
     for bad in ({"type": "text", "content": "x"}, {"type": "content"}, {"type": "content", "content": 5}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, prediction=bad)
+
+
+def test_constrained_answers_are_unchanged_by_a_prediction(client):
+    """A JSON-schema answer and a required tool call (grammar-constrained: their tokens come from the grammar's
+    masks and forced runs, so the worker drafts nothing for them) with a prediction of their own text: the same
+    answers as without one."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["name", "count"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]
+    cases = [dict(response_format={"type": "json_schema", "json_schema": {"name": "item", "schema": schema}}),
+             dict(tools=tools, tool_choice="required")]
+    for extra in cases:
+        kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, **extra)
+        plain = client.chat.completions.create(**kwargs).choices[0].message
+        text = plain.content or plain.tool_calls[0].function.arguments
+        again = client.chat.completions.create(**kwargs, prediction={"type": "content", "content": text})
+        assert again.choices[0].message.content == plain.content
+        assert [c.function.arguments for c in again.choices[0].message.tool_calls or []] == \
+            [c.function.arguments for c in plain.tool_calls or []]
