@@ -29,10 +29,11 @@ from collections.abc import Sequence
 NGRAM_MAX = 4
 NGRAM_MIN = 2
 #: Finished answers kept per cache scope, and scopes kept (least recently used dropped first).
-ANSWERS_PER_SCOPE = 8
-ANSWER_SCOPES = 64
-#: Tokens of an answer kept for drafting (its tail beyond is dropped).
-ANSWER_TOKENS = 4096
+ANSWERS_PER_SCOPE = 4
+ANSWER_SCOPES = 16
+#: Tokens of an answer kept for drafting (its tail beyond is dropped). With the bounds above the answers' indexes
+#: hold at most 16 x 4 x 1024 x 3 n-grams (~0.2 M dictionary entries).
+ANSWER_TOKENS = 1024
 
 
 class NgramIndex:
@@ -145,9 +146,16 @@ class Drafter:
         self.states: dict[str, DraftState] = {}
         self._answers: collections.OrderedDict[str, collections.deque[NgramIndex]] = collections.OrderedDict()
 
-    def start(self, request_id: str, tokens: Sequence[int], prediction: Sequence[int] = ()) -> DraftState:
-        """Begin drafting for a sequence whose tokens so far are `tokens`."""
-        state = DraftState(NgramIndex(tokens), NgramIndex(prediction) if prediction else None)
+    @staticmethod
+    def new_state(tokens: Sequence[int], prediction: Sequence[int] = ()) -> DraftState:
+        """A sequence's drafting state, its indexes built (O(tokens); touches no shared state, so the thread that
+        submits a sequence builds it, not the engine thread: ~9 ms for 8k tokens)."""
+        return DraftState(NgramIndex(tokens), NgramIndex(prediction) if prediction else None)
+
+    def start(self, request_id: str, tokens: Sequence[int], prediction: Sequence[int] = (),
+              state: DraftState | None = None) -> DraftState:
+        """Begin drafting for a sequence whose tokens so far are `tokens` (`state`: already built by `new_state`)."""
+        state = state or self.new_state(tokens, prediction)
         self.states[request_id] = state
         return state
 

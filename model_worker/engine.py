@@ -223,6 +223,10 @@ class Engine:
             raise ValueError(f"max_draft_tokens + 1 must be a power of two (verify steps of 2, 4, 8, ... tokens per "
                              f"row keep their products' rows in the same kernel blocks as decode steps: "
                              f"docs/architecture.md, Speculative decoding), got {ecfg.max_draft_tokens}")
+        if ecfg.max_draft_tokens and ecfg.max_verify_batch < ecfg.num_slots and \
+                ecfg.max_verify_batch not in ecfg.batch_buckets():
+            raise ValueError(f"max_verify_batch {ecfg.max_verify_batch} must be a batch bucket "
+                             f"{ecfg.batch_buckets()} (the loop drafts for up to that many rows)")
         if ecfg.max_draft_tokens > ecfg.prefix_slack:
             raise ValueError(f"max_draft_tokens {ecfg.max_draft_tokens} exceeds prefix_slack {ecfg.prefix_slack}: a "
                              "rejected draft would overwrite ring entries still in the window")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from model_worker import engine_api
-from model_worker.drafting import StepCosts
+from model_worker.drafting import Drafter, StepCosts
 from model_worker.engine_api import DecodeBatch, VerifyBatch
 from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Emission, Scheduler, StepResult, Work
@@ -216,7 +216,10 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def submit(self, seq: Sequence) -> None:
-        """Queue a sequence (thread-safe). Its events arrive through seq.sink."""
+        """Queue a sequence (thread-safe). Its events arrive through seq.sink. With speculation its draft indexes
+        are built here, on the caller's thread."""
+        if self.scheduler.max_draft_tokens > 0 and seq.drafting is None:
+            seq.drafting = Drafter.new_state(seq.tokens, seq.prediction)
         with self._submitted_lock:
             self._submitted += 1
         self._inbox.put(Submit(seq))

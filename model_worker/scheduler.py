@@ -189,7 +189,7 @@ class Scheduler:
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
         if self.max_draft_tokens > 0:
-            self.drafter.start(seq.request_id, seq.tokens, seq.prediction)
+            self.drafter.start(seq.request_id, seq.tokens, seq.prediction, state=seq.drafting)
 
     def schedule(self) -> Work:
         """Append the forced tokens that are due, admit waiting sequences (reusing cached prefixes), copy due forks
