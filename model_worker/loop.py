@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from model_worker import engine_api
-from model_worker.drafting import Drafter, StepCosts
+from model_worker.drafting import Drafter, DraftState, StepCosts
 from model_worker.engine_api import DecodeBatch, VerifyBatch
 from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Emission, Scheduler, StepResult, Work
@@ -69,9 +69,11 @@ def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
 
 @dataclasses.dataclass(frozen=True)
 class Submit:
-    """Inbox command: queue a new sequence."""
+    """Inbox command: queue a new sequence, with its drafting state when the worker speculates (built by the
+    submitting thread: indexing a long prompt is not the engine thread's work)."""
 
     seq: Sequence
+    drafting: DraftState | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,11 +220,10 @@ class EngineLoop:
     def submit(self, seq: Sequence) -> None:
         """Queue a sequence (thread-safe). Its events arrive through seq.sink. With speculation its draft indexes
         are built here, on the caller's thread."""
-        if self.scheduler.max_draft_tokens > 0 and seq.drafting is None:
-            seq.drafting = Drafter.new_state(seq.tokens, seq.prediction)
+        drafting = Drafter.new_state(seq.tokens, seq.prediction) if self.scheduler.max_draft_tokens > 0 else None
         with self._submitted_lock:
             self._submitted += 1
-        self._inbox.put(Submit(seq))
+        self._inbox.put(Submit(seq, drafting))
 
     def abort(self, request_id: str) -> None:
         """Abort a sequence at the next iteration (thread-safe); unknown ids are ignored."""
@@ -320,10 +321,10 @@ class EngineLoop:
     def _handle(self, cmd: Command) -> None:
         """Apply one inbox command (on the loop thread)."""
         match cmd:
-            case Submit(seq):
+            case Submit(seq, drafting):
                 with self._submitted_lock:
                     self._submitted -= 1
-                self._add(seq)
+                self._add(seq, drafting)
             case Abort(request_id):
                 aborted = self.scheduler.abort(request_id)
                 if aborted is not None:
@@ -335,10 +336,10 @@ class EngineLoop:
             case Wake():
                 pass
 
-    def _add(self, seq: Sequence) -> None:
+    def _add(self, seq: Sequence, drafting: DraftState | None = None) -> None:
         """Queue a submitted sequence, or end it at once: a duplicate live id, or a full waiting queue."""
         try:
-            self.scheduler.add(seq)
+            self.scheduler.add(seq, drafting)
         except KeyError:
             seq.sink(TokenEvent([], [], Finish.ABORT, error=f"request id {seq.request_id!r} is already live",
                                 failure=Failure.DUPLICATE_ID))

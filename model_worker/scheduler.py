@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from model_worker.drafting import Drafter
+from model_worker.drafting import Drafter, DraftState
 from model_worker.engine_api import HostOutput, PromptChunk, VerifyOutput
 from model_worker.prefix_cache import LiveSlot, PrefixCache
 from model_worker.sequence import Failure, Finish, Sequence, TokenEvent
@@ -173,8 +173,8 @@ class Scheduler:
         self._arrivals = 0
         self.reused_tokens = 0  # metrics: prompt tokens taken from the prefix cache or a leader's slot
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence.
+    def add(self, seq: Sequence, drafting: DraftState | None = None) -> None:
+        """Queue a new sequence (`drafting`: its drafting state when already built, `Drafter.new_state`).
 
         Raises:
           KeyError: a live sequence already has this request id.
@@ -189,7 +189,7 @@ class Scheduler:
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
         if self.max_draft_tokens > 0:
-            self.drafter.start(seq.request_id, seq.tokens, seq.prediction, state=seq.drafting)
+            self.drafter.start(seq.request_id, seq.tokens, seq.prediction, state=drafting)
 
     def schedule(self) -> Work:
         """Append the forced tokens that are due, admit waiting sequences (reusing cached prefixes), copy due forks

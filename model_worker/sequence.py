@@ -11,7 +11,6 @@ import dataclasses
 import enum
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -129,8 +128,6 @@ class Sequence:
       first_token_at: time.monotonic() of the first generated token (prefill / decode time metrics).
       prediction: the client's expected output tokens (OpenAI Predicted Outputs), a source of drafts.
       prediction_accepted: how many of them were accepted as drafts (set when the sequence ends).
-      drafting: its drafting state (`drafting.DraftState`), built by the thread that submits it (indexing a long
-        prompt is not the engine thread's work); None: the scheduler builds it, or the worker does not speculate.
     """
 
     request_id: str
@@ -165,7 +162,6 @@ class Sequence:
     first_token_at: float | None = None
     prediction: list[int] = dataclasses.field(default_factory=list)
     prediction_accepted: int = 0
-    drafting: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def row(self) -> int:
