@@ -431,3 +431,28 @@ def test_a_failed_step_ends_every_request_as_unavailable_and_stops_the_loop(engi
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         s.close()
+
+
+def test_a_prediction_drafts_and_its_usage_comes_back():
+    """A worker that speculates (FakeEngine with verify steps): the prediction's tokens are verified as drafts,
+    the answer is what it is without them, and the last message reports the prediction's accepted and rejected
+    tokens; a prediction with an id out of range or longer than the context is INVALID_ARGUMENT."""
+    fake = FakeEngine(FakeEngineConfig(num_slots=2, max_model_len=MAX_LEN, chunk=4, max_draft_tokens=3))
+    s = Server(fake)
+    try:
+        s.engine_loop.speculation = "always"
+        request = model_worker_pb2.PrefillRequest(
+            request_id="p", prompt_token_ids=[10, 11], stopping=common_pb2.StoppingParams(max_tokens=8),
+            prediction_token_ids=[12, 13, 14, 15, 16, 17, 0, 0], draft_scope="tenant")
+        first = s.stub.Prefill(request)
+        tokens, last = decode_all(s.stub, "p")
+        assert [first.first_token.token_id, *tokens] == list(range(12, 20))
+        assert (last.usage.accepted_prediction_tokens, last.usage.rejected_prediction_tokens) == (6, 2)
+        assert fake.calls.get("verify", 0) > 0
+        for bad, fragment in (([1000], "prediction token ids"), ([1] * (MAX_LEN + 1), "more than max_model_len")):
+            request.request_id, request.prediction_token_ids[:] = "bad", bad
+            with pytest.raises(grpc.RpcError) as err:
+                s.stub.Prefill(request)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in err.value.details()
+    finally:
+        s.close()
