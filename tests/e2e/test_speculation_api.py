@@ -28,7 +28,7 @@ def client(stack):
 def accepted_drafts(stack) -> float:
     """The worker's `gemma_serve:spec_decode_num_accepted_tokens` now."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{stack.ports['metrics']}/metrics", timeout=30).read().decode()
-    match = re.search(r"^gemma_serve:spec_decode_num_accepted_tokens_total (\S+)$", body, re.M)
+    match = re.search(r"^gemma_serve:spec_decode_num_accepted_tokens_total (\S+)$", body, re.MULTILINE)
     assert match, "the worker exports the accepted draft tokens"
     return float(match.group(1))
 
