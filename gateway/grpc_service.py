@@ -93,7 +93,11 @@ def request_model(request: gateway_pb2.GenerateRequest) -> CompletionRequest | C
         body["allowed_token_ids"] = list(request.allowed_token_ids)
     if request.cache_salt:
         body["cache_salt"] = request.cache_salt
+    if request.prediction and kind != "chat":
+        raise ApiError(400, "prediction is for chat input", param="prediction")
     if kind == "chat":
+        if request.prediction:
+            body["prediction"] = {"type": "content", "content": request.prediction}
         chat = request.chat
         body["messages"] = [_message(m) for m in chat.messages]
         body["tools"] = json_field(chat.tools_json, "chat.tools_json")

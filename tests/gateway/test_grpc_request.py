@@ -43,6 +43,10 @@ def test_chat_input_is_a_chat_completion_without_client_token_ids():
     assert req.tools[0]["function"]["name"] == "f" and req.tool_choice == "auto" and req.parallel_tool_calls is False
     assert req.messages[1].content == "x" and not hasattr(req.messages[1], "generated_token_ids")
     assert req.messages[2].content is None and req.messages[2].tool_calls[0].function.arguments == '{"a": 1}'
+    assert req.prediction is None
+    req = request_model(gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatInput(
+        messages=[tokenizer_pb2.ChatMessage(role="user", content="hi")]), prediction="def f(): pass"))
+    assert req.prediction is not None and req.prediction.text() == "def f(): pass"
 
 
 @pytest.mark.parametrize("request_,param", [
@@ -59,6 +63,7 @@ def test_chat_input_is_a_chat_completion_without_client_token_ids():
     (gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="x")])),
      "messages"),
     (gateway_pb2.GenerateRequest(), "input"),
+    (_text(prediction="hi there"), "prediction"),
 ])
 def test_bad_values_are_400s_naming_the_field(request_, param):
     with pytest.raises(ApiError) as err:
