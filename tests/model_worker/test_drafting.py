@@ -148,3 +148,29 @@ def test_auto_stops_verifying_what_is_never_accepted():
     assert sinks[0].tokens == list(range(12, 52))
     assert loop.steps["accepted_tokens"] <= 1, "only the prediction's start (12, 13) is right"
     assert 0 < fake.calls.get("verify", 0) < 10
+
+
+@pytest.mark.parametrize("drafts, slack, fragment", [
+    (-1, 256, ">= 0"), (4, 256, "one less than a power of two"), (15, 8, "exceeds --prefix-slack")])
+def test_bad_speculation_flags_are_refused_with_the_numbers(drafts, slack, fragment):
+    """`--max-draft-tokens` that no verify program can take is refused at start, naming the flag."""
+    import argparse
+
+    from model_worker.main import FlagsRefused, speculation_drafts
+
+    args = argparse.Namespace(max_draft_tokens=drafts, prefix_slack=slack, speculation="auto")
+    with pytest.raises(FlagsRefused, match=fragment):
+        speculation_drafts(args, invariant=True)
+
+
+def test_speculation_is_off_where_the_numerics_are_not_batch_invariant(caplog):
+    import argparse
+
+    from model_worker.main import speculation_drafts
+
+    args = argparse.Namespace(max_draft_tokens=7, prefix_slack=256, speculation="auto")
+    assert speculation_drafts(args, invariant=True) == 7
+    assert speculation_drafts(argparse.Namespace(**{**vars(args), "speculation": "off"}), invariant=True) == 0
+    with caplog.at_level("WARNING"):
+        assert speculation_drafts(args, invariant=False) == 0
+    assert "not batch-invariant" in caplog.text
