@@ -156,7 +156,8 @@ class _AnswerText:
             if self.stops.stopped:
                 break
             self.count += 1
-            self.ids.append(t.token_id)
+            if self.prediction:  # kept only to count a prediction's tokens here (`_predicted_here`)
+                self.ids.append(t.token_id)
             ids.append(t.token_id)
             lps.append(t.logprob)
             kept.append(t)

@@ -90,8 +90,9 @@ class EngineConfig:
       tensor_parallel: devices one engine splits its weights, KV cache and logits over (a mesh of that many
         devices, axis "model"; `model_worker.sharding`); 1: one device, no mesh, today's programs exactly.
       max_draft_tokens: most drafted tokens per row of a verify step (speculative decoding); 0: no verify
-        programs; at most prefix_slack (`reuse_slack`), and 1 + max_draft_tokens a power of two (`__init__`). Exact only where a row's logits do not depend on the program computing them (batch-invariant
-        numerics): the worker turns it off otherwise.
+        programs; at most prefix_slack (`reuse_slack`), and 1 + max_draft_tokens a power of two (`__init__`).
+        Exact only where a row's logits do not depend on the program computing them (batch-invariant numerics):
+        the worker turns it off otherwise.
       max_verify_batch: the largest batch bucket that gets verify programs (larger batches decode plainly: their
         steps are closer to compute-bound, where checking drafts costs what it saves).
     """

@@ -188,8 +188,9 @@ class Scheduler:
         seq.arrival = self._arrivals
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
-        if self.max_draft_tokens > 0:
-            self.drafter.start(seq.request_id, seq.tokens, seq.prediction, state=drafting)
+        if self.max_draft_tokens > 0:  # (the prompt is indexed here only when the submitter did not)
+            self.drafter.start(seq.request_id, seq.tokens if drafting is None else (), seq.prediction,
+                               state=drafting)
 
     def schedule(self) -> Work:
         """Append the forced tokens that are due, admit waiting sequences (reusing cached prefixes), copy due forks

@@ -139,12 +139,13 @@ def test_prediction_usage_reaches_the_last_event():
 
 
 def test_auto_stops_verifying_what_is_never_accepted():
-    """Drafts that are always wrong, verify steps twice a decode step's time: after the first measurements the auto
+    """Drafts that are always wrong, verify steps three times a decode step's time (delays long enough that a
+    loaded machine's noise cannot flip the comparison): after the first measurements the auto
     policy passes the drafts over (probing now and then), so most steps are plain decode steps; the output is
     unchanged."""
     prediction = [t for i in range(12, 52) for t in (i, i + 1, 999)]  # every bigram of the output, then a wrong token
-    sinks, fake, loop = run("auto", [("a", [10, 11], 40, {"prediction": prediction})], step_delay=0.002,
-                            verify_delay=0.004)
+    sinks, fake, loop = run("auto", [("a", [10, 11], 40, {"prediction": prediction})], step_delay=0.01,
+                            verify_delay=0.03)
     assert sinks[0].tokens == list(range(12, 52))
     assert loop.steps["accepted_tokens"] <= 1, "only the prediction's start (12, 13) is right"
     assert 0 < fake.calls.get("verify", 0) < 10
