@@ -34,6 +34,7 @@ Each answer that ended (with a stop, not `length`) after the budget capped it is
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 from gateway.constraints import ConstraintError
@@ -91,6 +92,15 @@ class BudgetedUnits:
     def finished(self) -> bool:
         """True once the answer's stop token was consumed."""
         return self.inner.finished()
+
+    def fork(self) -> BudgetedUnits:
+        """An independent copy of the current state (see `Constraint.fork`): the inner constraint forked, the unit
+        parser and the counts copied (the vocabulary and the grammar builder shared)."""
+        twin = copy.copy(self)
+        twin.inner = self.inner.fork()
+        twin._parser = copy.deepcopy(self._parser)
+        twin._tokens, twin._units = list(self._tokens), list(self._units)
+        return twin
 
     def advance(self, token_id: int) -> None:
         """Consume a generated token; may cap the units (module docstring).

@@ -34,6 +34,7 @@ Each name has one home: import it from the module that defines it.
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import llguidance
@@ -217,6 +218,15 @@ class Constraint:
         return self._tok.decode_str(self._tokens)
 
     # -- updates ---------------------------------------------------------------------------------------------
+
+    def fork(self) -> Constraint:
+        """An independent copy of the current state (llguidance `deep_copy`), to follow draft tokens without
+        touching this one (speculative decoding: gateway/generate.py `ConstraintDriver`). Its scratch buffers are
+        shared: use the two from one thread, one call at a time."""
+        twin = copy.copy(self)
+        twin._m = self._m.deep_copy()
+        twin._tokens = list(self._tokens)
+        return twin
 
     def advance(self, token_id: int) -> None:
         """Consume the token that was generated. The state is unchanged if it is refused.

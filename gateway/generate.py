@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from common.ngram import NGRAM_MAX, NgramIndex
 from gateway.clients import Backends
 from gateway.constraints import ConstraintError
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
@@ -231,8 +232,9 @@ async def generate(
         prefill.allowed_tokens.allowed = allowed_mask_bytes(params.allowed_token_ids, facts.vocab_size)
     driver = None
     if params.constraint is not None:
-        driver = ConstraintDriver(params.constraint, backends.metrics, params.constraint_param, max_tokens)
-        prefill.constrained = True
+        driver = ConstraintDriver(params.constraint, backends.metrics, params.constraint_param, max_tokens,
+                                  context=prompt_ids)
+        prefill.constrained = prefill.drafts_with_masks = True
         prefill.initial_mask.allowed = params.initial_mask if params.initial_mask is not None else \
             await asyncio.to_thread(driver.initial_mask)
     metrics = backends.metrics
@@ -308,12 +310,14 @@ async def _decode(worker: _Routed, rid: str, reply: model_worker_pb2.PrefillResp
     try:
         await call.write(model_worker_pb2.DecodeRequest(request_id=rid))
         if driver is not None:
+            driver.max_draft = reply.max_draft_tokens
             for message in await asyncio.to_thread(driver.on_tokens, [reply.first_token]):
                 await call.write(message)
         if delta.text or delta.token_ids:
             yield delta
         while (msg := await _next_message(call, backends.timeouts.worker)) is not grpc.aio.EOF:
             if driver is not None and msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                driver.max_draft = msg.max_draft_tokens
                 # Off the event loop: a mask costs up to llguidance's per-token budget (figures: docs/performance.md).
                 for message in await asyncio.to_thread(driver.on_tokens, list(msg.tokens)):
                     await call.write(message)
@@ -371,16 +375,24 @@ class ConstraintDriver:
     worker streams back, the matcher advances and the next step's instruction goes out on the Decode stream — a
     run of forced tokens when the grammar allows exactly one continuation for at least FORCED_RUN_MIN tokens
     (the worker computes them in compute steps, one per chunk; shorter runs go token by token as one-token
-    masks, so the row stays in the batched decode step), then the mask for the token after them. The worker
-    needs a mask only at sampling, so building it overlaps the worker's forward pass. Once the grammar is
-    complete the mask allows only the stop ids.
+    masks, so the row stays in the batched decode step), then the mask for the token after them. Once the
+    grammar is complete the mask allows only the stop ids.
+
+    Drafts (speculative decoding, when the worker takes them: `max_draft`). With each mask goes a draft: the
+    tokens the grammar forces next, else the continuation of the latest earlier occurrence of the last few
+    tokens of the prompt and answer (`common.ngram.NgramIndex`), each checked against the mask before it, with
+    the mask that holds once it is taken — computed by the same rule (`_instruction`) on a fork of the grammar,
+    so a verified draft gives exactly the masks, and so the tokens, that step-by-step decoding would. A draft
+    ends at a token its mask refuses, a stop id, or a step where a forced run would go as a run.
     """
 
-    def __init__(self, constraint, metrics=None, param: str = "response_format", max_tokens: int | None = None):
+    def __init__(self, constraint, metrics=None, param: str = "response_format", max_tokens: int | None = None,
+                 context: Sequence[int] = ()):
         """Args: constraint: the request's grammar state; metrics: GatewayMetrics to count tokens in, or None;
         param: the request field the grammar comes from (named when the grammar exceeds its budget); max_tokens:
         the generation's limit — nothing is sent for a step at or past it (the worker ends the stream there, and
-        a message written after that end would fail the call)."""
+        a message written after that end would fail the call); context: the prompt's token ids (drafts are
+        looked up in them and in the answer)."""
         self.c = constraint
         self.max_tokens = max_tokens
         self.metrics = metrics
@@ -389,6 +401,13 @@ class ConstraintDriver:
         self.sent_for = 0  # step for which the next mask has been sent
         self.forced_pending = 0
         self.forced_count = 0
+        self.max_draft = 0  # the worker's latest hint (PrefillResponse / DecodeResponse `max_draft_tokens`)
+        self.drafted = 0  # draft tokens sent
+        self._context = list(context)
+        self._answer: list[int] = []  # tokens received
+        self._runs: list[int] = []  # tokens of the forced runs sent (the last `forced_pending` not received yet)
+        self._index: NgramIndex | None = None  # prompt + answer, built at the first draft (off the event loop)
+        self._stops = frozenset(_stop_ids(constraint))
 
     def initial_mask(self) -> bytes:
         """The mask of token 0."""
@@ -410,6 +429,9 @@ class ConstraintDriver:
     def _on_tokens(self, tokens: list[common_pb2.GeneratedToken]) -> list[model_worker_pb2.DecodeRequest]:
         for t in tokens:
             self.received += 1
+            self._answer.append(t.token_id)
+            if self._index is not None:
+                self._index.extend([t.token_id])
             if t.forced and self.forced_pending:
                 self.forced_pending -= 1  # already consumed when the run was sent
                 continue
@@ -421,39 +443,109 @@ class ConstraintDriver:
                 raise ApiError(500, f"the model produced a token the grammar forbids: {err}", code="constraint") from None
         if self.received <= self.sent_for:
             return []
-        messages = []
-        forced = [] if self.c.done() else list(self.c.forced())
         step = self.received
-        if self.max_tokens is not None:
-            if step >= self.max_tokens:
-                return []
-            forced = forced[: self.max_tokens - step]
-        if self.metrics is not None and forced:
-            self.metrics.forced_tokens.inc(1 if len(forced) < FORCED_RUN_MIN else len(forced))
-        if 0 < len(forced) < FORCED_RUN_MIN:
-            # A short run goes as a one-token mask: the row stays in the batched decode step (a run is a
-            # batch-1 compute step that holds every other row back for about one decode step).
+        messages = []
+        kind, value = self._instruction(self.c, step)
+        if self.metrics is not None and kind != "mask":
+            self.metrics.forced_tokens.inc(1 if kind == "single" else len(value))
+        if kind == "single":
             self.forced_count += 1
-            self.sent_for = step
-            return [model_worker_pb2.DecodeRequest(step=step, mask=common_pb2.TokenMask(
-                allowed=allowed_mask_bytes([forced[0]], self.c.vocab_size)))]
-        if forced:
-            for token in forced:
+        elif kind == "run":
+            for token in value:
                 self.c.advance(token)
             messages.append(model_worker_pb2.DecodeRequest(step=step, forced=model_worker_pb2.ForcedTokens(
-                token_ids=forced)))
-            self.forced_pending += len(forced)
-            self.forced_count += len(forced)
+                token_ids=value)))
+            self.forced_pending += len(value)
+            self.forced_count += len(value)
+            self._runs += value
             if self.metrics is not None:
                 self.metrics.forced_runs.inc()
-                self.metrics.forced_run_tokens.inc(len(forced))
-            step += len(forced)
-        if not self.c.finished() and (self.max_tokens is None or step < self.max_tokens):
+                self.metrics.forced_run_tokens.inc(len(value))
+            step += len(value)
             # (a forced run may end with the grammar's own stop token, or at max_tokens)
-            messages.append(model_worker_pb2.DecodeRequest(step=step, mask=common_pb2.TokenMask(
-                allowed=self.c.mask())))
+            kind, value = ("mask", None) if self._ends(self.c, step) else ("mask", self.c.mask())
+        if value is not None:
+            mask = value if kind == "mask" else allowed_mask_bytes([value[0]], self.c.vocab_size)
+            message = model_worker_pb2.DecodeRequest(step=step, mask=common_pb2.TokenMask(allowed=mask))
+            self._draft(message, step, kind, value)
+            messages.append(message)
         self.sent_for = step
         return messages
+
+    def _ends(self, c, step: int) -> bool:
+        """Whether nothing is sent for token number `step`: the grammar consumed its stop token, or the step is
+        at max_tokens."""
+        return c.finished() or (self.max_tokens is not None and step >= self.max_tokens)
+
+    def _instruction(self, c, step: int) -> tuple[str, object]:
+        """What goes out for token number `step` of a grammar in state `c` (the live one, or a draft's fork):
+        ("run", forced tokens) for a forced run of at least FORCED_RUN_MIN tokens (fewer once cut at
+        max_tokens: then token by token); ("single", forced tokens) for a shorter one, sent as a one-token mask;
+        ("mask", the mask bytes) otherwise, or ("mask", None) when nothing is sent (`_ends`)."""
+        if self._ends(c, step):
+            return "mask", None
+        forced = [] if c.done() else list(c.forced())
+        if self.max_tokens is not None:
+            forced = forced[: self.max_tokens - step]
+        if len(forced) >= FORCED_RUN_MIN:
+            return "run", forced
+        if forced:
+            return "single", forced
+        return "mask", c.mask()
+
+    def _draft(self, message: model_worker_pb2.DecodeRequest, step: int, kind: str, value) -> None:
+        """Attach a draft from token number `step` on (class docstring) to `message`, the mask of that step."""
+        k = self.max_draft
+        if self.max_tokens is not None:
+            k = min(k, self.max_tokens - step - 1)
+        if k <= 0:
+            return
+        if self._index is None:
+            self._index = NgramIndex(self._context + self._answer)
+        ahead = self._runs[len(self._runs) - self.forced_pending:]  # sent as a run, not received yet
+        tokens: list[int] = []
+        masks: list[bytes] = []
+        fork = None
+        for i in range(k):
+            guess = value[0] if kind == "single" else self._guess(ahead + tokens)
+            if guess is None or guess in self._stops or (kind == "mask" and not _allows(value, guess)):
+                break
+            fork = fork or self.c.fork()
+            try:
+                fork.advance(guess)
+            except ValueError:
+                break
+            kind, value = self._instruction(fork, step + i + 1)
+            if kind == "run" or value is None:
+                break  # no sampled step there: the draft ends before it
+            tokens.append(guess)
+            masks.append(value if kind == "mask" else allowed_mask_bytes([value[0]], self.c.vocab_size))
+        if tokens:
+            self.drafted += len(tokens)
+            message.draft.token_ids.extend(tokens)
+            message.draft.masks.extend(common_pb2.TokenMask(allowed=m) for m in masks)
+
+    def _guess(self, drafted: list[int]) -> int | None:
+        """The next token after the answer so far and `drafted` (tokens not received yet), looked up in the
+        prompt and answer; None without a match."""
+        index = self._index
+        assert index is not None
+        tail = (index.tokens[-NGRAM_MAX:] + drafted)[-NGRAM_MAX:]
+        _, ahead = index.lookup(tail, 1)
+        return ahead[0] if ahead else None
+
+
+def _stop_ids(c) -> list[int]:
+    """The stop ids of a constraint, through its wrappers (`inner`): never drafted (a draft does not end the
+    answer)."""
+    while c is not None and not hasattr(c, "stop_ids"):
+        c = getattr(c, "inner", None)
+    return list(getattr(c, "stop_ids", ()))
+
+
+def _allows(mask: bytes, token: int) -> bool:
+    """Whether a TokenMask bitset allows `token`."""
+    return 0 <= token < len(mask) * 8 and bool(mask[token >> 3] >> (token & 7) & 1)
 
 
 class _Clock:

@@ -10,6 +10,8 @@ reasoning with the label removed.
 
 from __future__ import annotations
 
+import copy
+
 from gateway.detokenizer import Utf8Decoder
 
 LABEL = "thought\n"
@@ -108,6 +110,12 @@ class ThoughtFirst:
     def finished(self) -> bool:
         """True once the answer's constraint consumed a stop token."""
         return self.state == "answer" and self.inner.finished()
+
+    def fork(self) -> ThoughtFirst:
+        """An independent copy of the current state (see `Constraint.fork`)."""
+        twin = copy.copy(self)
+        twin.inner = self.inner.fork()
+        return twin
 
     def advance(self, token_id: int) -> None:
         """Consume a generated token.

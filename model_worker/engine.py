@@ -477,7 +477,7 @@ class Engine:
         greedy = not any(clear_penalties[:n]) and is_plain_greedy(sampling, n)
         B, T = pending.tokens.shape
         key = ProgramKey("vgreedy" if greedy else "vsample", B, T, 0)
-        inputs = pending.sample_inputs(clear_penalties, active, sampling, self.cfg.vocab_size)
+        inputs = pending.sample_inputs(clear_penalties, active, _per_position(sampling, T), self.cfg.vocab_size)
         out = host_output(self._run(key, inputs), n)
         following = np.concatenate([pending.tokens[:n, 1:], np.full((n, 1), -1, np.int32)], axis=1)
         drafted = np.concatenate([pending.positions[:n, 1:] >= 0, np.zeros((n, 1), bool)], axis=1)
@@ -526,12 +526,26 @@ class Engine:
 
 
 def _pad_rows(sampling: SamplingArrays, batch: int, vocab: int) -> SamplingArrays:
-    """Extend `sampling` (n rows) to `batch` rows with greedy defaults."""
+    """Extend `sampling` (n rows) to `batch` rows with greedy defaults (with a mask per position when it has)."""
     n = sampling.temperature.shape[0]
     if n == batch:
         return sampling
-    pad = SamplingArrays.defaults(batch - n, vocab)
+    pad = SamplingArrays.defaults(batch - n, vocab, sampling.mask.shape[1] if sampling.mask.ndim == 3 else 0)
     return jax.tree_util.tree_map(lambda a, b: np.concatenate([a, b]), sampling, pad)
+
+
+def _per_position(sampling: SamplingArrays, positions: int) -> SamplingArrays:
+    """A verify step's sampling with a mask per position ([n, T, W]): a row's one mask repeated, or its mask per
+    position as given ([n, t, W], t <= T) with the last one repeated to T (positions past a row's drafts are
+    never taken)."""
+    mask, on = sampling.mask, sampling.mask_on
+    if mask.ndim == 2:
+        mask, on = mask[:, None], on[:, None]
+    if mask.shape[1] < positions:
+        extra = positions - mask.shape[1]
+        mask = np.concatenate([mask, np.repeat(mask[:, -1:], extra, axis=1)], axis=1)
+        on = np.concatenate([on, np.repeat(on[:, -1:], extra, axis=1)], axis=1)
+    return dataclasses.replace(sampling, mask=mask[:, :positions], mask_on=on[:, :positions])
 
 
 def enable_compilation_cache(path: str) -> None:

@@ -258,8 +258,9 @@ class Engine(Protocol):
     ) -> VerifyOutput:
         """Sample a verify step's logits position by position, each exactly as a decode step there would (the
         same settings, the random draw of that output step, the penalty history holding the accepted tokens before
-        it; the row's mask at every position, so drafts are for unconstrained rows or rows with one mask for all
-        steps); the penalty history keeps only the accepted positions' tokens.
+        it; the mask of each position: `sampling.mask` is a row's one mask ([n, W]) or its mask per position
+        ([n, t, W], `mask_on` [n, t]: a constrained row's masks given its drafts, `GrammarDraft`); the penalty
+        history keeps only the accepted positions' tokens.
 
         Args: as `sample`, for a pending from `dispatch_verify`.
         Returns:

@@ -30,7 +30,7 @@ from model_worker.drafting import Drafter, DraftState, StepCosts
 from model_worker.engine_api import DecodeBatch, VerifyBatch
 from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Emission, Scheduler, StepResult, Work
-from model_worker.sequence import Failure, Finish, SamplingSpec, Sequence, TokenEvent
+from model_worker.sequence import Failure, Finish, GrammarDraft, SamplingSpec, Sequence, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,19 @@ def sampling_rows(rows: list[Sequence], vocab: int) -> SamplingArrays:
     return s
 
 
+def verify_sampling(rows: list[Sequence], draft_masks: list[list[np.ndarray]], vocab: int) -> SamplingArrays:
+    """`sampling_rows` for a verify step, with a mask per position ([n, T, W]): a row's step mask at position 0,
+    then, for a constrained row with drafts, the masks its client sent with them (`Work.draft_masks`); every
+    other position repeats the row's one mask."""
+    s = sampling_rows(rows, vocab)
+    T = 1 + max((len(m) for m in draft_masks), default=0)
+    mask, on = np.repeat(s.mask[:, None], T, axis=1), np.repeat(s.mask_on[:, None], T, axis=1)
+    for r, masks in enumerate(draft_masks):
+        for i, words in enumerate(masks):
+            mask[r, i + 1], on[r, i + 1] = words, True
+    return dataclasses.replace(s, mask=mask, mask_on=on)
+
+
 @dataclasses.dataclass(frozen=True)
 class Submit:
     """Inbox command: queue a new sequence, with its drafting state when the worker speculates (built by the
@@ -85,11 +98,13 @@ class Abort:
 
 @dataclasses.dataclass(frozen=True)
 class AddMask:
-    """Inbox command: the allowed tokens (packed uint32 words) for output token number `step` of a sequence."""
+    """Inbox command: the allowed tokens (packed uint32 words) for output token number `step` of a sequence, and
+    the client's draft from that step with its masks, if any."""
 
     request_id: str
     step: int
     words: np.ndarray
+    draft: GrammarDraft | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +159,8 @@ class EngineLoop:
 
     def __init__(self, engine: engine_api.Engine, token_budget: int | None = None, metrics=None,
                  mask_wait: float = 0.2, on_fatal: Callable[[BaseException], None] | None = None,
-                 fault_salt: str | None = None, lease_preempt_after: float = 10.0, speculation: str = "auto"):
+                 fault_salt: str | None = None, lease_preempt_after: float = 10.0, speculation: str = "auto",
+                 draft_wait: float = 0.01):
         """Args: engine: a compiled engine (`engine_api.Engine`; the loop becomes its only user); token_budget:
         most prompt tokens computed in an iteration that also decodes running streams (bounds the pause a long new
         prompt causes in them; default: the smallest chunk); a lone prompt uses the largest chunks it fills
@@ -156,7 +172,9 @@ class EngineLoop:
         of the process supervision; None in production); lease_preempt_after: seconds a request waits for a slot
         before it may take the oldest session lease's slot (`prefix_cache.PrefixCache`); speculation: "auto"
         verifies drafts when the engine has verify programs (`engine_api.EngineSizes.max_draft_tokens`) and it pays
-        (`drafting.StepCosts`), "always" whenever there are drafts (tests and measurements), "off" never.
+        (`drafting.StepCosts`), "always" whenever there are drafts (tests and measurements), "off" never;
+        draft_wait: seconds a step may wait, before it is planned, for the mask and draft of a constrained row
+        whose client drafts (its round trip: the client advances its grammar along the draft).
 
         Raises:
           ValueError: an unknown speculation mode."""
@@ -168,6 +186,7 @@ class EngineLoop:
         self.fault_salt = fault_salt
         self.failed: BaseException | None = None
         self.mask_wait = mask_wait
+        self.draft_wait = draft_wait
         self.token_budget = token_budget or min(engine.ecfg.prefill_chunks)
         self.metrics = metrics
         self.vocab = engine.cfg.vocab_size
@@ -229,9 +248,17 @@ class EngineLoop:
         """Abort a sequence at the next iteration (thread-safe); unknown ids are ignored."""
         self._inbox.put(Abort(request_id))
 
-    def add_mask(self, request_id: str, step: int, words: np.ndarray) -> None:
-        """Allowed tokens (packed uint32 words) for output token number `step` of a sequence (thread-safe)."""
-        self._inbox.put(AddMask(request_id, step, words))
+    def add_mask(self, request_id: str, step: int, words: np.ndarray, draft: GrammarDraft | None = None) -> None:
+        """Allowed tokens (packed uint32 words) for output token number `step` of a sequence, with the client's
+        draft from that step if any (thread-safe)."""
+        self._inbox.put(AddMask(request_id, step, words, draft))
+
+    def draft_hint(self) -> int:
+        """Most draft tokens worth sending with a constrained request's next mask, for any thread: the engine's
+        `max_draft_tokens` while the running sequences fit a verify step, else 0 (a hint: lengths read without
+        the loop's state, which moves on)."""
+        sched = self.scheduler
+        return sched.max_draft_tokens if len(sched.running) <= sched.max_verify_batch else 0
 
     def add_forced(self, request_id: str, step: int, token_ids: list[int]) -> None:
         """Tokens to append without sampling from output token number `step` on (thread-safe)."""
@@ -265,6 +292,8 @@ class EngineLoop:
             self.on_fatal(exc)
 
     def _iterate(self) -> None:
+        if self.scheduler.max_draft_tokens and self.scheduler.awaiting_drafts():
+            self._await_drafts()
         work = self.scheduler.schedule()
         self._publish(work.emissions)
         if self.fault_salt and any(s.cache_salt == self.fault_salt for s in [work.compute, *work.decode] if s):
@@ -287,14 +316,18 @@ class EngineLoop:
             self.metrics.prompt_tokens.inc(len(seq.prompt))
 
     def _observe_token(self, emission: Emission, now: float) -> None:
-        """Latency metrics for a token sampled at `now` (first: TTFT; later: inter-token; last: end to end)."""
+        """Latency metrics for the tokens of an emission sampled at `now` (first: TTFT; later: inter-token, 0 for
+        the tokens after the first of a verify step, which arrive with it; last: end to end)."""
         m, seq = self.metrics, emission.seq
+        n = len(emission.event.token_ids)
         if emission.previous_at is None:
             m.ttft.observe(now - seq.arrived_at)
             m.prefill.observe(now - (seq.admitted_at or seq.arrived_at))
         else:
             m.itl.observe(now - emission.previous_at)
-        m.generation_tokens.inc()
+        for _ in range(n - 1):
+            m.itl.observe(0.0)
+        m.generation_tokens.inc(max(n, 1))
         if emission.event.finish != Finish.NONE:
             m.e2e.observe(now - seq.arrived_at)
             m.decode.observe(now - (seq.first_token_at if seq.first_token_at is not None else now))
@@ -329,8 +362,8 @@ class EngineLoop:
                 aborted = self.scheduler.abort(request_id)
                 if aborted is not None:
                     aborted.sink(TokenEvent([], [], Finish.ABORT))
-            case AddMask(request_id, step, words):
-                self.scheduler.add_mask(request_id, step, words)
+            case AddMask(request_id, step, words, draft):
+                self.scheduler.add_mask(request_id, step, words, draft)
             case AddForced(request_id, step, token_ids):
                 self.scheduler.add_forced(request_id, step, token_ids)
             case Wake():
@@ -412,8 +445,8 @@ class EngineLoop:
         self._await_constraints(decode)
         result.sampled, result.active = self.scheduler.decode_rows(decode)
         result.verify_sample = self.engine.sample_verify(
-            pending, sampling=sampling_rows(decode, self.vocab), clear_penalties=[s.clear_penalties for s in decode],
-            active=result.active)
+            pending, sampling=verify_sampling(decode, work.draft_masks, self.vocab),
+            clear_penalties=[s.clear_penalties for s in decode], active=result.active)
         self.costs.observe("verify", len(decode), time.perf_counter() - started)
         return result
 
@@ -463,10 +496,21 @@ class EngineLoop:
                 if self.metrics is not None:
                     self.metrics.accepted_length.observe(accepted)
 
+    def _await_drafts(self) -> None:
+        """Before planning a step: wait (up to draft_wait) for the masks and drafts of constrained sequences whose
+        client drafts (`Scheduler.awaiting_drafts`) while the running sequences fit a verify step: their draft can
+        be verified only if it is here before the step is planned."""
+        if len(self.scheduler.running) <= self.scheduler.max_verify_batch:
+            self._handle_until(self.scheduler.awaiting_drafts, self.draft_wait)
+
     def _await_constraints(self, seqs: list[Sequence]) -> None:
         """While the forward pass runs, wait (up to mask_wait) for the masks or forced runs of constrained rows."""
-        deadline = time.monotonic() + self.mask_wait
-        while any(s.slot is not None and not s.has_constraint() for s in seqs):
+        self._handle_until(lambda: any(s.slot is not None and not s.has_constraint() for s in seqs), self.mask_wait)
+
+    def _handle_until(self, waiting: Callable[[], bool], timeout: float) -> None:
+        """Apply inbox commands as they come while `waiting()` holds, for at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while waiting():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return

@@ -146,7 +146,7 @@ class SampleInputs:
         return SampleInputs(jax.ShapeDtypeStruct(logits, jnp.float32), np.zeros((batch, t), np.int32),
                             np.full((batch, t), -1, np.int32), np.arange(batch, dtype=np.int32),
                             np.zeros((batch, t), bool), np.zeros(batch, bool), np.zeros(batch, bool),
-                            SamplingArrays.defaults(batch, vocab))
+                            SamplingArrays.defaults(batch, vocab, tokens))
 
 
 @jax.tree_util.register_dataclass
@@ -257,7 +257,8 @@ def verify_sample_program(pstate, inputs: SampleInputs, *, vocab_parts: int = 1)
 
     Position t of row b: its input token is recorded in the row's penalty history (as a decode step's sample
     program records it), then it is sampled with the row's settings at output step `step + t` (the random draw
-    of that token) and the row's mask; the draft at t + 1 is accepted when it equals that sample. A position is
+    of that token) and the row's mask of that position (`sampling.mask` [B, T, W]: a constrained row's mask holds
+    only if the drafts before it are taken); the draft at t + 1 is accepted when it equals that sample. A position is
     recorded only while every draft before it was accepted, so the history ends exactly as the decode steps of
     the accepted tokens would leave it; inactive rows commit nothing. `vocab_parts`: as `sample_program`.
     Returns:
@@ -275,7 +276,9 @@ def verify_sample_program(pstate, inputs: SampleInputs, *, vocab_parts: int = 1)
         col = lambda a: jax.lax.dynamic_index_in_dim(a, t, axis=1, keepdims=True)
         live = alive & (col(positions)[:, 0] >= 0)
         rows = _record_inputs(rows, col(tokens), jnp.where(live[:, None], col(positions), -1), col(is_output))
-        settings = dataclasses.replace(inputs.sampling, step=inputs.sampling.step + t)
+        at = lambda a: jax.lax.dynamic_index_in_dim(a, t, axis=1, keepdims=False)
+        settings = dataclasses.replace(inputs.sampling, step=inputs.sampling.step + t, mask=at(inputs.sampling.mask),
+                                       mask_on=at(inputs.sampling.mask_on))
         out = sample(jax.lax.dynamic_index_in_dim(inputs.logits, t, axis=1, keepdims=False), settings, rows,
                      vocab_parts)
         alive = live & col(has)[:, 0] & (out.tokens == col(nxt)[:, 0])
@@ -294,7 +297,8 @@ def verify_greedy_program(pstate, inputs: SampleInputs, *, vocab_parts: int = 1)
     point updates, as `greedy_program` does. Returns (SampleOutput with [B, T] leading axes, pstate)."""
     B, T, V = inputs.logits.shape
     repeat = lambda a: jnp.repeat(jnp.asarray(a), T, axis=0)
-    settings = jax.tree_util.tree_map(repeat, inputs.sampling)
+    per_position = {"mask": inputs.sampling.mask.reshape(B * T, -1), "mask_on": inputs.sampling.mask_on.reshape(B * T)}
+    settings = dataclasses.replace(jax.tree_util.tree_map(repeat, inputs.sampling), **per_position)
     out = sample_greedy(inputs.logits.reshape(B * T, V), settings, vocab_parts)
     out = jax.tree_util.tree_map(lambda a: a.reshape((B, T) + a.shape[1:]), out)
     nxt, has = _next_inputs(inputs)

@@ -103,8 +103,8 @@ class SamplingArrays:
       bias_ids: int32 [B, MAX_LOGIT_BIAS]; token ids of the logit bias, -1 = unused entry (duplicates add up).
       bias_vals: float32 [B, MAX_LOGIT_BIAS]; added to the logit of bias_ids (OpenAI range -100..100).
       mask: uint32 [B, ceil(V / 32)]; allowed-token bitset: token 32 * w + b is allowed iff (mask[w] >> b) & 1
-        (see `pack_mask`). Bits past V are ignored.
-      mask_on: bool [B]; False: the row is unconstrained and `mask` is ignored.
+        (see `pack_mask`). Bits past V are ignored. [B, T, W] in a verify step's sampling (a mask per position).
+      mask_on: bool [B] ([B, T] in a verify step's); False: the row is unconstrained and `mask` is ignored.
       top_logprobs: int32 [B] in 0..MAX_TOP_LOGPROBS; alternatives to return per token.
     """
 
@@ -124,12 +124,14 @@ class SamplingArrays:
     top_logprobs: jax.Array
 
     @classmethod
-    def defaults(cls, batch: int, vocab: int) -> SamplingArrays:
-        """Greedy settings, every feature off, for `batch` rows over `vocab` tokens, as writable numpy arrays.
+    def defaults(cls, batch: int, vocab: int, positions: int = 0) -> SamplingArrays:
+        """Greedy settings, every feature off, for `batch` rows over `vocab` tokens, as writable numpy arrays;
+        `positions` > 0: a verify step's, with a mask per position (`mask` [B, T, W], `mask_on` [B, T]).
 
         Also the abstract shapes used for compilation. The mask words are all ones (everything allowed), so a
         row switched to mask_on without a mask written stays unconstrained.
         """
+        per = (batch, positions) if positions else (batch,)
         return cls(
             temperature=np.zeros(batch, np.float32),
             top_k=np.zeros(batch, np.int32),
@@ -142,8 +144,8 @@ class SamplingArrays:
             repetition_penalty=np.ones(batch, np.float32),
             bias_ids=np.full((batch, MAX_LOGIT_BIAS), -1, np.int32),
             bias_vals=np.zeros((batch, MAX_LOGIT_BIAS), np.float32),
-            mask=np.full((batch, mask_words(vocab)), 0xFFFFFFFF, np.uint32),
-            mask_on=np.zeros(batch, bool),
+            mask=np.full(per + (mask_words(vocab),), 0xFFFFFFFF, np.uint32),
+            mask_on=np.zeros(per, bool),
             top_logprobs=np.zeros(batch, np.int32),
         )
 

@@ -46,7 +46,7 @@ import numpy as np
 from model_worker.drafting import Drafter, DraftState
 from model_worker.engine_api import HostOutput, PromptChunk, VerifyOutput
 from model_worker.prefix_cache import LiveSlot, PrefixCache
-from model_worker.sequence import Failure, Finish, Sequence, TokenEvent
+from model_worker.sequence import Failure, Finish, GrammarDraft, Sequence, TokenEvent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,8 @@ class Work:
       drafts: per `decode` sequence, draft tokens to verify after its pending token (speculative decoding; empty
         lists when it has none, and no entries at all when the step has a chunk or too many rows); the loop
         decides whether the step verifies them.
+      draft_masks: per `decode` sequence with `drafts`, the masks of the positions after its drafts
+        (`GrammarDraft.masks`, one per draft token) for a constrained sequence; empty for any other.
     """
 
     copies: list[tuple[int, int]]
@@ -114,6 +116,7 @@ class Work:
     admitted: list[Sequence] = dataclasses.field(default_factory=list)
     emissions: list[Emission] = dataclasses.field(default_factory=list)
     drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    draft_masks: list[list[np.ndarray]] = dataclasses.field(default_factory=list)
 
     @property
     def compute(self) -> Sequence | None:
@@ -209,20 +212,40 @@ class Scheduler:
         chunk = None
         if compute is not None:
             chunk = self._plan_chunk(compute, self.token_budget if decode else None)
-        drafts = []
+        drafts: list[list[int]] = []
+        draft_masks: list[list[np.ndarray]] = []
         if chunk is None and decode and len(decode) <= self.max_verify_batch:
             drafts = [self._draft(seq) for seq in decode]
+            draft_masks = [self._draft_masks(seq, len(d)) for seq, d in zip(decode, drafts)]
         return Work(copies=copies, decode=decode, chunk=chunk, admitted=admitted, emissions=emissions,
-                    drafts=drafts)
+                    drafts=drafts, draft_masks=draft_masks)
 
     def _draft(self, seq: Sequence) -> list[int]:
-        """Draft tokens to verify after a decode candidate's pending token: none for a sequence with per-step
-        masks or forced tokens (its grammar decides its tokens), nor past its token limit or the context."""
-        if seq.constrained or seq.forced:
-            return []
+        """Draft tokens to verify after a decode candidate's pending token, none past its token limit or the
+        context: a constrained sequence's from its client (`GrammarDraft`, once the mask of its step is here),
+        none while forced tokens are due, any other's from the drafter."""
         k = min(self.max_draft_tokens, seq.max_tokens - len(seq.output) - 1,
                 self.max_model_len - len(seq.prompt) - len(seq.output))
+        if seq.forced:
+            return []
+        if seq.constrained:
+            g = seq.grammar_draft
+            ok = g is not None and g.step == len(seq.output) and g.step in seq.masks
+            return list(g.tokens[:max(k, 0)]) if ok and g is not None else []
         return self.drafter.propose(seq.request_id, seq.draft_scope, k)
+
+    @staticmethod
+    def _draft_masks(seq: Sequence, drafted: int) -> list[np.ndarray]:
+        """The masks of a constrained sequence's positions after its `drafted` draft tokens (empty otherwise)."""
+        g = seq.grammar_draft
+        return list(g.masks[:drafted]) if seq.constrained and drafted and g is not None else []
+
+    def awaiting_drafts(self) -> bool:
+        """Whether a running sequence whose client sends drafts with its masks (`Sequence.drafts_with_masks`)
+        is decoding and still lacks the mask of its next step (the loop waits briefly for it before scheduling,
+        so that the step can verify its draft)."""
+        return any(s.drafts_with_masks and s.finish == Finish.NONE and s.output and s.pending == 1
+                   and len(s.output) not in s.masks and len(s.output) not in s.forced for s in self.running.values())
 
     def _force(self, seq: Sequence) -> Emission | None:
         """Append the forced tokens due at `seq`'s current step; their event (None: none were due)."""
@@ -349,12 +372,14 @@ class Scheduler:
         """Whether anything is waiting or running."""
         return bool(self.waiting or self.running)
 
-    def add_mask(self, request_id: str, step: int, words: np.ndarray) -> None:
-        """Allowed tokens (packed uint32 words) for output token number `step` of a live sequence; ignored for an
-        unknown sequence or a step it has passed."""
+    def add_mask(self, request_id: str, step: int, words: np.ndarray, draft: GrammarDraft | None = None) -> None:
+        """Allowed tokens (packed uint32 words) for output token number `step` of a live sequence, with the
+        client's draft from that step if any; ignored for an unknown sequence or a step it has passed."""
         seq = self._constrainable(request_id, step)
         if seq is not None:
             seq.masks[step] = words
+            if draft is not None:
+                seq.grammar_draft = draft
 
     def add_forced(self, request_id: str, step: int, token_ids: list[int]) -> None:
         """Tokens to append without sampling from output token number `step` on; ignored like `add_mask`."""
@@ -404,22 +429,25 @@ class Scheduler:
 
     def _verified(self, seq: Sequence, draft: list[int], out: VerifyOutput, row: int, sampled: bool) -> list[Emission]:
         """Commit row `row` of a verify step: its pending token and its accepted drafts are computed, and the
-        emitted tokens (the accepted drafts and the sample after them) become `seq`'s next tokens, one event each,
-        until one ends it."""
+        emitted tokens (the accepted drafts and the sample after them) become `seq`'s next tokens until one ends
+        it, in one event (`_joined`; the sequence's first token alone, then the rest): a client sees a step's
+        tokens together, as it sees a forced run, so it never answers a token the same step already ended the
+        sequence after."""
         if not sampled:  # its forced tokens arrived: only the pending token counts
             seq.num_computed += 1
             return []
         emitted = int(out.emitted[row])
         if seq.slot is not None:
             self.drafter.verified(seq.request_id, len(draft), emitted - 1)
-        base = seq.num_computed
+        base, first = seq.num_computed, not seq.output
         emissions: list[Emission] = []
         for t in range(emitted):
             seq.num_computed = base + t + 1  # the input at position t (the pending token, then drafts) is in
             emissions += self._sampled(seq, out, row, t)
             if seq.finish != Finish.NONE:
                 break
-        return emissions
+        # (the first token of a sequence is an event of its own: the servicer answers Prefill with it)
+        return emissions[:1] + _joined(emissions[1:]) if first else _joined(emissions)
 
     def _sampled(self, seq: Sequence, out: HostOutput | VerifyOutput, row: int, col: int | None = None
                  ) -> list[Emission]:
@@ -456,6 +484,8 @@ class Scheduler:
         """Record a generated (or forced) token and decide whether the sequence ends here."""
         seq.output.append(token)
         seq.masks.pop(len(seq.output) - 1, None)
+        if seq.grammar_draft is not None and seq.grammar_draft.step < len(seq.output):
+            seq.grammar_draft = None  # taken by this step, or for a step it has passed
         self.drafter.append(seq.request_id, token)
         if token in seq.stop_ids:
             seq.finish = Finish.STOP
@@ -485,6 +515,20 @@ class Scheduler:
         seq.finish = Finish.ABORT
         self.finish(seq)
         return seq
+
+
+def _joined(emissions: list[Emission]) -> list[Emission]:
+    """One sequence's emissions of one step as one: tokens, logprobs and alternatives in order, the last one's
+    ending, error and prediction counts, the first one's cached tokens and previous sampling time."""
+    if len(emissions) <= 1:
+        return emissions
+    first, last = emissions[0], emissions[-1]
+    ev = dataclasses.replace(
+        last.event, token_ids=[t for e in emissions for t in e.event.token_ids],
+        logprobs=[x for e in emissions for x in e.event.logprobs], forced=[f for e in emissions for f in e.event.forced],
+        top=[x for e in emissions for x in e.event.top], cached_tokens=first.event.cached_tokens)
+    sampled_at = next((e.sampled_at for e in reversed(emissions) if e.sampled_at is not None), None)
+    return [Emission(first.seq, ev, sampled_at=sampled_at, previous_at=first.previous_at)]
 
 
 def _prediction_usage(seq: Sequence) -> dict[str, Any]:

@@ -89,6 +89,22 @@ class TokenEvent:
 
 
 @dataclasses.dataclass(slots=True)
+class GrammarDraft:
+    """Draft tokens a constrained request's client sent with the mask of output token number `step`.
+
+    Attributes:
+      step: the output index of the first draft token.
+      tokens: the draft tokens, for output indexes step, step + 1, ...
+      masks: packed uint32 mask words, one per draft token: masks[i] allows output token number step + i + 1 once
+        tokens[0..i] were taken (the mask of `step` itself is `Sequence.masks[step]`).
+    """
+
+    step: int
+    tokens: list[int]
+    masks: list[np.ndarray]
+
+
+@dataclasses.dataclass(slots=True)
 class Sequence:
     """One request inside the worker. Only the scheduler changes it once it is built (slotted: an undeclared
     attribute is an AttributeError).
@@ -128,6 +144,9 @@ class Sequence:
       first_token_at: time.monotonic() of the first generated token (prefill / decode time metrics).
       prediction: the client's expected output tokens (OpenAI Predicted Outputs), a source of drafts.
       prediction_accepted: how many of them were accepted as drafts (set when the sequence ends).
+      drafts_with_masks: the client sends draft tokens with its masks (a constrained request whose grammar the
+        client holds): the loop waits briefly for a step's mask before planning the step.
+      grammar_draft: the client's latest draft with its masks (`GrammarDraft`), or None.
     """
 
     request_id: str
@@ -162,6 +181,8 @@ class Sequence:
     first_token_at: float | None = None
     prediction: list[int] = dataclasses.field(default_factory=list)
     prediction_accepted: int = 0
+    drafts_with_masks: bool = False
+    grammar_draft: GrammarDraft | None = None
 
     @property
     def row(self) -> int:

@@ -19,7 +19,7 @@ import grpc
 
 from model_worker.loop import ENGINE_FAILED, EngineLoop
 from model_worker.sampling import MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS, mask_words_from_bytes
-from model_worker.sequence import Failure, Finish, SamplingSpec, Sequence, TokenEvent
+from model_worker.sequence import Failure, Finish, GrammarDraft, SamplingSpec, Sequence, TokenEvent
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
 
 if TYPE_CHECKING:
@@ -38,6 +38,11 @@ class RequestError(Exception):
         self.code, self.message = code, message
 
 
+#: Most draft tokens one Decode-stream message may carry (their masks are ~32 KB each over a 262k vocabulary);
+#: the worker verifies at most its own `--max-draft-tokens` of them.
+MAX_DRAFT_MESSAGE = 64
+
+
 @dataclasses.dataclass
 class _Live:
     """Servicer-side state of one live request."""
@@ -47,6 +52,7 @@ class _Live:
     generated: int = 0
     attached: bool = False
     timer: asyncio.TimerHandle | None = None
+    drafts: bool = False  # its client sends drafts with its masks: replies carry `max_draft_tokens`
 
 
 def _check(ok: bool, message: str) -> None:
@@ -183,7 +189,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             seq = self._sequence_from_pb(request, lambda ev: aio_loop.call_soon_threadsafe(events.put_nowait, ev))
         except RequestError as err:
             await context.abort(err.code, err.message)
-        live = _Live(queue=events, prompt_tokens=len(seq.prompt))
+        live = _Live(queue=events, prompt_tokens=len(seq.prompt), drafts=seq.drafts_with_masks)
         self._live[seq.request_id] = live
         self.loop.submit(seq)
         try:
@@ -206,6 +212,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             usage=common_pb2.Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.generated,
                                    cached_tokens=ev.cached_tokens, accepted_prediction_tokens=ev.accepted_prediction,
                                    rejected_prediction_tokens=ev.rejected_prediction),
+            max_draft_tokens=self.loop.draft_hint() if seq.drafts_with_masks else 0,
         )
 
     async def Decode(self, request_iterator, context):
@@ -301,6 +308,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             allowed=mask_from_pb(request.allowed_tokens, info.vocab_size) if allowed else None,
             cache_salt=request.cache_salt,
             draft_scope=request.draft_scope,
+            drafts_with_masks=request.constrained and request.drafts_with_masks,
             prediction=prediction,
             session=request.session_id,
             lease_ttl=0.0 if request.session_release else min(max(request.session_ttl_s, 0.0), self.max_session_ttl),
@@ -317,12 +325,30 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             return
         _check(msg.step >= 0, f"step must be >= 0, got {msg.step}")
         if kind == "mask":
-            self.loop.add_mask(rid, msg.step, mask_from_pb(msg.mask, self.info.vocab_size))
+            self.loop.add_mask(rid, msg.step, mask_from_pb(msg.mask, self.info.vocab_size), self._draft(msg))
         else:
             ids = list(msg.forced.token_ids)
             _check(bool(ids) and all(0 <= t < self.info.vocab_size for t in ids),
                    f"forced token ids must be non-empty and in [0, {self.info.vocab_size})")
             self.loop.add_forced(rid, msg.step, ids)
+
+    def _draft(self, msg: model_worker_pb2.DecodeRequest) -> GrammarDraft | None:
+        """A mask message's draft (`ConstrainedDraft`) as the loop takes it, or None.
+
+        Raises:
+          RequestError: INVALID_ARGUMENT for a draft with bad token ids, a mask per token missing, or more tokens
+            than any verify step takes.
+        """
+        if not msg.HasField("draft") or not msg.draft.token_ids:
+            return None
+        ids, most = list(msg.draft.token_ids), max(self.loop.scheduler.max_draft_tokens, 0)
+        _check(all(0 <= t < self.info.vocab_size for t in ids), f"draft token ids must be in [0, {self.info.vocab_size})")
+        _check(len(msg.draft.masks) == len(ids), f"a draft of {len(ids)} tokens needs {len(ids)} masks, "
+                                                 f"got {len(msg.draft.masks)}")
+        _check(len(ids) <= MAX_DRAFT_MESSAGE, f"a draft has at most {MAX_DRAFT_MESSAGE} tokens, got {len(ids)}")
+        if most == 0:
+            return None  # speculation is off: masks alone
+        return GrammarDraft(msg.step, ids[:most], [mask_from_pb(m, self.info.vocab_size) for m in msg.draft.masks[:most]])
 
     def _decode_reply(self, live: _Live, events: list[TokenEvent]):
         tokens, finish, error, last = [], Finish.NONE, None, events[-1]
@@ -332,7 +358,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             error = ev if ev.error else error
             last = ev if ev.finish != Finish.NONE else last
         live.generated += len(tokens)
-        reply = model_worker_pb2.DecodeResponse(tokens=tokens, finish_reason=int(finish))
+        reply = model_worker_pb2.DecodeResponse(tokens=tokens, finish_reason=int(finish),
+                                                max_draft_tokens=self.loop.draft_hint() if live.drafts else 0)
         if finish != Finish.NONE:
             reply.usage.CopyFrom(
                 common_pb2.Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.generated,

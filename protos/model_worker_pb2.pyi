@@ -88,7 +88,7 @@ class DeviceMemory(_message.Message):
     def __init__(self, device_id: _Optional[int] = ..., device_kind: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., penalty_bytes: _Optional[int] = ..., temp_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask", "constrained", "share_prompt_with", "allowed_tokens", "cache_salt", "session_id", "session_ttl_s", "session_release", "prediction_token_ids", "draft_scope")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask", "constrained", "share_prompt_with", "allowed_tokens", "cache_salt", "session_id", "session_ttl_s", "session_release", "prediction_token_ids", "draft_scope", "drafts_with_masks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class PrefillRequest(_message.Message):
     SESSION_RELEASE_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_WITH_MASKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -117,31 +118,44 @@ class PrefillRequest(_message.Message):
     session_release: bool
     prediction_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_scope: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingParams, _Mapping]] = ..., initial_mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., constrained: _Optional[bool] = ..., share_prompt_with: _Optional[str] = ..., allowed_tokens: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_ttl_s: _Optional[float] = ..., session_release: _Optional[bool] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ..., draft_scope: _Optional[str] = ...) -> None: ...
+    drafts_with_masks: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingParams, _Mapping]] = ..., initial_mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., constrained: _Optional[bool] = ..., share_prompt_with: _Optional[str] = ..., allowed_tokens: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_ttl_s: _Optional[float] = ..., session_release: _Optional[bool] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ..., draft_scope: _Optional[str] = ..., drafts_with_masks: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "finish_reason", "usage")
+    __slots__ = ("request_id", "first_token", "finish_reason", "usage", "max_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: _common_pb2.GeneratedToken
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    max_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "step", "mask", "forced")
+    __slots__ = ("request_id", "step", "mask", "forced", "draft")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     FORCED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     step: int
     mask: _common_pb2.TokenMask
     forced: ForcedTokens
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., forced: _Optional[_Union[ForcedTokens, _Mapping]] = ...) -> None: ...
+    draft: ConstrainedDraft
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., forced: _Optional[_Union[ForcedTokens, _Mapping]] = ..., draft: _Optional[_Union[ConstrainedDraft, _Mapping]] = ...) -> None: ...
+
+class ConstrainedDraft(_message.Message):
+    __slots__ = ("token_ids", "masks")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    masks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenMask]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., masks: _Optional[_Iterable[_Union[_common_pb2.TokenMask, _Mapping]]] = ...) -> None: ...
 
 class ForcedTokens(_message.Message):
     __slots__ = ("token_ids",)
@@ -150,14 +164,16 @@ class ForcedTokens(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("tokens", "finish_reason", "usage")
+    __slots__ = ("tokens", "finish_reason", "usage", "max_draft_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.GeneratedToken]
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
-    def __init__(self, tokens: _Optional[_Iterable[_Union[_common_pb2.GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    max_draft_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[_Union[_common_pb2.GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -95,3 +95,35 @@ def test_constrained_answers_are_unchanged_by_a_prediction(client):
         assert again.choices[0].message.content == plain.content
         assert [c.function.arguments for c in again.choices[0].message.tool_calls or []] == \
             [c.function.arguments for c in plain.tool_calls or []]
+
+
+def test_constrained_answers_draft_and_match_answers_that_cannot(client, stack):
+    """A JSON-schema answer and tool calls (`required` and `auto`) whose conversation holds what they will say:
+    alone, the gateway drafts with the grammar's masks (forced tokens and the context's n-grams) and the worker
+    accepts drafts; sent three at once (more rows than a verify step takes, so nothing is verified) each answer
+    is the same, tokens and logprobs."""
+    import concurrent.futures
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"]}}}]
+    earlier = '{"city": "Reykjavik", "days": 3}'
+    messages = [{"role": "user", "content": f"Weather for {earlier}? Answer with exactly {earlier}"}]
+    cases = [dict(response_format={"type": "json_schema", "json_schema": {"name": "q", "schema": schema}}),
+             dict(tools=tools, tool_choice="required"), dict(tools=tools, tool_choice="auto")]
+    for extra in cases:
+        kwargs = dict(model=MODEL, messages=messages, max_tokens=48, temperature=0, logprobs=True, **extra)
+        before = accepted_drafts(stack)
+        alone = client.chat.completions.create(**kwargs).choices[0]
+        drafted = accepted_drafts(stack) - before
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            crowd = [f.result().choices[0] for f in [pool.submit(client.chat.completions.create, **kwargs)
+                                                     for _ in range(3)]]
+        for other in crowd:
+            assert other.message.content == alone.message.content
+            assert [c.function.arguments for c in other.message.tool_calls or []] == \
+                [c.function.arguments for c in alone.message.tool_calls or []]
+            assert [c.logprob for c in other.logprobs.content or []] == [c.logprob for c in alone.logprobs.content or []]
+        assert drafted > 0, f"{extra}: drafts were accepted alone"

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 
-import llguidance
 import numpy as np
-import pytest
 
 from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
 from families.gemma3.gateway import Gemma3ToolCallParser, gemma3_tool_grammar
@@ -23,31 +21,10 @@ from gateway.chat_plan import _array_units
 from gateway.constraints import Constraint
 from gateway.grammar_cache import grammar_for_json_schema
 from gateway.reasoning import ThoughtFirst
+from tests.gateway.conftest import N_VOCAB
 
-N_VOCAB = 262144
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-
-
-class _TokenBytes:
-    """token id -> bytes, looked up when needed (the parser reads only the tokens generated)."""
-
-    def __init__(self, tok):
-        self.tok = tok
-
-    def __getitem__(self, token: int) -> bytes:
-        return self.tok.decode_bytes([token])
-
-
-@pytest.fixture(scope="module")
-def g3(prepared):
-    tok = llguidance.LLTokenizer((prepared.dir / "tokenizer.json").read_text(), n_vocab=N_VOCAB, eos_token=1)
-    return tok, _TokenBytes(tok)
-
-
-@pytest.fixture(scope="module")
-def g4(gemma4_lltok):
-    return gemma4_lltok, _TokenBytes(gemma4_lltok)
 
 
 def _allowed(mask: bytes, token: int) -> bool:

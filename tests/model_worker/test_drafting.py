@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from model_worker.drafting import ANSWERS_PER_SCOPE, Acceptance, Drafter, NgramIndex, StepCosts
+from common.ngram import NgramIndex
+from model_worker.drafting import ANSWERS_PER_SCOPE, Acceptance, Drafter, StepCosts
 from model_worker.loop import EngineLoop
 from model_worker.sequence import Finish
 from tests.fakes import FakeEngine, FakeEngineConfig
@@ -115,7 +116,9 @@ def test_verified_drafts_give_exactly_the_plain_output_in_fewer_steps():
     spec, fake, loop = run("always", requests)
     for p, s in zip(plain, spec):
         assert s.tokens == p.tokens and s.events[-1].finish == p.events[-1].finish
-        assert [e.logprobs for e in s.events] == [e.logprobs for e in p.events]
+        assert [x for e in s.events for x in e.logprobs] == [x for e in p.events for x in e.logprobs]
+    assert max(len(e.token_ids) for e in spec[0].events) > 1, "a verify step's tokens arrive in one event"
+    assert len(spec[0].events[0].token_ids) == 1, "the first token is an event of its own (the Prefill reply)"
     assert spec[1].tokens[-1] == 27 and spec[1].events[-1].finish == Finish.STOP, "a stop id inside a drafted run"
     assert len(spec[0].tokens) == 12, "max_tokens holds with drafts"
     assert fake.calls.get("verify", 0) > 0 and loop.steps["accepted_tokens"] > 0

@@ -23,12 +23,13 @@ from model_worker.hf_loader import load_checkpoint
 from model_worker.loop import EngineLoop
 from model_worker.params import for_matmul_precision, to_device
 from model_worker.sampling import pack_mask
-from model_worker.sequence import Finish, SamplingSpec, Sequence, TokenEvent
+from model_worker.sequence import Finish, GrammarDraft, SamplingSpec, Sequence, TokenEvent
 from tests.gemma4_tiny import SHARED, write_checkpoint
 
 pytestmark = pytest.mark.slow  # compiles model programs: outside `make test-fast`
 
 DRAFTS = 3
+SHARED_VOCAB = SHARED["vocab_size"]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     fork_of: int | None = None
     allowed: list[int] | None = None
+    grammar: bool = False  # constrained: a client sends each step's `toy_mask` (see `GrammarClient`)
+    client_drafts: list[int] | None = None  # the client's draft source (with grammar): drafts sent with the masks
 
 
 @dataclasses.dataclass
@@ -61,6 +64,34 @@ class Result:
     tops: list[tuple[list[int], list[float]]]
     finish: Finish
     last: TokenEvent
+
+
+def toy_mask(previous: int) -> np.ndarray:
+    """A made-up grammar over the tiny vocabulary: after token p, the tokens t in [3, 500) with (t + p) % 3 != 0
+    (what is allowed depends on what was taken, as a real grammar's masks do). Packed uint32 words."""
+    allowed = np.zeros(SHARED_VOCAB, bool)
+    t = np.arange(3, 500)
+    allowed[t[(t + previous) % 3 != 0]] = True
+    return pack_mask(allowed)
+
+
+class GrammarClient:
+    """The client of a constrained sequence, as the gateway is: for every token the worker emits, the mask of
+    the next step (`toy_mask`) and, with `drafts`, a draft from that step (the next `DRAFTS` tokens of `drafts`)
+    with the mask each draft token leads to — sent from the engine thread, like a fast gateway."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, drafts: list[int] | None):
+        self.loop, self.request_id, self.drafts, self.received = loop, request_id, drafts, 0
+
+    def on_event(self, ev: TokenEvent) -> None:
+        for token in ev.token_ids:
+            self.received += 1
+            step, draft = self.received, None
+            if self.drafts is not None and self.drafts[step:step + DRAFTS]:
+                tokens = self.drafts[step:step + DRAFTS]
+                draft = GrammarDraft(step, tokens, [toy_mask(t) for t in tokens])
+            if ev.finish == Finish.NONE:
+                self.loop.add_mask(self.request_id, step, toy_mask(token), draft)
 
 
 def run(engine, mode: str, requests: list[Request]) -> tuple[list[Result], dict]:
@@ -73,8 +104,11 @@ def run(engine, mode: str, requests: list[Request]) -> tuple[list[Result], dict]
         for i, r in enumerate(requests):
             res = Result([], [], [], Finish.NONE, TokenEvent([], []))
             event = threading.Event()
+            client = GrammarClient(loop, f"r{i}", r.client_drafts) if r.grammar else None
 
-            def sink(ev, res=res, event=event):
+            def sink(ev, res=res, event=event, client=client):
+                if client is not None:
+                    client.on_event(ev)
                 res.tokens += ev.token_ids
                 res.logprobs += ev.logprobs
                 res.tops += ev.top
@@ -89,7 +123,8 @@ def run(engine, mode: str, requests: list[Request]) -> tuple[list[Result], dict]
                 allowed = pack_mask(mask)
             seq = Sequence(f"r{i}", list(r.prompt), r.spec, r.max_tokens, r.stop_ids, sink,
                            fork_of=None if r.fork_of is None else f"r{r.fork_of}", prediction=list(r.prediction),
-                           allowed=allowed)
+                           allowed=allowed, constrained=r.grammar, drafts_with_masks=r.grammar,
+                           masks={0: toy_mask(r.prompt[-1])} if r.grammar else {})
             results.append(res)
             done.append(event)
             loop.submit(seq)
@@ -199,6 +234,26 @@ def test_prefix_hit_and_constant_mask(engine):
         on += result
     assert_same(on, off)
     assert all(t in allowed for t in on[2].tokens)
+
+
+@pytest.mark.parametrize("spec", [SamplingSpec(top_logprobs=2), SEEDED[2]], ids=["greedy", "seeded-penalties"])
+def test_constrained_drafts_with_a_mask_per_position(engine, spec):
+    """A constrained request whose client sends a draft with every mask, and the mask each draft token leads to
+    (a grammar's masks depend on the tokens taken: `toy_mask`), beside an unconstrained request: each draft
+    position is sampled under its own mask, so the output equals speculation off token for token — with drafts
+    that are the speculation-off answer (accepted whole) and the same answer wrong every 3rd token (rejected at
+    every offset)."""
+    base = [Request(prompt(21, 19), spec=spec, grammar=True), Request(prompt(22, 11), max_tokens=30)]
+    off, _ = run(engine, "off", base)
+    assert all(toy_mask_allows(p, t) for p, t in zip([base[0].prompt[-1], *off[0].tokens], off[0].tokens))
+    for drafts in (off[0].tokens, corrupt(off[0].tokens, 3)):
+        on, steps = run(engine, "always", [dataclasses.replace(base[0], client_drafts=drafts), base[1]])
+        assert_same(on, off)
+        assert steps["verify"] > 0 and steps["accepted_tokens"] > 0
+
+
+def toy_mask_allows(previous: int, token: int) -> bool:
+    return 3 <= token < 500 and (token + previous) % 3 != 0
 
 
 def test_every_program_run_is_in_the_compiled_grid(engine):
