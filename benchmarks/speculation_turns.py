@@ -5,7 +5,7 @@ speculation on and off, through the REST API. Not a test: prints a table and wri
 An agent's turns repeat their context: tool-call arguments quote the user's words and file paths seen before,
 JSON answers restate records the conversation holds, code is echoed. Each turn type here is a conversation of
 that kind (`TURNS`), sent one request at a time (a lone agent, where speculation matters most), greedy, several
-variants per type. Per type: output tokens per second of wall time, and from the worker's metrics the drafted and
+variants per type; the tool-call turns of a type continue one conversation, as an agent loop does. Per type: output tokens per second of wall time, and from the worker's metrics the drafted and
 accepted tokens and the decode steps (tokens per step).
 
     # against a running stack (speculation as it was started):
@@ -32,7 +32,7 @@ import urllib.request
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fleet_compare import REPO, _free_port, _free_run, _wait_ready  # noqa: E402
+from fleet_compare import REPO, _free_port, _free_run, _wait_ready
 
 CITIES = ["Reykjavik", "Ouagadougou", "Thiruvananthapuram", "Valparaiso", "Ulaanbaatar", "Antananarivo"]
 PATHS = ["src/gemma_serve/model_worker/scheduler.py", "tests/e2e/test_speculation_api.py",
@@ -53,8 +53,16 @@ CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(
         "    return 2 * (width + height)\n\n\ndef diagonal(width, height):\n    return (width ** 2 + height ** 2) ** 0.5\n")
 
 
-def _tool_turn(i: int, choice: str) -> dict:
-    """An agent that read files before and is asked for the next ones (the paths are in its context)."""
+def _tool_turn(i: int, choice: str, before: list[dict]) -> dict:
+    """An agent that read files before and is asked for the next ones (the paths are in its context). Turn i > 0
+    continues turn i - 1's conversation (`before`: its messages, its answer and the tool results), as an agent
+    loop resends its growing conversation (so the prefix cache holds most of the prompt)."""
+    city = CITIES[i % len(CITIES)]
+    ask = (f"Read {PATHS[(i + 3) % len(PATHS)]} lines 1 to 40, and get the weather in {city} for 3 days, metric. "
+           f"Earlier you called get_weather with {json.dumps({'city': city, 'days': 3, 'units': 'metric'})}.")
+    if before:
+        return {"messages": [*before, {"role": "user", "content": ask}], "tools": [READ, WEATHER],
+                "tool_choice": choice, "max_tokens": 96}
     history = []
     for j in range(3):
         path = PATHS[(i + j) % len(PATHS)]
@@ -62,16 +70,23 @@ def _tool_turn(i: int, choice: str) -> dict:
         history += [{"role": "assistant", "content": None, "tool_calls": [{"id": f"c{j}", "type": "function",
                      "function": {"name": "read_file", "arguments": args}}]},
                     {"role": "tool", "tool_call_id": f"c{j}", "content": f"(40 lines of {path})"}]
-    city = CITIES[i % len(CITIES)]
-    ask = (f"Read {PATHS[(i + 3) % len(PATHS)]} lines 1 to 40, and get the weather in {city} for 3 days, metric. "
-           f"Earlier you called get_weather with {json.dumps({'city': city, 'days': 3, 'units': 'metric'})}.")
     return {"messages": [{"role": "system", "content": "You are a coding agent. Call tools."},
                          {"role": "user", "content": "Look at the repository."}, *history,
                          {"role": "user", "content": ask}],
             "tools": [READ, WEATHER], "tool_choice": choice, "max_tokens": 96}
 
 
-def _json_turn(i: int) -> dict:
+def _continued(body: dict, reply: dict) -> list[dict]:
+    """The conversation after a tool-call turn: its messages, the answer, a result per call."""
+    msg = reply["choices"][0]["message"]
+    calls = msg.get("tool_calls") or []
+    out = [*body["messages"], {"role": "assistant", "content": msg.get("content"), **({"tool_calls": calls} if calls
+                                                                                      else {})}]
+    return out + [{"role": "tool", "tool_call_id": c["id"], "content": f"(result of {c['function']['name']})"}
+                  for c in calls]
+
+
+def _json_turn(i: int, before: list[dict]) -> dict:
     """Restate a record the conversation holds (as text and as JSON) under a schema."""
     record = {"name": f"Agent {i}", "city": CITIES[i % len(CITIES)], "role": "reviewer",
               "languages": ["Python", "Rust", "Go"][: 1 + i % 3], "years": 3 + i}
@@ -81,18 +96,21 @@ def _json_turn(i: int) -> dict:
             "max_tokens": 96}
 
 
-def _code_turn(i: int) -> dict:
+def _code_turn(i: int, before: list[dict]) -> dict:
     return {"messages": [{"role": "user", "content": f"Copy this code exactly (variant {i}):\n\n{CODE}"}],
             "max_tokens": 96}
 
 
-def _chat_turn(i: int) -> dict:
+def _chat_turn(i: int, before: list[dict] | None = None) -> dict:
     return {"messages": [{"role": "user", "content": f"Tell me about {CITIES[i % len(CITIES)]} in a few sentences."}],
             "max_tokens": 96}
 
 
-TURNS = {"tool_call_auto": lambda i: _tool_turn(i, "auto"), "tool_call_required": lambda i: _tool_turn(i, "required"),
+TURNS = {"tool_call_auto": lambda i, b: _tool_turn(i, "auto", b),
+         "tool_call_required": lambda i, b: _tool_turn(i, "required", b),
          "json_schema": _json_turn, "code_echo": _code_turn, "chat": _chat_turn}
+#: Turn types whose turns continue one conversation (an agent loop).
+CHAINED = ("tool_call_auto", "tool_call_required")
 
 
 def _post(base: str, body: dict, timeout: float) -> dict:
@@ -117,15 +135,17 @@ def _counters(metrics_url: str) -> dict[str, float]:
 
 def run_turns(base: str, metrics_url: str, model: str, variants: int, timeout: float) -> dict[str, dict]:
     """Every turn type, `variants` requests each, one at a time (one warm-up request first)."""
-    _post(base, {"model": model, **_chat_turn(99), "max_tokens": 8}, timeout)
+    _post(base, {"model": model, **_chat_turn(99), "max_tokens": 8}, timeout)  # warm-up
     results = {}
     for name, make in TURNS.items():
-        before, tokens, wall, answers = _counters(metrics_url), 0, 0.0, []
+        before, tokens, wall, answers, conversation = _counters(metrics_url), 0, 0.0, [], []
         for i in range(variants):
-            body = {"model": model, "temperature": 0, **make(i)}
+            body = {"model": model, "temperature": 0, **make(i, conversation)}
             t0 = time.perf_counter()
             reply = _post(base, body, timeout)
             wall += time.perf_counter() - t0
+            if name in CHAINED:
+                conversation = _continued(body, reply)
             tokens += reply["usage"]["completion_tokens"]
             msg = reply["choices"][0]["message"]
             answers.append(msg.get("content") or [c["function"] for c in msg.get("tool_calls") or []])
@@ -195,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             acc = "-" if on["acceptance"] is None else f"{on['acceptance']:.2f}"
             per = "-" if on["tokens_per_step"] is None else f"{on['tokens_per_step']:.1f}"
             print(f"{name:20s} {on['tok_s']:9.1f} {off['tok_s']:9.1f} {on['tok_s'] / off['tok_s']:6.2f}x "
-                  f"{acc:>10s} {per:>11s} {str(on['answers'] == off['answers']):>12s}")
+                  f"{acc:>10s} {per:>11s} {'yes' if on['answers'] == off['answers'] else 'NO':>12s}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
