@@ -1,7 +1,10 @@
-"""Shared fixtures: the embedded model prepared once per session in a repo-local cache, and the references.
+"""Shared fixtures: the embedded model prepared once per session in the user's cache, and the references.
 
-The cache lives in `<repo>/.cache/test` (or $GEMMA_SERVE_TEST_CACHE): prepared weights, the tokenizer and JAX's
-persistent compilation cache survive between runs on the same clone; a fresh clone (CI) builds them once. The
+The cache lives in `test/` of the serving cache (`common.preparation.default_cache_dir`: `$GEMMA_SERVE_CACHE`, else
+`~/.cache/gemma-serve`), or in $GEMMA_SERVE_TEST_CACHE: prepared weights, the tokenizer, the float32 reference copy,
+the stacks' compiled executables and JAX's persistent compilation cache survive between runs and between clones
+on one machine, as pip's wheel cache does (every entry is keyed by what it was built from: a changed program
+compiles again); a new machine (CI) builds them once (figures: docs/performance.md, "Test suite"). The
 order of the tests and the lanes of `make test` are the business of tests/plugins/scheduling.py; the shared gguf-py
 readers, of tests/plugins/gguf_readers.py.
 """
@@ -14,6 +17,8 @@ import pathlib
 
 import pytest
 
+from common.preparation import default_cache_dir
+
 # References load from local files only; never reach for the Hugging Face Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -23,7 +28,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CACHE = pathlib.Path(os.environ.get("GEMMA_SERVE_TEST_CACHE") or REPO / ".cache" / "test")
+CACHE = pathlib.Path(os.environ.get("GEMMA_SERVE_TEST_CACHE") or default_cache_dir() / "test")
 # JAX's persistent compilation cache from a process's first compile (`model_worker.engine.enable_compilation_cache`
 # through JAX's environment variables, read when jax is imported), not only once a test asks for `cache_dir`: a
 # program another module, process or run compiled then loads in a fraction of its compile time, whatever order

@@ -127,3 +127,28 @@ def test_constrained_answers_draft_and_match_answers_that_cannot(client, stack):
                 [c.function.arguments for c in alone.message.tool_calls or []]
             assert [c.logprob for c in other.logprobs.content or []] == [c.logprob for c in alone.logprobs.content or []]
         assert drafted > 0, f"{extra}: drafts were accepted alone"
+
+
+def test_stop_strings_n_and_penalties_match_answers_that_cannot_draft(client, stack):
+    """Stop strings (one inside a drafted run), `n` = 2 with seeded sampling, and penalties with logit_bias, on a
+    prompt the model echoes (so drafts are accepted): each alone, where its rows fit a verify step, and three at
+    once, where they do not and nothing is verified — the same choices, text and logprobs."""
+    import concurrent.futures
+
+    cases = [dict(stop=["perimeter"], temperature=0),
+             dict(n=2, temperature=0.9, top_p=0.95, seed=7),
+             dict(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={"2": -5})]
+    before = accepted_drafts(stack)
+    for extra in cases:
+        kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=40, logprobs=True, **extra)
+        alone = client.chat.completions.create(**kwargs).choices
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            crowd = [f.result().choices for f in [pool.submit(client.chat.completions.create, **kwargs)
+                                                  for _ in range(3)]]
+        for choices in crowd:
+            assert [c.message.content for c in choices] == [c.message.content for c in alone], extra
+            assert [[t.logprob for t in c.logprobs.content] for c in choices] == \
+                [[t.logprob for t in c.logprobs.content] for c in alone], extra
+        if "stop" in extra:
+            assert "perimeter" not in alone[0].message.content and alone[0].finish_reason == "stop"
+    assert accepted_drafts(stack) > before, "drafts were verified and accepted alone"
