@@ -26,7 +26,7 @@ from model_worker.kv_cache import (
 )
 from model_worker.layers import joint, rms_norm
 from model_worker.params import LayerParams
-from model_worker.quant import linear
+from model_worker.quant import gemm_row_pad, linear
 
 # Finite "minus infinity": a fully masked row (a padded query) then gives a uniform softmax instead of NaN.
 MASK_VALUE = -1e30
@@ -351,8 +351,8 @@ def _attend_blocks(q, arrays, row, q_pos, block: int, bound: int, window, scale:
 # Every query's attention is the same sequence of operations whatever chunk, batch or program computes it: keys are
 # visited in blocks aligned to absolute positions (block b holds positions [b * T0, (b + 1) * T0), in position order
 # within the block), in ascending order, with an online softmax; scores and P·V are bfloat16 products with float32
-# sums (XLA CPU's bfloat16 GEMM computes each output row independently of the other rows and of their number:
-# tests/model_worker/test_batch_invariance.py pins it), and the softmax denominator is one more column of the P·V
+# sums on a row count that is a multiple of `quant.GEMM_ROW_MULTIPLE` (for which XLA CPU's bfloat16 GEMM computes
+# each output row independently of the other rows: tests/model_worker/test_batch_invariance.py pins it), and the softmax denominator is one more column of the P·V
 # product (a sum of the same rounded probabilities, not a separate reduction). Blocks that hold no visible key
 # change nothing bit for bit: before the first visible block they are erased by the rescale exp(-1e30 - m) = 0,
 # after it they add exact zeros with a rescale of exactly 1. So the result depends only on the visible keys.
@@ -397,7 +397,7 @@ def attend_position_blocks(q, read_block, q_pos, first: jax.Array, count: jax.Ar
     C, N, D = q.shape
     K = kv_heads
     G = N // K
-    pad = 2 - C * G if C * G < 2 else 0  # one output row would take XLA's matrix-vector product, not the GEMM
+    pad = gemm_row_pad(C)  # C * G GEMM rows, a multiple of GEMM_ROW_MULTIPLE whatever G
     qb = jnp.pad(q.astype(jnp.bfloat16), ((0, pad), (0, 0), (0, 0))).reshape(C + pad, K, G, D)
     qp = jnp.pad(q_pos, (0, pad), constant_values=-1)
 

@@ -226,11 +226,17 @@ class StepCosts:
         decode = self.seconds.get(("decode", batch))
         return None if decode is None else decode * self.PRIOR_RATIO
 
-    def worth_verifying(self, batch: int, rows: int, expected_tokens: float) -> bool:
+    def worth_verifying(self, batch: int, rows: int, expected_tokens: float, beside_chunk: bool = False) -> bool:
         """Whether a verify step expected to emit `expected_tokens` for `rows` sequences (batch bucket `batch`)
         gives more tokens per second than a plain decode step of them. A batch size whose decode step was never
-        measured decodes plainly first (so there is something to compare with)."""
+        measured decodes plainly first (so there is something to compare with).
+
+        `beside_chunk`: the iteration also computes a prompt chunk, where the rows would ride in the chunk's
+        mixed pass almost for free (docs/performance.md, "Mixed step"); verifying them takes a step of its own,
+        so only the tokens beyond the rows' one each count against its whole time."""
         decode, verify = self.estimate("decode", batch), self.estimate("verify", batch)
         if decode is None or verify is None:
             return False
+        if beside_chunk:
+            return (expected_tokens - rows) / verify > rows / decode
         return expected_tokens / verify > rows / decode

@@ -390,22 +390,25 @@ class EngineLoop:
         for src, dst in work.copies:
             self.engine.copy_slot(src=src, dst=dst)
         chunk, decode = work.chunk, work.decode
+        verify = bool(decode) and self._worth_verifying(work)
         batch = DecodeBatch([s.row for s in decode], [s.tokens[-1] for s in decode], [s.num_computed for s in decode],
                             [s.num_computed >= len(s.prompt) for s in decode])
         computing, decoding = None, None
         if chunk is not None:
-            if decode:  # one mixed pass: a budget-sized chunk + the decode rows
+            if decode and not verify:  # one mixed pass: a budget-sized chunk + the decode rows
                 pending, result.computed, decoding = self.engine.dispatch_mixed(chunk=chunk.rows, batch=batch)
             else:
                 pending, result.computed = self.engine.dispatch_compute(chunk=chunk.rows)
             computing = pending
             if chunk.snapshot_to is not None and chunk.snapshot_due(result.computed):  # pin the shared prefix
                 self.engine.copy_slot(src=chunk.rows.slot, dst=chunk.snapshot_to)
-        elif decode and self._worth_verifying(work):
-            return self._run_verify(work, result)
-        elif decode:
+        elif decode and not verify:
             started = time.perf_counter()
             decoding = self.engine.dispatch_decode(batch=batch)
+        if verify:
+            if chunk is not None and computing is not None:
+                result.compute_sample = self._sample_chunk(chunk.seq, computing, result.computed)
+            return self._run_verify(work, result, timed=chunk is None)
         if decoding is not None:
             self._await_constraints(decode)
         if chunk is not None and computing is not None:
@@ -428,15 +431,15 @@ class EngineLoop:
         drafter = self.scheduler.drafter
         expected = len(work.decode) - len(drafted) + sum(drafter.expected_tokens(r, k) for r, k in drafted)
         if any(drafter.probe_due(r) for r, _ in drafted) or self.costs.worth_verifying(
-                len(work.decode), len(work.decode), expected):
+                len(work.decode), len(work.decode), expected, beside_chunk=work.chunk is not None):
             return True
         for r, _ in drafted:
             drafter.passed_over(r)
         return False
 
-    def _run_verify(self, work: Work, result: StepResult) -> StepResult:
+    def _run_verify(self, work: Work, result: StepResult, timed: bool = True) -> StepResult:
         """A decode step that verifies drafts (`Engine.dispatch_verify`, `Engine.sample_verify`); its cost goes to
-        `self.costs`."""
+        `self.costs` when `timed` (not after a chunk dispatched in the same iteration, whose time it would hold)."""
         decode = work.decode
         started = time.perf_counter()
         pending = self.engine.dispatch_verify(batch=VerifyBatch(
@@ -447,7 +450,8 @@ class EngineLoop:
         result.verify_sample = self.engine.sample_verify(
             pending, sampling=verify_sampling(decode, work.draft_masks, self.vocab),
             clear_penalties=[s.clear_penalties for s in decode], active=result.active)
-        self.costs.observe("verify", len(decode), time.perf_counter() - started)
+        if timed:
+            self.costs.observe("verify", len(decode), time.perf_counter() - started)
         return result
 
     def _sample_chunk(self, seq: Sequence, pending: engine_api.Pending, n: int) -> engine_api.HostOutput | None:

@@ -138,8 +138,8 @@ class Bf16Weight:
     Attributes:
       w: bfloat16 [N, K], Hugging Face [out, in] orientation like `Int8Weight` (each value the float32 weight
         rounded to nearest-even bfloat16).
-      row_invariant: static; every product on the GEMM, a single row padded to two (`bf16_linear`), for the
-        batch-invariant mode.
+      row_invariant: static; every product on the GEMM, its rows padded to a multiple of `GEMM_ROW_MULTIPLE`
+        (`bf16_linear`), for the batch-invariant mode.
     """
 
     w: jax.Array
@@ -473,6 +473,20 @@ def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BY
     return y.reshape(*lead, n)
 
 
+# The batch-invariant path runs every bfloat16 GEMM on a row count that is a multiple of this. XLA CPU's bfloat16
+# GEMM computes a row independently of the other rows for such counts on every CPU checked (an AMD EPYC Zen 4:
+# any count from 2; an Intel Xeon with AMX, whose kernels give rows of a count that is 1 or 2 more than a multiple
+# of 4 (m = 2, 17, 18, ...) other bits); tests/model_worker/test_batch_invariance.py pins it on the machine
+# running the tests, and docs/architecture.md ("bfloat16 matmul precision with batch invariance") says why.
+GEMM_ROW_MULTIPLE = 4
+
+
+def gemm_row_pad(rows: int) -> int:
+    """How many zero rows the batch-invariant path appends to a product of `rows` rows (see
+    `GEMM_ROW_MULTIPLE`)."""
+    return -rows % GEMM_ROW_MULTIPLE
+
+
 def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
     """y = x Wᵀ at bfloat16 matmul precision: y[n] = Σ_k bf16(x[k]) · W[n, k], products and sums in float32
     (what jax's `Precision.DEFAULT` means on TPU, and how GPU servers run bf16 checkpoints).
@@ -485,9 +499,10 @@ def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
       [..., N]. From 2 rows up, one bfloat16 GEMM: XLA CPU's computes each output row independently of the other
       rows and of their number (tests/model_worker/test_batch_invariance.py pins it). One row on CPU: the weight
       converted to float32 in front of a float32 product, which XLA fuses into its matrix-vector loop (its
-      bfloat16 matrix-vector product is many times slower), unless `w.row_invariant`: then the row is padded to
-      two and takes the GEMM too, so that its result equals the same row's in any batch (`--batch-invariant`;
-      a B=1 decode step's LM head then runs at GEMM speed; figures: docs/performance.md).
+      bfloat16 matrix-vector product is many times slower). With `w.row_invariant` the rows are padded with
+      zeros to a multiple of `GEMM_ROW_MULTIPLE` and always take the GEMM, so that a row's result equals the
+      same row's in any batch (`--batch-invariant`; a B=1 decode step's LM head then runs at GEMM speed;
+      figures: docs/performance.md).
     Raises:
       ValueError: x's last axis is not K.
     """
@@ -498,8 +513,8 @@ def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
     xb = x.reshape(-1, k).astype(jnp.bfloat16)
     rows = xb.shape[0]
     gemm = lambda xb, wb: lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    if rows == 1 and w.row_invariant:  # the matrix-vector product sums in another order than the GEMM
-        y = gemm(jnp.concatenate([xb, jnp.zeros_like(xb)]), w.w)[:1]
+    if w.row_invariant and gemm_row_pad(rows):  # rows in a count whose GEMM kernels treat every row alike
+        y = gemm(jnp.pad(xb, ((0, gemm_row_pad(rows)), (0, 0))), w.w)[:rows]
     elif rows == 1:
         one_row = lambda xb, wb: _matmul_t(xb.astype(jnp.float32), wb.astype(jnp.float32))
         y = lax.platform_dependent(xb, w.w, cpu=one_row, default=gemm)

@@ -104,8 +104,8 @@ class Work:
       emissions: events made while scheduling (forced tokens appended, sequences they ended), to publish before
         the step runs.
       drafts: per `decode` sequence, draft tokens to verify after its pending token (speculative decoding; empty
-        lists when it has none, and no entries at all when the step has a chunk or too many rows); the loop
-        decides whether the step verifies them.
+        lists when it has none, and no entries at all when the step has too many rows); the loop decides whether
+        the step verifies them (beside a chunk too: then the chunk runs alone and the rows in a verify step).
       draft_masks: per `decode` sequence with `drafts`, the masks of the positions after its drafts
         (`GrammarDraft.masks`, one per draft token) for a constrained sequence; empty for any other.
     """
@@ -214,7 +214,7 @@ class Scheduler:
             chunk = self._plan_chunk(compute, self.token_budget if decode else None)
         drafts: list[list[int]] = []
         draft_masks: list[list[np.ndarray]] = []
-        if chunk is None and decode and len(decode) <= self.max_verify_batch:
+        if decode and len(decode) <= self.max_verify_batch:
             drafts = [self._draft(seq) for seq in decode]
             draft_masks = [self._draft_masks(seq, len(d)) for seq, d in zip(decode, drafts)]
         return Work(copies=copies, decode=decode, chunk=chunk, admitted=admitted, emissions=emissions,

@@ -56,6 +56,7 @@ class FakeEngine:
         self.ecfg, self.vocab, self.step_delay = ecfg, vocab, step_delay
         self.cfg = FakeModelConfig(vocab)
         self.calls = {"compute": 0, "decode": 0, "copy": 0}
+        self.order: list[str] = []  # "compute", "decode", "verify" per dispatch, in order (a mixed call: both)
         self.verify_delay = step_delay  # seconds a verify step waits (`step_delay` unless a test sets it)
         self.prompt_tokens = 0  # prompt (not generated) tokens computed, in chunks and decode rows
         self.chunks: list[tuple[int, int, int]] = []  # (slot, start position, tokens consumed) per compute call
@@ -81,6 +82,7 @@ class FakeEngine:
         self.entered.set()
         self.gate.wait()
         self.calls["compute"] += 1
+        self.order.append("compute")
         n = min(self.ecfg.chunk, len(chunk.token_ids))
         self.prompt_tokens += sum(not o for o in chunk.is_output[:n])
         self.chunks.append((chunk.slot, chunk.start, n))
@@ -92,6 +94,7 @@ class FakeEngine:
         if self.step_delay:
             threading.Event().wait(self.step_delay)
         self.calls["decode"] += 1
+        self.order.append("decode")
         self.prompt_tokens += sum(not o for o in batch.is_output)
         return types.SimpleNamespace(last=list(batch.tokens), logprob=-0.25)
 
@@ -118,6 +121,7 @@ class FakeEngine:
         if self.verify_delay:
             threading.Event().wait(self.verify_delay)
         self.calls["verify"] = self.calls.get("verify", 0) + 1
+        self.order.append("verify")
         self.prompt_tokens += sum(not o for o in batch.is_output)
         return types.SimpleNamespace(rows=[list(t) for t in batch.tokens], logprob=-0.25)
 

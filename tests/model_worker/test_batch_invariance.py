@@ -4,8 +4,8 @@ any alignment (a prefix hit against a cold run), or in a mixed step - for the em
 configs (sliding and full layers, KV sharing, PLE). Equality is exact (`np.array_equal`), not within a tolerance.
 
 The kernel-level tests pin what the design relies on (docs/architecture.md, "bfloat16 matmul precision with batch
-invariance"): XLA CPU's bfloat16 GEMM computes each output row independently of the other rows and of their
-number (from 2 rows up), and `layers.fixed_order_sum` is one order whatever the array's shape.
+invariance"): XLA CPU's bfloat16 GEMM computes each output row independently of the other rows for row counts
+that are a multiple of `quant.GEMM_ROW_MULTIPLE`, and `layers.fixed_order_sum` is one order whatever the array's shape.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from model_worker.hf_loader import load_checkpoint
 from model_worker.kv_cache import KVCache
 from model_worker.layers import fixed_order_sum
 from model_worker.params import for_matmul_precision, to_device
+from model_worker.quant import GEMM_ROW_MULTIPLE, Bf16Weight, bf16_linear
 from tests.gemma4_tiny import CONFIGS, write_checkpoint
 
 pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
@@ -32,18 +33,34 @@ SLOTS = 4
 
 @pytest.mark.parametrize("n,k", [(1024, 640), (640, 2048), (300, 256)])
 def test_bf16_gemm_rows_do_not_depend_on_the_other_rows(n, k):
-    """Row 0 of x Wᵀ (bfloat16 operands, float32 sums) is bit-identical for 2 to 64 rows, with random neighbours,
-    and at another row index: the property every product of the batch-invariant path relies on. (One row takes
-    XLA's matrix-vector product, which sums in another order: `quant.bf16_linear` pads it to two.)"""
+    """Row r of x Wᵀ (bfloat16 operands, float32 sums) is bit-identical for every row count that is a multiple of
+    `quant.GEMM_ROW_MULTIPLE` (4 to 132), with random neighbours, at the first, last and a random row index: the
+    property every product of the batch-invariant path relies on (`quant.bf16_linear` and the attention pad their
+    rows to such a count). It holds on CPUs whose kernels treat other counts differently (an Intel Xeon with AMX:
+    2, 17 and 18 rows each give other bits), which is why counts are padded, not taken as they come."""
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((n, k), np.float32)).astype(jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((64, k), np.float32)).astype(jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((1, k), np.float32)).astype(jnp.bfloat16)
     dot = jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
-    ref = np.asarray(dot(x[:2], w))[0]
-    for m in (2, 3, 8, 17, 64):
-        others = jnp.asarray(rng.standard_normal((m - 1, k), np.float32)).astype(jnp.bfloat16)
-        assert np.array_equal(np.asarray(dot(jnp.concatenate([x[:1], others]), w))[0], ref), m
-        assert np.array_equal(np.asarray(dot(jnp.concatenate([others, x[:1]]), w))[-1], ref), m
+    step = GEMM_ROW_MULTIPLE
+    ref = np.asarray(dot(jnp.pad(x, ((0, step - 1), (0, 0))), w))[0]
+    for m in (step, 2 * step, 3 * step, 4 * step + step, 8 * step, 33 * step):
+        for r in sorted({0, m - 1, int(rng.integers(m))}):
+            rows = jnp.asarray(rng.standard_normal((m, k), np.float32)).astype(jnp.bfloat16).at[r].set(x[0])
+            assert np.array_equal(np.asarray(dot(rows, w))[r], ref), (m, r)
+
+
+def test_bf16_linear_rows_are_invariant_for_any_count():
+    """`quant.bf16_linear` with `row_invariant`: a row's result is the same alone and among 1 to 19 other rows (the
+    counts a decode step, a verify step or a mixed step can have), because every count is padded."""
+    rng = np.random.default_rng(2)
+    w = Bf16Weight(jnp.asarray(rng.standard_normal((300, 256), np.float32)).astype(jnp.bfloat16), row_invariant=True)
+    x = jnp.asarray(rng.standard_normal((20, 256), np.float32))
+    f = jax.jit(bf16_linear, static_argnums=2)
+    alone = np.asarray(f(x[:1], w, jnp.float32))[0]
+    for m in range(2, 21):
+        assert np.array_equal(np.asarray(f(x[:m], w, jnp.float32))[0], alone), m
+        assert np.array_equal(np.asarray(f(jnp.roll(x[:m], -1, axis=0), w, jnp.float32))[m - 1], alone), m
 
 
 def test_fixed_order_sum_is_one_order_for_every_shape():

@@ -80,6 +80,8 @@ def test_step_costs_decide_from_tokens_per_second():
     assert costs.estimate("verify", 1) == pytest.approx(0.075), "the prior until a verify step is measured"
     costs.observe("verify", 1, 0.065)
     assert costs.worth_verifying(1, 1, 1.5) and not costs.worth_verifying(1, 1, 1.2)
+    assert not costs.worth_verifying(1, 1, 1.5, beside_chunk=True), "beside a chunk the row's own token is free"
+    assert costs.worth_verifying(1, 1, 3.0, beside_chunk=True)
 
 
 def spec_engine(max_verify_batch: int = 2, step_delay: float = 0.0, verify_delay: float | None = None) -> FakeEngine:
@@ -123,6 +125,18 @@ def test_verified_drafts_give_exactly_the_plain_output_in_fewer_steps():
     assert len(spec[0].tokens) == 12, "max_tokens holds with drafts"
     assert fake.calls.get("verify", 0) > 0 and loop.steps["accepted_tokens"] > 0
     assert fake.calls["decode"] + fake.calls.get("verify", 0) < plain_fake.calls["decode"]
+
+
+def test_drafts_are_verified_beside_a_prompt_chunk_with_the_plain_output():
+    """A row decoding with drafts while another request's long prompt is computed chunk by chunk: the iteration
+    computes the chunk and then verifies the row's drafts (instead of carrying the row in the mixed pass), and
+    both outputs equal speculation off."""
+    requests = [("a", LOOPING, 12, {}), ("b", list(range(30, 70)), 4, {})]
+    plain, _, _ = run("off", requests)
+    spec, fake, _ = run("always", requests)
+    assert [s.tokens for s in spec] == [p.tokens for p in plain]
+    pairs = list(zip(fake.order, fake.order[1:]))
+    assert ("compute", "verify") in pairs, f"no verify step right after a chunk: {fake.order}"
 
 
 def test_no_verify_step_beyond_the_largest_verify_batch():
