@@ -1,0 +1,121 @@
+"""The block-int8 product (model_worker/q8.py): the CPU kernel built on first use equals its pure-JAX twin bit for
+bit on every CPU path, a row's result never depends on the rows beside it, both stay within Q8_0's error of the
+float product (an independent numpy float64 reference), a machine without a compiler runs the twin, and programs
+lowered for TPU/GPU contain no custom call."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_worker import q8
+
+pytestmark = pytest.mark.skipif(not q8.kernel_available(), reason="no C++ compiler: the kernel cannot be built here")
+
+SHAPES = [(1, 300, 256), (2, 1024, 640), (5, 65, 2048), (16, 8, 32), (9, 4096, 640), (13, 640, 6144)]
+
+
+def operands(m: int, n: int, k: int, seed: int = 0):
+    """Random activations [m, k] quantized by `quantize_blocks`, int8 weights in [-127, 127] and their scales."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1)).astype(np.float32))
+    xq, xs = jax.jit(q8.quantize_blocks)(x)
+    wq = jnp.asarray(rng.integers(-127, 128, (n, k)).astype(np.int8))
+    ws = jnp.asarray(rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float32))
+    return x, xq, xs, wq, ws
+
+
+def kernel(path: int):
+    return jax.jit(lambda *a: q8.q8_matmul_kernel(*a, path=path))
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_kernel_equals_the_twin_on_every_path(m, n, k):
+    """Every path (scalar, AVX2, AVX-512 VNNI; one the CPU lacks falls back) gives the twin's bits."""
+    _, xq, xs, wq, ws = operands(m, n, k)
+    twin = np.asarray(jax.jit(q8.q8_matmul_twin)(xq, xs, wq, ws))
+    for name, path in q8.PATHS.items():
+        assert np.array_equal(np.asarray(kernel(path)(xq, xs, wq, ws)), twin), name
+
+
+def test_the_path_is_chosen_by_the_environment(monkeypatch):
+    """`GEMMA_SERVE_Q8_PATH` reaches the kernel through `q8_matmul`; an unknown name is refused with the choices."""
+    _, xq, xs, wq, ws = operands(3, 200, 640)
+    twin = np.asarray(jax.jit(q8.q8_matmul_twin)(xq, xs, wq, ws))
+    for name in ("scalar", "avx2", "vnni"):
+        monkeypatch.setenv("GEMMA_SERVE_Q8_PATH", name)
+        assert q8.kernel_path() == q8.PATHS[name]
+        assert np.array_equal(np.asarray(jax.jit(q8.q8_matmul)(xq, xs, wq, ws)), twin), name
+    monkeypatch.setenv("GEMMA_SERVE_Q8_PATH", "sse9")
+    with pytest.raises(ValueError, match="scalar"):
+        q8.kernel_path()
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    """Row r computed alone, among 1-15 other rows, at another index: the same bits, kernel and twin."""
+    _, xq, xs, wq, ws = operands(16, 512, 640, seed=3)
+    for f in (kernel(0), jax.jit(q8.q8_matmul_twin)):
+        alone = np.asarray(f(xq[:1], xs[:1], wq, ws))[0]
+        for m in (2, 3, 5, 8, 13, 16):
+            order = np.roll(np.arange(m), m // 2)  # row 0 lands at index m - m // 2
+            out = np.asarray(f(xq[:m][order], xs[:m][order], wq, ws))
+            assert np.array_equal(out[int(np.argmin(order))], alone), m
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES[:4])
+def test_close_to_the_float_product(m, n, k):
+    """Against numpy float64 on the dequantized weights: Q8_0 activations cost at most ~1% of the output scale
+    (each value rounded to 1/254 of its block's range)."""
+    x, xq, xs, wq, ws = operands(m, n, k, seed=7)
+    w = np.asarray(wq, np.float64) * np.repeat(np.asarray(ws, np.float64), 32, axis=1)
+    ref = np.asarray(x, np.float64) @ w.T
+    out = np.asarray(kernel(0)(xq, xs, wq, ws), np.float64)
+    assert np.abs(out - ref).max() <= 0.01 * np.abs(ref).max()
+
+
+def test_quantize_blocks_matches_q8_0():
+    """Scale = max|x| / 127 per block of 32, values round(x / scale) in [-127, 127]; an all-zero block is 0."""
+    x = np.zeros((2, 64), np.float32)
+    x[0, :32] = np.linspace(-3, 2, 32)
+    xq, xs = (np.asarray(a) for a in q8.quantize_blocks(jnp.asarray(x)))
+    assert xs[0, 0] == np.float32(3) / np.float32(127) and xs[0, 1] == 0 and xs[1].tolist() == [0, 0]
+    assert xq[0, 0] == -127 and np.abs(xq).max() == 127 and not xq[0, 32:].any() and not xq[1].any()
+    np.testing.assert_allclose(xq[0, :32] * xs[0, 0], x[0, :32], atol=xs[0, 0] / 2 + 1e-7)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8.quantize_blocks(jnp.zeros((1, 40)))
+
+
+def test_without_a_compiler_the_twin_serves(monkeypatch, tmp_path, caplog):
+    """A failed build (the compiler missing) is one warning and no library; `GEMMA_SERVE_Q8_KERNEL=off` makes
+    `q8_matmul` the twin, with the same bits as the kernel."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="model_worker.q8"):
+        assert q8._build(tmp_path) is None
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] and "twin" in caplog.text
+    _, xq, xs, wq, ws = operands(4, 96, 640)
+    monkeypatch.setenv("GEMMA_SERVE_Q8_KERNEL", "off")
+    q8.kernel_available.cache_clear()
+    try:
+        assert not q8.kernel_available()
+        text = jax.jit(q8.q8_matmul).lower(xq, xs, wq, ws).as_text()
+        assert "custom_call" not in text
+        assert np.array_equal(np.asarray(jax.jit(q8.q8_matmul)(xq, xs, wq, ws)),
+                              np.asarray(kernel(0)(xq, xs, wq, ws)))
+    finally:
+        monkeypatch.undo()
+        q8.kernel_available.cache_clear()
+        assert q8.kernel_available()
+
+
+def test_programs_for_tpu_and_gpu_contain_no_custom_call():
+    """Lowered on this CPU for CPU, the product calls the kernel; lowered for TPU or CUDA, only XLA ops."""
+    _, xq, xs, wq, ws = operands(2, 64, 256)
+    traced = jax.jit(q8.q8_matmul).trace(xq, xs, wq, ws)
+    assert q8.TARGET in traced.lower(lowering_platforms=("cpu",)).as_text()
+    for platform in ("tpu", "cuda"):
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert "custom_call" not in text and q8.TARGET not in text, platform
