@@ -10,10 +10,14 @@ import pytest
 pytestmark = pytest.mark.slow
 PROMPT = "The history of the city begins"
 # |our logprob - transformers' float32 one|: the stack runs the default bfloat16 products (batch-invariant), whose
-# logits sit within a mean of ~0.04 of float32's on this model (tests/model_worker/test_gemma3_numerics.py); on this
-# short prompt the largest logprob difference measured 0.014. A wrong formula (a temperature applied to logprobs, a
-# missing normalisation, an off-by-one position) moves them by tenths or more.
-LOGPROB_TOL = 0.05
+# logits sit within a mean of ~0.04 and a max of ~0.55 of float32's on this model
+# (tests/model_worker/test_gemma3_numerics.py). On this short prompt the largest difference over the 6 x 5 logprobs
+# measured 0.014 on an AMD EPYC Zen 4 and 0.056 on an Intel Xeon with AMX: the two CPUs' bfloat16 GEMMs sum in
+# different orders, which flips some bfloat16 roundings of later activations, so which logprob lands near the
+# error's tail differs by machine (the float32 reference itself moved by < 1e-5 against float64 there). A wrong
+# formula (a temperature applied to logprobs, a missing normalisation, an off-by-one position) moves them by tenths
+# or more.
+LOGPROB_TOL = 0.1
 
 
 @pytest.fixture(scope="module")
