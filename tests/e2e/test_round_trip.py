@@ -24,6 +24,7 @@ a smaller `max_tokens` reproduces the same tokens: the cut cases cut a known ans
 from __future__ import annotations
 
 import json
+import pathlib
 import uuid
 
 import openai
@@ -194,13 +195,43 @@ def test_gemma4_text_then_calls(gemma4):
     send_back(client, chunk, CITIES, r, salt, tools=[G4_WEATHER])
 
 
-def test_gemma4_thought_then_call(gemma4):
+#: Control tokens the template writes for a thought then one call (the call's grammar holds its own tokens to
+#: these), and the tokens that end the turn.
+G4_ANSWER_CONTROLS = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>',
+                      "<|tool_response>", "<turn|>", "<eos>"}
+
+
+def control_spellings(stack) -> set[str]:
+    """The spellings of the control tokens of a checkpoint stack's tokenizer (its `--model` directory)."""
+    args = list(stack.proc.args)
+    data = json.loads((pathlib.Path(args[args.index("--model") + 1]) / "tokenizer.json").read_text())
+    return {t["content"] for t in data["added_tokens"] if t["special"]}
+
+
+def test_gemma4_thought_then_call(gemma4, gemma4_stack):
     """Thinking on; the model is nudged to open its thought channel (+100 on `<|channel>`) and to close it soon
-    (+15 on `<channel|>`); the thought comes back in the tool-result turn, where the template writes it."""
+    (+15 on `<channel|>`); the thought comes back in the tool-result turn, where the template writes it.
+
+    The random model may sample any of the vocabulary's reserved control tokens (`<unusedN>`, some 6,000) in its
+    thought; the text leaves it out, the template renders no such token, so those ids are rightly never used
+    (Segment.fallback) and the turn is re-tokenized. Which seed's answer holds one depends on the CPU (its float
+    summation order), so the seed is the first whose answer's control tokens are exactly the thought channel's
+    and the call's (a probe with `skip_special_tokens` off spells them; the same seed under a fresh salt gives
+    the same tokens)."""
     client, chunk = gemma4
+    controls = control_spellings(gemma4_stack[0])
+    kw = {"tools": [G4_WEATHER], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 100,
+          "temperature": 1.0, "reasoning_effort": "high", "logit_bias": {"100": 100, "101": 15}}
+    for seed in range(40):
+        probe = ask(client, CITIES, fresh(), seed=seed, logprobs=True,
+                    extra_body={"skip_special_tokens": False}, **kw)
+        spelled = [t.token for t in probe.choices[0].logprobs.content if t.token in controls]
+        if spelled[:2] == ["<|channel>", "<channel|>"] and set(spelled) <= G4_ANSWER_CONTROLS:
+            break
+    else:
+        pytest.fail("no seed in 40 gave a thought without a stray control token")
     salt = fresh()
-    r = ask(client, CITIES, salt, tools=[G4_WEATHER], tool_choice="required", parallel_tool_calls=False,
-            max_tokens=100, temperature=1.0, seed=0, reasoning_effort="high", logit_bias={"100": 100, "101": 15})
+    r = ask(client, CITIES, salt, seed=seed, **kw)
     message = r.choices[0].message.model_dump()
     assert message.get("reasoning_content") and message["tool_calls"], message
     send_back(client, chunk, CITIES, r, salt, tools=[G4_WEATHER], reasoning_effort="high")
