@@ -30,11 +30,14 @@ import sys
 import time
 from collections.abc import Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags  # noqa: E402
+
+add_xla_flags(*INVARIANT_CPU_FLAGS)  # the worker's XLA options, before jax starts
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from common.preparation import default_cache_dir  # noqa: E402
 from model_worker import sharding  # noqa: E402
@@ -46,7 +49,7 @@ from model_worker.sampling import SamplingArrays  # noqa: E402
 
 def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "float32", invariant: bool = False):
     """(config, params) for the embedded model, a .gguf, or a checkpoint directory, at the worker's
-    `--matmul-precision` `precision` ("float32" or "bfloat16") and `--batch-invariant` `invariant` (see
+    `--matmul-precision` `precision` ("float32", "bfloat16" or "int8") and `--batch-invariant` `invariant` (see
     `params.for_matmul_precision`). A directory (checkpoint or prepared) is read as it is; a GGUF gets the worker's
     prepared weights (built once in `cache_dir`)."""
     from common import preparation
@@ -219,8 +222,8 @@ def device_label(tensor_parallel: int) -> str:
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """The arguments both benchmarks take (model, precision, tensor parallelism, outputs)."""
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--matmul-precision", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--batch-invariant", action="store_true", help="with --matmul-precision bfloat16")
+    parser.add_argument("--matmul-precision", default="float32", choices=["float32", "bfloat16", "int8"])
+    parser.add_argument("--batch-invariant", action="store_true", help="with --matmul-precision bfloat16 or int8")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the engine over N devices (EngineConfig.tensor_parallel); bytes per step and "
                              "the bandwidth fraction are then per device (the fullest)")

@@ -35,7 +35,7 @@ def timed(f, *args, repeat: int) -> float:
 def main() -> None:
     """Print one line per (shape, rows): kernel, twin and bfloat16 GEMM times and the kernel's GB/s."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64])
     ap.add_argument("--repeat", type=int, default=20)
     args = ap.parse_args()
     print(f"kernel available: {q8.kernel_available()}")
@@ -47,11 +47,12 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         wq = jnp.asarray(rng.integers(-127, 128, (n, k)).astype(np.int8))
         ws = jnp.asarray(rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float32))
+        wt, st = (jnp.asarray(a) for a in q8.tile_weight(wq, ws))
         wb = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32)).astype(jnp.bfloat16)
         for m in args.rows:
             x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
             xq, xs = q8.quantize_blocks(x)
-            tk = timed(kernel, xq, xs, wq, ws, repeat=args.repeat) if kernel else float("nan")
+            tk = timed(kernel, xq, xs, wt, st, repeat=args.repeat) if kernel else float("nan")
             tt = timed(twin, xq, xs, wq, ws, repeat=max(3, args.repeat // 4))
             tg = timed(gemm, x.astype(jnp.bfloat16) if m > 1 else jnp.pad(x, ((0, 3), (0, 0))).astype(jnp.bfloat16),
                        wb, repeat=args.repeat)

@@ -134,19 +134,21 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
+        choices=["auto", "float32", "bfloat16", "int8"],
         help="dtype of activations, KV and dense weights (int8 GGUF blocks and int4 stay packed); auto = float32 on "
         "CPU, bfloat16 on TPU/GPU (default: %(default)s)",
     )
     p.add_argument(
         "--matmul-precision",
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
+        choices=["auto", "float32", "bfloat16", "int8"],
         help="precision of the layer projections' and LM head's products with float32 activations: bfloat16 "
         "rounds the weights once and each input row to bfloat16 and sums in float32 (as TPUs and GPU servers do): "
         "faster batched and prompt steps on CPU for more weight memory, logits close to but not equal to "
-        "float32's; batch-invariant unless --no-batch-invariant. float32 multiplies the exact weights, for "
-        "numerics work. auto = bfloat16 (with bfloat16 activations, the GPU/TPU default, there is nothing to "
+        "float32's; batch-invariant unless --no-batch-invariant. int8 multiplies int8 weight blocks (the GGUF's "
+        "own Q8_0/Q5_0 blocks, others requantized) with activations quantized per block of 32, as llama.cpp "
+        "does, in a CPU kernel built on first use (the same bits in pure JAX elsewhere): half the bytes per "
+        "decode step, batch-invariant by construction. float32 multiplies the exact weights, for numerics work. auto = bfloat16 (with bfloat16 activations, the GPU/TPU default, there is nothing to "
         "choose) (measured figures: docs/performance.md) (default: %(default)s)",
     )
     p.add_argument(

@@ -11,26 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from model_worker.config import ModelConfig
+from model_worker.fixed_order import fixed_order_sum
 from model_worker.params import LayerParams, Params
+from model_worker.q8 import Q8Weight, q8_linear
 from model_worker.quant import Bf16Weight, Int8Weight, bf16_linear, int8_linear, linear
-
-
-def fixed_order_sum(x: jax.Array) -> jax.Array:
-    """Σ over the last axis as a fixed tree of elementwise adds (halves added pairwise; an odd element joins the
-    last pair): [..., n] -> [...] float.
-
-    Why not `jnp.sum`: XLA CPU's reduction orders its terms differently for different shapes of the whole array
-    (a [4, 1, 640] and a [4, 64, 640] sum of squares differ in the last bit for the same row), which would make a
-    row's norm depend on the rows computed with it. Elementwise adds have one order, whatever the shape.
-    """
-    while x.shape[-1] > 1:
-        n = x.shape[-1]
-        half = n // 2
-        y = x[..., :half] + x[..., half:2 * half]
-        if n % 2:
-            y = jnp.concatenate([y[..., :-1], y[..., -1:] + x[..., 2 * half:]], axis=-1)
-        x = y
-    return x[..., 0]
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, cfg: ModelConfig) -> jax.Array:
@@ -101,9 +85,11 @@ def embed_rows(embed: jax.Array | Int8Weight, tokens: jax.Array, dtype: jnp.dtyp
     return jnp.take(embed, tokens, axis=0).astype(dtype)
 
 
-def lm_head(x: jax.Array, embed: jax.Array | Int8Weight | Bf16Weight) -> jax.Array:
+def lm_head(x: jax.Array, embed: jax.Array | Int8Weight | Bf16Weight | Q8Weight) -> jax.Array:
     """Tied LM head: x [..., H] -> logits float32 [..., V] = x · embedᵀ (Gemma ties the head to the embedding;
-    a `Bf16Weight` is its bfloat16 copy, `Params.lm_head`)."""
+    a `Bf16Weight` or `Q8Weight` is its copy at another matmul precision, `Params.lm_head`)."""
+    if isinstance(embed, Q8Weight):
+        return q8_linear(x, embed, out_dtype=jnp.float32)
     if isinstance(embed, Bf16Weight):
         return bf16_linear(x, embed, out_dtype=jnp.float32)
     if isinstance(embed, Int8Weight):

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import network, preparation
+from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
 from protos import model_worker_pb2, model_worker_pb2_grpc
 
 log = logging.getLogger("gemma_serve.worker")
@@ -138,6 +139,9 @@ def load_engine(prepared, args: argparse.Namespace):
             precision, invariant = matmul_mode(args.matmul_precision, args.batch_invariant, dtype)
         except ValueError as err:
             raise FlagsRefused(str(err)) from None
+        if precision == "int8" and args.tensor_parallel > 1:
+            raise FlagsRefused("--matmul-precision int8 runs on one device (its products are not split across "
+                               "devices); use bfloat16 with --tensor-parallel")
         if dtype == "float32":
             cfg, params = for_matmul_precision(cfg, params, precision, invariant)
     log.info("weights loaded in %.1f s (%.2f GiB%s; %s activations, %s matmul precision%s)",
@@ -218,11 +222,8 @@ def simulate_cpu_devices(n: int) -> None:
     on a CPU host too (for testing: the devices share the host's cores). Only the CPU backend reads the flag, so a
     GPU or TPU worker is unaffected. No-op once jax is imported (the flag is read when its backends start) or when
     XLA_FLAGS already sets a count."""
-    import sys
-
-    flags = os.environ.get("XLA_FLAGS", "")
-    if n > 1 and "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if n > 1:
+        add_xla_flags(f"--xla_force_host_platform_device_count={n}")
 
 
 def device_problem(tensor_parallel: int) -> str | None:
@@ -329,4 +330,5 @@ async def serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Entry point of `gemma-serve worker`."""
     simulate_cpu_devices(args.tensor_parallel)
+    add_xla_flags(*INVARIANT_CPU_FLAGS)
     return asyncio.run(serve(args))

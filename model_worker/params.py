@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_worker.config import ModelConfig
+from model_worker.q8 import BLOCK, Q8Weight, q8_from_values, q8_weight
 from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight, int8_from_flat
 
 
@@ -79,8 +80,9 @@ class Params:
       ple_embed: [V_ple, L*P] per-layer token embeddings (Gemma 4 PLE), layer-major columns, else None.
       ple_proj: [H, L*P] per_layer_model_projection, else None.
       ple_norm: [P] per_layer_projection_norm, else None.
-      lm_head: None (the head is `embed`), or a `Bf16Weight` [V, H] copy of the embedding for a head at bfloat16
-        matmul precision (`with_bf16_matmuls`); lookups still read `embed`.
+      lm_head: None (the head is `embed`), or a copy of the embedding for the head at another matmul precision:
+        a `Bf16Weight` [V, H] (`with_bf16_matmuls`) or a `Q8Weight` [V, H] (`with_q8_matmuls`); lookups still
+        read `embed`.
     """
 
     embed: jax.Array | Int8Weight
@@ -89,7 +91,7 @@ class Params:
     ple_embed: jax.Array | None = None
     ple_proj: jax.Array | None = None
     ple_norm: jax.Array | None = None
-    lm_head: Bf16Weight | None = None
+    lm_head: Bf16Weight | Q8Weight | None = None
 
     @staticmethod
     def from_flat(cfg: ModelConfig, flat: dict[str, jax.Array]) -> Params:
@@ -245,6 +247,59 @@ def with_bf16_matmuls(params: Params, row_invariant: bool = False) -> Params:
 
 
 
+def q8_of(weight: jax.Array | Int8Weight, dense_in_out: bool = True) -> Q8Weight | None:
+    """A projection as Q8_0 blocks of 32 (`q8.Q8Weight`), or None where its input size is not a multiple of 32.
+
+    An `Int8Weight` of symmetric blocks of 32 (GGUF Q8_0 and Q5_0) keeps its integers and scales exactly; any
+    other weight (GGUF Q4_K with its offsets, Q6_K's blocks of 16, a dense float weight) is requantized from its
+    exact float32 values by `q8.q8_from_values` (error at most half a step of max|w| / 127 per block of 32, a
+    small fraction of a 4- or 6-bit step).
+
+    Args:
+      weight: an `Int8Weight` [N, K], or a dense float weight, [K, N] ([in, out], a projection) when
+        `dense_in_out`, else [N, K] (an embedding table used as the LM head).
+    """
+    if isinstance(weight, Int8Weight):
+        q, scale = np.asarray(weight.q), np.asarray(weight.scale)
+        if weight.shape[1] % BLOCK:
+            return None
+        if weight.group_size == BLOCK and weight.offset is None and (q.size == 0 or q.min() > -128):
+            return q8_weight(q, scale)
+        dense = np.asarray(weight.values())
+    else:
+        dense = np.asarray(weight, np.float32)
+        dense = dense.T if dense_in_out else dense
+        if dense.ndim != 2 or dense.shape[1] % BLOCK:
+            return None
+    return q8_weight(*q8_from_values(dense))
+
+
+def with_q8_matmuls(params: Params) -> Params:
+    """`params` at block-int8 matmul precision (`q8.q8_linear`, the worker's `--matmul-precision int8`): each layer
+    projection and the tied LM head as `Q8Weight` (see `q8_of`), multiplied with activations quantized to Q8_0
+    blocks, as llama.cpp does. Integer block sums make every product batch-invariant by construction, and a
+    decode step reads about 1.06 bytes per weight (int8 + a float32 scale per 32) instead of bfloat16's 2.
+
+    Projections whose input size is not a multiple of 32 get a row-invariant `Bf16Weight` instead (Gemma 4's
+    per-layer-input projections of some tiny test configs), Int4Weights stay as they are; norms and the
+    model-level PLE tensors are untouched. Lookups keep reading the exact `embed`.
+
+    Raises:
+      TypeError: a projection of an unknown type (see `Bf16Weight.of`).
+    """
+    def one(w):
+        if w is None or isinstance(w, (Int4Weight, Q8Weight)):
+            return w
+        return q8_of(w) or Bf16Weight(Bf16Weight.of(w).w, row_invariant=True)
+
+    layers = [dataclasses.replace(lp, **{n: one(getattr(lp, n)) for n in _LINEARS}) for lp in params.layers]
+    head = params.lm_head if isinstance(params.lm_head, Q8Weight) else q8_of(params.embed, dense_in_out=False)
+    if head is None:
+        head = Bf16Weight(Bf16Weight.of(params.embed).w if isinstance(params.embed, Int8Weight)
+                          else params.embed.astype(jnp.bfloat16), row_invariant=True)
+    return dataclasses.replace(params, layers=layers, lm_head=head)
+
+
 def for_matmul_precision(cfg: ModelConfig, params: Params, precision: str,
                          batch_invariant: bool = False) -> tuple[ModelConfig, Params]:
     """The config and weights of a worker at `--matmul-precision` `precision` (and `--batch-invariant`).
@@ -254,17 +309,21 @@ def for_matmul_precision(cfg: ModelConfig, params: Params, precision: str,
     position-aligned key blocks with bfloat16 products, RMSNorm summed in a fixed order, K/V stored in bfloat16),
     so that every row's logits are a function of that row alone: a prefix hit equals a cold run and a seeded
     request repeats exactly, whatever it is batched with (slower: docs/performance.md).
+    "int8": `with_q8_matmuls` (block-int8 products with Q8_0 activations; invariant by construction), and with
+    `batch_invariant` the same `ModelConfig.batch_invariant` for attention and norms.
     "float32": unchanged (exact weights, float32 products; batch shape changes the last bits).
 
     Raises:
-      ValueError: an unknown precision, or batch_invariant with float32 (only the bfloat16 path is invariant).
+      ValueError: an unknown precision, or batch_invariant with float32 (its products are not invariant).
     """
-    if precision not in ("float32", "bfloat16"):
-        raise ValueError(f"unknown matmul precision {precision!r} (float32 or bfloat16)")
-    if batch_invariant and precision != "bfloat16":
-        raise ValueError("batch invariance needs bfloat16 matmul precision (--matmul-precision bfloat16)")
+    if precision not in ("float32", "bfloat16", "int8"):
+        raise ValueError(f"unknown matmul precision {precision!r} (float32, bfloat16 or int8)")
+    if batch_invariant and precision == "float32":
+        raise ValueError("batch invariance needs bfloat16 or int8 matmul precision (--matmul-precision)")
     if precision == "float32":
         return cfg, params
+    if precision == "int8":
+        return dataclasses.replace(cfg, batch_invariant=batch_invariant), with_q8_matmuls(params)
     return dataclasses.replace(cfg, batch_invariant=batch_invariant), with_bf16_matmuls(params, batch_invariant)
 
 
@@ -272,21 +331,22 @@ def matmul_mode(precision: str, batch_invariant: bool | None, dtype: str) -> tup
     """The worker's (matmul precision, batch invariance) from its flags and activation dtype.
 
     Args:
-      precision: `--matmul-precision`: "auto" (= "bfloat16"), "float32" or "bfloat16".
+      precision: `--matmul-precision`: "auto" (= "bfloat16"), "float32", "bfloat16" or "int8".
       batch_invariant: `--batch-invariant` / `--no-batch-invariant`, or None (not given): on wherever it applies,
-        i.e. bfloat16 products with float32 activations (CPU's default), so that the default is reproducible.
+        i.e. bfloat16 or int8 products with float32 activations (CPU's default), so that the default is
+        reproducible.
       dtype: the activation dtype ("float32" or "bfloat16"); with bfloat16 activations (GPU/TPU) the products
         already have bfloat16 operands and there is nothing to choose.
     Returns:
-      ("float32" or "bfloat16", bool), for `for_matmul_precision` (which is only applied to float32 activations).
+      (a precision, bool), for `for_matmul_precision` (which is only applied to float32 activations).
     Raises:
       ValueError: an unknown precision; --batch-invariant asked for where it does not apply.
     """
-    if precision not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"unknown matmul precision {precision!r} (auto, float32 or bfloat16)")
+    if precision not in ("auto", "float32", "bfloat16", "int8"):
+        raise ValueError(f"unknown matmul precision {precision!r} (auto, float32, bfloat16 or int8)")
     precision = "bfloat16" if precision == "auto" else precision
-    applies = precision == "bfloat16" and dtype == "float32"
+    applies = precision in ("bfloat16", "int8") and dtype == "float32"
     if batch_invariant and not applies:
-        raise ValueError("--batch-invariant needs bfloat16 matmul precision with float32 activations (the CPU "
+        raise ValueError("--batch-invariant needs bfloat16 or int8 matmul precision with float32 activations (the CPU "
                          f"default); got --matmul-precision {precision} with {dtype} activations")
     return precision, applies if batch_invariant is None else bool(batch_invariant)

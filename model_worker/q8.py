@@ -5,7 +5,7 @@
 
 Activations are quantized per block of 32 as llama.cpp's `Q8_0` does (scale = max|x| / 127, values rounded to
 [-127, 127]; `quantize_blocks`, in JAX before any call); weights are int8 blocks of 32 with one float32 scale each
-(GGUF `Q8_0` as stored). Integer sums are exact, so a row's result cannot depend on the rows computed with it, on
+(GGUF `Q8_0` as stored), held in tiles of 16 rows for the kernel (`tile_weight`). Integer sums are exact, so a row's result cannot depend on the rows computed with it, on
 SIMD lanes or on threads: batch invariance by construction, on any backend. The float epilogue has one fixed order
 (each block's term, then `layers.fixed_order_sum`'s tree over the blocks).
 
@@ -24,6 +24,7 @@ Environment: `GEMMA_SERVE_Q8_KERNEL=off` uses the twin on CPU too (what a machin
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -36,14 +37,16 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 from jax import lax
 
 from common.preparation import default_cache_dir
-from model_worker.layers import fixed_order_sum
+from model_worker.fixed_order import fixed_order_sum
 
 log = logging.getLogger(__name__)
 
 BLOCK = 32
+TILE = 16  # weight rows per kernel tile (kernels/q8_matmul.cc)
 SOURCE = pathlib.Path(__file__).parent / "kernels" / "q8_matmul.cc"
 TARGET = "gemma_q8_matmul"
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
@@ -81,6 +84,102 @@ def q8_matmul_twin(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array) -
     scales = xs.T[:, :, None] * ws.T[:, None, :]  # [nb, M, N]
     terms = (isum.astype(jnp.float32) * scales) * one
     return fixed_order_sum(jnp.moveaxis(terms, 0, -1))
+
+
+def tile_weight(wq, ws) -> tuple[np.ndarray, np.ndarray]:
+    """Weights in rows (int8 [N, K], float32 [N, K/32]) -> the kernel's tiles of 16 rows: (int8 [N/16, 16 K],
+    float32 [N/16, K/2]), wt[t, 512 b + 64 i + 4 r + j] = wq[16 t + r, 32 b + 4 i + j] and st[t, 16 b + r] =
+    ws[16 t + r, b] (one 64-byte load holds 4 values of each of 16 rows; see the kernel's header).
+
+    Raises:
+      ValueError: N is not a multiple of 16 or K of 32, or the scales do not fit.
+    """
+    wq, ws = np.asarray(wq), np.asarray(ws, np.float32)
+    n, k = wq.shape
+    if n % TILE or k % BLOCK or ws.shape != (n, k // BLOCK):
+        raise ValueError(f"tile_weight: need N % 16 == 0, K % 32 == 0 and scales [N, K/32]; got {wq.shape}, "
+                         f"{ws.shape}")
+    t, nb = n // TILE, k // BLOCK
+    wt = wq.reshape(t, TILE, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(t, nb * BLOCK * TILE)
+    st = ws.reshape(t, TILE, nb).transpose(0, 2, 1).reshape(t, nb * TILE)
+    return np.ascontiguousarray(wt), np.ascontiguousarray(st)
+
+
+def untile_weight(wt: jax.Array, st: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of `tile_weight`, in JAX: (int8 [N/16, 16 K], float32 [N/16, K/2]) -> (int8 [N, K], float32
+    [N, K/32])."""
+    t, nb = st.shape[0], st.shape[1] // TILE
+    wq = wt.reshape(t, nb, 8, TILE, 4).transpose(0, 3, 1, 2, 4).reshape(t * TILE, nb * BLOCK)
+    return wq, st.reshape(t, nb, TILE).transpose(0, 2, 1).reshape(t * TILE, nb)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Q8Weight:
+    """A projection as symmetric int8 blocks of 32 along its input axis, one float32 scale per block (GGUF `Q8_0`
+    values): W[n, k] = q[n, k] * s[n, k // 32], multiplied with Q8_0 activations by `q8_linear`.
+
+    Attributes:
+      q: int8, [N/16, 16 K] in the kernel's tiles when `tiled` (see `tile_weight`), else [N, K].
+      scale: float32, [N/16, K/2] when `tiled`, else [N, K/32].
+      tiled: static; the CPU kernel's layout (made where the kernel is available; the twin reads either).
+    """
+
+    q: jax.Array
+    scale: jax.Array
+    tiled: bool = dataclasses.field(default=False, metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K), the shape of the dense weight."""
+        if self.tiled:
+            return self.q.shape[0] * TILE, self.q.shape[1] // TILE
+        return tuple(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes: N K int8 + N K / 32 float32 scales."""
+        return int(self.q.nbytes + self.scale.nbytes)
+
+    def rows(self) -> tuple[jax.Array, jax.Array]:
+        """(int8 [N, K], float32 [N, K/32]) in row layout (a transpose when tiled)."""
+        return untile_weight(self.q, self.scale) if self.tiled else (self.q, self.scale)
+
+    def dense(self) -> jax.Array:
+        """The float32 values [N, K] (q * s, exact): for tests and the embedding lookup."""
+        q, s = self.rows()
+        n, k = q.shape
+        return (q.reshape(n, k // BLOCK, BLOCK).astype(jnp.float32) * s[..., None]).reshape(n, k)
+
+
+def q8_weight(wq, ws, tile: bool | None = None) -> Q8Weight:
+    """A Q8Weight (arrays on the default device) from rows (int8 [N, K] in [-127, 127], float32 [N, K/32]);
+    tiled for the kernel when `tile` (default: where the kernel is available and N is a multiple of 16)."""
+    wq, ws = np.asarray(wq, np.int8), np.asarray(ws, np.float32)
+    if tile is None:
+        tile = kernel_available() and wq.shape[0] % TILE == 0
+    if tile:
+        wq, ws = tile_weight(wq, ws)
+    return Q8Weight(jnp.asarray(wq), jnp.asarray(ws), tiled=bool(tile))
+
+
+def q8_from_values(w, group_size: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Float weights [N, K] -> Q8_0 blocks (int8 [N, K] in [-127, 127], float32 [N, K/32]): per block of 32,
+    scale = max|w| / 127 and q = round(w / scale), as llama.cpp's `quantize_row_q8_0` (with a float32 scale).
+    Numpy, at preparation (no device memory).
+
+    Raises:
+      ValueError: K is not a multiple of 32.
+    """
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"q8_from_values: K={k} is not a multiple of {BLOCK}")
+    wb = w.reshape(n, k // BLOCK, BLOCK)
+    scale = np.abs(wb).max(axis=-1) / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale[..., None] > 0, np.rint(wb * (np.float32(1) / scale)[..., None]), 0)
+    return np.clip(q, -127, 127).astype(np.int8).reshape(n, k), scale.astype(np.float32)
 
 
 def _cpu_flags() -> str:
@@ -152,17 +251,36 @@ def kernel_path() -> int:
     return PATHS[name]
 
 
-def q8_matmul_kernel(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array, path: int = 0) -> jax.Array:
-    """The CPU kernel through `jax.ffi.ffi_call` (needs `kernel_available()`); arguments as `q8_matmul_twin`."""
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((xq.shape[0], wq.shape[0]), jnp.float32))
-    return call(xq, xs.astype(jnp.float32), wq, ws.astype(jnp.float32), path=path)
+def q8_matmul_kernel(xq: jax.Array, xs: jax.Array, wt: jax.Array, st: jax.Array, path: int = 0) -> jax.Array:
+    """The CPU kernel through `jax.ffi.ffi_call` (needs `kernel_available()`): xq int8 [M, K], xs float32
+    [M, K/32], weights in tiles (`tile_weight`: int8 [N/16, 16 K], float32 [N/16, K/2]) -> float32 [M, N]."""
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((xq.shape[0], wt.shape[0] * TILE), jnp.float32))
+    return call(xq, xs.astype(jnp.float32), wt, st.astype(jnp.float32), path=path)
 
 
-def q8_matmul(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array) -> jax.Array:
-    """The block-int8 product: the CPU kernel where a program runs on CPU and the kernel is available, the twin
-    elsewhere (`lax.platform_dependent`, so programs lowered for TPU/GPU contain no custom call)."""
-    if not kernel_available():
-        return q8_matmul_twin(xq, xs, wq, ws)
+def q8_matmul(xq: jax.Array, xs: jax.Array, w: Q8Weight) -> jax.Array:
+    """The block-int8 product xq [M, K] (scales xs [M, K/32]) times a Q8Weight [N, K] -> float32 [M, N]: the CPU
+    kernel where a program runs on CPU, the weight is tiled and the kernel is available, the twin elsewhere
+    (`lax.platform_dependent`, so programs lowered for TPU/GPU contain no custom call)."""
+    twin = lambda xq, xs, q, s: q8_matmul_twin(xq, xs, *Q8Weight(q, s, w.tiled).rows())
+    if not (w.tiled and kernel_available()):
+        return twin(xq, xs, w.q, w.scale)
     path = kernel_path()
-    return lax.platform_dependent(xq, xs, wq, ws, cpu=functools.partial(q8_matmul_kernel, path=path),
-                                  default=q8_matmul_twin)
+    return lax.platform_dependent(xq, xs, w.q, w.scale, cpu=functools.partial(q8_matmul_kernel, path=path),
+                                  default=twin)
+
+
+def q8_linear(x: jax.Array, w: Q8Weight, out_dtype=None) -> jax.Array:
+    """y = x Wᵀ with x quantized to Q8_0 blocks (`quantize_blocks`) and W a Q8Weight [N, K]: [..., K] -> [..., N]
+    in `out_dtype` (default x's). A row's result depends on that row alone (integer block sums), whatever the
+    rows beside it.
+
+    Raises:
+      ValueError: x's last axis is not K, or K is not a multiple of 32.
+    """
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"q8_linear: x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    xq, xs = quantize_blocks(x.reshape(-1, k))
+    return q8_matmul(xq, xs, w).astype(out_dtype or x.dtype).reshape(*lead, n)

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from model_worker.q8 import Q8Weight, q8_linear
+
 # Target size of one dequantized row block on CPU (bytes of the activation dtype): the middle of a range of sizes
 # that fit in cache and are equally fast (figures: docs/performance.md).
 CPU_BLOCK_BYTES = 4 << 20
@@ -119,6 +121,10 @@ class Int8Weight:
     def nbytes(self) -> int:
         """Resident bytes: N * K int8 + N * K/G float32 scales (+ as many offsets)."""
         return int(sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None))
+
+    def values(self) -> jax.Array:
+        """The exact values W as float32 [N, K] (a full dense copy: for preparation and tests)."""
+        return _dequant_int8(self.q, self.scale, self.offset, self.group_size, jnp.float32)
 
     def rows(self, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
         """Dequantized rows (an embedding lookup): ids int32 [...] -> [..., K] in `dtype`.
@@ -523,14 +529,14 @@ def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
     return y.astype(out_dtype or x.dtype).reshape(*lead, n)
 
 
-def linear(x: jax.Array, w: jax.Array | Int4Weight | Int8Weight | Bf16Weight) -> jax.Array:
-    """y = x W for a dense weight stored [in, out], or x Wᵀ for an Int4Weight / Int8Weight / Bf16Weight stored
-    [out, in] (HF layout).
+def linear(x: jax.Array, w: jax.Array | Int4Weight | Int8Weight | Bf16Weight | Q8Weight) -> jax.Array:
+    """y = x W for a dense weight stored [in, out], or x Wᵀ for an Int4Weight / Int8Weight / Bf16Weight /
+    Q8Weight stored [out, in] (HF layout).
 
     Args:
       x: [..., K] activations.
-      w: dense [K, N] array, or Int4Weight / Int8Weight / Bf16Weight with K inputs (`int4_linear` impl "auto",
-        `int8_linear`, `bf16_linear`).
+      w: dense [K, N] array, or Int4Weight / Int8Weight / Bf16Weight / Q8Weight with K inputs (`int4_linear` impl
+        "auto", `int8_linear`, `bf16_linear`, `q8.q8_linear`).
     Returns:
       [..., N] in x.dtype.
     """
@@ -540,4 +546,6 @@ def linear(x: jax.Array, w: jax.Array | Int4Weight | Int8Weight | Bf16Weight) ->
         return int8_linear(x, w)
     if isinstance(w, Bf16Weight):
         return bf16_linear(x, w)
+    if isinstance(w, Q8Weight):
+        return q8_linear(x, w)
     return x @ w

@@ -18,8 +18,12 @@ import pathlib
 import pytest
 
 from common.preparation import default_cache_dir
+from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
 
 # References load from local files only; never reach for the Hugging Face Hub.
+# The worker's XLA options (model_worker/xla_options.py), for the programs the tests run in process: set before
+# jax is imported.
+add_xla_flags(*INVARIANT_CPU_FLAGS)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One OpenMP thread for torch (the references) and numpy's BLAS: `make test` keeps both cores busy (three xdist

@@ -5,11 +5,18 @@
 //   isum[m, n, b] = sum over i < 32 of xq[m, 32 b + i] * wq[n, 32 b + i]        (int32, exact)
 //
 // xq: int8 [M, K] activations quantized per block of 32 (values in [-127, 127]), xs: float32 [M, K/32] their
-// scales; wq: int8 [N, K] weights (values in [-127, 127], as GGUF Q8_0 blocks are), ws: float32 [N, K/32].
+// scales. The weights come in tiles of 16 rows, laid out so that one 64-byte load holds 4 consecutive values of
+// each of the 16 rows (q8.py `tile_weight`):
+//   wt: int8 [N/16, (K/32) * 512], wt[t, b*512 + i*64 + r*4 + j] = wq[16 t + r, 32 b + 4 i + j]
+//   st: float32 [N/16, (K/32) * 16], st[t, b*16 + r] = ws[16 t + r, b]
+// so a dot-product instruction that sums 4 byte products into each of 16 int32 lanes gives 16 rows' block sums
+// at once, with no horizontal reduction (the layout of oneDNN's and llama.cpp's repacked int8 GEMMs).
+//
 // Integer block sums are exact, so their order (SIMD lanes, threads, batch size) cannot change a bit; the float
 // epilogue runs in one fixed order per output: each block's term, then the tree of `layers.fixed_order_sum`
-// (halves added pairwise, an odd element joining the last pair). Compiled with -ffp-contract=off, so no fused
-// multiply-add changes a rounding. Threads: XLA's own intra-op pool (xla::ffi::ThreadPool); the caller works too.
+// (halves added pairwise, an odd element joining the last pair), elementwise over the 16 rows of a tile.
+// Compiled with -ffp-contract=off, so no fused multiply-add changes a rounding. Threads: XLA's own intra-op pool
+// (xla::ffi::ThreadPool), the calling thread working too.
 //
 // Paths (attribute `path`): 0 = the best the CPU has, 1 = portable scalar, 2 = AVX2, 3 = AVX-512 VNNI. A path the
 // CPU lacks falls back to the next one it has, so every path gives the same bits on any machine.
@@ -17,8 +24,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -31,53 +40,151 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxBlocks = 1024;  // K <= 32768
+constexpr int64_t kTile = 16;                     // weight rows per tile (16 int32 lanes of a 512-bit register)
+constexpr int64_t kTileBlock = kTile * kBlock;    // bytes of one tile's block b
+constexpr int64_t kRows = 4;                      // activation rows sharing each weight load
 
-using BlockSums = void (*)(const int8_t* x, const int8_t* w, int64_t nb, int32_t* out);
+// The block terms of `mr` (<= kRows) activation rows with one weight tile, then their sums:
+//   t[(r * nb + b) * 16 + lane] = float(isum[m0 + r, 16 tile + lane, b]) * (xs[m0 + r, b] * st[tile, 16 b + lane])
+//   y[(m0 + r) * N + 16 tile + lane] = the tree of layers.fixed_order_sum over b of those terms.
+// `x` and `xs` point at row m0 (row strides K and nb), `wt` and `st` at the tile, `y` at y[m0, 16 tile].
+using TileProduct = void (*)(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt,
+                             const float* st, int64_t nb, float* t, float* y, int64_t N);
 
-void block_sums_scalar(const int8_t* x, const int8_t* w, int64_t nb, int32_t* out) {
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t s = 0;
-    for (int64_t i = 0; i < kBlock; ++i) s += int32_t(x[b * kBlock + i]) * int32_t(w[b * kBlock + i]);
-    out[b] = s;
+// The tree of layers.fixed_order_sum over t[0..nb) (16 lanes each): halves added pairwise, an odd element
+// joining the last pair. Elementwise per lane, so any vectorization gives the same bits.
+inline __attribute__((always_inline)) void tree16(float* t, int64_t nb) {
+  for (int64_t n = nb; n > 1;) {
+    int64_t half = n / 2;
+    for (int64_t i = 0; i < half * kTile; ++i) t[i] = t[i] + t[half * kTile + i];
+    if (n % 2)
+      for (int64_t lane = 0; lane < kTile; ++lane)
+        t[(half - 1) * kTile + lane] = t[(half - 1) * kTile + lane] + t[2 * half * kTile + lane];
+    n = half;
+  }
+}
+
+void product_scalar(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt, const float* st,
+                    int64_t nb, float* t, float* y, int64_t N) {
+  for (int64_t r = 0; r < mr; ++r) {
+    float* tr = t + r * nb * kTile;
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t acc[kTile] = {0};
+      const int8_t* xb = x + r * K + b * kBlock;
+      const int8_t* wb = wt + b * kTileBlock;
+      for (int64_t i = 0; i < 8; ++i)
+        for (int64_t lane = 0; lane < kTile; ++lane)
+          for (int64_t j = 0; j < 4; ++j)
+            acc[lane] += int32_t(xb[4 * i + j]) * int32_t(wb[i * 64 + lane * 4 + j]);
+      float s = xs[r * nb + b];
+      for (int64_t lane = 0; lane < kTile; ++lane)
+        tr[b * kTile + lane] = float(acc[lane]) * (s * st[b * kTile + lane]);
+    }
+    tree16(tr, nb);
+    std::memcpy(y + r * N, tr, kTile * sizeof(float));
   }
 }
 
 #if defined(__x86_64__)
-// |x| (unsigned) times w with x's sign: pairs of products fit int16 without saturation because |x|, |w| <= 127.
-__attribute__((target("avx2"))) void block_sums_avx2(const int8_t* x, const int8_t* w, int64_t nb, int32_t* out) {
+// |x| (unsigned) times w with x's sign: a pair of products fits int16 without saturation since |x|, |w| <= 127.
+template <int MR>
+__attribute__((target("avx2"))) void product_avx2_rows(const int8_t* x, const float* xs, int64_t K,
+                                                       const int8_t* wt, const float* st, int64_t nb, float* t,
+                                                       float* y, int64_t N) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kBlock));
-    __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
-    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
-    __m256i p32 = _mm256_madd_epi16(p16, ones);
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p32), _mm256_extracti128_si256(p32, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    out[b] = _mm_cvtsi128_si32(s);
+    __m256i lo[MR], hi[MR];
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    const int8_t* wb = wt + b * kTileBlock;
+    for (int64_t i = 0; i < 8; ++i) {
+      __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64));
+      __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + 32));
+      for (int r = 0; r < MR; ++r) {
+        int32_t four;
+        std::memcpy(&four, x + r * K + b * kBlock + 4 * i, 4);
+        __m256i xv = _mm256_set1_epi32(four);
+        __m256i ax = _mm256_sign_epi8(xv, xv);
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv)), ones));
+        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv)), ones));
+      }
+    }
+    __m256 s0 = _mm256_loadu_ps(st + b * kTile), s1 = _mm256_loadu_ps(st + b * kTile + 8);
+    for (int r = 0; r < MR; ++r) {
+      __m256 xsv = _mm256_set1_ps(xs[r * nb + b]);
+      float* tb = t + (r * nb + b) * kTile;
+      _mm256_storeu_ps(tb, _mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(xsv, s0)));
+      _mm256_storeu_ps(tb + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(xsv, s1)));
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    tree16(t + r * nb * kTile, nb);
+    std::memcpy(y + r * N, t + r * nb * kTile, kTile * sizeof(float));
   }
 }
 
-// Two blocks per 64-byte register: vpdpbusd (unsigned |x| times signed w with x's sign) into 16 int32 lanes,
-// lanes 0-7 holding the first block, 8-15 the second.
-__attribute__((target("avx512f,avx512bw,avx512vnni,avx2"))) void block_sums_vnni(const int8_t* x, const int8_t* w,
-                                                                                   int64_t nb, int32_t* out) {
-  const __m512i zero = _mm512_setzero_si512();
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    __m512i xv = _mm512_loadu_si512(x + b * kBlock);
-    __m512i wv = _mm512_loadu_si512(w + b * kBlock);
-    __mmask64 neg = _mm512_movepi8_mask(xv);
-    __m512i ax = _mm512_abs_epi8(xv);
-    __m512i sw = _mm512_mask_sub_epi8(wv, neg, zero, wv);
-    __m512i acc = _mm512_dpbusd_epi32(zero, ax, sw);
-    out[b] = _mm512_mask_reduce_add_epi32(0x00ff, acc);
-    out[b + 1] = _mm512_mask_reduce_add_epi32(0xff00, acc);
+// vpdpbusd multiplies unsigned bytes by signed ones: x + 128 (x ^ 0x80, made once per call: `x` here holds those
+// bytes) is unsigned, and the 128 * sum(w) it adds is taken off with a second vpdpbusd of 0x80 bytes by the same
+// weights (shared by the MR rows).
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(const int8_t* x, const float* xs,
+                                                                                int64_t K, const int8_t* wt,
+                                                                                const float* st, int64_t nb,
+                                                                                float* t, float* y, int64_t N) {
+  const __m512i c80 = _mm512_set1_epi8(char(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[MR];
+    __m512i corr = _mm512_setzero_si512();
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
+    const int8_t* wb = wt + b * kTileBlock;
+    for (int64_t i = 0; i < 8; ++i) {
+      __m512i wv = _mm512_loadu_si512(wb + i * 64);
+      corr = _mm512_dpbusd_epi32(corr, c80, wv);
+      for (int r = 0; r < MR; ++r) {
+        int32_t four;
+        std::memcpy(&four, x + r * K + b * kBlock + 4 * i, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(four), wv);
+      }
+    }
+    __m512 sv = _mm512_loadu_ps(st + b * kTile);
+    for (int r = 0; r < MR; ++r) {
+      __m512 scale = _mm512_mul_ps(_mm512_set1_ps(xs[r * nb + b]), sv);
+      _mm512_storeu_ps(t + (r * nb + b) * kTile, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], corr)), scale));
+    }
   }
-  if (b < nb) block_sums_avx2(x + b * kBlock, w + b * kBlock, nb - b, out + b);
+  for (int r = 0; r < MR; ++r) {
+    tree16(t + r * nb * kTile, nb);
+    std::memcpy(y + r * N, t + r * nb * kTile, kTile * sizeof(float));
+  }
+}
+
+void product_avx2(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt, const float* st,
+                  int64_t nb, float* t, float* y, int64_t N) {
+  switch (mr) {
+    case 1: return product_avx2_rows<1>(x, xs, K, wt, st, nb, t, y, N);
+    case 2: return product_avx2_rows<2>(x, xs, K, wt, st, nb, t, y, N);
+    case 3: return product_avx2_rows<3>(x, xs, K, wt, st, nb, t, y, N);
+    default: return product_avx2_rows<4>(x, xs, K, wt, st, nb, t, y, N);
+  }
+}
+
+void product_vnni(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt, const float* st,
+                  int64_t nb, float* t, float* y, int64_t N) {
+  switch (mr) {
+    case 1: return product_vnni_rows<1>(x, xs, K, wt, st, nb, t, y, N);
+    case 2: return product_vnni_rows<2>(x, xs, K, wt, st, nb, t, y, N);
+    case 3: return product_vnni_rows<3>(x, xs, K, wt, st, nb, t, y, N);
+    default: return product_vnni_rows<4>(x, xs, K, wt, st, nb, t, y, N);
+  }
 }
 #endif
+
+TileProduct product_vnni_entry() {
+#if defined(__x86_64__)
+  return product_vnni;
+#else
+  return nullptr;
+#endif
+}
 
 int cpu_path() {
 #if defined(__x86_64__)
@@ -88,85 +195,78 @@ int cpu_path() {
   return 1;
 }
 
-BlockSums pick(int64_t wanted) {
+TileProduct pick(int64_t wanted) {
   int best = cpu_path();
   int path = (wanted <= 0 || wanted > best) ? best : int(wanted);
 #if defined(__x86_64__)
-  if (path == 3) return block_sums_vnni;
-  if (path == 2) return block_sums_avx2;
+  if (path == 3) return product_vnni;
+  if (path == 2) return product_avx2;
 #endif
-  return block_sums_scalar;
-}
-
-// The tree of layers.fixed_order_sum over t[0..n): halves added pairwise, an odd element joining the last pair.
-float fixed_order_sum(float* t, int64_t n) {
-  while (n > 1) {
-    int64_t half = n / 2;
-    for (int64_t i = 0; i < half; ++i) t[i] = t[i] + t[half + i];
-    if (n % 2) t[half - 1] = t[half - 1] + t[2 * half];
-    n = half;
-  }
-  return t[0];
+  return product_scalar;
 }
 
 struct Work {
   const int8_t* xq;
   const float* xs;
-  const int8_t* wq;
-  const float* ws;
+  const int8_t* wt;
+  const float* st;
   float* y;
-  int64_t M, N, K, nb, rows_per_chunk, chunks;
-  BlockSums sums;
+  int64_t M, N, K, nb, tiles_per_chunk, chunks;
+  TileProduct product;
+  std::vector<int8_t> shifted;  // the AVX-512 VNNI path's x ^ 0x80, [M, K]
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  void run_chunk(int64_t c) {
-    int32_t isum[kMaxBlocks];
-    float t[kMaxBlocks];
-    int64_t n0 = c * rows_per_chunk, n1 = std::min(N, n0 + rows_per_chunk);
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* wrow = wq + n * K;
-      const float* wsrow = ws + n * nb;
-      for (int64_t m = 0; m < M; ++m) {
-        sums(xq + m * K, wrow, nb, isum);
-        const float* xsrow = xs + m * nb;
-        for (int64_t b = 0; b < nb; ++b) t[b] = float(isum[b]) * (xsrow[b] * wsrow[b]);
-        y[m * N + n] = fixed_order_sum(t, nb);
-      }
+  // Weight tiles outer, activation rows inner: a tile (16 K bytes) stays in cache while every row uses it.
+  void run_chunk(int64_t c, float* t) {
+    int64_t t0 = c * tiles_per_chunk, t1 = std::min(N / kTile, t0 + tiles_per_chunk);
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      const int8_t* w = wt + tile * nb * kTileBlock;
+      const float* s = st + tile * nb * kTile;
+      for (int64_t m0 = 0; m0 < M; m0 += kRows)
+        product(xq + m0 * K, xs + m0 * nb, K, std::min(kRows, M - m0), w, s, nb, t, y + m0 * N + tile * kTile, N);
     }
   }
 
-  // Claim chunks until none is left; true when this call finished the last one.
+  // Claim chunks until none is left.
   void drain() {
+    std::unique_ptr<float[]> t(new float[kRows * nb * kTile]);
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      run_chunk(c);
+      run_chunk(c, t.get());
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
 ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> xs,
-                        ffi::Buffer<ffi::S8> wq, ffi::Buffer<ffi::F32> ws, int64_t path,
+                        ffi::Buffer<ffi::S8> wt, ffi::Buffer<ffi::F32> st, int64_t path,
                         ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = xq.dimensions(), wd = wq.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("q8_matmul: xq and wq must be 2-D");
-  int64_t M = xd[0], K = xd[1], N = wd[0];
-  if (wd[1] != K || K % kBlock || K / kBlock > kMaxBlocks)
-    return ffi::Error::InvalidArgument("q8_matmul: K must match, be a multiple of 32 and at most 32768");
+  auto xd = xq.dimensions(), wd = wt.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("q8_matmul: xq and wt must be 2-D");
+  int64_t M = xd[0], K = xd[1], N = wd[0] * kTile;
+  if (K % kBlock || wd[1] != K * kTile)
+    return ffi::Error::InvalidArgument("q8_matmul: K must be a multiple of 32 and wt [N/16, 16 K]");
   int64_t nb = K / kBlock;
-  if (xs.element_count() != M * nb || ws.element_count() != N * nb || y->element_count() != M * N)
-    return ffi::Error::InvalidArgument("q8_matmul: scale or output shapes do not match [M, K/32], [N, K/32], [M, N]");
+  if (xs.element_count() != M * nb || st.element_count() != N * nb || y->element_count() != M * N)
+    return ffi::Error::InvalidArgument("q8_matmul: scale or output shapes do not match [M, K/32], [N/16, K/2], [M, N]");
+  if (M == 0 || N == 0) return ffi::Error::Success();
   auto work = std::make_shared<Work>();
   work->xq = xq.typed_data();
   work->xs = xs.typed_data();
-  work->wq = wq.typed_data();
-  work->ws = ws.typed_data();
+  work->wt = wt.typed_data();
+  work->st = st.typed_data();
   work->y = y->typed_data();
   work->M = M, work->N = N, work->K = K, work->nb = nb;
-  work->sums = pick(path);
-  // About 64 KiB of weight rows per chunk: small enough to spread over the pool, large enough to amortize a task.
-  work->rows_per_chunk = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(K, 1));
-  work->chunks = (N + work->rows_per_chunk - 1) / work->rows_per_chunk;
+  work->product = pick(path);
+  if (work->product == product_vnni_entry()) {
+    work->shifted.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) work->shifted[i] = int8_t(uint8_t(work->xq[i]) ^ 0x80u);
+    work->xq = work->shifted.data();
+  }
+  // About 64 KiB of weights per chunk (fewer tiles when many rows use each): spreads over the pool, amortizes a task.
+  int64_t per_tile = kTile * K * std::max<int64_t>(1, (M + kRows - 1) / kRows);
+  work->tiles_per_chunk = std::max<int64_t>(1, (int64_t(64) << 10) / per_tile);
+  work->chunks = (N / kTile + work->tiles_per_chunk - 1) / work->tiles_per_chunk;
   int64_t helpers = std::min<int64_t>(pool.num_threads(), work->chunks - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();

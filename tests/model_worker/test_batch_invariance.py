@@ -1,4 +1,5 @@
-"""Batch invariance at bfloat16 matmul precision (`params.for_matmul_precision(..., "bfloat16", batch_invariant=True)`, `--batch-invariant`): a row's logits
+"""Batch invariance at bfloat16 and block-int8 matmul precision (`params.for_matmul_precision(..., "bfloat16" or
+"int8", batch_invariant=True)`, `--batch-invariant`): a row's logits
 are bit-identical however it is computed - alone or next to other rows in a decode step, inside a prompt chunk at
 any alignment (a prefix hit against a cold run), or in a mixed step - for the embedded Gemma 3 and the tiny Gemma 4
 configs (sliding and full layers, KV sharing, PLE). Equality is exact (`np.array_equal`), not within a tolerance.
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from model_worker import model
+from model_worker import model, q8
 from model_worker.hf_loader import load_checkpoint
 from model_worker.kv_cache import KVCache
 from model_worker.layers import fixed_order_sum
@@ -167,28 +168,55 @@ def check_invariance(runner: Runner, n: int, decode: int, split: int, seed: int 
         assert np.array_equal(row, cold), (name, float(np.abs(row - cold).max()))
 
 
-def test_embedded_model_rows_are_batch_invariant(gemma3):
-    """Gemma 3 270M at bfloat16 matmul precision: 560 tokens (past the 512-token sliding window), chunks of 64,
-    prefix hit, decode alone and batched (the mixed step and the storage dtype: the tiny configs below, whose
-    programs compile in a fraction of the time)."""
-    cfg, params = for_matmul_precision(*gemma3, "bfloat16", batch_invariant=True)
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_embedded_model_rows_are_batch_invariant(gemma3, precision):
+    """Gemma 3 270M at bfloat16 and block-int8 matmul precision: 560 tokens (past the 512-token sliding window),
+    chunks of 64, prefix hit, decode alone and batched (the mixed step and the storage dtype: the tiny configs
+    below, whose programs compile in a fraction of the time)."""
+    cfg, params = for_matmul_precision(*gemma3, precision, batch_invariant=True)
     runner = Runner(cfg, params, max_len=1024, chunk=64, slack=64)
     check_invariance(runner, n=560, decode=3, split=100, full=False)
 
 
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
 @pytest.mark.parametrize("name,chunk", [("kv-shared-ple", 16), ("k-eq-v", 8)])
-def test_tiny_gemma4_rows_are_batch_invariant(name, chunk, tmp_path):
+def test_tiny_gemma4_rows_are_batch_invariant(name, chunk, precision, tmp_path):
     """The tiny Gemma 4 configs (window 8, ring 12; full and KV-shared layers, PLE, k_eq_v): 33 tokens, in chunks
-    longer than the ring (16: whole-ring rewrites) or window-sized (8: ring scatters), all six ways."""
+    longer than the ring (16: whole-ring rewrites) or window-sized (8: ring scatters), all six ways. At int8 the
+    projections mix the kernel's tiles, untiled weights (8 outputs) and bfloat16 ones (8 inputs)."""
     write_checkpoint(CONFIGS[name], tmp_path)
     cfg, flat = load_checkpoint(tmp_path, jnp.float32)
-    cfg, params = for_matmul_precision(cfg, to_device(cfg, flat, jnp.float32), "bfloat16", batch_invariant=True)
+    cfg, params = for_matmul_precision(cfg, to_device(cfg, flat, jnp.float32), precision, batch_invariant=True)
     check_invariance(Runner(cfg, params, max_len=64, chunk=chunk, slack=4), n=33, decode=4, split=13)
 
 
-def test_batch_invariance_needs_bfloat16_precision():
-    """Only the bfloat16 path is invariant: asking for invariance at float32 (or an unknown precision) is refused."""
-    with pytest.raises(ValueError, match="bfloat16"):
+def test_int8_without_the_kernel_gives_the_same_logits(tmp_path, monkeypatch):
+    """`GEMMA_SERVE_Q8_KERNEL=off` (what a machine without a C++ compiler runs): the weights stay in rows and the
+    pure-JAX twin computes every product, with the kernel's bits: the same logits for a prompt chunk and a decode
+    step, so the same tokens."""
+    write_checkpoint(CONFIGS["kv-shared-ple"], tmp_path)
+    cfg, flat = load_checkpoint(tmp_path, jnp.float32)
+    dense = to_device(cfg, flat, jnp.float32)
+    ids = np.random.default_rng(4).integers(3, cfg.vocab_size, 21).astype(np.int32)
+    results = []
+    for kernel in ("on", "off"):
+        monkeypatch.setenv("GEMMA_SERVE_Q8_KERNEL", kernel)
+        q8.kernel_available.cache_clear()
+        cfg8, params = for_matmul_precision(cfg, dense, "int8", batch_invariant=True)
+        assert params.layers[0].q.tiled == (kernel == "on") and q8.kernel_available() == (kernel == "on")
+        runner = Runner(cfg8, params, max_len=64, chunk=16, slack=4)
+        last, cache = runner.prefill(runner.cache(), ids, 0, 0, 20)
+        (step,), _ = runner.run(cache, runner.decode_batch([ids[20]], [20], [0]))
+        results.append((last, step[0]))
+    monkeypatch.undo()
+    q8.kernel_available.cache_clear()
+    for a, b in zip(*results):
+        assert np.array_equal(a, b), float(np.abs(a - b).max())
+
+
+def test_batch_invariance_needs_bfloat16_or_int8_precision():
+    """float32 products are not invariant: asking for invariance there (or for an unknown precision) is refused."""
+    with pytest.raises(ValueError, match="bfloat16 or int8"):
         for_matmul_precision(None, None, "float32", batch_invariant=True)
     with pytest.raises(ValueError, match="unknown matmul precision"):
-        for_matmul_precision(None, None, "int8")
+        for_matmul_precision(None, None, "int4")

@@ -16,7 +16,7 @@ from model_worker import q8
 
 pytestmark = pytest.mark.skipif(not q8.kernel_available(), reason="no C++ compiler: the kernel cannot be built here")
 
-SHAPES = [(1, 300, 256), (2, 1024, 640), (5, 65, 2048), (16, 8, 32), (9, 4096, 640), (13, 640, 6144)]
+SHAPES = [(1, 304, 256), (2, 1024, 640), (5, 64, 2048), (16, 16, 32), (9, 4096, 640), (13, 640, 6144), (3, 48, 96)]
 
 
 def operands(m: int, n: int, k: int, seed: int = 0):
@@ -30,7 +30,14 @@ def operands(m: int, n: int, k: int, seed: int = 0):
 
 
 def kernel(path: int):
-    return jax.jit(lambda *a: q8.q8_matmul_kernel(*a, path=path))
+    """The kernel on path `path`, taking weights in rows (tiled here, in numpy: `tile_weight`)."""
+    f = jax.jit(lambda xq, xs, wt, st: q8.q8_matmul_kernel(xq, xs, wt, st, path=path))
+    return lambda xq, xs, wq, ws: f(xq, xs, *q8.tile_weight(wq, ws))
+
+
+def product(xq, xs, wq, ws):
+    """`q8_matmul` (what the model calls) on a tiled weight."""
+    return jax.jit(q8.q8_matmul)(xq, xs, q8.q8_weight(wq, ws, tile=True))
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -44,12 +51,12 @@ def test_kernel_equals_the_twin_on_every_path(m, n, k):
 
 def test_the_path_is_chosen_by_the_environment(monkeypatch):
     """`GEMMA_SERVE_Q8_PATH` reaches the kernel through `q8_matmul`; an unknown name is refused with the choices."""
-    _, xq, xs, wq, ws = operands(3, 200, 640)
+    _, xq, xs, wq, ws = operands(3, 208, 640)
     twin = np.asarray(jax.jit(q8.q8_matmul_twin)(xq, xs, wq, ws))
     for name in ("scalar", "avx2", "vnni"):
         monkeypatch.setenv("GEMMA_SERVE_Q8_PATH", name)
         assert q8.kernel_path() == q8.PATHS[name]
-        assert np.array_equal(np.asarray(jax.jit(q8.q8_matmul)(xq, xs, wq, ws)), twin), name
+        assert np.array_equal(np.asarray(product(xq, xs, wq, ws)), twin), name
     monkeypatch.setenv("GEMMA_SERVE_Q8_PATH", "sse9")
     with pytest.raises(ValueError, match="scalar"):
         q8.kernel_path()
@@ -101,10 +108,11 @@ def test_without_a_compiler_the_twin_serves(monkeypatch, tmp_path, caplog):
     q8.kernel_available.cache_clear()
     try:
         assert not q8.kernel_available()
-        text = jax.jit(q8.q8_matmul).lower(xq, xs, wq, ws).as_text()
+        w = q8.q8_weight(wq, ws, tile=True)
+        text = jax.jit(q8.q8_matmul).lower(xq, xs, w).as_text()
         assert "custom_call" not in text
-        assert np.array_equal(np.asarray(jax.jit(q8.q8_matmul)(xq, xs, wq, ws)),
-                              np.asarray(kernel(0)(xq, xs, wq, ws)))
+        assert np.array_equal(np.asarray(jax.jit(q8.q8_matmul)(xq, xs, w)), np.asarray(kernel(0)(xq, xs, wq, ws)))
+        assert not q8.q8_weight(wq, ws).tiled  # without the kernel, weights stay in rows
     finally:
         monkeypatch.undo()
         q8.kernel_available.cache_clear()
@@ -114,8 +122,47 @@ def test_without_a_compiler_the_twin_serves(monkeypatch, tmp_path, caplog):
 def test_programs_for_tpu_and_gpu_contain_no_custom_call():
     """Lowered on this CPU for CPU, the product calls the kernel; lowered for TPU or CUDA, only XLA ops."""
     _, xq, xs, wq, ws = operands(2, 64, 256)
-    traced = jax.jit(q8.q8_matmul).trace(xq, xs, wq, ws)
+    traced = jax.jit(q8.q8_matmul).trace(xq, xs, q8.q8_weight(wq, ws, tile=True))
     assert q8.TARGET in traced.lower(lowering_platforms=("cpu",)).as_text()
     for platform in ("tpu", "cuda"):
         text = traced.lower(lowering_platforms=(platform,)).as_text()
         assert "custom_call" not in text and q8.TARGET not in text, platform
+
+
+def test_tiles_hold_the_rows():
+    """`tile_weight` then `untile_weight` gives back the rows; a row count that is not a multiple of 16 is refused;
+    `Q8Weight.dense` is q * s."""
+    _, _, _, wq, ws = operands(1, 48, 96, seed=5)
+    w = q8.q8_weight(wq, ws, tile=True)
+    assert w.shape == (48, 96) and w.nbytes == 48 * 96 + 48 * 3 * 4
+    back_q, back_s = (np.asarray(a) for a in w.rows())
+    assert np.array_equal(back_q, np.asarray(wq)) and np.array_equal(back_s, np.asarray(ws))
+    np.testing.assert_array_equal(np.asarray(w.dense()), np.asarray(wq, np.float32) * np.repeat(np.asarray(ws), 32, 1))
+    with pytest.raises(ValueError, match="N % 16"):
+        q8.tile_weight(np.zeros((8, 32), np.int8), np.zeros((8, 1), np.float32))
+
+
+def test_q8_from_values_is_q8_0():
+    """Weights quantized per block of 32: scale max|w| / 127, |q| <= 127, error at most half a step; integer
+    multiples of a power-of-two step come back exactly."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((16, 64)).astype(np.float32)
+    q, s = q8.q8_from_values(w)
+    assert np.array_equal(s, np.abs(w.reshape(16, 2, 32)).max(-1) / np.float32(127)) and np.abs(q).max() == 127
+    err = np.abs(q.reshape(16, 2, 32) * s[..., None] - w.reshape(16, 2, 32))
+    assert (err <= s[..., None] / 2 * (1 + 1e-6)).all()
+    exact = (rng.integers(-127, 128, (4, 32)) * 2.0 ** -7).astype(np.float32)
+    exact[:, 0] = 127 * 2.0 ** -7
+    q, s = q8.q8_from_values(exact)
+    assert np.array_equal(q * s.repeat(32, 1), exact)
+
+
+def test_q8_linear_keeps_the_leading_axes():
+    """`q8_linear` on [2, 3, K] activations equals the product of the flattened rows, in the asked dtype."""
+    x, xq, xs, wq, ws = operands(6, 32, 64, seed=9)
+    w = q8.q8_weight(wq, ws, tile=True)
+    y = jax.jit(q8.q8_linear)(x.reshape(2, 3, 64), w)
+    assert y.shape == (2, 3, 32) and y.dtype == jnp.float32
+    assert np.array_equal(np.asarray(y).reshape(6, 32), np.asarray(jax.jit(q8.q8_matmul_twin)(xq, xs, wq, ws)))
+    with pytest.raises(ValueError, match="features"):
+        q8.q8_linear(jnp.zeros((1, 32)), w)
