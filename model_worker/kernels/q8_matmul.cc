@@ -267,7 +267,9 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buff
   int64_t per_tile = kTile * K * std::max<int64_t>(1, (M + kRows - 1) / kRows);
   work->tiles_per_chunk = std::max<int64_t>(1, (int64_t(64) << 10) / per_tile);
   work->chunks = (N / kTile + work->tiles_per_chunk - 1) / work->tiles_per_chunk;
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), work->chunks - 1);
+  // One task fewer than the pool has threads: the calling thread works too (on 2 cores, the step was ~7% faster
+  // at B=1 than with a helper per pool thread, which queued one helper behind the others).
+  int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, work->chunks - 1));
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();
   while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
