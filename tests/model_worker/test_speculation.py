@@ -288,8 +288,9 @@ def test_tiny_chunk_and_decode_agree_at_every_position(engine):
     assert np.array_equal(chunk_logits, np.asarray(pending.logits)[0])
 
 
-def test_verify_steps_equal_decode_steps_on_the_embedded_model(gemma3):
-    """The embedded Gemma 3 (the CPU default, batch-invariant bfloat16) at positions 600-615, past its sliding
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_verify_steps_equal_decode_steps_on_the_embedded_model(gemma3, precision):
+    """The embedded Gemma 3 (batch-invariant bfloat16, the CPU default, and block-int8) at positions 600-615, past its sliding
     ring (window 512 + slack 8): a verify step of 8 tokens gives the logits, tokens, logprobs and penalty history
     of 8 decode steps (seeded sampling with repetition, frequency and presence penalties), and after a verify
     step whose 4th draft is rejected, decoding on from the accepted tokens gives the decode-only path's logits
@@ -298,7 +299,7 @@ def test_verify_steps_equal_decode_steps_on_the_embedded_model(gemma3):
     from model_worker.programs import ProgramKey
     from model_worker.sampling import SamplingArrays
 
-    cfg, params = for_matmul_precision(*gemma3, "bfloat16", batch_invariant=True)
+    cfg, params = for_matmul_precision(*gemma3, precision, batch_invariant=True)
     eng = Engine(cfg, params, EngineConfig(num_slots=2, max_model_len=1024, prefill_chunks=(64,), prefix_slack=8,
                                            max_draft_tokens=7, max_verify_batch=1))
     eng.compile_all(keys=[k for k in eng.grid() if k.batch == 1 and k.kind in ("compute", "decode", "sample")]
