@@ -134,7 +134,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "int8"],
+        choices=["auto", "float32", "bfloat16"],
         help="dtype of activations, KV and dense weights (int8 GGUF blocks and int4 stay packed); auto = float32 on "
         "CPU, bfloat16 on TPU/GPU (default: %(default)s)",
     )
@@ -148,8 +148,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "float32's; batch-invariant unless --no-batch-invariant. int8 multiplies int8 weight blocks (the GGUF's "
         "own Q8_0/Q5_0 blocks, others requantized) with activations quantized per block of 32, as llama.cpp "
         "does, in a CPU kernel built on first use (the same bits in pure JAX elsewhere): half the bytes per "
-        "decode step, batch-invariant by construction. float32 multiplies the exact weights, for numerics work. auto = bfloat16 (with bfloat16 activations, the GPU/TPU default, there is nothing to "
-        "choose) (measured figures: docs/performance.md) (default: %(default)s)",
+        "decode step, batch-invariant by construction. float32 multiplies the exact weights, for numerics "
+        "work. auto = bfloat16 (with bfloat16 activations, the GPU/TPU default, there is nothing to choose; int8 "
+        "is refused there) (measured figures: docs/performance.md) (default: %(default)s)",
     )
     p.add_argument(
         "--tensor-parallel", "--tensor-parallel-size", type=_positive_int, default=1,
@@ -162,10 +163,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="with bfloat16 matmul precision and float32 activations (the CPU default): every product (attention "
-        "too) computed so that a request's logits are bit-identical whatever it is batched with (prefix hits "
-        "equal cold runs, seeded requests repeat exactly); --no-batch-invariant keeps the plain bfloat16 "
-        "products, faster for one sequence (docs/performance.md) (default: on where it applies)",
+        help="with bfloat16 or int8 matmul precision and float32 activations (the CPU default): every product "
+        "(attention too) computed so that a request's logits are bit-identical whatever it is batched with "
+        "(prefix hits equal cold runs, seeded requests repeat exactly); --no-batch-invariant keeps the plain "
+        "bfloat16 products, faster for one sequence (int8 products are invariant either way; attention then is "
+        "not) (docs/performance.md) (default: on where it applies)",
     )
 
 

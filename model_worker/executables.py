@@ -124,7 +124,9 @@ def _toolchain() -> str:
     config = sorted((k, repr(v)) for k, v in jax.config.values.items() if not _CACHE_SETTING.search(k))
     return repr((jax.__version__, jaxlib.__version__, jax.default_backend(), devices[0].client.platform_version,
                  sorted({d.device_kind for d in devices}), len(devices), os.environ.get("XLA_FLAGS", ""),
-                 os.environ.get("LIBTPU_INIT_ARGS", ""), config, cpu_flags))
+                 os.environ.get("LIBTPU_INIT_ARGS", ""), config, cpu_flags,
+                 # the int8 kernel's forced path is an attribute baked into the programs (model_worker/q8.py)
+                 os.environ.get("GEMMA_SERVE_Q8_PATH", ""), os.environ.get("GEMMA_SERVE_Q8_KERNEL", "")))
 
 
 def _abstract(tree) -> str:

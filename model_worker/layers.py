@@ -23,7 +23,7 @@ def rms_norm(x: jax.Array, w: jax.Array | None, cfg: ModelConfig) -> jax.Array:
     `w` is the effective multiplier (see params.py); None means no weight (Gemma 4 v_norm). eps is
     `cfg.rms_norm_eps`; with `cfg.batch_invariant` the sum of squares is `fixed_order_sum` (one order for every
     array shape), else XLA's reduction (cheaper to compile; figures: docs/performance.md,
-    "`layers.fixed_order_sum` in RMSNorm").
+    "`fixed_order.fixed_order_sum` in RMSNorm").
     """
     xf = x.astype(jnp.float32)
     squares = xf * xf

@@ -250,7 +250,8 @@ def with_bf16_matmuls(params: Params, row_invariant: bool = False) -> Params:
 def q8_of(weight: jax.Array | Int8Weight, dense_in_out: bool = True) -> Q8Weight | None:
     """A projection as Q8_0 blocks of 32 (`q8.Q8Weight`), or None where its input size is not a multiple of 32.
 
-    An `Int8Weight` of symmetric blocks of 32 (GGUF Q8_0 and Q5_0) keeps its integers and scales exactly; any
+    An `Int8Weight` of symmetric blocks of 32 (GGUF Q8_0 and Q5_0) without a -128 keeps its integers and scales
+    exactly; any
     other weight (GGUF Q4_K with its offsets, Q6_K's blocks of 16, a dense float weight) is requantized from its
     exact float32 values by `q8.q8_from_values` (error at most half a step of max|w| / 127 per block of 32, a
     small fraction of a 4- or 6-bit step).
@@ -283,9 +284,6 @@ def with_q8_matmuls(params: Params) -> Params:
     Projections whose input size is not a multiple of 32 get a row-invariant `Bf16Weight` instead (Gemma 4's
     per-layer-input projections of some tiny test configs), Int4Weights stay as they are; norms and the
     model-level PLE tensors are untouched. Lookups keep reading the exact `embed`.
-
-    Raises:
-      TypeError: a projection of an unknown type (see `Bf16Weight.of`).
     """
     def one(w):
         if w is None or isinstance(w, (Int4Weight, Q8Weight)):
@@ -340,10 +338,14 @@ def matmul_mode(precision: str, batch_invariant: bool | None, dtype: str) -> tup
     Returns:
       (a precision, bool), for `for_matmul_precision` (which is only applied to float32 activations).
     Raises:
-      ValueError: an unknown precision; --batch-invariant asked for where it does not apply.
+      ValueError: an unknown precision; int8 with bfloat16 activations; --batch-invariant asked for where it does
+        not apply.
     """
     if precision not in ("auto", "float32", "bfloat16", "int8"):
         raise ValueError(f"unknown matmul precision {precision!r} (auto, float32, bfloat16 or int8)")
+    if precision == "int8" and dtype != "float32":
+        raise ValueError(f"--matmul-precision int8 needs float32 activations (the CPU default); got {dtype} "
+                         "activations (--dtype)")
     precision = "bfloat16" if precision == "auto" else precision
     applies = precision in ("bfloat16", "int8") and dtype == "float32"
     if batch_invariant and not applies:

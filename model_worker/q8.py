@@ -5,9 +5,9 @@
 
 Activations are quantized per block of 32 as llama.cpp's `Q8_0` does (scale = max|x| / 127, values rounded to
 [-127, 127]; `quantize_blocks`, in JAX before any call); weights are int8 blocks of 32 with one float32 scale each
-(GGUF `Q8_0` as stored), held in tiles of 16 rows for the kernel (`tile_weight`). Integer sums are exact, so a row's result cannot depend on the rows computed with it, on
-SIMD lanes or on threads: batch invariance by construction, on any backend. The float epilogue has one fixed order
-(each block's term, then `layers.fixed_order_sum`'s tree over the blocks).
+(GGUF `Q8_0` as stored), held in tiles of 16 rows for the kernel (`tile_weight`). Integer sums are exact, so a
+row's result cannot depend on the rows computed with it, on SIMD lanes or on threads: batch invariance by construction, on any backend. The float epilogue has one fixed order
+(each block's term, then `fixed_order.fixed_order_sum`'s tree over the blocks).
 
 Two implementations give the same bits:
 - `q8_matmul_twin`: pure JAX (an int8 x int8 -> int32 `dot_general` batched over blocks, then the epilogue). It is
@@ -80,7 +80,7 @@ def q8_matmul_twin(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array) -
     # multiply-add (one rounding instead of two) in some loops and not others. Multiplying each term by a 1.0 the
     # compilers cannot see is 1.0 (exact: x * 1 = x) leaves every product rounded on its own first, as the
     # kernel does: a contracted fma(term, 1, other) rounds once, to the same sum.
-    one = xs[:1, :1].T[:, :, None] * 0.0 + 1.0  # 1.0 for any finite scale; [1, 1, 1]
+    one = xq[:1, :1].astype(jnp.float32).T[:, :, None] * 0.0 + 1.0  # 1.0 (int8 is finite), from row 0; [1, 1, 1]
     scales = xs.T[:, :, None] * ws.T[:, None, :]  # [nb, M, N]
     terms = (isum.astype(jnp.float32) * scales) * one
     return fixed_order_sum(jnp.moveaxis(terms, 0, -1))
@@ -123,6 +123,8 @@ class Q8Weight:
       q: int8, [N/16, 16 K] in the kernel's tiles when `tiled` (see `tile_weight`), else [N, K].
       scale: float32, [N/16, K/2] when `tiled`, else [N, K/32].
       tiled: static; the CPU kernel's layout (made where the kernel is available; the twin reads either).
+
+    Raises (`q8_weight`): ValueError for a weight value of -128.
     """
 
     q: jax.Array
@@ -146,7 +148,7 @@ class Q8Weight:
         return untile_weight(self.q, self.scale) if self.tiled else (self.q, self.scale)
 
     def dense(self) -> jax.Array:
-        """The float32 values [N, K] (q * s, exact): for tests and the embedding lookup."""
+        """The float32 values [N, K] (q * s, exact): for tests."""
         q, s = self.rows()
         n, k = q.shape
         return (q.reshape(n, k // BLOCK, BLOCK).astype(jnp.float32) * s[..., None]).reshape(n, k)
@@ -156,6 +158,8 @@ def q8_weight(wq, ws, tile: bool | None = None) -> Q8Weight:
     """A Q8Weight (arrays on the default device) from rows (int8 [N, K] in [-127, 127], float32 [N, K/32]);
     tiled for the kernel when `tile` (default: where the kernel is available and N is a multiple of 16)."""
     wq, ws = np.asarray(wq, np.int8), np.asarray(ws, np.float32)
+    if wq.size and wq.min() == -128:
+        raise ValueError("q8_weight: int8 weights must be in [-127, 127] (the AVX2 path negates them)")
     if tile is None:
         tile = kernel_available() and wq.shape[0] % TILE == 0
     if tile:
@@ -205,19 +209,19 @@ def _build(cache: pathlib.Path) -> pathlib.Path | None:
     lib = cache / f"q8_matmul-{key[:16]}.so"
     if lib.exists():
         return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        out = pathlib.Path(tmp) / lib.name
-        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-w",
-               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
-        try:
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            out = pathlib.Path(tmp) / lib.name
+            cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-w",
+                   f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            log.warning("q8 kernel: build failed (%s); block-int8 products run the pure-JAX twin",
-                        detail.strip().splitlines()[-1] if detail.strip() else e)
-            return None
-        os.replace(out, lib)  # atomic: a concurrent builder of the same key wrote the same bytes
+            os.replace(out, lib)  # atomic: a concurrent builder of the same key wrote the same bytes
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("q8 kernel: build failed (%s); block-int8 products run the pure-JAX twin",
+                    detail.strip().splitlines()[-1] if detail.strip() else e)
+        return None
     return lib
 
 

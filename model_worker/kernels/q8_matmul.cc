@@ -13,7 +13,7 @@
 // at once, with no horizontal reduction (the layout of oneDNN's and llama.cpp's repacked int8 GEMMs).
 //
 // Integer block sums are exact, so their order (SIMD lanes, threads, batch size) cannot change a bit; the float
-// epilogue runs in one fixed order per output: each block's term, then the tree of `layers.fixed_order_sum`
+// epilogue runs in one fixed order per output: each block's term, then the tree of `fixed_order.fixed_order_sum`
 // (halves added pairwise, an odd element joining the last pair), elementwise over the 16 rows of a tile.
 // Compiled with -ffp-contract=off, so no fused multiply-add changes a rounding. Threads: XLA's own intra-op pool
 // (xla::ffi::ThreadPool), the calling thread working too.
@@ -46,12 +46,12 @@ constexpr int64_t kRows = 4;                      // activation rows sharing eac
 
 // The block terms of `mr` (<= kRows) activation rows with one weight tile, then their sums:
 //   t[(r * nb + b) * 16 + lane] = float(isum[m0 + r, 16 tile + lane, b]) * (xs[m0 + r, b] * st[tile, 16 b + lane])
-//   y[(m0 + r) * N + 16 tile + lane] = the tree of layers.fixed_order_sum over b of those terms.
+//   y[(m0 + r) * N + 16 tile + lane] = the tree of fixed_order.fixed_order_sum over b of those terms.
 // `x` and `xs` point at row m0 (row strides K and nb), `wt` and `st` at the tile, `y` at y[m0, 16 tile].
 using TileProduct = void (*)(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt,
                              const float* st, int64_t nb, float* t, float* y, int64_t N);
 
-// The tree of layers.fixed_order_sum over t[0..nb) (16 lanes each): halves added pairwise, an odd element
+// The tree of fixed_order.fixed_order_sum over t[0..nb) (16 lanes each): halves added pairwise, an odd element
 // joining the last pair. Elementwise per lane, so any vectorization gives the same bits.
 inline __attribute__((always_inline)) void tree16(float* t, int64_t nb) {
   for (int64_t n = nb; n > 1;) {
@@ -250,6 +250,10 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buff
   if (xs.element_count() != M * nb || st.element_count() != N * nb || y->element_count() != M * N)
     return ffi::Error::InvalidArgument("q8_matmul: scale or output shapes do not match [M, K/32], [N/16, K/2], [M, N]");
   if (M == 0 || N == 0) return ffi::Error::Success();
+  if (nb == 0) {  // K = 0: empty sums
+    std::fill(y->typed_data(), y->typed_data() + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
   auto work = std::make_shared<Work>();
   work->xq = xq.typed_data();
   work->xs = xs.typed_data();

@@ -6,7 +6,7 @@ configs (sliding and full layers, KV sharing, PLE). Equality is exact (`np.array
 
 The kernel-level tests pin what the design relies on (docs/architecture.md, "bfloat16 matmul precision with batch
 invariance"): XLA CPU's bfloat16 GEMM computes each output row independently of the other rows for row counts
-that are a multiple of `quant.GEMM_ROW_MULTIPLE`, and `layers.fixed_order_sum` is one order whatever the array's shape.
+that are a multiple of `quant.GEMM_ROW_MULTIPLE`, and `fixed_order.fixed_order_sum` is one order whatever the array's shape.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from model_worker import model, q8
 from model_worker.hf_loader import load_checkpoint
 from model_worker.kv_cache import KVCache
 from model_worker.layers import fixed_order_sum
-from model_worker.params import for_matmul_precision, to_device
+from model_worker.params import for_matmul_precision, matmul_mode, to_device
 from model_worker.quant import GEMM_ROW_MULTIPLE, Bf16Weight, bf16_linear
 from tests.gemma4_tiny import CONFIGS, write_checkpoint
 
@@ -220,3 +220,6 @@ def test_batch_invariance_needs_bfloat16_or_int8_precision():
         for_matmul_precision(None, None, "float32", batch_invariant=True)
     with pytest.raises(ValueError, match="unknown matmul precision"):
         for_matmul_precision(None, None, "int4")
+    with pytest.raises(ValueError, match="float32 activations"):  # int8 products only with float32 activations
+        matmul_mode("int8", None, "bfloat16")
+    assert matmul_mode("int8", None, "float32") == ("int8", True)

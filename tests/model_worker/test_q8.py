@@ -140,6 +140,18 @@ def test_tiles_hold_the_rows():
     np.testing.assert_array_equal(np.asarray(w.dense()), np.asarray(wq, np.float32) * np.repeat(np.asarray(ws), 32, 1))
     with pytest.raises(ValueError, match="N % 16"):
         q8.tile_weight(np.zeros((8, 32), np.int8), np.zeros((8, 1), np.float32))
+    with pytest.raises(ValueError, match="-127"):  # the AVX2 path cannot negate -128
+        q8.q8_weight(np.full((16, 32), -128, np.int8), np.ones((16, 1), np.float32))
+
+
+def test_a_non_finite_row_stays_in_its_row():
+    """An activation row with an inf or NaN scale makes that row's outputs non-finite in the kernel and the twin
+    alike, never another row's."""
+    _, xq, xs, wq, ws = operands(5, 32, 64, seed=11)
+    xs = xs.at[0, 0].set(jnp.inf).at[3, 1].set(jnp.nan)
+    twin = np.asarray(jax.jit(q8.q8_matmul_twin)(xq, xs, wq, ws))
+    assert (~np.isfinite(twin)).any(axis=1).tolist() == [True, False, False, True, False]
+    np.testing.assert_array_equal(np.asarray(kernel(0)(xq, xs, wq, ws)), twin)
 
 
 def test_q8_from_values_is_q8_0():
