@@ -27,6 +27,7 @@ from model_worker.attention import KEY_BLOCK
 from model_worker.config import ModelConfig
 from model_worker.kv_cache import KVCache
 from model_worker.params import LOOKUP_TABLES, Params, param_shapes
+from model_worker.q8 import TWIN_BLOCK_BYTES, Q8Weight
 from model_worker.quant import CPU_BLOCK_BYTES, Int4Weight, Int8Weight
 from model_worker.sampling import penalty_state_zeros
 
@@ -182,7 +183,8 @@ def estimate_temporaries(cfg: ModelConfig, ecfg, weights: Params, tp: int = 1,
         per-layer inputs; twice: a value and the next live together), and the largest quantized projection
         (or quantized tied LM head) dequantized: whole on accelerators, which unpack one weight at a time before
         its product (`quant.int4_linear`, `int8_linear`), a row block of at most 2 x `quant.CPU_BLOCK_BYTES` on
-        CPU.
+        CPU; for block-int8 weights the twin runs (not the CPU kernel), one block of its sums
+        (`q8.TWIN_BLOCK_BYTES`).
       * per slot: `SAMPLING_ROWS` rows of [V] (logits and sampling), and twice a decode row's activations.
 
     Against XLA CPU's figures it errs high, on an E2B look-alike with 512-token chunks and on the tiny models,
@@ -212,6 +214,9 @@ def estimate_temporaries(cfg: ModelConfig, ecfg, weights: Params, tp: int = 1,
                    for w in jax.tree_util.tree_leaves(linears, is_leaf=quantized) if quantized(w)), default=0)
     if (platform or jax.default_backend()) == "cpu":
         dequant = min(dequant, 2 * CPU_BLOCK_BYTES)
+    on_twin = lambda x: isinstance(x, Q8Weight) and (not x.tiled or (platform or jax.default_backend()) != "cpu")
+    if any(on_twin(w) for w in jax.tree_util.tree_leaves(weights, is_leaf=lambda x: isinstance(x, Q8Weight))):
+        dequant = max(dequant, TWIN_BLOCK_BYTES)  # the int8 twin's sums and terms of one block of weight rows
     fixed = attention + 2 * chunk * width * 4 + dequant
     return fixed, SAMPLING_ROWS * _part(cfg.vocab_size, tp) * 4 + 2 * width * 4
 

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32
 TILE = 16  # weight rows per kernel tile (kernels/q8_matmul.cc)
+TWIN_BLOCK_BYTES = 32 << 20  # the twin's temporaries per block of weight rows (`q8_matmul_twin`)
 SOURCE = pathlib.Path(__file__).parent / "kernels" / "q8_matmul.cc"
 TARGET = "gemma_q8_matmul"
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
@@ -69,9 +70,30 @@ def quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q.reshape(m, k), scale
 
 
-def q8_matmul_twin(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array) -> jax.Array:
+def q8_matmul_twin(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array,
+                   block_bytes: int = TWIN_BLOCK_BYTES) -> jax.Array:
     """The pure-JAX block-int8 product: xq int8 [M, K], xs float32 [M, K/32], wq int8 [N, K], ws float32
-    [N, K/32] -> float32 [M, N] (the formula in the module docstring; same bits as the CPU kernel)."""
+    [N, K/32] -> float32 [M, N] (the formula in the module docstring; same bits as the CPU kernel).
+
+    Its [K/32, M, N] int32 sums and float32 terms are materialized, so the weight rows are taken in blocks under
+    `lax.map` whose temporaries stay near `block_bytes` (the 262144-row LM head at 64 rows would need ~11 GB at
+    once); every output is computed the same way in any block, so the blocks change no bit.
+    """
+    m, k = xq.shape
+    n, nb = wq.shape[0], k // BLOCK
+    rows = max(TILE, block_bytes // (8 * max(m, 1) * max(nb, 1)) // TILE * TILE)
+    if n <= rows:
+        return _twin_block(xq, xs, wq, ws)
+    blocks = -(-n // rows)
+    pad = blocks * rows - n
+    wb = jnp.pad(wq, ((0, pad), (0, 0))).reshape(blocks, rows, k)
+    sb = jnp.pad(ws, ((0, pad), (0, 0))).reshape(blocks, rows, nb)
+    ys = lax.map(lambda w: _twin_block(xq, xs, *w), (wb, sb))  # [blocks, M, rows]
+    return jnp.moveaxis(ys, 0, 1).reshape(m, blocks * rows)[:, :n]
+
+
+def _twin_block(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array) -> jax.Array:
+    """`q8_matmul_twin` on one block of weight rows, all at once."""
     m, k = xq.shape
     n, nb = wq.shape[0], k // BLOCK
     isum = lax.dot_general(xq.reshape(m, nb, BLOCK), wq.reshape(n, nb, BLOCK), (((2,), (2,)), ((1,), (1,))),

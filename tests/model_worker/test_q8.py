@@ -178,3 +178,13 @@ def test_q8_linear_keeps_the_leading_axes():
     assert np.array_equal(np.asarray(y).reshape(6, 32), np.asarray(jax.jit(q8.q8_matmul_twin)(xq, xs, wq, ws)))
     with pytest.raises(ValueError, match="features"):
         q8.q8_linear(jnp.zeros((1, 32)), w)
+
+
+def test_the_twin_in_blocks_of_rows_gives_the_same_bits():
+    """The twin takes the weight rows in blocks (bounded temporaries for the LM head): any block size, padded or
+    not, gives the bits of the whole product."""
+    _, xq, xs, wq, ws = operands(3, 1000, 96, seed=13)
+    whole = np.asarray(jax.jit(q8.q8_matmul_twin)(xq, xs, wq, ws))
+    for block_bytes in (8 * 3 * 3 * 16, 8 * 3 * 3 * 48, 8 * 3 * 3 * 500):  # 16, 48, 496 rows per block
+        out = jax.jit(lambda *a: q8.q8_matmul_twin(*a, block_bytes=block_bytes))(xq, xs, wq, ws)
+        assert np.array_equal(np.asarray(out), whole), block_bytes
