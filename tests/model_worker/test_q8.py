@@ -5,6 +5,7 @@ lowered for TPU/GPU contain no custom call."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -186,5 +187,5 @@ def test_the_twin_in_blocks_of_rows_gives_the_same_bits():
     _, xq, xs, wq, ws = operands(3, 1000, 96, seed=13)
     whole = np.asarray(jax.jit(q8.q8_matmul_twin)(xq, xs, wq, ws))
     for block_bytes in (8 * 3 * 3 * 16, 8 * 3 * 3 * 48, 8 * 3 * 3 * 500):  # 16, 48, 496 rows per block
-        out = jax.jit(lambda *a: q8.q8_matmul_twin(*a, block_bytes=block_bytes))(xq, xs, wq, ws)
+        out = jax.jit(functools.partial(q8.q8_matmul_twin, block_bytes=block_bytes))(xq, xs, wq, ws)
         assert np.array_equal(np.asarray(out), whole), block_bytes
