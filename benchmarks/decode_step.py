@@ -243,6 +243,47 @@ def append_markdown(path: pathlib.Path, heading: str, note: str, columns: list[s
         f.write("\n".join(lines) + "\n\n")
 
 
+def llama_cpp_token_ms(gguf: pathlib.Path, tokens: int = 64, threads: int = 2, port: int = 18089) -> float:
+    """llama.cpp's own decode time per token (ms) on `gguf`: its llama-server (built by
+    benchmarks/llama_cpp_server.sh), one slot, `threads` threads, one greedy completion of `tokens` tokens after a
+    warm-up, read from the server's `timings.predicted_per_token_ms`.
+
+    Raises:
+      FileNotFoundError: llama-server is not built.
+      RuntimeError: the server did not start or answer.
+    """
+    import subprocess
+    import urllib.request
+
+    binary = next((pathlib.Path(__file__).parent / ".llama.cpp").glob("build-*/bin/llama-server"), None)
+    if binary is None:
+        raise FileNotFoundError("llama-server is not built: benchmarks/llama_cpp_server.sh build")
+    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "1",
+                             "-c", "2048", "-t", str(threads), "-tb", str(threads)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def post(n: int) -> dict:
+            body = json.dumps({"prompt": "The history of the river valley", "n_predict": n, "temperature": 0,
+                               "cache_prompt": False}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())
+
+        for _ in range(120):
+            try:
+                post(4)  # warm-up (and the wait for the model to load)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("llama-server did not answer within 60 s")
+        return float(post(tokens)["timings"]["predicted_per_token_ms"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def main() -> None:
     """Measure the grid of --batches x --kv and print (and write) the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -256,6 +297,10 @@ def main() -> None:
                         help="also time verify steps of T tokens per row (speculative decoding: the pending token "
                         "and T - 1 drafts) at each batch and KV length: column 'verify ms' and its ratio to the "
                         "decode step")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="(embedded model) also measure llama.cpp's own time per decoded token on the same GGUF "
+                        "(its llama-server, built by benchmarks/llama_cpp_server.sh, 2 threads) and print the "
+                        "B=1 step against it")
     args = parser.parse_args()
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
@@ -310,6 +355,13 @@ def main() -> None:
                 extra = f" {row['verify_ms']:>9.2f} {row['verify_ms'] / row['step_ms']:>10.2f}x"
             print(f"{b:>5} {L:>6} {row['step_ms']:>8.2f} {row['tokens_per_s']:>8.1f} {moved.total / 1e6:>8.0f} "
                   f"{row['bandwidth_fraction']:>5.0%} {row['vs_batch1']:>6.2f}x" + extra)
+    if args.llama_cpp:
+        from common import preparation
+
+        llama_ms = llama_cpp_token_ms(preparation.embedded_gguf(pathlib.Path(args.cache_dir)))
+        ours = next(r["step_ms"] for r in rows if r["batch"] == min(engine.batch_buckets))
+        print(f"llama.cpp: {llama_ms:.2f} ms per decoded token (llama-server, 2 threads, same GGUF); our "
+              f"B={min(engine.batch_buckets)} step at kv {rows[0]['kv_len']} / llama.cpp = {ours / llama_ms:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(dict(model=cfg.name, device=device, backend=backend, dtype=dtype,
                                              weights=weights, matmul_precision=args.matmul_precision,
