@@ -212,9 +212,10 @@ def estimate_temporaries(cfg: ModelConfig, ecfg, weights: Params, tp: int = 1,
     linears = [weights.ple_proj, *weights.layers] + ([weights.embed] if weights.lm_head is None else [])
     dequant = max((_dense_bytes(w, jnp.dtype(ecfg.dtype).itemsize)
                    for w in jax.tree_util.tree_leaves(linears, is_leaf=quantized) if quantized(w)), default=0)
-    if (platform or jax.default_backend()) == "cpu":
+    on_cpu = (platform or jax.default_backend()) == "cpu"
+    if on_cpu:
         dequant = min(dequant, 2 * CPU_BLOCK_BYTES)
-    on_twin = lambda x: isinstance(x, Q8Weight) and (not x.tiled or (platform or jax.default_backend()) != "cpu")
+    on_twin = lambda x: isinstance(x, Q8Weight) and not (x.tiled and on_cpu)
     if any(on_twin(w) for w in jax.tree_util.tree_leaves(weights, is_leaf=lambda x: isinstance(x, Q8Weight))):
         dequant = max(dequant, TWIN_BLOCK_BYTES)  # the int8 twin's sums and terms of one block of weight rows
     fixed = attention + 2 * chunk * width * 4 + dequant

@@ -251,9 +251,8 @@ def q8_of(weight: jax.Array | Int8Weight, dense_in_out: bool = True) -> Q8Weight
     """A projection as Q8_0 blocks of 32 (`q8.Q8Weight`), or None where its input size is not a multiple of 32.
 
     An `Int8Weight` of symmetric blocks of 32 (GGUF Q8_0 and Q5_0) without a -128 keeps its integers and scales
-    exactly; any
-    other weight (GGUF Q4_K with its offsets, Q6_K's blocks of 16, a dense float weight) is requantized from its
-    exact float32 values by `q8.q8_from_values` (error at most half a step of max|w| / 127 per block of 32, a
+    exactly; any other weight (GGUF Q4_K with its offsets, Q6_K's blocks of 16, a dense float weight, an int8
+    block holding -128) is requantized from its exact float32 values by `q8.q8_from_values` (error at most half a step of max|w| / 127 per block of 32, a
     small fraction of a 4- or 6-bit step).
 
     Args:
@@ -288,7 +287,7 @@ def with_q8_matmuls(params: Params) -> Params:
     def one(w):
         if w is None or isinstance(w, (Int4Weight, Q8Weight)):
             return w
-        return q8_of(w) or Bf16Weight(Bf16Weight.of(w).w, row_invariant=True)
+        return q8_of(w) or dataclasses.replace(Bf16Weight.of(w), row_invariant=True)
 
     layers = [dataclasses.replace(lp, **{n: one(getattr(lp, n)) for n in _LINEARS}) for lp in params.layers]
     head = params.lm_head if isinstance(params.lm_head, Q8Weight) else q8_of(params.embed, dense_in_out=False)

@@ -157,24 +157,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(co
   }
 }
 
+// The row-count instances of each path, indexed by mr - 1.
+using RowsProduct = void (*)(const int8_t* x, const float* xs, int64_t K, const int8_t* wt, const float* st,
+                             int64_t nb, float* t, float* y, int64_t N);
+constexpr RowsProduct kAvx2Rows[kRows] = {product_avx2_rows<1>, product_avx2_rows<2>, product_avx2_rows<3>,
+                                          product_avx2_rows<4>};
+constexpr RowsProduct kVnniRows[kRows] = {product_vnni_rows<1>, product_vnni_rows<2>, product_vnni_rows<3>,
+                                          product_vnni_rows<4>};
+
 void product_avx2(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt, const float* st,
                   int64_t nb, float* t, float* y, int64_t N) {
-  switch (mr) {
-    case 1: return product_avx2_rows<1>(x, xs, K, wt, st, nb, t, y, N);
-    case 2: return product_avx2_rows<2>(x, xs, K, wt, st, nb, t, y, N);
-    case 3: return product_avx2_rows<3>(x, xs, K, wt, st, nb, t, y, N);
-    default: return product_avx2_rows<4>(x, xs, K, wt, st, nb, t, y, N);
-  }
+  kAvx2Rows[mr - 1](x, xs, K, wt, st, nb, t, y, N);
 }
 
 void product_vnni(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt, const float* st,
                   int64_t nb, float* t, float* y, int64_t N) {
-  switch (mr) {
-    case 1: return product_vnni_rows<1>(x, xs, K, wt, st, nb, t, y, N);
-    case 2: return product_vnni_rows<2>(x, xs, K, wt, st, nb, t, y, N);
-    case 3: return product_vnni_rows<3>(x, xs, K, wt, st, nb, t, y, N);
-    default: return product_vnni_rows<4>(x, xs, K, wt, st, nb, t, y, N);
-  }
+  kVnniRows[mr - 1](x, xs, K, wt, st, nb, t, y, N);
 }
 #endif
 
