@@ -251,9 +251,9 @@ def q8_of(weight: jax.Array | Int8Weight, dense_in_out: bool = True) -> Q8Weight
     """A projection as Q8_0 blocks of 32 (`q8.Q8Weight`), or None where its input size is not a multiple of 32.
 
     An `Int8Weight` of symmetric blocks of 32 (GGUF Q8_0 and Q5_0) without a -128 keeps its integers and scales
-    exactly; any other weight (GGUF Q4_K with its offsets, Q6_K's blocks of 16, a dense float weight, an int8
-    block holding -128) is requantized from its exact float32 values by `q8.q8_from_values` (error at most half a step of max|w| / 127 per block of 32, a
-    small fraction of a 4- or 6-bit step).
+    exactly; any other weight (GGUF Q4_K with its offsets, Q6_K's blocks of 16, a dense float weight, an int8 block
+    holding -128) is requantized from its exact float32 values by `q8.q8_from_values` (error at most half a step of
+    max|w| / 127 per block of 32, a small fraction of a 4- or 6-bit step).
 
     Args:
       weight: an `Int8Weight` [N, K], or a dense float weight, [K, N] ([in, out], a projection) when

@@ -7,7 +7,8 @@ Activations are quantized per block of 32 as llama.cpp's `Q8_0` does (scale = ma
 [-127, 127]; `quantize_blocks`, in JAX before any call); weights are int8 blocks of 32 with one float32 scale each
 (GGUF `Q8_0` as stored), held in tiles of 16 rows for the kernel (`tile_weight`). Integer sums are exact, so a
 row's result cannot depend on the rows computed with it, on SIMD lanes or on threads: batch invariance by
-construction, on any backend. The float epilogue has one fixed order (each block's term, then `fixed_order.fixed_order_sum`'s tree over the blocks).
+construction, on any backend. The float epilogue has one fixed order (each block's term, then
+`fixed_order.fixed_order_sum`'s tree over the blocks).
 
 Two implementations give the same bits:
 - `q8_matmul_twin`: pure JAX (an int8 x int8 -> int32 `dot_general` batched over blocks, then the epilogue). It is
