@@ -23,14 +23,16 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway import messages_api, responses_api
 from gateway.auth import ApiKeys
 from gateway.clients import Backends
 from gateway.completions import ResponseIds, remember_answer, run_choices, usage_dict
 from gateway.detokenizer import dangling, prompt_tail
-from gateway.errors import ApiError
+from gateway.errors import ApiError, error_body
 from gateway.http_guard import RequestGuard
 from gateway.limits import Limits
 from gateway.logprobs import CompletionLogprobs, TokenStrings, chat_content, visible
+from gateway.messages_request import CallArguments, CountTokensRequest, MessagesRequest
 from gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +44,8 @@ from gateway.openai_types import (
 )
 from gateway.openapi import openapi_schema
 from gateway.planner import Plan, detokenize, plan_chat_completion, plan_completion, tokenize
+from gateway.response_store import ResponseStore
+from gateway.responses_request import ResponsesRequest
 from gateway.workers import Session
 from protos import tokenizer_pb2
 
@@ -93,8 +97,8 @@ async def _cancel_on_disconnect(request: Request, coro):
         return work.result()
     work.cancel()
     log.info("client disconnected; request %s cancelled", request.state.request_id)
-    return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled", "param": None,
-                                   "code": None}}, status_code=499)
+    err = ApiError(499, "client disconnected", code="cancelled")
+    return JSONResponse(error_body(err, request.url.path), status_code=499)
 
 
 async def _primed(agen: AsyncIterator) -> AsyncIterator:
@@ -130,7 +134,7 @@ def create_app(backends: Backends, limits: Limits | None = None,
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(exc, request.url.path), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -138,7 +142,8 @@ def create_app(backends: Backends, limits: Limits | None = None,
                    f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
         err = ApiError(exc.status_code, message, code={404: "not_found", 405: "method_not_allowed"}.get(
             exc.status_code))
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(error_body(err, request.url.path), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
@@ -146,12 +151,12 @@ def create_app(backends: Backends, limits: Limits | None = None,
         # keeps the connection (the server would close it).
         rid = request.state.request_id
         err = ApiError(500, f"internal server error (request id {rid})", code="internal_error")
-        return JSONResponse(err.body(), status_code=500)
+        return JSONResponse(error_body(err, request.url.path), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         err = _validation_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(error_body(err, request.url.path), status_code=err.status)
 
     @app.get("/metrics")
     async def metrics():
@@ -185,6 +190,42 @@ def create_app(backends: Backends, limits: Limits | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         work = _chat(backends, limits, body, request.state.tenant, _session(request))
         return await (work if body.stream else _cancel_on_disconnect(request, work))
+
+    store = ResponseStore(limits.responses_store_bytes, limits.responses_store_ttl)
+
+    @app.post("/v1/responses", responses=_STREAM_RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request):
+        """The OpenAI Responses API (gateway/responses_api.py)."""
+        work = responses_api.create(backends, limits, store, body, request.state.tenant, _session(request))
+        return await (work if body.stream else _cancel_on_disconnect(request, work))
+
+    @app.post("/v1/responses/input_tokens")
+    async def responses_input_tokens(body: ResponsesRequest, request: Request):
+        """The prompt tokens `POST /v1/responses` would use for the same body."""
+        return await responses_api.count_input_tokens(backends, limits, store, body, request.state.tenant)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        """A stored response (`store: true`)."""
+        return responses_api.stored(store, request.state.tenant, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        """Forget a stored response."""
+        return responses_api.delete(store, request.state.tenant, response_id)
+
+    calls = CallArguments()
+
+    @app.post("/v1/messages", responses=_STREAM_RESPONSES)
+    async def messages(body: MessagesRequest, request: Request):
+        """The Anthropic Messages API (gateway/messages_api.py)."""
+        work = messages_api.create(backends, limits, calls, body, request.state.tenant, _session(request))
+        return await (work if body.stream else _cancel_on_disconnect(request, work))
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest, request: Request):
+        """The prompt tokens `POST /v1/messages` would use for the same body."""
+        return await messages_api.count_tokens(backends, limits, calls, body, request.state.tenant)
 
     async def tenant_of(request: Request) -> str:
         """The caller's tenant on /tokenize and /detokenize. They sit at the root, as vLLM serves them, outside

@@ -157,6 +157,18 @@ class ChatRoute:
             msg["tool_calls"] = self.calls
         return msg
 
+    def thought_tokens(self, token_ids: list[int]) -> int:
+        """How many of a choice's generated `token_ids` belong to its thought channel, markers included (the
+        Responses API's `reasoning_tokens`); 0 without a thought channel."""
+        if self._router is None:
+            return 0
+        inside, count = False, 0
+        for t in token_ids:
+            inside = inside or t == self._router.open_id
+            count += inside
+            inside = inside and t != self._router.close_id
+        return count
+
     def plain(self) -> bool:
         """True when the answer is plain content (no calls, no thought): its ids may be remembered as history."""
         return not self.calls and not self.reasoning and not self.truncated

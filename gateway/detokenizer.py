@@ -164,6 +164,7 @@ class StopMatcher:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._buffer = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that matched (the earliest in the text)
 
     def push(self, text: str) -> str:
         """Add text; returns the text that is now safe to emit. After a match, `stopped` is True and the match and
@@ -171,10 +172,11 @@ class StopMatcher:
         if self.stopped:
             return ""
         self._buffer += text
-        hits = [i for i in (self._buffer.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, n) for n, i in enumerate(self._buffer.find(s) for s in self._stops) if i >= 0]
         if hits:
-            self.stopped = True
-            out, self._buffer = self._buffer[: min(hits)], ""
+            at, which = min(hits)
+            self.stopped, self.matched = True, self._stops[which]
+            out, self._buffer = self._buffer[:at], ""
             return out
         cut = len(self._buffer) - self._hold
         if cut <= 0:

@@ -64,6 +64,50 @@ class ApiError(Exception):
         return _GRPC_OF_HTTP.get(self.status, grpc.StatusCode.INTERNAL if self.status >= 500 else grpc.StatusCode.INVALID_ARGUMENT)
 
 
+class renamed_params:
+    """A context manager re-raising ApiErrors with the request field renamed by `table` (chat field -> the field
+    of the API the client called, e.g. `max_completion_tokens` -> `max_output_tokens`), in `param` and in the
+    message, so a front door translated into a chat request still names the client's own fields."""
+
+    def __init__(self, table: dict[str, str]):
+        self.table = table
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if isinstance(err, ApiError) and err.param:
+            head, _, rest = err.param.partition(".")
+            new = self.table.get(head)
+            if new is not None and new != head:
+                err.param = new if head == "messages" else new + ("." + rest if rest else "")
+                err.message = err.message.replace(head, new, 1)
+        return False
+
+
+#: Anthropic's error `type` per HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                   413: "request_too_large", 429: "rate_limit_error", 499: "invalid_request_error",
+                   503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+def anthropic_body(err: ApiError) -> dict:
+    """The Anthropic Messages API error object: `{"type": "error", "error": {"type", "message"}}`."""
+    kind = _ANTHROPIC_TYPE.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether errors on `path` take the Anthropic shape (the Messages API's routes)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_body(err: ApiError, path: str) -> dict:
+    """The error object for a request to `path`: Anthropic's shape on the Messages API, OpenAI's elsewhere."""
+    return anthropic_body(err) if is_anthropic_path(path) else err.body()
+
+
 def from_rpc_error(err: grpc.aio.AioRpcError, backend: str) -> ApiError:
     """Translate a backend's gRPC error. Unavailable backends become 503 naming the backend; a full worker queue
     429 with Retry-After; a message over gRPC's size limit 413 (no retry can fix it); a backend's own failure a

@@ -92,6 +92,7 @@ class Delta:
       token_ids, logprobs: the tokens counted in this delta.
       tokens: the same tokens as worker protos (top alternatives, forced flag).
       whole: (last delta) the text is exactly the detokenized generated tokens — no stop string cut it.
+      stop_string: (last delta) the stop string that ended the answer, or None (Anthropic's `stop_sequence`).
     """
 
     text: str
@@ -101,6 +102,7 @@ class Delta:
     usage: common_pb2.Usage | None = None
     tokens: list[common_pb2.GeneratedToken] = dataclasses.field(default_factory=list)
     whole: bool = False
+    stop_string: str | None = None
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> int:
@@ -190,6 +192,7 @@ class _AnswerText:
             reason = "stop" if self.stops.stopped else FINISH_NAMES.get(finish, "stop")
         delta.finish_reason = reason
         delta.whole = not self.stops.stopped
+        delta.stop_string = self.stops.matched
         delta.usage = common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=self.count,
                                        cached_tokens=self.cached)
         if self.prediction:

@@ -33,6 +33,15 @@ def history_scope(tenant: str, cache_salt: str | None) -> str:
     return f"{tenant}\x00{cache_salt or ''}"
 
 
+def prefix_salt(scope: str, shared: bool = False) -> str:
+    """The worker's prefix-cache scope (`PrefillRequest.cache_salt`) of a request whose answer-history scope is
+    `scope`: its `cache_salt` alone when the API is open (or with `shared`, the `--share-prefix-cache-across-keys`
+    opt-in), else the tenant and the salt. Per tenant by default because a prefix hit is visible to the client
+    (`cached_tokens`, and the time to first token): a shared cache tells tenant B whether tenant A sent a text."""
+    tenant, _, salt = scope.partition("\x00")
+    return salt if shared or not tenant else scope
+
+
 def answer_key(content: str | None, tool_calls: list[tuple[str, str]] = (), reasoning: str | None = None) -> str:
     """The lookup key of an assistant answer: its content (None for a tool-call answer without text), its calls'
     (name, arguments text) and its reasoning_content (None or "" for none), exactly as returned to the client.

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from gateway.admission import Admission
 from gateway.auth import ApiKeys
-from gateway.errors import ApiError
+from gateway.errors import ApiError, error_body, is_anthropic_path
 from gateway.limits import JsonError, Limits, parse_json
 
 log = logging.getLogger("gemma_serve.gateway")
@@ -88,12 +88,12 @@ class RequestGuard:
         rid = request_id_of(scope.get("headers", []))
         state = scope.setdefault("state", {})
         state["request_id"], state["tenant"] = rid, ""
-        response = _Response(send, rid)
         path = scope.get("path", "")
+        response = _Response(send, rid, path)
         api = path == "/v1" or path.startswith("/v1/")
         try:
             if self.keys and api:
-                state["tenant"] = self.keys.tenant(_header(scope, b"authorization"))
+                state["tenant"] = self.keys.tenant(_credentials(scope))
             if self.open_connections is not None and self.open_connections() > self.limits.max_connections:
                 raise ApiError(503, f"the server has more than {self.limits.max_connections} open connections; "
                                     f"retry shortly", code="too_many_connections",
@@ -164,6 +164,15 @@ class RequestGuard:
         return replay
 
 
+def _credentials(scope) -> str | None:
+    """The request's `Authorization` value, or its `x-api-key` (Anthropic's header) as a Bearer credential."""
+    authorization = _header(scope, b"authorization")
+    if authorization:
+        return authorization
+    key = _header(scope, b"x-api-key")
+    return f"Bearer {key}" if key else None
+
+
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large",
                     headers={"Connection": "close"})
@@ -173,8 +182,8 @@ class _Response:
     """Tracks one response on its way out: adds X-Request-Id, remembers status and content type, and can still
     answer an error (a JSON body before the response started, an SSE error event after a stream started)."""
 
-    def __init__(self, send, rid: str):
-        self._send, self.rid = send, rid
+    def __init__(self, send, rid: str, path: str = ""):
+        self._send, self.rid, self.path = send, rid, path
         self.status: int | None = None
         self.streaming = False
         self.ended = False
@@ -193,11 +202,15 @@ class _Response:
     async def error(self, err: ApiError) -> None:
         """Answer `err` if the response has not started; end a started stream with an error event."""
         if self.status is None:
-            body = json.dumps(err.body()).encode()
+            body = json.dumps(error_body(err, self.path)).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items()]
             await self.send({"type": "http.response.start", "status": err.status, "headers": headers})
             await self.send({"type": "http.response.body", "body": body, "more_body": False})
         elif not self.ended:
-            tail = f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode() if self.streaming else b""
+            if is_anthropic_path(self.path):
+                tail = f"event: error\ndata: {json.dumps(error_body(err, self.path))}\n\n".encode()
+            else:
+                tail = f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
+            tail = tail if self.streaming else b""
             await self.send({"type": "http.response.body", "body": tail, "more_body": False})

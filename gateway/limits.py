@@ -34,6 +34,11 @@ MAX_SCHEMA_BYTES = 256 << 10
 MAX_NAME_CHARS = 256
 
 
+#: Claude Code's per-request billing header, the first `system` text block it sends (its version and a hash that
+#: changes every request): `x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=...;`.
+DEFAULT_DROP_SYSTEM_PATTERN = r"x-anthropic-billing-header:"
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """Per-request limits of the gateway (flags; see `add_flags`).
@@ -47,6 +52,14 @@ class Limits:
         without max_tokens gets at most this many.
       max_connections: most open HTTP connections; a request on a connection beyond it gets an OpenAI-shaped 503.
       cors_origins: origins allowed to call the API from a browser (none by default: no CORS headers).
+      share_prefix_cache_across_keys: with API keys, let every key's requests reuse KV another key computed (a
+        common system prompt); off by default, because a prefix hit shows in `cached_tokens` and the time to
+        first token, telling one tenant what another sent recently.
+      drop_system_patterns: regular expressions (Python `re`, matched at the start of a text block) of
+        Anthropic Messages `system` text blocks left out of the prompt: client metadata that changes on every
+        request (Claude Code's billing header) would otherwise defeat prefix reuse.
+      responses_store_bytes: most bytes of stored Responses (`store: true`) per tenant, oldest evicted first.
+      responses_store_ttl: seconds a stored response stays retrievable (`previous_response_id`, GET).
     """
 
     max_body_bytes: int = 4 << 20
@@ -56,14 +69,19 @@ class Limits:
     max_tokens_cap: int | None = None
     max_connections: int = 512
     cors_origins: tuple[str, ...] = ()
+    share_prefix_cache_across_keys: bool = False
+    drop_system_patterns: tuple[str, ...] = (DEFAULT_DROP_SYSTEM_PATTERN,)
+    responses_store_bytes: int = 64 << 20
+    responses_store_ttl: float = 3600.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Limits:
         """Limits from parsed flags (missing flags keep their defaults)."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-        if "cors_origins" in values:
-            values["cors_origins"] = tuple(values["cors_origins"])
+        for name in ("cors_origins", "drop_system_patterns"):
+            if name in values:
+                values[name] = tuple(values[name])
         return cls(**values)
 
 
@@ -89,17 +107,35 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cors-origins", nargs="*", default=[],
                    help="origins allowed to call the REST API from a browser, e.g. https://app.example.com or '*' "
                    "(default: none, no CORS headers)")
+    p.add_argument("--share-prefix-cache-across-keys", action="store_true", default=None,
+                   help="with API keys, let requests of different keys reuse each other's cached prompt prefixes (a "
+                   "common system prompt); this reveals to each key, through cached_tokens and the time to first "
+                   "token, whether another key sent a text recently (default: the cache is scoped per key)")
+    p.add_argument("--drop-system-pattern", dest="drop_system_patterns", action="append", default=None,
+                   metavar="REGEX",
+                   help="an Anthropic Messages system text block matching this regular expression at its start is "
+                   "left out of the prompt (repeatable; default: Claude Code's per-request billing header, "
+                   f"{DEFAULT_DROP_SYSTEM_PATTERN!r}, which would otherwise defeat prefix reuse)")
+    p.add_argument("--responses-store-bytes", type=int, default=d.responses_store_bytes,
+                   help="most bytes of stored Responses (store: true) per API key (default: %(default)s)")
+    p.add_argument("--responses-store-ttl", type=float, default=d.responses_store_ttl,
+                   help="seconds a stored response stays retrievable by previous_response_id (default: %(default)s)")
 
 
 def limit_args(args: argparse.Namespace) -> list[str]:
     """The limit flags of `args` as a command line (the launcher passes them on to the gateway)."""
     out = []
-    for flag in ("max_body_bytes", "max_messages", "max_tools", "max_stop_bytes", "max_tokens_cap", "max_connections"):
+    for flag in ("max_body_bytes", "max_messages", "max_tools", "max_stop_bytes", "max_tokens_cap", "max_connections",
+                 "responses_store_bytes", "responses_store_ttl"):
         value = getattr(args, flag, None)
         if value is not None:
             out += ["--" + flag.replace("_", "-"), str(value)]
     if getattr(args, "cors_origins", None):
         out += ["--cors-origins", *args.cors_origins]
+    if getattr(args, "share_prefix_cache_across_keys", None):
+        out.append("--share-prefix-cache-across-keys")
+    for pattern in getattr(args, "drop_system_patterns", None) or []:
+        out += ["--drop-system-pattern", pattern]
     return out
 
 

@@ -77,6 +77,15 @@ class ByteLRU(Generic[K, V]):
                 self.evictions += 1
             return True
 
+    def pop(self, key: K) -> V | None:
+        """Remove and return the value under `key`, or None."""
+        with self._lock:
+            entry = self._map.pop(key, None)
+            if entry is None:
+                return None
+            self.nbytes -= entry[1]
+            return entry[0]
+
     def clear(self) -> None:
         """Drop every entry and reset the counters."""
         with self._lock:

@@ -27,7 +27,7 @@ from gateway.clients import Backends, ModelFacts
 from gateway.constraints import ConstraintError
 from gateway.errors import ApiError
 from gateway.generate import GenParams, resolve_max_tokens
-from gateway.history import answer_key, history_scope
+from gateway.history import answer_key, history_scope, prefix_salt
 from gateway.limits import (
     MAX_JSON_DEPTH,
     MAX_SCHEMA_BYTES,
@@ -514,6 +514,7 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model
     """Check lengths, then build every job (with its constraint and first mask), and route the request to one
     worker (all its prompts and choices: `n` choices share their prompt's KV there)."""
     facts = backends.ready_facts()
+    salt = prefix_salt(scope, limits.share_prefix_cache_across_keys)
     for ids, _ in prompts:
         resolve_max_tokens(len(ids), max_tokens, facts.max_model_len, param)
     factory = await constraint_factory(backends, chat)
@@ -527,7 +528,7 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model
             params.stop_token_ids = sorted(set(params.stop_token_ids) | set(chat.request_stop_ids(facts)))
             for tid in chat.banned_ids:
                 params.sampling.logit_bias[tid] = -100.0
-            params.cache_salt = req.cache_salt or ""
+            params.cache_salt = salt
             params.draft_scope = scope
             jobs.append(Job(p * req.n + j, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
     if factory is not None:
@@ -539,7 +540,7 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model
     if (session.ttl or session.release) and key is None:
         raise ApiError(400, "a session lease (x-session-ttl, x-session-release) needs a session: send x-session-id "
                             "or the user field", param="x-session-id")
-    worker = backends.route(key, prompts[0][0], req.cache_salt or "", _tiebreak(req, prompts))
+    worker = backends.route(key, prompts[0][0], salt, _tiebreak(req, prompts))
     reservation = backends.pool.reserve(worker, len(jobs))
     for job in jobs:
         job.params.worker, job.params.reservation = worker, reservation

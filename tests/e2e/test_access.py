@@ -8,8 +8,10 @@ import socket
 import subprocess
 import sys
 
+import anthropic
 import grpc
 import httpx
+import httpx2
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -47,6 +49,40 @@ def test_rest_needs_a_valid_key(auth_stack):
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0)
         assert out.usage.completion_tokens == 2
+
+
+def test_tenants_share_no_cached_prefix(auth_stack):
+    """With API keys the prefix cache is scoped per key: another key sending the same private prompt computes it
+    anew (0 cached tokens, so neither its usage nor its time to first token tells it the prompt was sent), while
+    the same key gets a full hit."""
+    private = "Private notes of tenant A: " + " ".join(f"entry {i} is {i * 7919 % 1000}" for i in range(25))
+    a, b = _client(auth_stack, API_KEYS["flag"]), _client(auth_stack, API_KEYS["file"])
+    model = a.models.list().data[0].id
+
+    def cached(client) -> tuple[int, int]:
+        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": private}],
+                                             max_tokens=1, temperature=0, extra_body={"cache_salt": "notes"})
+        return out.usage.prompt_tokens_details.cached_tokens, out.usage.prompt_tokens
+
+    cached(a)
+    hit, prompt = cached(a)
+    assert prompt > 150 and hit == prompt - 1
+    assert cached(b)[0] == 0
+
+
+def test_messages_api_takes_the_key_as_x_api_key(auth_stack):
+    """Anthropic's clients send the key as `x-api-key`; a wrong one is a 401 in Anthropic's error shape."""
+    http = httpx2.Client(verify=auth_stack.ssl_context())  # the anthropic client's own httpx
+    model = _client(auth_stack, API_KEYS["env"]).models.list().data[0].id
+    client = anthropic.Anthropic(base_url=auth_stack.base_url, api_key=API_KEYS["env"], http_client=http,
+                                 max_retries=0)
+    out = client.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "Hello"}])
+    assert out.usage.output_tokens == 2
+    wrong = anthropic.Anthropic(base_url=auth_stack.base_url, api_key="wrong-key", http_client=http, max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as err:
+        wrong.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "Hello"}])
+    assert err.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                         "message": "Incorrect API key provided"}}
 
 
 def test_health_and_metrics_need_no_key(auth_stack):

@@ -1,0 +1,186 @@
+"""`POST /v1/messages` and `POST /v1/messages/count_tokens`: the Anthropic Messages API over the chat request plan
+(gateway/messages_request.py) and the answer's blocks (gateway/answer_blocks.py).
+
+The answer's blocks become content blocks: a thought `thinking` (with an empty `signature`: nothing to verify),
+text `text`, a tool call `tool_use` (`input` the parsed arguments; a call cut by `max_tokens` whose arguments do
+not parse gets `{}`). `stop_reason`: `tool_use` for complete calls, `max_tokens`, `stop_sequence` (naming it), else
+`end_turn`. Usage: `input_tokens` is the whole prompt (what `count_tokens` returns for the same request) and
+`cache_read_input_tokens` the part of it whose KV was reused. Streaming sends `message_start`, `ping`, per block
+`content_block_start` / `content_block_delta` (`text_delta`, `thinking_delta`, `input_json_delta`: the call's
+arguments text as generated, so the fragments join into exactly the unary `input`) / `content_block_stop`, then
+`message_delta` (stop reason and usage) and `message_stop`. Errors take Anthropic's shape
+(`{"type": "error", "error": {"type", "message"}}`, gateway/errors.py `anthropic_body`), also as an `error`
+event inside a stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.answer_blocks import AnswerEnd, Block, BlockEvent, answer_events
+from gateway.clients import Backends
+from gateway.errors import ApiError, anthropic_body, renamed_params
+from gateway.history import history_scope
+from gateway.limits import Limits
+from gateway.messages_request import (
+    CHAT_PARAM,
+    CallArguments,
+    CountTokensRequest,
+    MessagesRequest,
+    chat_request,
+)
+from gateway.openai_types import TokenizeChatRequest
+from gateway.planner import Plan, plan_chat_completion, tokenize
+from gateway.responses_api import WARNING_HEADER
+from gateway.workers import Session
+
+
+@dataclasses.dataclass
+class _Turn:
+    id: str
+    plan: Plan
+    scope: str
+    warnings: list[str]
+
+
+async def create(backends: Backends, limits: Limits, calls: CallArguments, req: MessagesRequest, tenant: str,
+                 session: Session):
+    """Answer `POST /v1/messages` (a JSONResponse, or a StreamingResponse of events).
+
+    Raises:
+      ApiError: 400 for bad fields (named as the Messages API names them) and the chat path's errors; the
+        routes answer them in Anthropic's shape.
+    """
+    turn = await _plan(backends, limits, calls, req, tenant, session)
+    headers = {WARNING_HEADER: "; ".join(turn.warnings)} if turn.warnings else {}
+    if req.stream:
+        return StreamingResponse(_stream(backends, calls, turn), media_type="text/event-stream", headers=headers)
+    blocks: list[Block] = []
+    end = None
+    async for event in answer_events(backends, turn.plan):
+        if isinstance(event, AnswerEnd):
+            end = event
+        elif event.kind == "start":
+            blocks.append(event.block)
+    _remember_calls(calls, turn, blocks)
+    message = _message(turn, [_content(b) for b in blocks], end)
+    return JSONResponse(message, headers=headers)
+
+
+async def count_tokens(backends: Backends, limits: Limits, calls: CallArguments, req: CountTokensRequest,
+                       tenant: str) -> dict:
+    """`POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt `POST /v1/messages` would use."""
+    scope = history_scope(tenant, None)
+    chat = chat_request(req, _thinking(backends), limits.drop_system_patterns, calls, scope, [])
+    fields = {k: getattr(chat, k) for k in ("messages", "tools", "tool_choice", "chat_template_kwargs", "model")}
+    with renamed_params(CHAT_PARAM):
+        ids, _ = await tokenize(backends, TokenizeChatRequest(**fields), limits, tenant=tenant)
+    return {"input_tokens": len(ids)}
+
+
+def _thinking(backends: Backends) -> bool:
+    return bool(backends.ready_facts().output_format().thinking)
+
+
+async def _plan(backends: Backends, limits: Limits, calls: CallArguments, req: MessagesRequest, tenant: str,
+                session: Session) -> _Turn:
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    warnings: list[str] = []
+    scope = history_scope(tenant, None)
+    chat = chat_request(req, _thinking(backends), limits.drop_system_patterns, calls, scope, warnings)
+    key = session.key or req.session_key()
+    with renamed_params(CHAT_PARAM):
+        plan = await plan_chat_completion(backends, chat, limits, call_prefix=f"toolu_{mid[4:16]}_", tenant=tenant,
+                                          session=dataclasses.replace(session, key=key))
+    return _Turn(mid, plan, scope, warnings)
+
+
+def _remember_calls(calls: CallArguments, turn: _Turn, blocks: list[Block]) -> None:
+    for block in blocks:
+        if block.kind == "call":
+            calls.remember(turn.scope, block.call_id, block.text)
+
+
+def _content(block: Block) -> dict:
+    """A finished block as a content block."""
+    if block.kind == "reasoning":
+        return {"type": "thinking", "thinking": block.text, "signature": ""}
+    if block.kind == "text":
+        return {"type": "text", "text": block.text}
+    try:
+        value = json.loads(block.text) if block.text.strip() else {}
+    except ValueError:
+        value = {}  # a call cut by max_tokens
+    return {"type": "tool_use", "id": block.call_id, "name": block.name,
+            "input": value if isinstance(value, dict) else {}}
+
+
+def _stop_reason(end: AnswerEnd) -> str:
+    if end.finish_reason == "tool_calls":
+        return "tool_use"
+    if end.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if end.stop_string is not None else "end_turn"
+
+
+def _usage(end: AnswerEnd | None, prompt_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens, "output_tokens": end.completion_tokens if end else 0,
+            "cache_read_input_tokens": end.cached_tokens if end else 0, "cache_creation_input_tokens": 0}
+
+
+def _message(turn: _Turn, content: list[dict], end: AnswerEnd | None) -> dict:
+    return {"id": turn.id, "type": "message", "role": "assistant", "model": turn.plan.model, "content": content,
+            "stop_reason": _stop_reason(end) if end else None,
+            "stop_sequence": end.stop_string if end and _stop_reason(end) == "stop_sequence" else None,
+            "usage": _usage(end, turn.plan.prompt_tokens)}
+
+
+def _sse(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+def _start_block(block: Block) -> dict:
+    if block.kind == "call":
+        return {"type": "tool_use", "id": block.call_id, "name": block.name, "input": {}}
+    return {"type": "thinking", "thinking": "", "signature": ""} if block.kind == "reasoning" else \
+        {"type": "text", "text": ""}
+
+
+def _delta(event: BlockEvent) -> dict:
+    kind = event.block.kind
+    if kind == "call":
+        return {"type": "input_json_delta", "partial_json": event.text}
+    return {"type": "thinking_delta", "thinking": event.text} if kind == "reasoning" else \
+        {"type": "text_delta", "text": event.text}
+
+
+async def _stream(backends: Backends, calls: CallArguments, turn: _Turn) -> AsyncIterator[str]:
+    yield _sse("message_start", {"message": _message(turn, [], None)})
+    yield _sse("ping", {})
+    blocks: list[Block] = []
+    try:
+        async for event in answer_events(backends, turn.plan):
+            if isinstance(event, AnswerEnd):
+                _remember_calls(calls, turn, blocks)
+                reason = _stop_reason(event)
+                yield _sse("message_delta", {
+                    "delta": {"stop_reason": reason,
+                              "stop_sequence": event.stop_string if reason == "stop_sequence" else None},
+                    "usage": _usage(event, turn.plan.prompt_tokens)})
+                yield _sse("message_stop", {})
+            elif event.kind == "start":
+                blocks.append(event.block)
+                yield _sse("content_block_start", {"index": event.block.index,
+                                                   "content_block": _start_block(event.block)})
+            elif event.kind == "delta":
+                yield _sse("content_block_delta", {"index": event.block.index, "delta": _delta(event)})
+            else:
+                yield _sse("content_block_stop", {"index": event.block.index})
+    except ApiError as err:
+        body = anthropic_body(err)
+        yield _sse("error", {"error": body["error"]})

@@ -1,0 +1,237 @@
+"""The OpenAI Responses API request (`POST /v1/responses`) and its translation into the chat request every front
+door plans through (gateway/planner.py), so its limits, checks, tool formats and constraints are Chat
+Completions' by construction.
+
+Translation: `instructions` and the input's leading system/developer messages become one system message (in
+that order); message items keep their role (text parts only: the served models read text); `function_call`
+items join the assistant message before them as `tool_calls` (a `reasoning` item before them is that message's
+`reasoning_content`); `function_call_output` items become tool messages. Function tools (Responses' flat shape)
+become chat tools; other tool types (web_search, custom, local_shell, ...) are left out and named in a warning
+header. `text.format` becomes `response_format`, `max_output_tokens` `max_completion_tokens`, `reasoning.effort`
+`reasoning_effort` (ignored, with a warning, on a model without thinking).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StrictBool, StrictStr, ValidationError
+
+from gateway.errors import ApiError
+from gateway.openai_types import ChatCompletionRequest, Int32, Name, Number, _Body
+
+#: Request fields of the chat request -> the Responses field a client sent (errors name the client's field).
+CHAT_PARAM = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+              "reasoning_effort": "reasoning.effort", "messages": "input", "tools": "tools",
+              "tool_choice": "tool_choice"}
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses (and /v1/responses/input_tokens). Items and tools are checked in `chat_request`."""
+
+    model: Name | None = None
+    input: StrictStr | list[dict[str, Any]] | None = None
+    instructions: StrictStr | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: Int32 | None = None
+    temperature: Number | None = Field(default=None, ge=0, le=2)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    reasoning: dict[str, Any] | None = None
+    #: Echoed in the response (OpenAI: at most 16 pairs, keys of 64 and values of 512 characters).
+    metadata: dict[Annotated[StrictStr, Field(max_length=64)], Annotated[StrictStr, Field(max_length=512)]] | None = \
+        Field(default=None, max_length=16)
+    user: Name | None = None
+    prompt_cache_key: Name | None = None
+    safety_identifier: Name | None = None
+    store: StrictBool = False
+    previous_response_id: Name | None = None
+    stream: StrictBool = False
+    background: StrictBool = False
+    truncation: Literal["auto", "disabled"] | None = None
+
+
+def chat_request(req: ResponsesRequest, history: list[dict], thinking: bool,
+                 warnings: list[str]) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request of a Responses request, and its conversation without `instructions` (what a stored
+    response keeps).
+
+    Args:
+      history: the stored conversation of `previous_response_id` (chat messages), or [].
+      thinking: the served model has a thinking mode (else `reasoning.effort` is ignored with a warning).
+      warnings: what was left out is appended here (the response's warning header).
+    Raises:
+      ApiError: 400 naming the Responses field.
+    """
+    if req.background:
+        raise ApiError(400, "background responses are not supported", param="background")
+    if req.input is None and not history:
+        raise ApiError(400, "input is required", param="input")
+    conversation = history + input_messages(req.input)
+    messages = _merge_system(req.instructions, conversation)
+    if not messages:
+        raise ApiError(400, "input must hold at least one message", param="input")
+    body: dict[str, Any] = {"messages": messages, "model": req.model, "stream": False, "user": req.user,
+                            "temperature": req.temperature, "top_p": req.top_p,
+                            "max_completion_tokens": req.max_output_tokens,
+                            "parallel_tool_calls": req.parallel_tool_calls}
+    tools = chat_tools(req.tools, warnings)
+    if tools:
+        body["tools"] = tools
+    if req.tool_choice is not None:
+        body["tool_choice"] = chat_tool_choice(req.tool_choice, warnings)
+    body["response_format"] = _response_format(req.text)
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None:
+        if thinking:
+            body["reasoning_effort"] = effort
+        else:
+            warnings.append("reasoning.effort ignored: this model has no thinking mode")
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}), conversation
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = [str(p) for p in first.get("loc", ())]
+        param = CHAT_PARAM.get(loc[0], loc[0]) if loc else None
+        raise ApiError(400, f"{param or 'input'}: {first.get('msg', 'invalid value')}", param=param) from None
+
+
+def _merge_system(instructions: str | None, messages: list[dict]) -> list[dict]:
+    """`instructions` and the leading system/developer messages as one system message, then the rest."""
+    head = [instructions] if instructions else []
+    rest = list(messages)
+    while rest and rest[0]["role"] in ("system", "developer"):
+        head.append(rest.pop(0)["content"] or "")
+    return ([{"role": "system", "content": "\n\n".join(head)}] if head else []) + rest
+
+
+def input_messages(items: str | list[dict] | None) -> list[dict]:
+    """Responses input items -> chat messages (see the module docstring).
+
+    Raises:
+      ApiError: 400 naming `input.I` for an unknown item type or role, a non-text part, or a call without
+        call_id or name.
+    """
+    if items is None:
+        return []
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    reasoning: str | None = None
+    for i, item in enumerate(items):
+        param = f"input.{i}"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("system", "developer", "user", "assistant"):
+                raise ApiError(400, f"{param}.role must be system, developer, user or assistant, got {role!r}",
+                               param=f"{param}.role")
+            message = {"role": role, "content": _text(item.get("content"), f"{param}.content")}
+            if role == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            out.append(message)
+        elif kind == "function_call":
+            call = {"id": _required(item, "call_id", param), "type": "function",
+                    "function": {"name": _required(item, "name", param), "arguments": item.get("arguments") or ""}}
+            if not isinstance(call["function"]["arguments"], str):
+                raise ApiError(400, f"{param}.arguments must be a string of JSON", param=f"{param}.arguments")
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant" or reasoning is not None:
+                last = {"role": "assistant", "content": None}
+                if reasoning is not None:
+                    last["reasoning_content"], reasoning = reasoning, None
+                out.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": _required(item, "call_id", param),
+                        "content": output if isinstance(output, str) else _text(output, f"{param}.output")})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            reasoning = _text(parts, f"{param}.content") if parts else None
+        else:
+            raise ApiError(400, f"{param}: input items of type {kind!r} are not supported (messages, "
+                                "function_call, function_call_output and reasoning are)", param=f"{param}.type")
+    return out
+
+
+def _required(item: dict, field: str, param: str) -> str:
+    value = item.get(field)
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"{param}.{field} is required (a non-empty string)", param=f"{param}.{field}")
+    return value
+
+
+def _text(content: Any, param: str) -> str:
+    """A message's content (a string, or text parts joined) as text.
+
+    Raises:
+      ApiError: 400 for an image, file or audio part, or a malformed one.
+    """
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ApiError(400, f"{param} must be a string or a list of parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal":
+            texts.append(part.get("refusal") or "")
+        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise ApiError(400, f"{param}.{j}: only text parts are supported (this model reads text), got "
+                                f"{kind!r}", param=f"{param}.{j}")
+    return "".join(texts)
+
+
+def chat_tools(tools: list[dict] | None, warnings: list[str]) -> list[dict]:
+    """Responses function tools -> chat tools; other tool types are left out (named in `warnings`)."""
+    out, left = [], []
+    for i, tool in enumerate(tools or []):
+        if tool.get("type") != "function":
+            left.append(str(tool.get("type") or tool.get("name") or f"tools.{i}"))
+            continue
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    if left:
+        warnings.append(f"tools left out (only function tools are served): {', '.join(left)}")
+    return out
+
+
+def chat_tool_choice(choice: str | dict, warnings: list[str]) -> str | dict:
+    """A Responses `tool_choice` as a chat one: modes pass; `{"type": "function", "name"}` names the function;
+    `allowed_tools` keeps its mode; a hosted tool's choice becomes "auto" (its tool is left out)."""
+    if isinstance(choice, str):
+        return choice
+    kind = choice.get("type")
+    if kind == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if kind == "allowed_tools":
+        return choice.get("mode") or "auto"
+    warnings.append(f"tool_choice {kind!r} ignored: that tool type is not served")
+    return "auto"
+
+
+def _response_format(text: dict | None) -> dict | None:
+    """`text.format` as a chat `response_format` (None for plain text).
+
+    Raises:
+      ApiError: 400 for an unknown format type.
+    """
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise ApiError(400, f"text.format.type must be text, json_object or json_schema, got {kind!r}",
+                   param="text.format.type")

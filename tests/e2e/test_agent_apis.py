@@ -1,0 +1,275 @@
+"""The Responses and Messages APIs through the official clients (`openai`, `anthropic`, `openai-agents`) against the
+embedded stack: tool round trips, streams that join into the unary answer in each API's documented event order,
+structured output, stored responses, token counts, prefix reuse from turn to turn, and each API's error shape.
+
+The embedded model is a base model: tool calls come from the grammar (tool_choice required / any), and answers are
+judged by their structure and ids, not their prose. Greedy decoding (temperature 0) on a batch-invariant worker
+makes a streamed answer and a unary one the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+           "additionalProperties": False}
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": "The weather of a city",
+                  "parameters": WEATHER}
+MESSAGES_TOOL = {"name": "get_weather", "description": "The weather of a city", "input_schema": WEATHER}
+ASK = "What is the weather in Paris?"
+#: One prefill chunk of the embedded stack (--prefill-chunks 64): a prefix hit may stop up to one chunk short.
+CHUNK = 64
+
+
+def _openai(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _anthropic(stack) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack.base_url, api_key="none", max_retries=0)
+
+
+def _model(stack) -> str:
+    return httpx.get(stack.base_url + "/v1/models").json()["data"][0]["id"]
+
+
+# ----------------------------------------------------------------------------------------------- Responses
+
+
+def _call_turn(client, model, input=ASK):
+    return client.responses.create(model=model, input=input, tools=[RESPONSES_TOOL], tool_choice="required",
+                                   parallel_tool_calls=False, max_output_tokens=48, temperature=0)
+
+
+def test_responses_tool_round_trip_reuses_the_first_turn(stack):
+    client, model = _openai(stack), _model(stack)
+    first = _call_turn(client, model)
+    assert first.status == "completed"
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    items = [{"role": "user", "content": ASK}, *[item.model_dump(exclude_none=True) for item in first.output],
+             {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21 C"}]
+    # The same tools and tool_choice as turn 1: the tools' part of the prompt renders the same.
+    second = _call_turn(client, model, input=items)
+    assert second.status == "completed"
+    assert [item.type for item in second.output] == ["function_call"]
+    reused = first.usage.input_tokens + first.usage.output_tokens - CHUNK
+    assert second.usage.input_tokens_details.cached_tokens >= reused
+
+
+def test_responses_stream_joins_into_the_unary_answer(stack):
+    client, model = _openai(stack), _model(stack)
+    unary = _call_turn(client, model)
+    with client.responses.stream(model=model, input=ASK, tools=[RESPONSES_TOOL], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=48, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    assert events[0].response.status == "in_progress" and events[-1].response.status == "completed"
+    fragments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    unary_call = next(item for item in unary.output if item.type == "function_call")
+    assert fragments == unary_call.arguments == final.output[-1].arguments
+    json.loads(fragments)
+    assert final.usage.output_tokens == unary.usage.output_tokens
+
+
+def test_responses_text_stream_and_incomplete_status(stack):
+    client, model = _openai(stack), _model(stack)
+    unary = client.responses.create(model=model, input="Once upon a time", max_output_tokens=6, temperature=0)
+    assert unary.status == "incomplete" and unary.incomplete_details.reason == "max_output_tokens"
+    with client.responses.stream(model=model, input="Once upon a time", max_output_tokens=6,
+                                 temperature=0) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == unary.output_text and text
+    assert events[-1].response.usage.output_tokens == 6
+
+
+def test_responses_json_schema_output(stack):
+    client, model = _openai(stack), _model(stack)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.responses.create(model=model, input="A person as JSON:", max_output_tokens=48, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": schema,
+                                                 "strict": True}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_responses_previous_response_id_with_store(stack):
+    client, model = _openai(stack), _model(stack)
+    first = client.responses.create(model=model, input="Remember the number 7.", max_output_tokens=4,
+                                    temperature=0, store=True)
+    second = client.responses.create(model=model, input="Which number?", previous_response_id=first.id,
+                                     max_output_tokens=4, temperature=0, store=True)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - CHUNK
+    assert client.responses.retrieve(first.id).id == first.id
+    assert client.responses.delete(first.id) is None or True
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=model, input="x", previous_response_id=first.id, max_output_tokens=2)
+    unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_responses_input_tokens_and_left_out_tools(stack):
+    model = _model(stack)
+    body = {"model": model, "input": ASK, "instructions": "Answer briefly.",
+            "tools": [RESPONSES_TOOL, {"type": "web_search"}, {"type": "custom", "name": "apply_patch"}]}
+    count = httpx.post(stack.base_url + "/v1/responses/input_tokens", json=body, timeout=60)
+    assert count.status_code == 200, count.text
+    made = httpx.post(stack.base_url + "/v1/responses", json={**body, "max_output_tokens": 2}, timeout=120)
+    assert made.status_code == 200, made.text
+    assert count.json() == {"object": "response.input_tokens", "input_tokens": made.json()["usage"]["input_tokens"]}
+    assert "web_search" in made.headers["x-gemma-serve-warning"]
+
+
+def test_responses_errors_name_the_responses_fields(stack):
+    client, model = _openai(stack), _model(stack)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=model, input="Hi", max_output_tokens=100000)
+    assert err.value.body["param"] == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=model, input=[{"type": "input_image_call", "id": "x"}], max_output_tokens=2)
+    assert err.value.body["param"] == "input.0.type"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-5", input="Hi", max_output_tokens=2)
+
+
+# ----------------------------------------------------------------------------------------------- Messages
+
+
+def _tool_message(client, model, messages=({"role": "user", "content": ASK},)):
+    return client.messages.create(model=model, max_tokens=48, messages=list(messages), tools=[MESSAGES_TOOL],
+                                  extra_body={"temperature": 0},
+                                  tool_choice={"type": "any", "disable_parallel_tool_use": True})
+
+
+def test_messages_tool_round_trip_reuses_the_first_turn(stack):
+    client, model = _anthropic(stack), _model(stack)
+    first = _tool_message(client, model)
+    assert first.stop_reason == "tool_use"
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, WEATHER)
+    assert client.messages.count_tokens(model=model, messages=[{"role": "user", "content": ASK}],
+                                        tools=[MESSAGES_TOOL]).input_tokens == first.usage.input_tokens
+    messages = [{"role": "user", "content": ASK},
+                {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                              "content": "Sunny, 21 C"}]}]
+    second = _tool_message(client, model, messages)
+    assert second.stop_reason == "tool_use"
+    reused = first.usage.input_tokens + first.usage.output_tokens - CHUNK
+    assert second.usage.cache_read_input_tokens >= reused
+
+
+def test_messages_stream_joins_into_the_unary_answer(stack):
+    client, model = _anthropic(stack), _model(stack)
+    unary = _tool_message(client, model)
+    with httpx.stream("POST", stack.base_url + "/v1/messages", timeout=120, json={
+            "model": model, "max_tokens": 48, "messages": [{"role": "user", "content": ASK}], "stream": True,
+            "tools": [MESSAGES_TOOL], "temperature": 0,
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line[6:]) for line in lines]
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"]
+    assert kinds[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    partial = "".join(e["delta"]["partial_json"] for e in events
+                      if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
+    assert json.loads(partial) == unary.content[-1].input
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    with client.messages.stream(model=model, max_tokens=6, messages=[{"role": "user", "content": "Once upon"}],
+                                extra_body={"temperature": 0}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    again = client.messages.create(model=model, max_tokens=6, messages=[{"role": "user", "content": "Once upon"}],
+                                   extra_body={"temperature": 0})
+    assert text == final.content[0].text == again.content[0].text
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 6
+
+
+def test_messages_stop_sequence_and_errors(stack):
+    client, model = _anthropic(stack), _model(stack)
+    free = client.messages.create(model=model, max_tokens=12, messages=[{"role": "user", "content": "Count: 1 2 3"}],
+                                  extra_body={"temperature": 0})
+    word = free.content[0].text.split()[1] if len(free.content[0].text.split()) > 1 else None
+    if word:
+        stopped = client.messages.create(model=model, max_tokens=12, stop_sequences=[word],
+                                         messages=[{"role": "user", "content": "Count: 1 2 3"}],
+                                         extra_body={"temperature": 0})
+        assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
+    bare = httpx.post(stack.base_url + "/v1/messages", json={"model": model, "messages": [
+        {"role": "user", "content": "Hi"}]}, timeout=30)
+    assert bare.status_code == 400
+    assert bare.json()["type"] == "error" and bare.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-opus-4", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+
+
+def test_messages_billing_header_does_not_defeat_prefix_reuse(stack):
+    client, model = _anthropic(stack), _model(stack)
+    rules = "You are a careful assistant. " * 20
+
+    def turn(header: str, messages):
+        system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.0.1; cch={header};"},
+                  {"type": "text", "text": rules}]
+        return client.messages.create(model=model, max_tokens=4, system=system, messages=messages,
+                                      extra_body={"temperature": 0})
+
+    first = turn("a1b2c", [{"role": "user", "content": "Hello"}])
+    second = turn("f9e8d", [{"role": "user", "content": "Hello"},
+                            {"role": "assistant", "content": first.content[0].text},
+                            {"role": "user", "content": "And then?"}])
+    assert second.usage.cache_read_input_tokens >= first.usage.input_tokens + first.usage.output_tokens - CHUNK
+
+
+# ----------------------------------------------------------------------------------------------- Agents SDK
+
+
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_agents_sdk_calls_a_function_tool(stack, api):
+    agents = pytest.importorskip("agents")
+    seen = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather of a city."""
+        seen.append(city)
+        return f"Sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="none", max_retries=0)
+    model_class = agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
+    agent = agents.Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
+                         model=model_class(model=_model(stack), openai_client=client),
+                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=48,
+                                                             parallel_tool_calls=False),
+                         tool_use_behavior="stop_on_first_tool")
+    result = agents.Runner.run_sync(agent, ASK, run_config=agents.RunConfig(tracing_disabled=True))
+    assert len(seen) == 1 and result.final_output == f"Sunny in {seen[0]}"
