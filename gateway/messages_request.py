@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, StrictBool, StrictStr, ValidationError
+from pydantic import Field, StrictBool, StrictStr, ValidationError, WithJsonSchema
 
 from gateway.errors import ApiError
 from gateway.lru import ByteLRU, text_size
 from gateway.openai_types import ChatCompletionRequest, Int32, Name, Number, _Body, int_in
+from gateway.responses_request import extras
 
 #: Chat request fields -> the Messages field a client sent (errors name the client's field).
 CHAT_PARAM = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", "stop": "stop_sequences",
@@ -31,13 +32,35 @@ CHAT_PARAM = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens",
               "chat_template_kwargs": "thinking", "response_format": "output_config.format"}
 
 
+def _obj(required: list[str], **properties) -> dict:
+    return {"type": "object", "required": required, "properties": properties}
+
+
+_TEXT_BLOCK = _obj(["type", "text"], type={"const": "text"}, text={"type": "string"})
+#: The messages documented in the OpenAPI schema (checked by `chat_request`, which names the bad field).
+MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": _obj(
+    ["role", "content"], role={"enum": ["user", "assistant"]},
+    content={"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
+        _TEXT_BLOCK,
+        _obj(["type", "id", "name", "input"], type={"const": "tool_use"}, id={"type": "string"},
+             name={"type": "string"}, input={"type": "object"}),
+        _obj(["type", "tool_use_id", "content"], type={"const": "tool_result"}, tool_use_id={"type": "string"},
+             content={"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
+             is_error={"type": "boolean"}),
+    ]}}]})}
+SYSTEM_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]}
+TOOLS_SCHEMA = {"type": "array", "items": _obj(["name", "input_schema"], name={"type": "string", "minLength": 1},
+                                               description={"type": "string"},
+                                               input_schema={"type": "object"})}
+
+
 class CountTokensRequest(_Body):
     """POST /v1/messages/count_tokens: the prompt fields of a Messages request."""
 
     model: Name | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: StrictStr | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1), WithJsonSchema(MESSAGES_SCHEMA)]
+    system: Annotated[StrictStr | list[dict[str, Any]] | None, WithJsonSchema(SYSTEM_SCHEMA)] = None
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(TOOLS_SCHEMA)] = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
 
@@ -98,7 +121,7 @@ def chat_request(req: CountTokensRequest, thinking: bool, drop: tuple[str, ...],
       ApiError: 400 naming the Messages field.
     """
     messages = _system(req.system, drop) + _messages(req.messages, calls, scope)
-    body: dict[str, Any] = {"messages": messages, "model": req.model}
+    body: dict[str, Any] = {**extras(req), "messages": messages, "model": req.model}
     tools = _tools(req.tools, warnings)
     if tools:
         body["tools"] = tools

@@ -2,7 +2,7 @@
 (schemathesis) generating requests from it produce mostly valid ones.
 
 - Errors are documented as they are sent: the OpenAI error object for 400, 404, 413, 429 and 503 (FastAPI's
-  default 422 is never sent: validation failures are 400).
+  default 422 is never sent: validation failures are 400); Anthropic's error object on the Messages API.
 - Once the backends are ready, what the served model decides: `model` is its id (any other is a 404), token ids
   and logit_bias keys are below its vocabulary size, prompt lists fit the worker's queue, reasoning_effort turns
   thinking on only for a model that has it; `max_tokens` is at least 1 and at most `--max-tokens-cap`.
@@ -28,6 +28,13 @@ _ERROR = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
     }},
+}
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
 }
 _ERRORS = {
     "400": "Invalid request: the message names the field",
@@ -58,14 +65,43 @@ def _bound_token_ids(schemas: dict, vocab_size: int) -> None:
 
 
 def _bound_max_tokens(schemas: dict, cap: int | None) -> None:
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "MessagesRequest"):
         props = schemas.get(name, {}).get("properties", {})
-        for field in ("max_tokens", "max_completion_tokens"):
-            for option in props.get(field, {}).get("anyOf", []):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            options = props.get(field, {}).get("anyOf", [props.get(field, {})])
+            for option in options:
                 if option.get("type") == "integer":
                     option["minimum"] = 1
                     if cap is not None:
                         option["maximum"] = cap
+
+
+def _agent_api_schemas(schemas: dict) -> None:
+    """The Responses and Messages requests as their APIs document them: Responses' `input` required (this
+    server keeps no conversation unless asked: `store`), `background` only false; a Messages conversation of
+    user messages (text and tool_result blocks) and assistant messages (text and tool_use blocks), starting
+    with a user message."""
+    responses = schemas.get("ResponsesRequest")
+    if responses is not None:
+        responses.setdefault("required", []).append("input")
+        responses["properties"]["background"] = {"type": "boolean", "enum": [False]}
+        responses["properties"].pop("previous_response_id", None)  # only ids this server returned: not fuzzable
+    messages = schemas.get("MessagesRequest")
+    if messages is None:
+        return
+    items = messages["properties"]["messages"]["items"]["properties"]["content"]["anyOf"][1]["items"]["anyOf"]
+    text, tool_use, tool_result = items
+
+    def turn(role: str, block: dict) -> dict:
+        return {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"const": role}, "content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1,
+                                                                                "items": {"anyOf": [text, block]}}]}}}
+
+    user, assistant = turn("user", tool_result), turn("assistant", tool_use)
+    conversation = {"type": "array", "minItems": 1, "prefixItems": [user], "items": {"anyOf": [user, assistant]}}
+    for name in ("MessagesRequest", "CountTokensRequest"):
+        if name in schemas:
+            schemas[name]["properties"]["messages"] = conversation
 
 
 def _message_schemas(schemas: dict) -> None:
@@ -133,7 +169,8 @@ def _model_facts(schemas: dict, facts) -> None:
     for option in completion["prompt"]["anyOf"]:  # several prompts: strings, or token-id lists
         if option.get("type") == "array" and option["items"].get("type") in ("string", "array"):
             option["maxItems"] = max(facts.max_waiting, 1)
-    for name in ("CompletionRequest", "ChatCompletionRequest", *_ROOT_REQUESTS):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "MessagesRequest",
+                 "CountTokensRequest", *_ROOT_REQUESTS):
         props = schemas.get(name, {}).get("properties", {})
         if "model" in props:
             props["model"] = {"anyOf": [{"type": "string", "enum": [facts.name]}, {"type": "null"}],
@@ -156,6 +193,7 @@ def openapi_schema(app, backends, limits, keyed: bool = False, keyed_paths: tupl
         return app.openapi_schema
     schema = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
     schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = _ERROR
+    schema["components"]["schemas"]["AnthropicError"] = _ANTHROPIC_ERROR
     if keyed:
         schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
     for route, path in schema.get("paths", {}).items():
@@ -166,11 +204,13 @@ def openapi_schema(app, backends, limits, keyed: bool = False, keyed_paths: tupl
             if keyed and (route.startswith("/v1/") or route in keyed_paths):
                 op["security"] = [{"apiKey": []}]
                 errors["401"] = "missing or wrong API key"
+            shape = "AnthropicError" if route.startswith("/v1/messages") else "Error"
             for status, text in errors.items():
                 responses[status] = {"description": text, "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/Error"}}}}
+                    "schema": {"$ref": f"#/components/schemas/{shape}"}}}}
     _bound_max_tokens(schema["components"]["schemas"], limits.max_tokens_cap)
     _message_schemas(schema["components"]["schemas"])
+    _agent_api_schemas(schema["components"]["schemas"])
     facts = backends.facts
     if facts is None:
         return schema  # not cached: the model id is not known yet

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictStr, ValidationError
+from pydantic import Field, StrictBool, StrictStr, ValidationError, WithJsonSchema
 
 from gateway.errors import ApiError
 from gateway.openai_types import ChatCompletionRequest, Int32, Name, Number, _Body
 
+#: vLLM's sampling extensions, accepted on the Responses and Messages APIs too (as extra body fields) and
+#: passed to the chat request as they are.
+SAMPLING_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "logit_bias", "stop", "cache_salt", "ignore_eos", "stop_token_ids")
 #: Request fields of the chat request -> the Responses field a client sent (errors name the client's field).
 CHAT_PARAM = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
               "reasoning_effort": "reasoning.effort", "messages": "input", "tools": "tools",
@@ -27,11 +31,31 @@ CHAT_PARAM = {"max_completion_tokens": "max_output_tokens", "response_format": "
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
+def _obj(required: list[str], **properties) -> dict:
+    return {"type": "object", "required": required, "properties": properties}
+
+
+_TEXT = {"type": "string"}
+_PARTS = {"type": "array", "items": _obj(["type", "text"], type={"enum": ["input_text", "output_text"]},
+                                         text=_TEXT)}
+#: The input items documented in the OpenAPI schema (checked by `input_messages`, which names the bad field).
+INPUT_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": {"anyOf": [
+    _obj(["role", "content"], type={"const": "message"}, role={"enum": ["system", "developer", "user", "assistant"]},
+         content={"anyOf": [_TEXT, _PARTS]}),
+    _obj(["type", "call_id", "name", "arguments"], type={"const": "function_call"},
+         call_id={"type": "string", "minLength": 1}, name={"type": "string", "minLength": 1}, arguments=_TEXT),
+    _obj(["type", "call_id", "output"], type={"const": "function_call_output"},
+         call_id={"type": "string", "minLength": 1}, output=_TEXT),
+    _obj(["type", "summary"], type={"const": "reasoning"}, summary={"type": "array", "items": _obj(
+        ["type", "text"], type={"const": "summary_text"}, text=_TEXT)}),
+]}}]}
+
+
 class ResponsesRequest(_Body):
     """POST /v1/responses (and /v1/responses/input_tokens). Items and tools are checked in `chat_request`."""
 
     model: Name | None = None
-    input: StrictStr | list[dict[str, Any]] | None = None
+    input: Annotated[StrictStr | list[dict[str, Any]] | None, WithJsonSchema(INPUT_SCHEMA)] = None
     instructions: StrictStr | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
@@ -74,8 +98,8 @@ def chat_request(req: ResponsesRequest, history: list[dict], thinking: bool,
     messages = _merge_system(req.instructions, conversation)
     if not messages:
         raise ApiError(400, "input must hold at least one message", param="input")
-    body: dict[str, Any] = {"messages": messages, "model": req.model, "stream": False, "user": req.user,
-                            "temperature": req.temperature, "top_p": req.top_p,
+    body: dict[str, Any] = {**extras(req), "messages": messages, "model": req.model, "stream": False,
+                            "user": req.user, "temperature": req.temperature, "top_p": req.top_p,
                             "max_completion_tokens": req.max_output_tokens,
                             "parallel_tool_calls": req.parallel_tool_calls}
     tools = chat_tools(req.tools, warnings)
@@ -97,6 +121,11 @@ def chat_request(req: ResponsesRequest, history: list[dict], thinking: bool,
         loc = [str(p) for p in first.get("loc", ())]
         param = CHAT_PARAM.get(loc[0], loc[0]) if loc else None
         raise ApiError(400, f"{param or 'input'}: {first.get('msg', 'invalid value')}", param=param) from None
+
+
+def extras(req) -> dict[str, Any]:
+    """The request's vLLM sampling extensions (`SAMPLING_EXTRAS`) sent as extra body fields."""
+    return {k: v for k, v in (req.model_extra or {}).items() if k in SAMPLING_EXTRAS}
 
 
 def _merge_system(instructions: str | None, messages: list[dict]) -> list[dict]:

@@ -273,3 +273,69 @@ def test_agents_sdk_calls_a_function_tool(stack, api):
                          tool_use_behavior="stop_on_first_tool")
     result = agents.Runner.run_sync(agent, ASK, run_config=agents.RunConfig(tracing_disabled=True))
     assert len(seen) == 1 and result.final_output == f"Sunny in {seen[0]}"
+
+
+# ----------------------------------------------------------------------------------------------- thinking (Gemma 4)
+
+#: The tiny random Gemma 4 checkpoint opens its thought channel when nudged (+100 on `<|channel>`, id 100) and
+#: closes it soon (+15 on `<channel|>`, id 101); under a tool grammar the thought is free text in which only the
+#: channel's and the call's markers are masked, and the call follows. Sampled (temperature 1) with the first seed
+#: that gives a thought with text (which seed does depends on the CPU's float summation order).
+THOUGHT = {"logit_bias": {"100": 100, "101": 15}}
+G4_TOOL = {"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}, "required": ["city"]}}
+
+
+def _seeded(make, has_thought):
+    for seed in range(40):
+        answer = make(seed)
+        if has_thought(answer):
+            return seed, answer
+    pytest.fail("no seed in 40 gave a thought with text")
+
+
+def test_responses_reasoning_item_on_gemma4(gemma4_stack):
+    stack = gemma4_stack[0]
+    client, model = _openai(stack), _model(stack)
+
+    def kw(seed):
+        return {"model": model, "input": "Weather in Paris?", "reasoning": {"effort": "high"}, "tools": [G4_TOOL],
+                "tool_choice": "required", "parallel_tool_calls": False, "max_output_tokens": 100,
+                "temperature": 1.0, "extra_body": {**THOUGHT, "seed": seed}}
+
+    seed, unary = _seeded(lambda seed: client.responses.create(**kw(seed)),
+                          lambda r: r.output and r.output[0].type == "reasoning" and r.output[0].content[0].text)
+    assert [item.type for item in unary.output] == ["reasoning", "function_call"]
+    assert unary.usage.output_tokens_details.reasoning_tokens >= 3
+    with client.responses.stream(**kw(seed)) as stream:
+        events = list(stream)
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == unary.output[0].content[0].text
+    final = events[-1].response
+    assert final.usage.output_tokens_details.reasoning_tokens == unary.usage.output_tokens_details.reasoning_tokens
+    assert final.output[1].arguments == unary.output[1].arguments
+
+
+def test_messages_thinking_block_on_gemma4(gemma4_stack):
+    stack = gemma4_stack[0]
+    client, model = _anthropic(stack), _model(stack)
+    tool = {"name": "get_weather", "input_schema": G4_TOOL["parameters"]}
+
+    def kw(seed):
+        return {"model": model, "max_tokens": 100, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                "thinking": {"type": "enabled", "budget_tokens": 1024}, "tools": [tool],
+                "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+                "extra_body": {**THOUGHT, "seed": seed, "temperature": 1.0}}
+
+    seed, unary = _seeded(lambda seed: client.messages.create(**kw(seed)),
+                          lambda m: m.content and m.content[0].type == "thinking" and m.content[0].thinking)
+    assert [b.type for b in unary.content] == ["thinking", "tool_use"] and unary.stop_reason == "tool_use"
+    with client.messages.stream(**kw(seed)) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    thought = "".join(e.delta.thinking for e in events
+                      if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+    assert thought == unary.content[0].thinking == final.content[0].thinking
+    assert final.content[1].input == unary.content[1].input
+    assert client.messages.count_tokens(model=model, messages=kw(0)["messages"], tools=[tool],
+                                        thinking=kw(0)["thinking"]).input_tokens == unary.usage.input_tokens

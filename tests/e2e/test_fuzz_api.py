@@ -1,6 +1,7 @@
 """schemathesis against the live gateway's own OpenAPI document (the fuzz stack: --max-tokens-cap 4, in front of the
 tiny Gemma 4 stack's backends): requests generated from the schema — valid ones, then invalid ones — never get a 5xx, every error is an OpenAI
-error object, every stream ends with `[DONE]` and no internal error, and at least 30% of all the generated requests
+error object (Anthropic's on the Messages API), every stream ends as its API says (`[DONE]`; `response.completed`
+or `.incomplete`; `message_stop`) with no internal error, and at least 30% of all the generated requests
 were valid and answered 200, so the run does not pass on rejections alone.
 
 schemathesis generates the requests (`APIOperation.as_strategy`); hypothesis runs a bounded number of examples
@@ -41,19 +42,38 @@ def _check(case, base_url: str, session: requests.Session, mode: str) -> None:
     where = (case.method, case.path, repr(case.body)[:300], response.text[:300])
     assert response.status_code < 500, where
     assert response.headers.get("x-request-id"), where
+    anthropic = case.path.startswith("/v1/messages")
     if response.status_code >= 400:
+        if anthropic:  # Anthropic's error shape on the Messages API
+            body = response.json()
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, where
+            REASONS[mode][(case.path, body["error"]["type"], body["error"]["message"][:60])] += 1
+            return
         err = response.json()["error"]
         REASONS[mode][(case.path, err["param"], err["message"][:60])] += 1
         assert set(err) == {"message", "type", "param", "code"} and err["message"], where
     elif "text/event-stream" in response.headers.get("content-type", ""):
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", where
-        for event in events[:-1]:
-            assert json.loads(event).get("error", {}).get("type") != "internal_error", where
+        assert events, where
+        if case.path == "/v1/responses":
+            kinds = [json.loads(e)["type"] for e in events]
+            assert kinds[0] == "response.created" and kinds[-1] in (
+                "response.completed", "response.incomplete", "error"), where
+        elif anthropic:
+            kinds = [json.loads(e)["type"] for e in events]
+            assert kinds[0] == "message_start" and kinds[-1] in ("message_stop", "error"), where
+        else:
+            assert events[-1] == "[DONE]", where
+        for event in events if case.path != "/v1/chat/completions" and case.path != "/v1/completions" else \
+                events[:-1]:
+            data = json.loads(event)
+            assert data.get("error", {}).get("type") not in ("internal_error", "api_error"), where
+            assert data.get("code") != "internal_error", where
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
-@pytest.mark.parametrize("operation", ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"])
+@pytest.mark.parametrize("operation", ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
+                                       "POST /v1/responses", "POST /v1/messages"])
 def test_generated_requests_never_fail_the_server(fuzz_stack, operations, operation, mode):
     op = operations[operation]
     if mode == GenerationMode.NEGATIVE and op.method.upper() == "GET":

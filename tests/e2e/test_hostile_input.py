@@ -126,6 +126,13 @@ def test_thousands_of_patterns_are_bounded_and_never_a_500(fuzz_stack, http):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"300000": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": [[1, 300_000]]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5}, "max_tokens"),  # over --max-tokens-cap 4
+    ("/v1/responses", {"input": "x\udfffy"}, None),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 5}, "max_output_tokens"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "x"}] * 3000}, "input"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(" * 5000}}}}]}, "tools"),
+    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                                  "arguments": "[" * 3000 + "]" * 3000}]}, "input"),
 ])
 def test_values_that_used_to_be_500s_are_400s(http, path, body, param):
     r = http.post(path, content=json.dumps(body, ensure_ascii=True), headers={"content-type": "application/json"})
@@ -140,6 +147,29 @@ def _nested_schema(levels: int) -> dict:
     for _ in range(levels):
         schema = {"type": "object", "properties": {"a": schema}}
     return schema
+
+
+@pytest.mark.parametrize("body", [
+    {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},  # over --max-tokens-cap 4
+    {"max_tokens": 2, "messages": [{"role": "user", "content": "x\udfffy"}]},
+    {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}] * 3000},
+    {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+    {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string",
+                                                                               "pattern": HOSTILE}}}}],
+     "tool_choice": {"type": "any"}},
+    {"max_tokens": 2, "messages": []},
+    {"messages": [{"role": "user", "content": "x"}]},
+])
+def test_messages_api_errors_are_anthropic_shaped(http, body):
+    r = http.post("/v1/messages", content=json.dumps(body, ensure_ascii=True),
+                  headers={"content-type": "application/json"})
+    if r.status_code == 200:  # a catastrophic pattern is matched in linear time, not refused
+        assert "pattern" in json.dumps(body), r.text
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
+    _normal(http)
 
 
 def test_deep_json_anywhere_is_a_400(http):
