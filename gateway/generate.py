@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
 
 import grpc
 
@@ -23,6 +24,7 @@ from gateway.clients import Backends
 from gateway.constraints import ConstraintError
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.errors import ApiError, from_rpc_error
+from gateway.workers import Reservation, Session
 from protos import common_pb2, model_worker_pb2
 
 log = logging.getLogger("gemma_serve.gateway")
@@ -33,9 +35,25 @@ FINISH_NAMES = {
 }
 
 
-@dataclasses.dataclass
+class Matcher(Protocol):
+    """A generation's grammar state as `ConstraintDriver` uses it (gateway/constraints.py `Constraint`, and its
+    wrappers reasoning.ThoughtFirst and budget.BudgetedUnits)."""
+
+    vocab_size: int
+
+    def mask(self) -> bytes:
+        """The packed allowed-token mask of the next token."""
+
+    def advance(self, token_id: int) -> None:
+        """Take one token (raises ConstraintError when the grammar does not allow it)."""
+
+    def fork(self) -> Matcher:
+        """An independent copy (to try draft tokens)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class GenParams:
-    """What to generate.
+    """What to generate, complete when built (gateway/planner.py builds one per choice, in one piece).
 
     Attributes:
       sampling: worker sampling settings.
@@ -72,13 +90,13 @@ class GenParams:
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     share_prompt_with: str | None = None
-    constraint: object | None = None
+    constraint: Matcher | None = None
     initial_mask: bytes | None = None
     constraint_param: str = "response_format"
     cache_salt: str = ""
     worker: str = ""
-    reservation: object | None = None
-    session: object | None = None
+    reservation: Reservation | None = None
+    session: Session | None = None
     prediction: list[int] | None = None
     draft_scope: str = ""
 

@@ -95,6 +95,37 @@ class Plan:
         return sum(len(ids) for ids, _ in self.prompts)
 
 
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """What a request asks beyond its prompts and sampling fields, every default and limit resolved once, at
+    its front door (`plan_completion`, `plan_chat_completion`; the Responses and Messages APIs translate into
+    the latter).
+
+    Attributes:
+      model: the served model id.
+      max_tokens: the answer limit the client sent (None: whatever fits, at most `--max-tokens-cap`).
+      limit_param: the field that sent it (`max_tokens`, `max_completion_tokens`), named in errors.
+      top_logprobs: alternatives per token to return.
+      chat: the chat plan (grammar, tool format, thinking).
+      call_prefix: the prefix of tool-call ids.
+      request_id: the worker request id of choice 0 of the first prompt (None: a new one).
+      scope: the answer-history scope (tenant and `cache_salt`: gateway/history.py).
+      session: the request's session headers.
+      prediction: the token ids of OpenAI Predicted Outputs, or None.
+    """
+
+    model: str
+    max_tokens: int | None
+    limit_param: str
+    top_logprobs: int
+    chat: ChatPlan
+    call_prefix: str
+    request_id: str | None
+    scope: str
+    session: Session
+    prediction: list[int] | None = None
+
+
 # ----------------------------------------------------------------------------------------------- entry points
 
 
@@ -124,8 +155,9 @@ async def plan_completion(backends: Backends, req: CompletionRequest, limits: Li
     chat = await _chat_plan(backends, fields)
     chat.channels = False  # raw prompts: the text as generated
     prompts = [await _completion_prompt(backends, item) for item in texts]
-    return await _finish(backends, req, limits, model, prompts, max_tokens, "max_tokens", req.logprobs or 0,
-                         chat, call_prefix, request_id, history_scope(tenant, req.cache_salt), session)
+    ask = Ask(model, max_tokens, "max_tokens", req.logprobs or 0, chat, call_prefix, request_id,
+              history_scope(tenant, req.cache_salt), session or Session())
+    return await _finish(backends, req, limits, prompts, ask)
 
 
 async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, limits: Limits, *,
@@ -143,12 +175,9 @@ async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, l
     chat = await _chat_plan(backends, req)
     scope = history_scope(tenant, req.cache_salt)
     prompt = await _chat_prompt(backends, req, chat.template_kwargs, scope)
-    prediction = await _prediction(backends, req)
-    plan = await _finish(backends, req, limits, model, [(prompt, "")], max_tokens, param, req.top_logprobs or 0,
-                         chat, call_prefix, request_id, scope, session)
-    for job in plan.jobs:
-        job.params.prediction = prediction
-    return plan
+    ask = Ask(model, max_tokens, param, req.top_logprobs or 0, chat, call_prefix, request_id, scope,
+              session or Session(), await _prediction(backends, req))
+    return await _finish(backends, req, limits, [(prompt, "")], ask)
 
 
 async def _prediction(backends: Backends, req: ChatCompletionRequest) -> list[int] | None:
@@ -507,47 +536,65 @@ async def _chat_plan(backends: Backends, req) -> ChatPlan:
     return await loop.run_in_executor(_COMPILE_POOL, plan_chat, req, facts)
 
 
-async def _finish(backends: Backends, req: SamplingFields, limits: Limits, model: str,
-                  prompts: list[tuple[list[int], str]], max_tokens: int | None, param: str, top_logprobs: int,
-                  chat: ChatPlan, call_prefix: str, request_id: str | None, scope: str,
-                  session: Session | None = None) -> Plan:
-    """Check lengths, then build every job (with its constraint and first mask), and route the request to one
-    worker (all its prompts and choices: `n` choices share their prompt's KV there)."""
+async def _finish(backends: Backends, req: SamplingFields, limits: Limits, prompts: list[tuple[list[int], str]],
+                  ask: Ask) -> Plan:
+    """Resolve each prompt's answer limit, compile each choice's constraint (with its first mask), route the
+    request to one worker (all its prompts and choices: `n` choices share their prompt's KV there), and build
+    every job's GenParams in one piece."""
     facts = backends.ready_facts()
-    salt = prefix_salt(scope, limits.share_prefix_cache_across_keys)
-    for ids, _ in prompts:
-        resolve_max_tokens(len(ids), max_tokens, facts.max_model_len, param)
-    factory = await constraint_factory(backends, chat)
+    salt = prefix_salt(ask.scope, limits.share_prefix_cache_across_keys)
+    answer_limits = [_answer_limit(len(ids), ask, limits, facts) for ids, _ in prompts]
+    budgets = [facts.max_model_len - len(ids) if n is None else n for n, (ids, _) in zip(answer_limits, prompts)]
+    constraints = await _constraints(backends, ask.chat, [n for n in budgets for _ in range(req.n)])
+    session = _session(ask.session, req)
+    worker = backends.route(session.key, prompts[0][0], salt, _tiebreak(req, prompts))
+    reservation = backends.pool.reserve(worker, len(prompts) * req.n)
+    stop_ids = sorted(set(req.stop_token_ids or []) | set(ask.chat.request_stop_ids(facts)))
     jobs: list[Job] = []
     for p, (ids, _) in enumerate(prompts):
-        rid0 = request_id if request_id and p == 0 else f"gen-{uuid.uuid4().hex}"
+        rid0 = ask.request_id if ask.request_id and p == 0 else f"gen-{uuid.uuid4().hex}"
         for j in range(req.n):
-            params = gen_params(req, max_tokens, j, top_logprobs, share_prompt_with=rid0 if j else None)
-            if max_tokens is None and limits.max_tokens_cap is not None:
-                params.max_tokens = min(limits.max_tokens_cap, facts.max_model_len - len(ids))
-            params.stop_token_ids = sorted(set(params.stop_token_ids) | set(chat.request_stop_ids(facts)))
-            for tid in chat.banned_ids:
-                params.sampling.logit_bias[tid] = -100.0
-            params.cache_salt = salt
-            params.draft_scope = scope
-            jobs.append(Job(p * req.n + j, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
-    if factory is not None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(_COMPILE_POOL, _attach_constraints, jobs, factory, chat.param,
-                                   facts.max_model_len)
-    session = session or Session()
+            index = p * req.n + j
+            constraint, mask = constraints[index]
+            params = GenParams(
+                sampling=sampling_params(req, j, ask.top_logprobs, ask.chat.banned_ids),
+                max_tokens=answer_limits[p], stop=req.stop_list(), stop_token_ids=stop_ids,
+                ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+                allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
+                share_prompt_with=rid0 if j else None, constraint=constraint, initial_mask=mask,
+                constraint_param=ask.chat.param, cache_salt=salt, worker=worker, reservation=reservation,
+                # the lease follows choice 0's slot
+                session=session if session.key is not None and not j else None,
+                prediction=ask.prediction, draft_scope=ask.scope)
+            jobs.append(Job(index, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
+    routes = [ask.chat.route(facts, req.stop_list(), f"{ask.call_prefix}{job.index}_") for job in jobs]
+    return Plan(ask.model, prompts, req.n, jobs, ask.chat, routes, ask.scope)
+
+
+def _answer_limit(prompt_len: int, ask: Ask, limits: Limits, facts: ModelFacts) -> int | None:
+    """A prompt's answer limit: max_tokens as sent; when absent, at most `--max-tokens-cap` of what fits, or
+    without a cap None (the worker stops at the context's end).
+
+    Raises:
+      ApiError: 400 when the prompt and max_tokens exceed max_model_len.
+    """
+    fits = resolve_max_tokens(prompt_len, ask.max_tokens, facts.max_model_len, ask.limit_param)
+    if ask.max_tokens is None:
+        return None if limits.max_tokens_cap is None else min(limits.max_tokens_cap, fits)
+    return fits
+
+
+def _session(session: Session, req: SamplingFields) -> Session:
+    """The request's session with its key resolved: `x-session-id`, else the `user` field (None: no session).
+
+    Raises:
+      ApiError: 400 for a lease (ttl or release) without a session key.
+    """
     key = session.key or req.user or None
     if (session.ttl or session.release) and key is None:
         raise ApiError(400, "a session lease (x-session-ttl, x-session-release) needs a session: send x-session-id "
                             "or the user field", param="x-session-id")
-    worker = backends.route(key, prompts[0][0], salt, _tiebreak(req, prompts))
-    reservation = backends.pool.reserve(worker, len(jobs))
-    for job in jobs:
-        job.params.worker, job.params.reservation = worker, reservation
-        if key is not None and not job.params.share_prompt_with:  # the lease follows choice 0's slot
-            job.params.session = dataclasses.replace(session, key=key)
-    routes = [chat.route(facts, req.stop_list(), f"{call_prefix}{job.index}_") for job in jobs]
-    return Plan(model, prompts, req.n, jobs, chat, routes, scope)
+    return dataclasses.replace(session, key=key)
 
 
 def _tiebreak(req, prompts: list[tuple[list[int], str]]) -> str:
@@ -565,23 +612,29 @@ def _tiebreak(req, prompts: list[tuple[list[int], str]]) -> str:
     return tiebreak_key([" ".join(map(str, prompts[0][0][:256]))])
 
 
-def _attach_constraints(jobs: list[Job], factory, param: str, max_model_len: int) -> None:
-    """Give each job a fresh constraint (knowing the job's token budget: gateway/budget.py) and its first mask
-    (compiling the matcher on first use).
+async def _constraints(backends: Backends, chat: ChatPlan, budgets: list[int]) -> list[tuple[object, bytes | None]]:
+    """(constraint, first mask) per choice, each knowing its token budget (gateway/budget.py); (None, None) per
+    choice without a grammar. Compiled off the event loop.
 
     Raises:
-      ApiError: 400 naming `param` when the grammar exceeds llguidance's budget or does not compile.
+      ApiError: 400 naming the grammar's field when it exceeds llguidance's budget or does not compile.
     """
-    for job in jobs:
-        budget = job.params.max_tokens if job.params.max_tokens is not None else max_model_len - len(job.prompt)
-        try:
-            constraint = factory(budget)
-            job.params.initial_mask = constraint.mask()
-        except (ConstraintError, ValueError) as err:
-            raise ApiError(400, f"{param}: the grammar cannot be used: {err}", param=param,
-                           code="unsupported_schema") from None
-        job.params.constraint = constraint
-        job.params.constraint_param = param
+    factory = await constraint_factory(backends, chat)
+    if factory is None:
+        return [(None, None)] * len(budgets)
+
+    def build() -> list[tuple[object, bytes | None]]:
+        out = []
+        for budget in budgets:
+            try:
+                constraint = factory(budget)
+                out.append((constraint, constraint.mask()))
+            except (ConstraintError, ValueError) as err:
+                raise ApiError(400, f"{chat.param}: the grammar cannot be used: {err}", param=chat.param,
+                               code="unsupported_schema") from None
+        return out
+
+    return await asyncio.get_running_loop().run_in_executor(_COMPILE_POOL, build)
 
 
 # ------------------------------------------------------------------------------------------ sampling params
@@ -612,13 +665,11 @@ def sampling_from_request(req: SamplingFields) -> common_pb2.SamplingParams:
     return sp
 
 
-def gen_params(req: SamplingFields, max_tokens: int | None, choice: int, top_logprobs: int = 0,
-               share_prompt_with: str | None = None) -> GenParams:
-    """GenParams for choice number `choice` (a seeded request gives choice i the seed + i).
+def sampling_params(req: SamplingFields, choice: int, top_logprobs: int = 0,
+                    banned_ids: list[int] = ()) -> common_pb2.SamplingParams:
+    """The worker SamplingParams of choice number `choice` (a seeded request gives choice i the seed + i), with
+    logprobs always computed, `top_logprobs` alternatives, and `banned_ids` (a chat plan's) biased to -100.
 
-    Args:
-      top_logprobs: alternatives per token to return (logprobs are always computed by the worker).
-      share_prompt_with: request id of choice 0 when this choice shares its prompt (n > 1).
     Raises:
       ApiError: 400 for a bad logit_bias.
     """
@@ -627,13 +678,6 @@ def gen_params(req: SamplingFields, max_tokens: int | None, choice: int, top_log
     sp.top_logprobs = top_logprobs
     if sp.HasField("seed"):
         sp.seed = (sp.seed + choice) & 0xFFFFFFFFFFFFFFFF
-    return GenParams(
-        sampling=sp,
-        max_tokens=max_tokens,
-        stop=req.stop_list(),
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-        skip_special_tokens=req.skip_special_tokens,
-        allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
-        share_prompt_with=share_prompt_with,
-    )
+    for tid in banned_ids:
+        sp.logit_bias[tid] = -100.0
+    return sp
