@@ -36,7 +36,7 @@ from gateway.messages_request import (
 )
 from gateway.openai_types import TokenizeChatRequest
 from gateway.planner import Plan, plan_chat_completion, tokenize
-from gateway.responses_api import WARNING_HEADER
+from gateway.responses_api import warning_headers
 from gateway.workers import Session
 
 
@@ -57,7 +57,7 @@ async def create(backends: Backends, limits: Limits, calls: CallArguments, req: 
         routes answer them in Anthropic's shape.
     """
     turn = await _plan(backends, limits, calls, req, tenant, session)
-    headers = {WARNING_HEADER: "; ".join(turn.warnings)} if turn.warnings else {}
+    headers = warning_headers(turn.warnings)
     if req.stream:
         return StreamingResponse(_stream(backends, calls, turn), media_type="text/event-stream", headers=headers)
     blocks: list[Block] = []

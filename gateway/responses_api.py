@@ -37,6 +37,22 @@ from gateway.workers import Session
 WARNING_HEADER = "x-gemma-serve-warning"
 
 
+#: Seconds the worker keeps a stored response's KV leased to its conversation (unless `x-session-ttl` says
+#: otherwise), so the turn that continues it by `previous_response_id` is a prefix hit; the worker lends a leased
+#: slot to others when they wait.
+STORED_LEASE_S = 60.0
+
+
+def warning_headers(warnings: list[str]) -> dict[str, str]:
+    """The warning header of a response (none without warnings): printable ASCII (names a client sent are
+    escaped), at most 1,000 characters."""
+    if not warnings:
+        return {}
+    text = "; ".join(warnings).encode("ascii", "backslashreplace").decode("ascii")
+    text = "".join(c if 32 <= ord(c) < 127 else " " for c in text)
+    return {WARNING_HEADER: text if len(text) <= 1000 else text[:997] + "..."}
+
+
 @dataclasses.dataclass
 class _Turn:
     """One planned Responses request: its id, request, chat plan, conversation and warnings."""
@@ -59,7 +75,7 @@ async def create(backends: Backends, limits: Limits, store: ResponseStore, req: 
         `previous_response_id`, and the chat path's errors.
     """
     turn = await _plan(backends, limits, store, req, tenant, session)
-    headers = {WARNING_HEADER: "; ".join(turn.warnings)} if turn.warnings else {}
+    headers = warning_headers(turn.warnings)
     if req.stream:
         events = _stream(backends, store, tenant, turn)
         first = await events.__anext__()  # errors before the first event are HTTP errors
@@ -144,9 +160,10 @@ async def _plan(backends: Backends, limits: Limits, store: ResponseStore, req: R
     chat, conversation = chat_request(req, history.messages if history else [], _thinking(backends), warnings)
     key = session.key or req.prompt_cache_key or (history.session_key if history else None) or \
         (rid if req.store else None)
+    ttl = session.ttl or (STORED_LEASE_S if req.store and key else 0.0)
     with renamed_params(CHAT_PARAM):
         plan = await plan_chat_completion(backends, chat, limits, call_prefix=f"call_{rid[-12:]}_", tenant=tenant,
-                                          session=dataclasses.replace(session, key=key))
+                                          session=dataclasses.replace(session, key=key, ttl=ttl))
     return _Turn(rid, req, plan, conversation, key or "", int(time.time()), warnings)
 
 

@@ -118,8 +118,10 @@ def test_responses_previous_response_id_with_store(stack):
     client, model = _openai(stack), _model(stack)
     first = client.responses.create(model=model, input="Remember the number 7.", max_output_tokens=4,
                                     temperature=0, store=True)
+    # The chain's KV stays leased to it between turns; the last turn ends the lease (x-session-release).
     second = client.responses.create(model=model, input="Which number?", previous_response_id=first.id,
-                                     max_output_tokens=4, temperature=0, store=True)
+                                     max_output_tokens=4, temperature=0, store=True,
+                                     extra_headers={"x-session-release": "true"})
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - CHUNK

@@ -78,3 +78,11 @@ def test_bad_requests_name_the_responses_field(body, param):
     with pytest.raises(ApiError) as err:
         _chat(body)
     assert err.value.status == 400 and err.value.param == param
+
+
+def test_the_warning_header_is_bounded_printable_ascii():
+    from gateway.responses_api import WARNING_HEADER, warning_headers
+
+    assert warning_headers([]) == {}
+    value = warning_headers(["tools left out: wëb\n" + "x" * 2000])[WARNING_HEADER]
+    assert value.isascii() and value.isprintable() and len(value) <= 1000 and "\\xeb" in value
