@@ -43,11 +43,20 @@ class Block:
 @dataclasses.dataclass(frozen=True)
 class BlockEvent:
     """A change of the answer: `start` (a block opens, `text` empty), `delta` (`text` added to the block) or
-    `stop` (the block is complete)."""
+    `stop` (the block ends; `incomplete` when the answer's token limit cut it: a call's arguments may then not
+    parse)."""
 
     kind: Literal["start", "delta", "stop"]
     block: Block
     text: str = ""
+    incomplete: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AnswerStart:
+    """The worker has taken the prompt (the first event of an answer): `cached_tokens` of it were reused."""
+
+    cached_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +98,12 @@ class BlockSplitter:
                 out += self._call(call)
         return out
 
-    def close(self) -> list[BlockEvent]:
-        """Close the open block (the answer ended)."""
+    def close(self, incomplete: bool = False) -> list[BlockEvent]:
+        """Close the open block (the next opens, or the answer ended: `incomplete` when its limit cut it)."""
         if self._open is None:
             return []
         block, self._open = self._open, None
-        return [BlockEvent("stop", block)]
+        return [BlockEvent("stop", block, incomplete=incomplete)]
 
     def _start(self, block: Block) -> list[BlockEvent]:
         out = self.close()
@@ -123,9 +132,9 @@ class BlockSplitter:
         return out
 
 
-async def answer_events(backends: Backends, plan) -> AsyncIterator[BlockEvent | AnswerEnd]:
-    """Run a planned one-choice chat request (`planner.Plan`, n = 1); yields its BlockEvents and, last, an
-    AnswerEnd. The answer is remembered in the answer history, as a chat completion's is, so a conversation
+async def answer_events(backends: Backends, plan) -> AsyncIterator[AnswerStart | BlockEvent | AnswerEnd]:
+    """Run a planned one-choice chat request (`planner.Plan`, n = 1); yields an AnswerStart once the worker has
+    the prompt, its BlockEvents, and last an AnswerEnd. The answer is remembered in the answer history, as a chat completion's is, so a conversation
     sent back renders as generated.
 
     Raises:
@@ -134,7 +143,11 @@ async def answer_events(backends: Backends, plan) -> AsyncIterator[BlockEvent | 
     route, job = plan.routes[0], plan.jobs[0]
     splitter = BlockSplitter()
     tokens: list = []
+    started = False
     async for _, delta in run_choices(backends, plan.jobs):
+        if not started:
+            started = True
+            yield AnswerStart(delta.cached_tokens)
         tokens.extend(delta.tokens)
         deltas = route.feed(delta)
         if delta.finish_reason:
@@ -142,7 +155,7 @@ async def answer_events(backends: Backends, plan) -> AsyncIterator[BlockEvent | 
         for event in splitter.feed(deltas):
             yield event
         if delta.finish_reason:
-            for event in splitter.close():
+            for event in splitter.close(incomplete=delta.finish_reason == "length"):
                 yield event
             remember_answer(backends, plan.scope, route, delta, tokens, job.params.stop_token_ids)
             yield _end(route, delta, tokens, plan.prompt_tokens)

@@ -111,6 +111,8 @@ class Delta:
       tokens: the same tokens as worker protos (top alternatives, forced flag).
       whole: (last delta) the text is exactly the detokenized generated tokens — no stop string cut it.
       stop_string: (last delta) the stop string that ended the answer, or None (Anthropic's `stop_sequence`).
+      cached_tokens: prompt tokens whose KV the worker reused (known from the Prefill reply on, so on every
+        delta: the Messages API reports it in `message_start`).
     """
 
     text: str
@@ -121,6 +123,7 @@ class Delta:
     tokens: list[common_pb2.GeneratedToken] = dataclasses.field(default_factory=list)
     whole: bool = False
     stop_string: str | None = None
+    cached_tokens: int = 0
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> int:
@@ -183,7 +186,7 @@ class _AnswerText:
             lps.append(t.logprob)
             kept.append(t)
             text += self.stops.push(self.detok.push(t.token_id))
-        return Delta(text=text, token_ids=ids, logprobs=lps, tokens=kept)
+        return Delta(text=text, token_ids=ids, logprobs=lps, tokens=kept, cached_tokens=self.cached)
 
     def note_usage(self, usage: common_pb2.Usage) -> None:
         """The worker's counts on its last message (the prediction's accepted and rejected tokens)."""

@@ -1,16 +1,16 @@
 """`POST /v1/messages` and `POST /v1/messages/count_tokens`: the Anthropic Messages API over the chat request plan
 (gateway/messages_request.py) and the answer's blocks (gateway/answer_blocks.py).
 
-The answer's blocks become content blocks: a thought `thinking` (with an empty `signature`: nothing to verify),
-text `text`, a tool call `tool_use` (`input` the parsed arguments; a call cut by `max_tokens` whose arguments do
-not parse gets `{}`). `stop_reason`: `tool_use` for complete calls, `max_tokens`, `stop_sequence` (naming it), else
-`end_turn`. Usage: `input_tokens` is the whole prompt (what `count_tokens` returns for the same request) and
-`cache_read_input_tokens` the part of it whose KV was reused. Streaming sends `message_start`, `ping`, per block
-`content_block_start` / `content_block_delta` (`text_delta`, `thinking_delta`, `input_json_delta`: the call's
-arguments text as generated, so the fragments join into exactly the unary `input`) / `content_block_stop`, then
-`message_delta` (stop reason and usage) and `message_stop`. Errors take Anthropic's shape
-(`{"type": "error", "error": {"type", "message"}}`, gateway/errors.py `anthropic_body`), also as an `error`
-event inside a stream.
+The answer's blocks become content blocks: a thought `thinking` (with an empty `signature`: nothing to verify), text
+`text`, a tool call `tool_use` (`input` the parsed arguments; a call cut by `max_tokens` whose arguments do not
+parse gets `{}`). `stop_reason`: `tool_use` for complete calls, `max_tokens`, `stop_sequence` (naming it), else
+`end_turn`. Usage as Anthropic counts it: `input_tokens` the prompt tokens computed anew and
+`cache_read_input_tokens` those whose KV was reused (together the whole prompt, what `count_tokens` returns).
+Streaming sends `message_start`, `ping`, per block `content_block_start` / `content_block_delta` (`text_delta`,
+`thinking_delta`, `input_json_delta`: the call's arguments text as generated, so the fragments join into exactly the
+unary `input`) / `content_block_stop`, then `message_delta` (stop reason and usage) and `message_stop`. Errors take
+Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`, gateway/errors.py `anthropic_body`), also as
+an `error` event inside a stream.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.answer_blocks import AnswerEnd, Block, BlockEvent, answer_events
+from gateway.answer_blocks import AnswerEnd, AnswerStart, Block, BlockEvent, answer_events
 from gateway.clients import Backends
 from gateway.errors import ApiError, anthropic_body, renamed_params
 from gateway.history import history_scope
@@ -65,7 +65,7 @@ async def create(backends: Backends, limits: Limits, calls: CallArguments, req: 
     async for event in answer_events(backends, turn.plan):
         if isinstance(event, AnswerEnd):
             end = event
-        elif event.kind == "start":
+        elif isinstance(event, BlockEvent) and event.kind == "start":
             blocks.append(event.block)
     _remember_calls(calls, turn, blocks)
     message = _message(turn, [_content(b) for b in blocks], end)
@@ -96,7 +96,7 @@ async def _plan(backends: Backends, limits: Limits, calls: CallArguments, req: M
     key = session.key or req.session_key()
     with renamed_params(CHAT_PARAM):
         plan = await plan_chat_completion(backends, chat, limits, call_prefix=f"toolu_{mid[4:16]}_", tenant=tenant,
-                                          session=dataclasses.replace(session, key=key))
+                                          session=dataclasses.replace(session, key=key), clamp=True)
     return _Turn(mid, plan, scope, warnings)
 
 
@@ -128,16 +128,19 @@ def _stop_reason(end: AnswerEnd) -> str:
     return "stop_sequence" if end.stop_string is not None else "end_turn"
 
 
-def _usage(end: AnswerEnd | None, prompt_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "output_tokens": end.completion_tokens if end else 0,
-            "cache_read_input_tokens": end.cached_tokens if end else 0, "cache_creation_input_tokens": 0}
+def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
+    """Anthropic's usage: `input_tokens` the prompt tokens computed anew, `cache_read_input_tokens` those whose
+    KV was reused (together the whole prompt, what `count_tokens` returns), no cache writes to bill."""
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-def _message(turn: _Turn, content: list[dict], end: AnswerEnd | None) -> dict:
+def _message(turn: _Turn, content: list[dict], end: AnswerEnd | None, cached: int = 0) -> dict:
     return {"id": turn.id, "type": "message", "role": "assistant", "model": turn.plan.model, "content": content,
             "stop_reason": _stop_reason(end) if end else None,
             "stop_sequence": end.stop_string if end and _stop_reason(end) == "stop_sequence" else None,
-            "usage": _usage(end, turn.plan.prompt_tokens)}
+            "usage": _usage(turn.plan.prompt_tokens, end.cached_tokens if end else cached,
+                            end.completion_tokens if end else 0)}
 
 
 def _sse(kind: str, data: dict) -> str:
@@ -160,18 +163,23 @@ def _delta(event: BlockEvent) -> dict:
 
 
 async def _stream(backends: Backends, calls: CallArguments, turn: _Turn) -> AsyncIterator[str]:
-    yield _sse("message_start", {"message": _message(turn, [], None)})
-    yield _sse("ping", {})
+    """The Messages event stream. `message_start` waits for the worker to take the prompt, so its usage has the
+    cached tokens (as Anthropic's does); the response's headers are already out."""
     blocks: list[Block] = []
+    started = False
     try:
         async for event in answer_events(backends, turn.plan):
-            if isinstance(event, AnswerEnd):
+            if isinstance(event, AnswerStart):
+                started = True
+                yield _sse("message_start", {"message": _message(turn, [], None, event.cached_tokens)})
+                yield _sse("ping", {})
+            elif isinstance(event, AnswerEnd):
                 _remember_calls(calls, turn, blocks)
                 reason = _stop_reason(event)
                 yield _sse("message_delta", {
                     "delta": {"stop_reason": reason,
                               "stop_sequence": event.stop_string if reason == "stop_sequence" else None},
-                    "usage": _usage(event, turn.plan.prompt_tokens)})
+                    "usage": _usage(turn.plan.prompt_tokens, event.cached_tokens, event.completion_tokens)})
                 yield _sse("message_stop", {})
             elif event.kind == "start":
                 blocks.append(event.block)
@@ -182,5 +190,7 @@ async def _stream(backends: Backends, calls: CallArguments, turn: _Turn) -> Asyn
             else:
                 yield _sse("content_block_stop", {"index": event.block.index})
     except ApiError as err:
+        if not started:
+            yield _sse("message_start", {"message": _message(turn, [], None)})
         body = anthropic_body(err)
         yield _sse("error", {"error": body["error"]})

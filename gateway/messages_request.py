@@ -24,10 +24,11 @@ from pydantic import Field, StrictBool, StrictStr, ValidationError, WithJsonSche
 from gateway.errors import ApiError
 from gateway.lru import ByteLRU, text_size
 from gateway.openai_types import ChatCompletionRequest, Int32, Name, Number, _Body, int_in
-from gateway.responses_request import extras
+from gateway.responses_request import extras, merge_turns, relaxed
 
 #: Chat request fields -> the Messages field a client sent (errors name the client's field).
 CHAT_PARAM = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", "stop": "stop_sequences",
+              "prompt": "messages",
               "messages": "messages", "tools": "tools", "tool_choice": "tool_choice",
               "chat_template_kwargs": "thinking", "response_format": "output_config.format"}
 
@@ -120,7 +121,7 @@ def chat_request(req: CountTokensRequest, thinking: bool, drop: tuple[str, ...],
     Raises:
       ApiError: 400 naming the Messages field.
     """
-    messages = _system(req.system, drop) + _messages(req.messages, calls, scope)
+    messages = merge_turns(_system(req.system, drop) + _messages(req.messages, calls, scope))
     body: dict[str, Any] = {**extras(req), "messages": messages, "model": req.model}
     tools = _tools(req.tools, warnings)
     if tools:
@@ -181,13 +182,16 @@ def _messages(messages: list[dict], calls: CallArguments, scope: str) -> list[di
     for i, message in enumerate(messages):
         param = f"messages.{i}"
         role, content = message.get("role"), message.get("content")
-        if role not in ("user", "assistant"):
+        if role not in ("user", "assistant", "system"):
             raise ApiError(400, f"{param}.role must be user or assistant, got {role!r}", param=f"{param}.role")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise ApiError(400, f"{param}.content must be a string or a list of content blocks",
                            param=f"{param}.content")
-        out += _user(blocks, param) if role == "user" else [_assistant(blocks, param, calls, scope)]
+        if role == "system":  # Claude Code's mid-conversation system messages: text for the turn they sit in
+            out.append({"role": "system", "content": _result_text(blocks, f"{param}.content")})
+        else:
+            out += _user(blocks, param) if role == "user" else [_assistant(blocks, param, calls, scope)]
     return out
 
 
@@ -266,7 +270,9 @@ def _tools(tools: list[dict] | None, warnings: list[str]) -> list[dict]:
         if kind not in (None, "custom") or "input_schema" not in tool:
             left.append(str(kind or tool.get("name") or f"tools.{i}"))
             continue
-        function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+        schema = tool.get("input_schema")
+        function = {"name": tool.get("name"),
+                    "parameters": schema if tool.get("strict") is True else relaxed(tool.get("name"), schema, warnings)}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})

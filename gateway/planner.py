@@ -112,6 +112,8 @@ class Ask:
       scope: the answer-history scope (tenant and `cache_salt`: gateway/history.py).
       session: the request's session headers.
       prediction: the token ids of OpenAI Predicted Outputs, or None.
+      clamp: a `max_tokens` beyond the room the context leaves (or beyond `--max-tokens-cap`) is lowered to it
+        instead of refused (Anthropic's Messages API: Claude Code asks for 32,000 on every request).
     """
 
     model: str
@@ -124,6 +126,7 @@ class Ask:
     scope: str
     session: Session
     prediction: list[int] | None = None
+    clamp: bool = False
 
 
 # ----------------------------------------------------------------------------------------------- entry points
@@ -162,9 +165,12 @@ async def plan_completion(backends: Backends, req: CompletionRequest, limits: Li
 
 async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, limits: Limits, *,
                                call_prefix: str, request_id: str | None = None, tenant: str = "",
-                               session: Session | None = None) -> Plan:
-    """Plan a `/v1/chat/completions` request (or a gRPC `chat` input); arguments as `plan_completion`'s."""
+                               session: Session | None = None, clamp: bool = False) -> Plan:
+    """Plan a `/v1/chat/completions` request (or a gRPC `chat` input, or a translated Responses or Messages
+    request); arguments as `plan_completion`'s, and `clamp` as `Ask.clamp`."""
     max_tokens, param = req.completion_limit()
+    if clamp and max_tokens is not None and limits.max_tokens_cap is not None:
+        max_tokens = min(max_tokens, limits.max_tokens_cap)
     check_request(req, max_tokens, param, limits)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
@@ -176,7 +182,7 @@ async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, l
     scope = history_scope(tenant, req.cache_salt)
     prompt = await _chat_prompt(backends, req, chat.template_kwargs, scope)
     ask = Ask(model, max_tokens, param, req.top_logprobs or 0, chat, call_prefix, request_id, scope,
-              session or Session(), await _prediction(backends, req))
+              session or Session(), await _prediction(backends, req), clamp)
     return await _finish(backends, req, limits, [(prompt, "")], ask)
 
 
@@ -578,8 +584,11 @@ def _answer_limit(prompt_len: int, ask: Ask, limits: Limits, facts: ModelFacts) 
     Raises:
       ApiError: 400 when the prompt and max_tokens exceed max_model_len.
     """
-    fits = resolve_max_tokens(prompt_len, ask.max_tokens, facts.max_model_len, ask.limit_param)
-    if ask.max_tokens is None:
+    asked = ask.max_tokens
+    if ask.clamp and asked is not None:
+        asked = min(asked, max(facts.max_model_len - prompt_len, 1))  # a prompt that leaves no room stays a 400
+    fits = resolve_max_tokens(prompt_len, asked, facts.max_model_len, ask.limit_param)
+    if asked is None:
         return None if limits.max_tokens_cap is None else min(limits.max_tokens_cap, fits)
     return fits
 

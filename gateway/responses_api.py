@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.answer_blocks import AnswerEnd, Block, BlockEvent, answer_events
+from gateway.answer_blocks import AnswerEnd, AnswerStart, Block, BlockEvent, answer_events
 from gateway.clients import Backends
 from gateway.errors import ApiError, renamed_params
 from gateway.limits import Limits
@@ -91,7 +91,7 @@ async def create(backends: Backends, limits: Limits, store: ResponseStore, req: 
     async for event in answer_events(backends, turn.plan):
         if isinstance(event, AnswerEnd):
             end = event
-        else:
+        elif isinstance(event, BlockEvent):
             builder.events(event)  # the items the stream would show
     response = builder.response(end)
     _keep(store, tenant, turn, builder, response)
@@ -185,7 +185,7 @@ async def _stream(backends: Backends, store: ResponseStore, tenant: str, turn: _
                 _keep(store, tenant, turn, builder, response)
                 kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
                 yield builder.sse(kind, response=response)
-            else:
+            elif isinstance(event, BlockEvent):
                 for chunk in builder.events(event):
                     yield chunk
     except ApiError as err:
@@ -237,16 +237,18 @@ class _Builder:
             if block.kind == "reasoning":
                 return [self.sse("response.reasoning_text.delta", **where, content_index=0, delta=event.text)]
             return [self.sse("response.output_text.delta", **where, content_index=0, delta=event.text, logprobs=[])]
+        status = "incomplete" if event.incomplete else "completed"
         if block.kind == "call":
-            out = [self.sse("response.function_call_arguments.done", **where, name=block.name,
-                            arguments=block.text)]
+            # A call cut by max_output_tokens is not announced as done: its arguments may not parse.
+            out = [] if event.incomplete else [self.sse("response.function_call_arguments.done", **where,
+                                                        name=block.name, arguments=block.text)]
         else:
             kind = "reasoning_text" if block.kind == "reasoning" else "output_text"
             extra = {} if block.kind == "reasoning" else {"logprobs": []}
             out = [self.sse(f"response.{kind}.done", **where, content_index=0, text=block.text, **extra),
                    self.sse("response.content_part.done", **where, content_index=0, part=_part(block))]
         return out + [self.sse("response.output_item.done", output_index=block.index,
-                               item=self.item(block, "completed"))]
+                               item=self.item(block, status))]
 
     def response(self, end: AnswerEnd | None) -> dict:
         """The response object: in progress (no end yet), completed, or incomplete (cut by max_output_tokens)."""

@@ -19,6 +19,8 @@ from pydantic import Field, StrictBool, StrictStr, ValidationError, WithJsonSche
 
 from gateway.errors import ApiError
 from gateway.openai_types import ChatCompletionRequest, Int32, Name, Number, _Body
+from gateway.tool_calls import ToolSchemaError
+from gateway.tool_schema import relax_parameters
 
 #: vLLM's sampling extensions, accepted on the Responses and Messages APIs too (as extra body fields) and
 #: passed to the chat request as they are.
@@ -26,7 +28,7 @@ SAMPLING_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_pen
                    "logit_bias", "stop", "cache_salt", "ignore_eos", "stop_token_ids")
 #: Request fields of the chat request -> the Responses field a client sent (errors name the client's field).
 CHAT_PARAM = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-              "reasoning_effort": "reasoning.effort", "messages": "input", "tools": "tools",
+              "reasoning_effort": "reasoning.effort", "messages": "input", "prompt": "input", "tools": "tools",
               "tool_choice": "tool_choice"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
@@ -95,7 +97,7 @@ def chat_request(req: ResponsesRequest, history: list[dict], thinking: bool,
     if req.input is None and not history:
         raise ApiError(400, "input is required", param="input")
     conversation = history + input_messages(req.input)
-    messages = _merge_system(req.instructions, conversation)
+    messages = merge_turns(_merge_system(req.instructions, conversation))
     if not messages:
         raise ApiError(400, "input must hold at least one message", param="input")
     body: dict[str, Any] = {**extras(req), "messages": messages, "model": req.model, "stream": False,
@@ -121,6 +123,38 @@ def chat_request(req: ResponsesRequest, history: list[dict], thinking: bool,
         loc = [str(p) for p in first.get("loc", ())]
         param = CHAT_PARAM.get(loc[0], loc[0]) if loc else None
         raise ApiError(400, f"{param or 'input'}: {first.get('msg', 'invalid value')}", param=param) from None
+
+
+def relaxed(name: str, parameters: Any, warnings: list[str]) -> Any:
+    """A non-strict tool's `parameters` with the keywords the supported subset cannot enforce removed (named in
+    `warnings`); unchanged when that cannot fix it (the planner's 400 then names the problem)."""
+    if not isinstance(parameters, dict) or not isinstance(name, str):
+        return parameters
+    try:
+        schema, dropped = relax_parameters(name, parameters)
+    except ToolSchemaError:
+        return parameters
+    if dropped:
+        warnings.append(f"tool {name!r}: not enforced: {', '.join(dropped)}")
+    return schema
+
+
+def merge_turns(messages: list[dict]) -> list[dict]:
+    """Chat messages with consecutive user messages joined into one (blank line between): agent clients send
+    several user messages in a row (context, then the prompt) where Gemma's templates want user and assistant
+    turns to alternate; leading system and developer messages are joined into one. A system or developer
+    message after the first turn becomes user text there."""
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] in ("system", "developer") and out and out[-1]["role"] not in ("system", "developer"):
+            m = {"role": "user", "content": m["content"] or ""}
+        same = out and (out[-1]["role"] == m["role"] == "user" or
+                        out[-1]["role"] in ("system", "developer") and m["role"] in ("system", "developer"))
+        if same and isinstance(m.get("content"), str) and isinstance(out[-1].get("content"), str):
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{m['content']}"}
+        else:
+            out.append(m)
+    return out
 
 
 def extras(req) -> dict[str, Any]:
@@ -225,6 +259,8 @@ def chat_tools(tools: list[dict] | None, warnings: list[str]) -> list[dict]:
             left.append(str(tool.get("type") or tool.get("name") or f"tools.{i}"))
             continue
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        if tool.get("strict") is False and "parameters" in function:
+            function["parameters"] = relaxed(function.get("name"), function["parameters"], warnings)
         out.append({"type": "function", "function": function})
     if left:
         warnings.append(f"tools left out (only function tools are served): {', '.join(left)}")

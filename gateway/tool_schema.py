@@ -12,6 +12,7 @@ vocabulary gives it. A format that writes arguments as JSON (Gemma 3's) runs the
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -534,3 +535,42 @@ def check_parameters(name: str, parameters: dict) -> None:
       ToolSchemaError: the schema uses something outside the subset (the error names the keyword and path).
     """
     SchemaRules(ValueGrammar(string_id=0), name, parameters or {}, "x_").parameters()
+
+
+def relax_parameters(name: str, parameters: dict, max_drops: int = 64) -> tuple[dict, list[str]]:
+    """A copy of a tool's `parameters` with every keyword the supported subset cannot enforce removed (an unknown
+    `format`, `propertyNames`, ...), and what was removed ("keyword at /path"). For tools a client does not ask to
+    be strict (Anthropic tools, Responses tools with `strict: false`): agent clients send dozens of tools, and one
+    odd keyword should loosen that tool's arguments, not refuse the whole turn.
+
+    Raises:
+      ToolSchemaError: a problem that removing a keyword cannot fix (the tool itself, an unresolvable `$ref`),
+        or more than `max_drops` removals.
+    """
+    schema = copy.deepcopy(parameters or {})
+    dropped: list[str] = []
+    for _ in range(max_drops + 1):
+        try:
+            check_parameters(name, schema)
+            return schema, dropped
+        except ToolSchemaError as err:
+            node = _at_pointer(schema, err.path)
+            if not isinstance(node, dict) or err.keyword not in node or len(dropped) >= max_drops:
+                raise
+            del node[err.keyword]
+            dropped.append(f"{err.keyword} at {err.path or '/'}")
+    raise ToolSchemaError(f"tool {name!r}: too many unsupported keywords", name, "parameters", "")
+
+
+def _at_pointer(schema: Any, pointer: str) -> Any:
+    """The node of `schema` at a JSON pointer ("" is the root), or None."""
+    node = schema
+    for part in pointer.split("/")[1:] if pointer else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node

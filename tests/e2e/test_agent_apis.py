@@ -37,6 +37,11 @@ def _anthropic(stack) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=stack.base_url, api_key="none", max_retries=0)
 
 
+def _prompt(usage) -> int:
+    """A Messages answer's whole prompt: Anthropic counts cache reads apart from `input_tokens`."""
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
 def _model(stack) -> str:
     return httpx.get(stack.base_url + "/v1/models").json()["data"][0]["id"]
 
@@ -100,6 +105,37 @@ def test_responses_text_stream_and_incomplete_status(stack):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == unary.output_text and text
     assert events[-1].response.usage.output_tokens == 6
+
+
+def test_responses_call_cut_by_the_limit_is_not_announced_done(stack):
+    """A call cut by max_output_tokens: no `function_call_arguments.done`, its item done as `incomplete` (an agent
+    must not run half-written arguments), the response `incomplete`."""
+    client, model = _openai(stack), _model(stack)
+    with client.responses.stream(model=model, input=ASK, tools=[RESPONSES_TOOL], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=18, temperature=0) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.done" not in kinds and kinds[-1] == "response.incomplete"
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert done[-1].item.type == "function_call" and done[-1].item.status == "incomplete"
+
+
+def test_codex_shaped_input_is_served(stack):
+    """Codex sends developer messages, then two user messages in a row (its environment context, then the
+    prompt), `store: false`, `include`, `reasoning.summary`, and tools of other types next to its functions."""
+    client, model = _openai(stack), _model(stack)
+    r = client.responses.create(model=model, store=False, include=["reasoning.encrypted_content"],
+                                reasoning={"summary": "auto"}, max_output_tokens=4, temperature=0,
+                                prompt_cache_key="codex-session-1", instructions="You are a coding agent.",
+                                tools=[{**RESPONSES_TOOL, "strict": False}, {"type": "web_search"},
+                                       {"type": "namespace", "name": "multi_agent_v1", "tools": []}],
+                                input=[{"type": "message", "role": "developer", "content": [
+                                    {"type": "input_text", "text": "Sandbox: read-only."}]},
+                                       {"type": "message", "role": "user", "content": [
+                                           {"type": "input_text", "text": "<environment_context/>"}]},
+                                       {"type": "message", "role": "user", "content": [
+                                           {"type": "input_text", "text": "List the files."}]}])
+    assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
 
 
 def test_responses_json_schema_output(stack):
@@ -176,16 +212,16 @@ def test_messages_tool_round_trip_reuses_the_first_turn(stack):
     uses = [b for b in first.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER)
+    # Anthropic's usage: input_tokens are the prompt tokens computed anew, cache reads the rest of the prompt.
     assert client.messages.count_tokens(model=model, messages=[{"role": "user", "content": ASK}],
-                                        tools=[MESSAGES_TOOL]).input_tokens == first.usage.input_tokens
+                                        tools=[MESSAGES_TOOL]).input_tokens == _prompt(first.usage)
     messages = [{"role": "user", "content": ASK},
                 {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                               "content": "Sunny, 21 C"}]}]
     second = _tool_message(client, model, messages)
     assert second.stop_reason == "tool_use"
-    reused = first.usage.input_tokens + first.usage.output_tokens - CHUNK
-    assert second.usage.cache_read_input_tokens >= reused
+    assert second.usage.cache_read_input_tokens >= _prompt(first.usage) + first.usage.output_tokens - CHUNK
 
 
 def test_messages_stream_joins_into_the_unary_answer(stack):
@@ -249,7 +285,7 @@ def test_messages_billing_header_does_not_defeat_prefix_reuse(stack):
     second = turn("f9e8d", [{"role": "user", "content": "Hello"},
                             {"role": "assistant", "content": first.content[0].text},
                             {"role": "user", "content": "And then?"}])
-    assert second.usage.cache_read_input_tokens >= first.usage.input_tokens + first.usage.output_tokens - CHUNK
+    assert second.usage.cache_read_input_tokens >= _prompt(first.usage) + first.usage.output_tokens - CHUNK
 
 
 # ----------------------------------------------------------------------------------------------- Agents SDK
@@ -340,4 +376,4 @@ def test_messages_thinking_block_on_gemma4(gemma4_stack):
     assert thought == unary.content[0].thinking == final.content[0].thinking
     assert final.content[1].input == unary.content[1].input
     assert client.messages.count_tokens(model=model, messages=kw(0)["messages"], tools=[tool],
-                                        thinking=kw(0)["thinking"]).input_tokens == unary.usage.input_tokens
+                                        thinking=kw(0)["thinking"]).input_tokens == _prompt(unary.usage)

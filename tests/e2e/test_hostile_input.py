@@ -150,25 +150,38 @@ def _nested_schema(levels: int) -> dict:
 
 
 @pytest.mark.parametrize("body", [
-    {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},  # over --max-tokens-cap 4
     {"max_tokens": 2, "messages": [{"role": "user", "content": "x\udfffy"}]},
     {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}] * 3000},
     {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
     {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [
-        {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string",
-                                                                               "pattern": HOSTILE}}}}],
-     "tool_choice": {"type": "any"}},
+        {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}},
+         "strict": True}], "tool_choice": {"type": "any"}},
     {"max_tokens": 2, "messages": []},
     {"messages": [{"role": "user", "content": "x"}]},
 ])
 def test_messages_api_errors_are_anthropic_shaped(http, body):
     r = http.post("/v1/messages", content=json.dumps(body, ensure_ascii=True),
                   headers={"content-type": "application/json"})
-    if r.status_code == 200:  # a catastrophic pattern is matched in linear time, not refused
-        assert "pattern" in json.dumps(body), r.text
-    else:
-        assert r.status_code == 400, r.text
-        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
+    _normal(http)
+
+
+def test_messages_api_lowers_max_tokens_and_relaxes_odd_tools(fuzz_stack, http):
+    """Claude Code asks for 32,000 tokens on every request and sends tools with keywords no grammar enforces
+    (`propertyNames`, `format: uri`, a catastrophic pattern): the limit is lowered to what the server allows
+    (--max-tokens-cap 4 here), the keywords are dropped from those tools (named in a warning header), and the
+    pattern runs in linear time."""
+    tools = [{"name": "f", "input_schema": {"type": "object", "properties": {
+        "url": {"type": "string", "format": "uri"}, "a": {"type": "string", "pattern": HOSTILE},
+        "meta": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}}}}]
+    with HealthWatch(fuzz_stack.base_url) as watch:
+        r = http.post("/v1/messages", json={"max_tokens": 32000, "messages": [{"role": "user", "content": "x"}],
+                                            "tools": tools, "tool_choice": {"type": "any"}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["output_tokens"] <= 4 and r.json()["stop_reason"] == "max_tokens"
+    assert "propertyNames" in r.headers["x-gemma-serve-warning"] and "format" in r.headers["x-gemma-serve-warning"]
+    assert watch.worst < 1.0, watch.worst
     _normal(http)
 
 

@@ -67,9 +67,15 @@ def test_each_door_names_its_own_fields():
     with pytest.raises(ApiError) as err:
         _responses(_Backends(), {"input": "x", "max_output_tokens": 9}, limits)
     assert err.value.param == "max_output_tokens" and "max_output_tokens" in err.value.message
+    # Anthropic's max_tokens is lowered to what the server allows (Claude Code always asks for 32,000).
+    lowered = _messages(_Backends(), {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9}, limits)
+    assert lowered.jobs[0].params.max_tokens == 8
+    roomy = _messages(_Backends(), {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000})
+    assert roomy.jobs[0].params.max_tokens == 128 - len(roomy.jobs[0].prompt)
     with pytest.raises(ApiError) as err:
-        _messages(_Backends(), {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9}, limits)
-    assert err.value.param == "max_tokens"
+        _messages(_Backends(), {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                "stop_sequences": ["a", "b", "c", "d", "e"]})
+    assert err.value.param == "stop_sequences"
     with pytest.raises(ApiError) as err:
         _responses(_Backends(), {"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
                                                                    "schema": {"type": "nonsense"}}}})

@@ -56,6 +56,27 @@ def test_a_tool_round_trip_becomes_chat_messages():
     assert any("web_search_20250305" in w for w in warnings)
 
 
+def test_agent_turns_are_merged_and_odd_tool_keywords_relaxed():
+    """Claude Code sends system messages inside `messages` and user turns in a row; tools with keywords the
+    grammar cannot enforce (`propertyNames`, `format: uri`) lose those keywords (named in a warning) unless
+    the tool is strict."""
+    odd = {"type": "object", "properties": {"url": {"type": "string", "format": "uri"},
+                                            "meta": {"type": "object", "propertyNames": {"pattern": "^a"}}}}
+    chat, warnings = _chat({"max_tokens": 4, "system": "Rules.", "messages": [
+        {"role": "system", "content": "More rules."}, {"role": "user", "content": "Hi"},
+        {"role": "system", "content": [{"type": "text", "text": "<reminder/>"}]},
+        {"role": "user", "content": "Go"}, {"role": "assistant", "content": "Ok"}],
+        "tools": [{"name": "fetch", "input_schema": odd}]})
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Rules.\n\nMore rules."), ("user", "Hi\n\n<reminder/>\n\nGo"), ("assistant", "Ok")]
+    assert chat.tools[0]["function"]["parameters"] == {"type": "object", "properties": {
+        "url": {"type": "string"}, "meta": {"type": "object"}}}
+    assert any("format at /properties/url" in w and "propertyNames" in w for w in warnings)
+    strict, _ = _chat({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                       "tools": [{"name": "fetch", "input_schema": odd, "strict": True}]})
+    assert strict.tools[0]["function"]["parameters"] == odd
+
+
 def test_tool_choice_thinking_and_structured_output_map():
     base = {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
             "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
@@ -74,7 +95,7 @@ def test_tool_choice_thinking_and_structured_output_map():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
                                                       "input": [1]}]}]}, "messages.0.content.0.input"),

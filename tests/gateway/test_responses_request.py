@@ -86,3 +86,21 @@ def test_the_warning_header_is_bounded_printable_ascii():
     assert warning_headers([]) == {}
     value = warning_headers(["tools left out: wëb\n" + "x" * 2000])[WARNING_HEADER]
     assert value.isascii() and value.isprintable() and len(value) <= 1000 and "\\xeb" in value
+
+
+def test_turns_in_a_row_are_joined_and_non_strict_tools_relaxed():
+    """Codex's shape: developer messages, then two user messages in a row; a `strict: false` tool keeps its
+    enforceable keywords only (a strict one is left to the planner, which refuses it naming the keyword)."""
+    odd = {"type": "object", "properties": {"url": {"type": "string", "format": "uri"}}}
+    chat, _, warnings = _chat({"instructions": "Agent.", "input": [
+        {"role": "developer", "content": "Sandbox."}, {"role": "user", "content": "<env/>"},
+        {"role": "user", "content": "List files."}, {"role": "assistant", "content": "Ok"},
+        {"role": "developer", "content": "Be quick."}, {"role": "user", "content": "Go"}],
+        "tools": [{"type": "function", "name": "f", "parameters": odd, "strict": False},
+                  {"type": "function", "name": "g", "parameters": odd}]})
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Agent.\n\nSandbox."), ("user", "<env/>\n\nList files."), ("assistant", "Ok"),
+        ("user", "Be quick.\n\nGo")]
+    assert chat.tools[0]["function"]["parameters"] == {"type": "object", "properties": {"url": {"type": "string"}}}
+    assert chat.tools[1]["function"]["parameters"] == odd
+    assert any("'f'" in w and "format" in w for w in warnings)
