@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.answer_blocks import AnswerEnd, AnswerStart, Block, BlockEvent, answer_events
+from gateway.answer_blocks import AnswerEnd, Block, BlockEvent, answer_events
 from gateway.clients import Backends
 from gateway.errors import ApiError, renamed_params
 from gateway.limits import Limits
