@@ -60,6 +60,10 @@ class Limits:
         request (Claude Code's billing header) would otherwise defeat prefix reuse.
       responses_store_bytes: most bytes of stored Responses (`store: true`) per tenant, oldest evicted first.
       responses_store_ttl: seconds a stored response stays retrievable (`previous_response_id`, GET).
+      anthropic_usage: how the Messages API counts prompt tokens: "inclusive" (default, as vLLM does and as
+        `count_tokens` counts: `input_tokens` is the whole prompt, `cache_read_input_tokens` the part of it whose
+        KV was reused) or "exclusive" (Anthropic's own accounting: `input_tokens` only the part computed anew;
+        clients that add the two, such as Claude Code's context and cost meters, then count each token once).
     """
 
     max_body_bytes: int = 4 << 20
@@ -73,6 +77,7 @@ class Limits:
     drop_system_patterns: tuple[str, ...] = (DEFAULT_DROP_SYSTEM_PATTERN,)
     responses_store_bytes: int = 64 << 20
     responses_store_ttl: float = 3600.0
+    anthropic_usage: str = "inclusive"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Limits:
@@ -118,6 +123,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    f"{DEFAULT_DROP_SYSTEM_PATTERN!r}, which would otherwise defeat prefix reuse)")
     p.add_argument("--responses-store-bytes", type=int, default=d.responses_store_bytes,
                    help="most bytes of stored Responses (store: true) per API key (default: %(default)s)")
+    p.add_argument("--anthropic-usage", choices=("inclusive", "exclusive"), default=d.anthropic_usage,
+                   help="Messages API usage: inclusive = input_tokens is the whole prompt (what count_tokens returns) "
+                   "and cache_read_input_tokens the reused part of it; exclusive = Anthropic's accounting, "
+                   "input_tokens without the cache reads (for Claude Code's context meter) (default: %(default)s)")
     p.add_argument("--responses-store-ttl", type=float, default=d.responses_store_ttl,
                    help="seconds a stored response stays retrievable by previous_response_id (default: %(default)s)")
 
@@ -126,7 +135,7 @@ def limit_args(args: argparse.Namespace) -> list[str]:
     """The limit flags of `args` as a command line (the launcher passes them on to the gateway)."""
     out = []
     for flag in ("max_body_bytes", "max_messages", "max_tools", "max_stop_bytes", "max_tokens_cap", "max_connections",
-                 "responses_store_bytes", "responses_store_ttl"):
+                 "responses_store_bytes", "responses_store_ttl", "anthropic_usage"):
         value = getattr(args, flag, None)
         if value is not None:
             out += ["--" + flag.replace("_", "-"), str(value)]

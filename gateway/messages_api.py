@@ -4,8 +4,9 @@
 The answer's blocks become content blocks: a thought `thinking` (with an empty `signature`: nothing to verify), text
 `text`, a tool call `tool_use` (`input` the parsed arguments; a call cut by `max_tokens` whose arguments do not
 parse gets `{}`). `stop_reason`: `tool_use` for complete calls, `max_tokens`, `stop_sequence` (naming it), else
-`end_turn`. Usage as Anthropic counts it: `input_tokens` the prompt tokens computed anew and
-`cache_read_input_tokens` those whose KV was reused (together the whole prompt, what `count_tokens` returns).
+`end_turn`. Usage: `input_tokens` the whole prompt (what `count_tokens` returns for the same request) and
+`cache_read_input_tokens` the part of it whose KV was reused, known when the worker takes the prompt and sent in
+`message_start`; `--anthropic-usage exclusive` counts as Anthropic does (`input_tokens` without the cache reads).
 Streaming sends `message_start`, `ping`, per block `content_block_start` / `content_block_delta` (`text_delta`,
 `thinking_delta`, `input_json_delta`: the call's arguments text as generated, so the fragments join into exactly the
 unary `input`) / `content_block_stop`, then `message_delta` (stop reason and usage) and `message_stop`. Errors take
@@ -46,6 +47,7 @@ class _Turn:
     plan: Plan
     scope: str
     warnings: list[str]
+    exclusive: bool = False  # Anthropic's usage accounting (`Limits.anthropic_usage`)
 
 
 async def create(backends: Backends, limits: Limits, calls: CallArguments, req: MessagesRequest, tenant: str,
@@ -97,7 +99,7 @@ async def _plan(backends: Backends, limits: Limits, calls: CallArguments, req: M
     with renamed_params(CHAT_PARAM):
         plan = await plan_chat_completion(backends, chat, limits, call_prefix=f"toolu_{mid[4:16]}_", tenant=tenant,
                                           session=dataclasses.replace(session, key=key), clamp=True)
-    return _Turn(mid, plan, scope, warnings)
+    return _Turn(mid, plan, scope, warnings, limits.anthropic_usage == "exclusive")
 
 
 def _remember_calls(calls: CallArguments, turn: _Turn, blocks: list[Block]) -> None:
@@ -128,10 +130,12 @@ def _stop_reason(end: AnswerEnd) -> str:
     return "stop_sequence" if end.stop_string is not None else "end_turn"
 
 
-def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
-    """Anthropic's usage: `input_tokens` the prompt tokens computed anew, `cache_read_input_tokens` those whose
-    KV was reused (together the whole prompt, what `count_tokens` returns), no cache writes to bill."""
-    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+def _usage(turn: _Turn, cached: int, output_tokens: int) -> dict:
+    """The usage object: `input_tokens` the whole prompt (what `count_tokens` returns) and
+    `cache_read_input_tokens` the part of it whose KV was reused, or with `--anthropic-usage exclusive`
+    (Anthropic's accounting) `input_tokens` only the part computed anew; no cache writes to bill."""
+    prompt = turn.plan.prompt_tokens
+    return {"input_tokens": prompt - cached if turn.exclusive else prompt, "output_tokens": output_tokens,
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
@@ -139,8 +143,7 @@ def _message(turn: _Turn, content: list[dict], end: AnswerEnd | None, cached: in
     return {"id": turn.id, "type": "message", "role": "assistant", "model": turn.plan.model, "content": content,
             "stop_reason": _stop_reason(end) if end else None,
             "stop_sequence": end.stop_string if end and _stop_reason(end) == "stop_sequence" else None,
-            "usage": _usage(turn.plan.prompt_tokens, end.cached_tokens if end else cached,
-                            end.completion_tokens if end else 0)}
+            "usage": _usage(turn, end.cached_tokens if end else cached, end.completion_tokens if end else 0)}
 
 
 def _sse(kind: str, data: dict) -> str:
@@ -179,7 +182,7 @@ async def _stream(backends: Backends, calls: CallArguments, turn: _Turn) -> Asyn
                 yield _sse("message_delta", {
                     "delta": {"stop_reason": reason,
                               "stop_sequence": event.stop_string if reason == "stop_sequence" else None},
-                    "usage": _usage(turn.plan.prompt_tokens, event.cached_tokens, event.completion_tokens)})
+                    "usage": _usage(turn, event.cached_tokens, event.completion_tokens)})
                 yield _sse("message_stop", {})
             elif event.kind == "start":
                 blocks.append(event.block)

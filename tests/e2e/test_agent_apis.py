@@ -38,8 +38,10 @@ def _anthropic(stack) -> anthropic.Anthropic:
 
 
 def _prompt(usage) -> int:
-    """A Messages answer's whole prompt: Anthropic counts cache reads apart from `input_tokens`."""
-    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    """A Messages answer's whole prompt: `input_tokens` (the default `--anthropic-usage inclusive`), of which
+    `cache_read_input_tokens` were reused."""
+    assert usage.cache_read_input_tokens <= usage.input_tokens and usage.cache_creation_input_tokens == 0
+    return usage.input_tokens
 
 
 def _model(stack) -> str:
@@ -212,7 +214,6 @@ def test_messages_tool_round_trip_reuses_the_first_turn(stack):
     uses = [b for b in first.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER)
-    # Anthropic's usage: input_tokens are the prompt tokens computed anew, cache reads the rest of the prompt.
     assert client.messages.count_tokens(model=model, messages=[{"role": "user", "content": ASK}],
                                         tools=[MESSAGES_TOOL]).input_tokens == _prompt(first.usage)
     messages = [{"role": "user", "content": ASK},

@@ -80,3 +80,14 @@ def test_each_door_names_its_own_fields():
         _responses(_Backends(), {"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
                                                                    "schema": {"type": "nonsense"}}}})
     assert err.value.param.startswith("text.format")
+
+
+@pytest.mark.parametrize("accounting", ["inclusive", "exclusive"])
+def test_messages_usage_counts_cache_reads_as_asked(accounting):
+    req = MessagesRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    turn = asyncio.run(messages_api._plan(_Backends(), Limits(anthropic_usage=accounting), CallArguments(), req,
+                                          "", Session()))
+    prompt = turn.plan.prompt_tokens
+    usage = messages_api._usage(turn, cached=3, output_tokens=2)
+    assert usage["cache_read_input_tokens"] == 3 and usage["output_tokens"] == 2
+    assert usage["input_tokens"] == (prompt if accounting == "inclusive" else prompt - 3)
