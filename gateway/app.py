@@ -209,6 +209,12 @@ def create_app(backends: Backends, limits: Limits | None = None,
         """A stored response (`store: true`)."""
         return responses_api.stored(store, request.state.tenant, response_id)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def get_input_items(response_id: str, request: Request, after: str | None = None, limit: int = 20,
+                              order: str = "desc"):
+        """A stored response's input items, paged."""
+        return responses_api.input_items(store, request.state.tenant, response_id, after, limit, order)
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request):
         """Forget a stored response."""

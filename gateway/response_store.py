@@ -20,12 +20,14 @@ from gateway.lru import ByteLRU
 @dataclasses.dataclass(frozen=True)
 class StoredResponse:
     """A stored response: the object as returned, the conversation's chat messages, the session key its turns
-    route by (the first response id of the chain), and when it was stored (monotonic seconds)."""
+    route by (the first response id of the chain), when it was stored (monotonic seconds), and its request's
+    input items (`GET /v1/responses/{id}/input_items`)."""
 
     response: dict
     messages: list[dict]
     session_key: str
     stored_at: float
+    input_items: list[dict] = dataclasses.field(default_factory=list)
 
 
 class ResponseStore:
@@ -47,9 +49,10 @@ class ResponseStore:
             lru = self._tenants[tenant] = ByteLRU(self.budget, lambda key, entry: len(key) + _size(entry))
         return lru
 
-    def put(self, tenant: str, response: dict, messages: list[dict], session_key: str) -> bool:
+    def put(self, tenant: str, response: dict, messages: list[dict], session_key: str,
+            input_items: list[dict] | None = None) -> bool:
         """Store a response under its `id`; False when it alone is larger than the budget (not stored)."""
-        entry = StoredResponse(response, messages, session_key, self._clock())
+        entry = StoredResponse(response, messages, session_key, self._clock(), input_items or [])
         return self._lru(tenant).put(response["id"], entry)
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
@@ -71,4 +74,5 @@ class ResponseStore:
 
 
 def _size(entry: StoredResponse) -> int:
-    return len(json.dumps([entry.response, entry.messages], ensure_ascii=False)) + len(entry.session_key)
+    return len(json.dumps([entry.response, entry.messages, entry.input_items], ensure_ascii=False)) + \
+        len(entry.session_key)

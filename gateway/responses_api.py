@@ -171,7 +171,46 @@ def _keep(store: ResponseStore, tenant: str, turn: _Turn, builder: _Builder, res
     """Store a finished response (with `store: true`) with its conversation and the answer as one assistant
     message (exactly the chat message the route returns, so the next turn renders it as generated)."""
     if turn.req.store:
-        store.put(tenant, response, turn.conversation + [turn.plan.routes[0].message()], turn.session_key)
+        store.put(tenant, response, turn.conversation + [turn.plan.routes[0].message()], turn.session_key,
+                  _input_items(turn))
+
+
+def _input_items(turn: _Turn) -> list[dict]:
+    """The request's input as items with ids, a string input as one user message."""
+    items = turn.req.input
+    if isinstance(items, str) or items is None:
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items or ""}]}]
+    out = []
+    for i, item in enumerate(items):
+        item = {"type": "message", **item} if "role" in item and "type" not in item else dict(item)
+        if isinstance(item.get("content"), str) and item.get("type") == "message":
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        item.setdefault("id", f"item_{turn.id[5:]}_{i}")
+        out.append(item)
+    return out
+
+
+def input_items(store: ResponseStore, tenant: str, response_id: str, after: str | None, limit: int,
+                order: str) -> dict:
+    """`GET /v1/responses/{id}/input_items`: a page of a stored response's input items (OpenAI's list shape).
+
+    Raises:
+      ApiError: 404 as `stored`; 400 for a limit outside 1..100 or an unknown order.
+    """
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit must be between 1 and 100, got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be asc or desc, got {order[:20]!r}", param="order")
+    entry = store.get(tenant, response_id)
+    if entry is None:
+        raise _not_found(response_id)
+    items = entry.input_items if order == "asc" else entry.input_items[::-1]
+    ids = [item["id"] for item in items]
+    start = ids.index(after) + 1 if after in ids else 0
+    page = items[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
 
 async def _stream(backends: Backends, store: ResponseStore, tenant: str, turn: _Turn) -> AsyncIterator[str]:

@@ -164,6 +164,8 @@ def test_responses_previous_response_id_with_store(stack):
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - CHUNK
     assert client.responses.retrieve(first.id).id == first.id
+    items = client.responses.input_items.list(first.id)
+    assert [item.content[0].text for item in items.data] == ["Remember the number 7."]
     assert client.responses.delete(first.id) is None or True
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
