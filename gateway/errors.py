@@ -125,6 +125,10 @@ def from_rpc_error(err: grpc.aio.AioRpcError, backend: str) -> ApiError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
         return ApiError(413, f"the request is too large for the {backend}", code="request_too_large")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        retry = _RETRY.search(details)  # a latency target out of reach says when to come back
+        if retry:
+            return ApiError(429, f"the server cannot serve this request in time: {details}", code="slo_unreachable",
+                            headers={"Retry-After": retry.group(1)})
         return ApiError(429, f"the server is overloaded: {details}; retry shortly", code="overloaded",
                         headers={"Retry-After": "1"})
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -135,6 +139,7 @@ def from_rpc_error(err: grpc.aio.AioRpcError, backend: str) -> ApiError:
     return ApiError(status, details or code.name, param=_param_of(details) if status == 400 else None)
 
 
+_RETRY = re.compile(r"retry after (\d{1,6}) s")
 _FIELD = re.compile(r"^((?:messages|tools)(?:\[\d+\]|\.[a-z_]+)*)[:\s(]")
 
 

@@ -80,6 +80,7 @@ class GenParams:
         decoding; empty without one.
       draft_scope: whose finished answers the worker may draft from (the answer-history scope: tenant and
         cache_salt, gateway/history.py).
+      slo_ttft_s, slo_tpot_s: the request's latency targets in seconds (None: the worker's defaults).
     """
 
     sampling: common_pb2.SamplingParams
@@ -99,6 +100,8 @@ class GenParams:
     session: Session | None = None
     prediction: list[int] | None = None
     draft_scope: str = ""
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -248,6 +251,8 @@ async def generate(
         cache_salt=params.cache_salt,
         prediction_token_ids=params.prediction or [],
         draft_scope=params.draft_scope,
+        slo_ttft_s=params.slo_ttft_s or 0.0,
+        slo_tpot_s=params.slo_tpot_s or 0.0,
     )
     if params.session is not None:
         prefill.session_id = params.session.key

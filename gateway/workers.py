@@ -270,11 +270,17 @@ class Session:
       ttl: `x-session-ttl`, seconds the worker should keep the session's KV after this turn (0: no lease; the
         worker caps it at its --max-session-ttl).
       release: `x-session-release: true`: end the session's lease when this turn ends.
+      ttft_s, tpot_s: the request's latency targets, `x-slo-ttft-ms` and `x-slo-tpot-ms` in seconds (None: the
+        worker's defaults): a request whose time-to-first-token target cannot be met is refused at once (429
+        with Retry-After), and running requests' time per output token is kept within target
+        (model_worker/slo.py).
     """
 
     key: str | None = None
     ttl: float = 0.0
     release: bool = False
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
     @classmethod
     def from_headers(cls, get) -> Session:
@@ -297,7 +303,27 @@ class Session:
         if release not in ("true", "false", "1", "0"):
             raise ApiError(400, f"x-session-release must be true or false, got {release_text[:40]!r}",
                            param="x-session-release")
-        return cls(key[:256] if key else None, ttl, release in ("true", "1"))
+        return cls(key[:256] if key else None, ttl, release in ("true", "1"), _target(get, "x-slo-ttft-ms"),
+                   _target(get, "x-slo-tpot-ms"))
+
+
+def _target(get, name: str) -> float | None:
+    """A latency-target header in milliseconds, as seconds (None when absent).
+
+    Raises:
+      ApiError: 400 naming the header for a value that is not a number of milliseconds in (0, 86,400,000].
+    """
+    text = get(name)
+    if not text:
+        return None
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not 0.0 < ms <= 86_400_000.0:
+        raise ApiError(400, f"{name} must be a number of milliseconds > 0 (at most a day), got {text[:40]!r}",
+                       param=name)
+    return ms / 1000.0
 
 
 class Reservation:

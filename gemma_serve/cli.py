@@ -62,6 +62,21 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--slo-ttft", type=float, default=None, metavar="SECONDS",
+        help="default time-to-first-token target of requests without their own (x-slo-ttft-ms); a request whose "
+        "target cannot be met is refused at once with 429 and Retry-After (default: none, first come first served)",
+    )
+    p.add_argument(
+        "--slo-tpot", type=float, default=None, metavar="SECONDS",
+        help="default time-per-output-token target of requests without their own (x-slo-tpot-ms): prompt chunks "
+        "and admissions are sized to keep running requests within it (default: none)",
+    )
+    p.add_argument(
+        "--slo-policy", choices=("reject", "best-effort"), default="reject",
+        help="a request whose time-to-first-token target cannot be met: refused early (reject) or served late "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--lease-preempt-after", type=float, default=10.0,
         help="seconds a request waits for a slot before it takes the oldest session lease's slot (default: "
         "%(default)s)",

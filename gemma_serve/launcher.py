@@ -62,7 +62,9 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
               "--matmul-precision", args.matmul_precision,
               "--kv-cache-dtype", args.kv_cache_dtype, "--max-waiting", str(args.max_waiting),
               "--prefix-slack", str(args.prefix_slack), "--max-session-ttl", str(args.max_session_ttl),
-              "--lease-preempt-after", str(args.lease_preempt_after),
+              "--lease-preempt-after", str(args.lease_preempt_after), "--slo-policy", args.slo_policy,
+              *(a for flag in ("slo_ttft", "slo_tpot") if getattr(args, flag) is not None
+                for a in ("--" + flag.replace("_", "-"), str(getattr(args, flag)))),
               "--speculation", args.speculation, "--max-draft-tokens", str(args.max_draft_tokens),
               "--tensor-parallel", str(getattr(args, "tensor_parallel", 1))]
     if args.prefill_token_budget:

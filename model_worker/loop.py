@@ -31,6 +31,8 @@ from model_worker.engine_api import DecodeBatch, VerifyBatch
 from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Emission, Scheduler, StepResult, Work
 from model_worker.sequence import Failure, Finish, GrammarDraft, SamplingSpec, Sequence, TokenEvent
+from model_worker.slo import SloAdmission, SloSettings
+from model_worker.step_model import StepShape
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +162,7 @@ class EngineLoop:
     def __init__(self, engine: engine_api.Engine, token_budget: int | None = None, metrics=None,
                  mask_wait: float = 0.2, on_fatal: Callable[[BaseException], None] | None = None,
                  fault_salt: str | None = None, lease_preempt_after: float = 10.0, speculation: str = "auto",
-                 draft_wait: float = 0.01):
+                 draft_wait: float = 0.01, slo: SloSettings | None = None):
         """Args: engine: a compiled engine (`engine_api.Engine`; the loop becomes its only user); token_budget:
         most prompt tokens computed in an iteration that also decodes running streams (bounds the pause a long new
         prompt causes in them; default: the smallest chunk); a lone prompt uses the largest chunks it fills
@@ -174,7 +176,8 @@ class EngineLoop:
         verifies drafts when the engine has verify programs (`engine_api.EngineSizes.max_draft_tokens`) and it pays
         (`drafting.StepCosts`), "always" whenever there are drafts (tests and measurements), "off" never;
         draft_wait: seconds a step may wait, before it is planned, for the mask and draft of a constrained row
-        whose client drafts (its round trip: the client advances its grammar along the draft).
+        whose client drafts (its round trip: the client advances its grammar along the draft); slo: default
+        latency targets and policy (model_worker/slo.py; None: no defaults).
 
         Raises:
           ValueError: an unknown speculation mode."""
@@ -194,7 +197,8 @@ class EngineLoop:
         self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len, slack=engine.ecfg.reuse_slack,
                                    max_waiting=engine.ecfg.max_waiting, token_budget=self.token_budget,
                                    lease_preempt_after=lease_preempt_after, max_draft_tokens=drafts,
-                                   max_verify_batch=engine.ecfg.max_verify_batch if drafts else 0)
+                                   max_verify_batch=engine.ecfg.max_verify_batch if drafts else 0,
+                                   slo=SloAdmission(slo or SloSettings()))
         self.costs = StepCosts()
         self._inbox: queue.Queue[Command] = queue.Queue()
         self._submitted = 0  # `Submit`s in the inbox, not yet taken in (`load`); changed under `_submitted_lock`
@@ -300,7 +304,10 @@ class EngineLoop:
             raise RuntimeError(f"fault injected by {FAULT_ENV}")
         if self.metrics is not None:
             self._observe_admissions(work.admitted)
+        started = time.perf_counter()
         result = self._run_work(work)
+        if work.chunk is not None or work.decode:
+            self._observe_step(work, result, time.perf_counter() - started)
         self._count(work, result)
         self._publish(self.scheduler.postprocess(work, result))
         self.last = self.snapshot()  # one reference assignment: readers on other threads see old or new
@@ -308,6 +315,19 @@ class EngineLoop:
             self.metrics.observe_iteration(self.last)
         if work.compute is None and not work.decode and self.scheduler.has_work():
             time.sleep(0.001)  # everyone waits for a mask or a parent: don't spin
+
+    def _observe_step(self, work: Work, result: StepResult, seconds: float) -> None:
+        """Feed one measured step to the scheduler's step-time model (model_worker/step_model.py), before
+        `postprocess` moves the sequences on, and its prediction error to the metrics."""
+        verified = result.verify_sample is not None
+        shape = StepShape(rows=len(work.decode), kv_tokens=sum(s.num_computed for s in work.decode),
+                          chunk_tokens=result.computed if work.chunk is not None else 0,
+                          draft_tokens=sum(len(d) for d in work.drafts) if verified else 0)
+        model = self.scheduler.slo.model
+        predicted = model.predict(shape)
+        model.observe(shape, seconds)
+        if self.metrics is not None and predicted is not None and seconds > 0:
+            self.metrics.step_prediction_error.observe(abs(predicted - seconds) / seconds)
 
     def _observe_admissions(self, admitted: list[Sequence]) -> None:
         """Queue-time and prompt-size metrics of the sequences admitted this iteration."""
@@ -320,9 +340,12 @@ class EngineLoop:
         the tokens after the first of a verify step, which arrive with it; last: end to end)."""
         m, seq = self.metrics, emission.seq
         n = len(emission.event.token_ids)
+        slo = self.scheduler.slo
         if emission.previous_at is None:
             m.ttft.observe(now - seq.arrived_at)
             m.prefill.observe(now - (seq.admitted_at or seq.arrived_at))
+            if (target := slo.ttft(seq)) is not None:
+                m.slo_attainment.labels("ttft", str(now - seq.arrived_at <= target).lower()).inc()
         else:
             m.itl.observe(now - emission.previous_at)
         for _ in range(n - 1):
@@ -330,6 +353,10 @@ class EngineLoop:
         m.generation_tokens.inc(max(n, 1))
         if emission.event.finish != Finish.NONE:
             m.e2e.observe(now - seq.arrived_at)
+            out = len(seq.output)
+            if (target := slo.tpot(seq)) is not None and out > 1 and seq.first_token_at is not None:
+                met = (now - seq.first_token_at) / (out - 1) <= target
+                m.slo_attainment.labels("tpot", str(met).lower()).inc()
             m.decode.observe(now - (seq.first_token_at if seq.first_token_at is not None else now))
 
     def _publish(self, emissions: list[Emission]) -> None:
@@ -337,6 +364,8 @@ class EngineLoop:
         for emission in emissions:
             if self.metrics is not None and emission.sampled_at is not None:
                 self._observe_token(emission, emission.sampled_at)
+            if self.metrics is not None and emission.event.failure == Failure.SLO_UNREACHABLE:
+                self.metrics.slo_refusals.labels("ttft_unreachable").inc()
             emission.seq.sink(emission.event)
 
     def _drain_inbox(self, block: bool) -> None:

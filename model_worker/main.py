@@ -243,6 +243,7 @@ async def serve(args: argparse.Namespace) -> int:
     from model_worker.loop import FAULT_ENV, EngineLoop, wait_idle
     from model_worker.metrics import WorkerMetrics
     from model_worker.service import SERVICE_NAME, WorkerServicer
+    from model_worker.slo import SloSettings
 
     problem = device_problem(args.tensor_parallel)
     if problem:
@@ -301,7 +302,8 @@ async def serve(args: argparse.Namespace) -> int:
     loop = EngineLoop(engine, token_budget=args.prefill_token_budget, metrics=metrics,
                       on_fatal=lambda exc: aio_loop.call_soon_threadsafe(fatal.set),
                       fault_salt=fault or None, lease_preempt_after=args.lease_preempt_after,
-                      speculation=args.speculation)
+                      speculation=args.speculation,
+                      slo=SloSettings(args.slo_ttft, args.slo_tpot, args.slo_policy))
     loop.start()
     servicer.set_ready(loop, info)
     for name in ("", SERVICE_NAME):

@@ -64,6 +64,14 @@ class WorkerMetrics:
         self.accepted_length = Histogram(p + "spec_decode_accepted_length", "Draft tokens accepted per verified "
                                          "draft (a row of a verify step).", buckets=tuple(range(17)), registry=r)
         self.rejected = Counter(p + "requests_rejected", "Requests refused because the queue was full.", registry=r)
+        self.slo_refusals = Counter(p + "slo_refusals", "Requests refused early because a latency target could not "
+                                    "be met (model_worker/slo.py), by reason.", ["reason"], registry=r)
+        self.slo_attainment = Counter(p + "slo_requests", "Requests with a latency target, by target (ttft, tpot) "
+                                      "and whether it was met.", ["target", "met"], registry=r)
+        self.step_prediction_error = Histogram(p + "step_time_prediction_relative_error", "|predicted - measured| "
+                                               "/ measured step time of the step-time model (model_worker/"
+                                               "step_model.py).", buckets=(0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5,
+                                                                           1.0, 2.0), registry=r)
         self.compilations = Counter(p + "compilations", "XLA compilations (after warm-up this must stay flat).",
                                     registry=r)
         self.programs = Gauge(p + "compiled_programs", "Programs in the compiled grid.", registry=r)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -47,6 +48,7 @@ from model_worker.drafting import Drafter, DraftState
 from model_worker.engine_api import HostOutput, PromptChunk, VerifyOutput
 from model_worker.prefix_cache import LiveSlot, PrefixCache
 from model_worker.sequence import Failure, Finish, GrammarDraft, Sequence, TokenEvent
+from model_worker.slo import SloAdmission
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,14 +156,16 @@ class Scheduler:
 
     def __init__(self, num_slots: int, max_model_len: int, slack: int = 0, max_waiting: int | None = None,
                  token_budget: int | None = None, lease_preempt_after: float = 10.0, max_draft_tokens: int = 0,
-                 max_verify_batch: int = 0):
+                 max_verify_batch: int = 0, slo: SloAdmission | None = None):
         """Args: num_slots: cache rows; max_model_len: context limit used to finish sequences with LENGTH;
         slack: sliding-ring positions beyond the window (prefix reuse tolerance, see PrefixCache);
         max_waiting: bound of the waiting queue (None: unbounded); token_budget: most chunk tokens in an
         iteration that also decodes (None: no bound; a chunk alone is never bounded); lease_preempt_after:
         seconds a request waits for a slot before it may take the oldest session lease's slot;
         max_draft_tokens: most draft tokens proposed per decode row (0: no speculation); max_verify_batch: most
-        decode rows of a step that proposes drafts."""
+        decode rows of a step that proposes drafts; slo: latency-target admission and chunk sizing
+        (model_worker/slo.py; default: no targets, first-come first-served)."""
+        self.slo = slo or SloAdmission()
         self.max_draft_tokens = max_draft_tokens
         self.max_verify_batch = max_verify_batch
         self.drafter = Drafter()
@@ -199,6 +203,7 @@ class Scheduler:
         """Append the forced tokens that are due, admit waiting sequences (reusing cached prefixes), copy due forks
         and shared prefixes, then pick this iteration's work and plan its chunk."""
         emissions = [e for seq in list(self.running.values()) if (e := self._force(seq)) is not None]
+        emissions += self._refuse_unreachable()
         copies, admitted = self._admit()
         for parent, fork in self.due_forks():
             copies.append((parent.row, fork.row))
@@ -211,7 +216,8 @@ class Scheduler:
         decode = sorted((s for s in live if s.pending == 1 and (s.ready() or not s.missed)), key=lambda s: s.row)
         chunk = None
         if compute is not None:
-            chunk = self._plan_chunk(compute, self.token_budget if decode else None)
+            budgets = [b for b in (self.token_budget, self.slo.chunk_budget(decode)) if b is not None and decode]
+            chunk = self._plan_chunk(compute, min(budgets) if budgets else None)
         drafts: list[list[int]] = []
         draft_masks: list[list[np.ndarray]] = []
         if decode and len(decode) <= self.max_verify_batch:
@@ -294,8 +300,12 @@ class Scheduler:
         if not self.waiting or not self.cache.has_free():
             return copies, admitted  # nothing to place, or nowhere: skip copying the running histories
         live = self._live_slots()  # once per iteration; an admitted sequence is added below
+        if self._targets_waiting():
+            self.waiting = collections.deque(self.slo.order(self.waiting))
         while self.waiting:
             seq = self.waiting[0]
+            if not self.slo.admits(list(self.running.values()), seq):
+                break  # one more row would slow the running requests past their TPOT target
             reuse = seq.fork_of is None and seq.sampling.repetition_penalty == 1.0
             preempt = time.monotonic() - seq.arrived_at >= self.lease_preempt_after
             placement = self.cache.place(seq.prompt, seq.cache_salt, live, reuse=reuse, session=seq.session,
@@ -314,6 +324,35 @@ class Scheduler:
             live[seq.slot] = self._live_slot(seq)
             admitted.append(seq)
         return copies, admitted
+
+    def _targets_waiting(self) -> bool:
+        """Whether a waiting sequence has a TTFT target (its own or the default)."""
+        return self.slo.settings.ttft_s is not None or any(s.slo_ttft_s is not None for s in self.waiting)
+
+    def _refuse_unreachable(self) -> list[Emission]:
+        """End the waiting sequences whose TTFT target can no longer be met (`SloAdmission.unreachable`), least
+        slack first, counting the uncached prompt tokens of the running prompts and of those ahead."""
+        if not self.waiting or not self._targets_waiting():
+            return []
+        now = time.monotonic()
+        running = list(self.running.values())
+        ahead = sum(max(len(s.prompt) - s.num_computed, 0) for s in running)
+        decoding = [s for s in running if s.num_computed >= len(s.prompt)]
+        live = self._live_slots() if self.slo.model.fitted else {}
+        out: list[Emission] = []
+        for seq in self.slo.order(self.waiting):
+            cached = self.cache.best_source(seq.prompt, seq.cache_salt, -1, live)[1] if live else 0
+            own = len(seq.prompt) - cached
+            predicted = self.slo.unreachable(seq, now, ahead, own, decoding)
+            if predicted is None:
+                ahead += own
+                continue
+            target = self.slo.ttft(seq) or 0.0
+            retry = max(1, math.ceil(predicted - target))
+            out.append(self.end(seq, Finish.ABORT, failure=Failure.SLO_UNREACHABLE, error=(
+                f"its time-to-first-token target of {target * 1000:.0f} ms cannot be met (predicted "
+                f"{predicted * 1000:.0f} ms); retry after {retry} s")))
+        return out
 
     def _take_shares(self) -> list[tuple[int, int]]:
         """Copies for the followers whose leader has computed their shared prefix (or is gone): each takes the

@@ -34,6 +34,7 @@ class Failure(enum.Enum):
     ENGINE_FAILED = "engine_failed"
     BAD_MESSAGE = "bad_message"  # a malformed mask or forced-token message on the Decode stream
     MASK_EMPTY = "mask_empty"
+    SLO_UNREACHABLE = "slo_unreachable"  # its time-to-first-token target cannot be met (model_worker/slo.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +148,8 @@ class Sequence:
       drafts_with_masks: the client sends draft tokens with its masks (a constrained request whose grammar the
         client holds): the loop waits briefly for a step's mask before planning the step.
       grammar_draft: the client's latest draft with its masks (`GrammarDraft`), or None.
+      slo_ttft_s, slo_tpot_s: the request's time-to-first-token and time-per-output-token targets in seconds
+        (None: the worker's defaults, model_worker/slo.py).
     """
 
     request_id: str
@@ -183,6 +186,8 @@ class Sequence:
     prediction_accepted: int = 0
     drafts_with_masks: bool = False
     grammar_draft: GrammarDraft | None = None
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
     @property
     def row(self) -> int:

@@ -124,6 +124,7 @@ def tokens_pb(ev: TokenEvent) -> list[common_pb2.GeneratedToken]:
 
 _STATUS_OF_FAILURE = {
     Failure.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,  # retry later
+    Failure.SLO_UNREACHABLE: grpc.StatusCode.RESOURCE_EXHAUSTED,  # retry later (the message says when)
     Failure.ENGINE_FAILED: grpc.StatusCode.UNAVAILABLE,  # retry after the restart
 }
 
@@ -290,6 +291,9 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         _check(all(0 <= t < info.vocab_size for t in prediction),
                f"prediction token ids must be in [0, {info.vocab_size})")
         _check(len(request.draft_scope) <= 1024, "draft_scope is longer than 1024 characters")
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            value = getattr(request, name)
+            _check(math.isfinite(value) and value >= 0, f"{name} must be a finite number of seconds >= 0")
         stop = set(request.stopping.stop_token_ids)
         if not request.stopping.ignore_eos:
             stop |= set(info.default_stop_token_ids)
@@ -312,6 +316,8 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             prediction=prediction,
             session=request.session_id,
             lease_ttl=0.0 if request.session_release else min(max(request.session_ttl_s, 0.0), self.max_session_ttl),
+            slo_ttft_s=request.slo_ttft_s or None,
+            slo_tpot_s=request.slo_tpot_s or None,
         )
 
     def _constraint(self, rid: str, msg: model_worker_pb2.DecodeRequest) -> None:

@@ -1,0 +1,136 @@
+"""Latency-target (SLO) admission and chunk sizing for the scheduler (plain Python), on a `StepTimeModel`.
+
+A request may carry targets: time to first token (TTFT) and time per output token (TPOT), in seconds; the
+worker's `--slo-ttft` / `--slo-tpot` give requests without their own the defaults (none: no targets, today's
+first-come first-served behaviour). Goodput counts the requests that meet both (DistServe's definition).
+
+- Order: waiting requests are admitted least slack first — deadline = arrival + TTFT target — (requests without
+  a target after those with one, each group in arrival order).
+- Early refusal (SCORPIO's idea): a waiting request whose TTFT can no longer be met is answered at once
+  (`Failure.SLO_UNREACHABLE`: the gateway's 429 with Retry-After) instead of waiting in vain — when its deadline
+  has passed, or when the prompt tokens ahead of it and its own uncached ones, at the modelled rate, cannot be
+  computed before it. With `--slo-policy best-effort` it is served late instead.
+- Admission keeps running requests on target: a new request joins only while a decode step with one more row
+  is predicted within the tightest TPOT target among the running requests.
+- Chunk sizing (Sarathi-Serve's idea): a step that decodes requests with a TPOT target gets the largest prompt
+  chunk whose predicted step time stays within the tightest of those targets (at least `MIN_CHUNK` tokens, so
+  prompts always progress).
+Without a fitted model nothing is predicted: only passed deadlines are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+from model_worker.sequence import Sequence
+from model_worker.step_model import StepShape, StepTimeModel
+
+#: Fewest prompt tokens a step's chunk is cut to under a TPOT target.
+MIN_CHUNK = 16
+#: Prompt tokens per step assumed when predicting how long a queue of prompts takes (the chunk the scheduler
+#: runs when no target bounds it: the engine's largest compiled chunk is typical).
+PLANNING_CHUNK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class SloSettings:
+    """The worker's SLO flags.
+
+    Attributes:
+      ttft_s, tpot_s: default targets (seconds) of requests without their own; None: none.
+      policy: "reject" (refuse early what cannot be met) or "best-effort" (serve it late).
+    """
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    policy: str = "reject"
+
+
+class SloAdmission:
+    """The scheduler's latency-target decisions (see the module docstring)."""
+
+    def __init__(self, settings: SloSettings = SloSettings(), model: StepTimeModel | None = None):
+        self.settings = settings
+        self.model = model or StepTimeModel()
+
+    def ttft(self, seq: Sequence) -> float | None:
+        """A sequence's TTFT target in seconds (its own, else the default), or None."""
+        return seq.slo_ttft_s if seq.slo_ttft_s is not None else self.settings.ttft_s
+
+    def tpot(self, seq: Sequence) -> float | None:
+        """A sequence's TPOT target in seconds (its own, else the default), or None."""
+        return seq.slo_tpot_s if seq.slo_tpot_s is not None else self.settings.tpot_s
+
+    def order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+        """Waiting sequences least slack first: by TTFT deadline, those without a target last (arrival order
+        within each)."""
+        def key(seq: Sequence) -> tuple:
+            target = self.ttft(seq)
+            return (target is None, seq.arrived_at + (target or 0.0), seq.arrival)
+
+        return sorted(waiting, key=key)
+
+    def unreachable(self, seq: Sequence, now: float, tokens_ahead: int, own_tokens: int,
+                    decoding: list[Sequence]) -> float | None:
+        """The predicted TTFT (seconds from arrival) of a waiting sequence whose target cannot be met, or None
+        when it can (or it has no target, or the policy is best-effort).
+
+        Args:
+          now: time.monotonic().
+          tokens_ahead: uncached prompt tokens computed before this sequence's (running prompts, sequences
+            ahead in the queue).
+          own_tokens: its own uncached prompt tokens.
+          decoding: the running decode rows (their steps share the engine with the prompts).
+        """
+        target = self.ttft(seq)
+        if target is None or self.settings.policy != "reject":
+            return None
+        waited = now - seq.arrived_at
+        if waited > target:
+            return waited
+        remaining = self.prompt_seconds(tokens_ahead + own_tokens, decoding)
+        if remaining is not None and waited + remaining > target:
+            return waited + remaining
+        return None
+
+    def prompt_seconds(self, tokens: int, decoding: list[Sequence]) -> float | None:
+        """Predicted seconds to compute `tokens` prompt tokens in chunks beside the running decode rows."""
+        if tokens <= 0:
+            return 0.0
+        steps = math.ceil(tokens / PLANNING_CHUNK)
+        per = self.model.predict(self._shape(decoding, min(tokens, PLANNING_CHUNK)))
+        return None if per is None else steps * per
+
+    def chunk_budget(self, decoding: list[Sequence]) -> int | None:
+        """The most prompt tokens a step with these decode rows may compute and stay within their tightest
+        TPOT target (None: no bound)."""
+        tight = self._tightest(decoding)
+        if tight is None or not self.model.fitted:
+            return None
+        base = self.model.predict(self._shape(decoding, 0)) or 0.0
+        per_token = (self.model.predict(self._shape(decoding, 1)) or 0.0) - base
+        if per_token <= 0:
+            return None
+        return max(MIN_CHUNK, int((tight - base) / per_token))
+
+    def admits(self, running: list[Sequence], seq: Sequence) -> bool:
+        """Whether one more row keeps the running rows (and `seq`) within their tightest TPOT target. A target
+        the running rows already miss is left out: it is lost either way, and must not hold everyone back."""
+        if not self.model.fitted or not running:
+            return True
+        now = self.model.predict(self._shape(running, 0)) or 0.0
+        targets = [t for s in [*running, seq] if (t := self.tpot(s)) is not None and t >= now]
+        if not targets:
+            return True
+        predicted = self.model.predict(self._shape([*running, seq], 0))
+        return predicted is None or predicted <= min(targets)
+
+    def _tightest(self, seqs: Iterable[Sequence]) -> float | None:
+        targets = [t for s in seqs if (t := self.tpot(s)) is not None]
+        return min(targets) if targets else None
+
+    @staticmethod
+    def _shape(decoding: list[Sequence], chunk: int) -> StepShape:
+        return StepShape(rows=len(decoding), kv_tokens=sum(s.num_computed for s in decoding), chunk_tokens=chunk)
