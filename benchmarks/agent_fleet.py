@@ -258,6 +258,7 @@ class RequestRecord:
     timings: dict | None = None  # llama.cpp's own per-request timings, when sent
     text: str = ""
     error: str | None = None
+    refused: bool = False  # answered 429 (a latency target out of reach): a miss; the agent retries the turn
     new_tokens: int | None = None  # filled in after the run
 
     @property
@@ -330,6 +331,19 @@ def inter_token_intervals(
     return out
 
 
+class Refused(Exception):
+    """A 429: the server refused the request (its queue, or a latency target out of reach); retry after
+    `retry_after` seconds, as the OpenAI clients do."""
+
+    def __init__(self, retry_after: float):
+        super().__init__(f"refused; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+#: Times an agent retries a refused turn before it gives up.
+MAX_RETRIES = 8
+
+
 async def stream_chat(
     client: httpx.AsyncClient, model: str, messages: list[dict], rec: RequestRecord, t0: float
 ) -> str:
@@ -345,6 +359,9 @@ async def stream_chat(
     pieces: list[str] = []
     rec.start = time.perf_counter() - t0
     async with client.stream("POST", "/chat/completions", json=body) as resp:
+        if resp.status_code == 429:
+            await resp.aread()
+            raise Refused(float(resp.headers.get("retry-after", "1")))
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
@@ -402,12 +419,21 @@ async def run_agent(
     records = []
     for turn, plan in enumerate(plans, start=1):
         messages.append({"role": "user", "content": plan.user})
-        rec = RequestRecord(agent=agent, turn=turn, max_tokens=plan.max_tokens)
-        records.append(rec)
-        try:
-            answer = await stream_chat(client, model, messages, rec, t0)
-        except Exception as e:  # noqa: BLE001 - recorded and reported, the fleet goes on
-            rec.error = f"{type(e).__name__}: {e}"
+        for attempt in range(MAX_RETRIES + 1):
+            rec = RequestRecord(agent=agent, turn=turn, max_tokens=plan.max_tokens)
+            records.append(rec)
+            try:
+                answer = await stream_chat(client, model, messages, rec, t0)
+                break
+            except Refused as e:
+                rec.refused, rec.error = True, str(e)
+                if attempt == MAX_RETRIES:
+                    break
+                await asyncio.sleep(e.retry_after)
+            except Exception as e:  # noqa: BLE001 - recorded and reported, the fleet goes on
+                rec.error = f"{type(e).__name__}: {e}"
+                break
+        if rec.error is not None:
             progress.turn_done(turn, errors=True)
             break
         progress.turn_done(turn)
@@ -488,9 +514,13 @@ def summarize(records: list[RequestRecord], wall: float | None, slo_ttft: float,
     out_tokens = sum(r.completion_tokens or 0 for r in ok)
     computed = [r.computed_tokens for r in ok if r.computed_tokens is not None and r.new_tokens is not None]
     new = [r.new_tokens for r in ok if r.computed_tokens is not None and r.new_tokens is not None]
+    refused = sum(r.refused for r in records)
     s = {
         "requests": len(ok),
-        "errors": len(records) - len(ok),
+        "errors": len(records) - len(ok) - refused,
+        "refused": refused,
+        # DistServe's attainment: requests meeting both targets over all requests, refused ones counted as misses.
+        "slo_attainment": len(good) / (len(ok) + refused) if ok or refused else None,
         "prompt_tokens_p50": pct([r.prompt_tokens for r in ok if r.prompt_tokens is not None], 50),
         "completion_tokens": out_tokens,
         "ttft_p50": pct(ttft, 50),
@@ -578,7 +608,7 @@ def print_run(run: dict, n_turns: int, all_turns: bool) -> None:
     print(
         f"   output {o['output_tok_s']:.1f} tok/s, {o['request_s']:.2f} req/s; "
         f"goodput {o['goodput_tok_s']:.1f} tok/s, {o['goodput_req_s']:.2f} req/s "
-        f"({o['slo_met']}/{o['requests']} within SLO); "
+        f"({o['slo_met']}/{o['requests'] + o['refused']} within SLO, {o['refused']} refused and retried); "
         f"cache reported on {o['cached_reported']}/{o['requests']} requests"
     )
 
@@ -774,7 +804,7 @@ async def main_async(args: argparse.Namespace) -> int:
         if args.json:  # after every N, so an interrupted run keeps what it measured
             write_json(args.json, args, w, runs)
     print_overview(runs, args.slo_ttft, args.slo_tpot)
-    errors = [r.error for run in runs for r in run["records"] if r.error]
+    errors = [r.error for run in runs for r in run["records"] if r.error and not r.refused]
     for e in sorted(set(errors))[:5]:
         print(f"error: {e}", file=sys.stderr)
     if args.json:

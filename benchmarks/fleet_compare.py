@@ -28,6 +28,7 @@ WORKLOAD_FLAGS = ("turns", "tool_tokens", "short_tokens", "long_tokens", "long_f
                   "slo_ttft", "slo_tpot", "no_cache_bust", "request_timeout")
 # The figures the ratio table compares: (summary key, column title, higher is better).
 COLUMNS = (("output_tok_s", "out tok/s", True), ("goodput_tok_s", "good tok/s", True),
+           ("slo_attainment", "SLO met", True),
            ("ttft_p50", "TTFT p50", False), ("tpot_p50", "TPOT p50", False), ("itl_p99", "ITL p99", False))
 
 
