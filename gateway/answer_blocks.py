@@ -132,10 +132,11 @@ class BlockSplitter:
         return out
 
 
-async def answer_events(backends: Backends, plan) -> AsyncIterator[AnswerStart | BlockEvent | AnswerEnd]:
+async def answer_events(backends: Backends,
+                        plan) -> AsyncIterator[AnswerStart | BlockEvent | AnswerEnd]:
     """Run a planned one-choice chat request (`planner.Plan`, n = 1); yields an AnswerStart once the worker has
-    the prompt, its BlockEvents, and last an AnswerEnd. The answer is remembered in the answer history, as a chat completion's is, so a conversation
-    sent back renders as generated.
+    the prompt, its BlockEvents, and last an AnswerEnd. The answer is remembered in the answer history, as a chat
+    completion's is, so a conversation sent back renders as generated.
 
     Raises:
       ApiError: from planning's leftovers or the backends (before or during the stream).

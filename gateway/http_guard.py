@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import Callable
 
@@ -90,6 +91,7 @@ class RequestGuard:
         state["request_id"], state["tenant"] = rid, ""
         path = scope.get("path", "")
         response = _Response(send, rid, path)
+        started = time.monotonic()
         api = path == "/v1" or path.startswith("/v1/")
         try:
             if self.keys and api:
@@ -115,6 +117,9 @@ class RequestGuard:
         if self.count is not None and response.status is not None:
             route = getattr(scope.get("route"), "path", None)
             self.count(route or (path if path in self.paths else "unmatched"), response.status)
+        if api or path in ("/tokenize", "/detokenize"):  # one access line per API request (not probes)
+            log.info("%s %s %s %.3f s (request %s)", scope["method"], path[:200], response.status,
+                     time.monotonic() - started, rid)
 
     async def _checked_body(self, scope, receive):
         """Read the whole body under the size limit and check its JSON; returns a receive that replays it.

@@ -99,6 +99,10 @@ async def _plan(backends: Backends, limits: Limits, calls: CallArguments, req: M
     with renamed_params(CHAT_PARAM):
         plan = await plan_chat_completion(backends, chat, limits, call_prefix=f"toolu_{mid[4:16]}_", tenant=tenant,
                                           session=dataclasses.replace(session, key=key), clamp=True)
+    applied = plan.jobs[0].params.max_tokens
+    if applied is not None and applied < req.max_tokens:
+        warnings.append(f"max_tokens lowered from {req.max_tokens} to {applied} (the context's room, "
+                        "or --max-tokens-cap)")
     return _Turn(mid, plan, scope, warnings, limits.anthropic_usage == "exclusive")
 
 

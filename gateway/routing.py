@@ -125,6 +125,7 @@ class _Worker:
     load: float = 0.0
     inflight: int = 0
     slots: int = 0  # requests the worker runs at once (0: unknown)
+    headroom: int = -1  # more requests it takes within its latency targets (-1: unknown, no targets)
     # conversations (session or tiebreak keys) routed here, with when they were last seen, oldest first
     conversations: collections.OrderedDict[str, float] = dataclasses.field(default_factory=collections.OrderedDict)
     index: collections.OrderedDict[int, None] = dataclasses.field(default_factory=collections.OrderedDict)
@@ -222,6 +223,19 @@ class Router:
         worker = self._workers.get(addr)
         if worker is not None:
             worker.load = float(load)
+        return worker is not None
+
+    def set_headroom(self, addr: str, rows: int) -> bool:
+        """Set the headroom `addr` reports: more requests it can take within its running requests' latency
+        targets (-1: unknown). A worker with none left is passed over like a full one, before load and prefix
+        matches are weighed (it stays the last resort: a pick never fails on it).
+
+        Returns:
+          Whether `addr` is a current worker.
+        """
+        worker = self._workers.get(addr)
+        if worker is not None:
+            worker.headroom = int(rows)
         return worker is not None
 
     def add_inflight(self, addr: str, delta: int) -> bool:
@@ -355,8 +369,11 @@ class Router:
         return math.ceil((1 + self.epsilon) * (total + 1) / len(healthy))
 
     def _has_room(self, addr: str, cap: int) -> bool:
-        """Whether `addr` takes one more request: under the bounded-load capacity, or under its slot count."""
+        """Whether `addr` takes one more request: headroom within its latency targets (when it reports any), and
+        under the bounded-load capacity or its slot count."""
         w = self._workers[addr]
+        if w.headroom == 0:
+            return False
         return w.effective_load < max(cap, w.slots)
 
     def _resident(self, addr: str, now: float) -> int:
@@ -389,7 +406,7 @@ class Router:
         now = time.monotonic() if now is None else now
         addr = next((a for a in order if self._takes_new(a, cap, now)), None)
         addr = addr or next((a for a in order if self._has_room(a, cap)), None)
-        if addr is None:  # impossible for non-negative loads (see the class docstring): never fail a pick on it
+        if addr is None:  # only when every worker reports no headroom (see set_headroom): never fail a pick
             addr = min(order, key=lambda a: workers[a].effective_load)
         return Choice(addr, top if addr == order[0] else spill)
 

@@ -181,6 +181,7 @@ class WorkerPool:
                 reported = load.num_requests_waiting + load.num_requests_running
                 self.router.set_load(w.addr, float(max(0, reported - inflight)))
                 self.router.set_slots(w.addr, load.num_slots)
+                self.router.set_headroom(w.addr, load.headroom_rows)
             except grpc.aio.AioRpcError as err:
                 log.debug("GetLoad of %s failed: %s", w.addr, err)
         self.router.set_healthy(w.addr, status == "SERVING" and w.addr not in self.refused)

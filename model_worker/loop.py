@@ -230,6 +230,14 @@ class EngineLoop:
         sched = self.scheduler
         return len(sched.running), len(sched.waiting) + self._submitted, self.last.kv_usage
 
+    def headroom(self) -> int:
+        """More requests the worker can take within its running requests' TPOT targets (`SloAdmission.headroom`;
+        -1: unknown), for any thread: it reads a copy of the running set."""
+        sched = self.scheduler
+        running = list(sched.running.values())
+        free = self.engine.ecfg.num_slots - len(running) - len(sched.waiting)
+        return sched.slo.headroom(running, max(free, 0))
+
     def start(self) -> None:
         """Start the loop thread."""
         self._thread.start()

@@ -124,14 +124,17 @@ class PrefixCache:
     def __init__(self, num_slots: int, slack: int, max_snapshots: int | None = None, min_share: int = 32,
                  clock=time.monotonic):
         """Args: num_slots: slots; slack: ring positions beyond the window (see KVCache); max_snapshots: pinned
-        shared-prefix snapshots at most (default num_slots // 4); min_share: shortest prefix worth a snapshot;
+        shared-prefix snapshots at most (default num_slots // 4, and at least one from 2 slots on: agent clients
+        start every session with the same long system prompt and tools, which a sliding-window slot that ran
+        past them cannot serve exactly); min_share: shortest prefix worth a snapshot;
         clock: seconds, for lease expiry."""
         self.entries = [SlotEntry() for _ in range(num_slots)]
         self.max_leases = num_slots // 4
         self.now = clock
         self.preempted = 0  # metrics: leases ended early by a prompt that waited too long for a slot
         self.slack = slack
-        self.max_snapshots = max(0, num_slots // 4) if max_snapshots is None else max_snapshots
+        default = max(1, num_slots // 4) if num_slots >= 2 else 0
+        self.max_snapshots = default if max_snapshots is None else max_snapshots
         self.min_share = min_share
         self.clock = 0
         self.queries = self.hits = 0  # metrics: admissions looked up, admissions that reused a prefix

@@ -175,13 +175,15 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         return self.info
 
     async def GetLoad(self, request, context):
-        """Waiting and running requests now and the KV usage of the engine loop's latest iteration
-        (`EngineLoop.load`: a router's load signal); UNAVAILABLE until the engine is ready."""
+        """Waiting and running requests now, the KV usage of the engine loop's latest iteration
+        (`EngineLoop.load`: a router's load signal) and the headroom within latency targets
+        (`EngineLoop.headroom`); UNAVAILABLE until the engine is ready."""
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model worker is still loading")
         running, waiting, kv_usage = self.loop.load()
         return model_worker_pb2.GetLoadResponse(num_requests_waiting=waiting, num_requests_running=running,
-                                                kv_cache_usage_perc=kv_usage, num_slots=self.loop.engine.ecfg.num_slots)
+                                                kv_cache_usage_perc=kv_usage, num_slots=self.loop.engine.ecfg.num_slots,
+                                                headroom_rows=self.loop.headroom())
 
     async def Prefill(self, request: model_worker_pb2.PrefillRequest, context):
         events: asyncio.Queue = asyncio.Queue()

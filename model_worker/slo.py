@@ -127,6 +127,21 @@ class SloAdmission:
         predicted = self.model.predict(self._shape([*running, seq], 0))
         return predicted is None or predicted <= min(targets)
 
+    def headroom(self, running: list[Sequence], free_slots: int) -> int:
+        """More rows the running ones can take within their tightest achievable TPOT target (at most
+        `free_slots`); -1 when no running row has a target or the model is not fitted (unknown)."""
+        if not self.model.fitted or not running:
+            return -1
+        now = self.model.predict(self._shape(running, 0)) or 0.0
+        targets = [t for s in running if (t := self.tpot(s)) is not None and t >= now]
+        if not targets:
+            return -1
+        base = self.model.predict(StepShape(rows=0)) or 0.0
+        per_row = (now - base) / len(running) if running else 0.0
+        if per_row <= 0:
+            return free_slots
+        return max(0, min(free_slots, int((min(targets) - now) / per_row)))
+
     def _tightest(self, seqs: Iterable[Sequence]) -> float | None:
         targets = [t for s in seqs if (t := self.tpot(s)) is not None]
         return min(targets) if targets else None

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.routing import REASONS, Choice, NoWorkerError, Router, block_hashes
+from gateway.routing import REASONS, Choice, NoWorkerError, Router, block_hashes, rendezvous_order
 
 WORKERS = [f"10.0.0.{i}:50052" for i in range(5)]
 BLOCK = 4  # tokens per block in these tests
@@ -437,3 +437,18 @@ def test_resident_conversations_fill_a_worker_and_come_back_to_it():
     assert router.pick(None, None, "conv-x", now=3.0) == Choice("b:1", "prefix")
     later = 2.0 + 61.0  # past the ttl: nothing is resident any more, the key's first choice takes it again
     assert router.pick(keys[2], None, "t", now=later) == Choice("a:1", "session")
+
+
+def test_a_worker_without_headroom_within_its_latency_targets_is_passed_over():
+    """A worker reporting no headroom (its running requests' TPOT targets leave no room) is passed over like a
+    full one, even for a key whose first choice it is; with no headroom anywhere a pick still succeeds."""
+    router = Router()
+    router.set_workers(["a:1", "b:1"])
+    key = next(k for k in (f"conv-{i}" for i in range(100)) if rendezvous_order(k, ["a:1", "b:1"])[0] == "a:1")
+    assert router.pick(key, None, "").addr == "a:1"
+    router.set_headroom("a:1", 0)
+    assert router.pick(key, None, "").addr == "b:1"
+    router.set_headroom("b:1", 0)
+    assert router.pick(key, None, "").addr in ("a:1", "b:1")
+    router.set_headroom("a:1", -1)  # unknown again: slots and load decide
+    assert router.pick(key, None, "").addr == "a:1"

@@ -152,3 +152,12 @@ def test_the_model_fits_recorded_steps():
     x = np.array([[1, 2, 0, 64, 0], [1, 4, 0, 64, 0], [1, 8, 0, 64, 0]], dtype=float)
     coef = fit(x, x @ np.array([0.01, 0.002, 0, 0.0001, 0]))
     assert (coef >= 0).all() and abs(coef @ x[1] - (0.01 + 0.008 + 0.0064)) < 1e-6
+
+
+def test_headroom_is_the_rows_that_fit_the_tightest_target():
+    slo = SloAdmission(SloSettings(), StepTimeModel((0.010, 0.002, 0.0, 0.0, 0.0)))  # 10 ms + 2 ms per row
+    a, b = seq("a", tpot=0.020), seq("b", tpot=None)
+    assert slo.headroom([a, b], free_slots=8) == 3  # 14 ms now: 3 more rows reach 20 ms
+    assert slo.headroom([a, b], free_slots=2) == 2
+    assert slo.headroom([b], free_slots=8) == -1  # no targets: unknown
+    assert SloAdmission().headroom([a], free_slots=8) == -1  # no model yet
