@@ -173,7 +173,9 @@ def test_messages_api_lowers_max_tokens_and_relaxes_odd_tools(fuzz_stack, http):
     (--max-tokens-cap 4 here), the keywords are dropped from those tools (named in a warning header), and the
     pattern runs in linear time."""
     tools = [{"name": "f", "input_schema": {"type": "object", "properties": {
-        "url": {"type": "string", "format": "uri"}, "a": {"type": "string", "pattern": HOSTILE},
+        # a catastrophic pattern of its own (HOSTILE's compiled grammar would make the test above too quick to
+        # watch, whichever runs first)
+        "url": {"type": "string", "format": "uri"}, "a": {"type": "string", "pattern": "^(b+)+$"},
         "meta": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}}}}]
     with HealthWatch(fuzz_stack.base_url) as watch:
         r = http.post("/v1/messages", json={"max_tokens": 32000, "messages": [{"role": "user", "content": "x"}],
