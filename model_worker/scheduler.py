@@ -330,29 +330,44 @@ class Scheduler:
         return self.slo.settings.ttft_s is not None or any(s.slo_ttft_s is not None for s in self.waiting)
 
     def _refuse_unreachable(self) -> list[Emission]:
-        """End the waiting sequences whose TTFT target can no longer be met (`SloAdmission.unreachable`), least
-        slack first, counting the uncached prompt tokens of the running prompts and of those ahead."""
-        if not self.waiting or not self._targets_waiting():
+        """End the sequences whose TTFT target can no longer be met (`SloAdmission.unreachable`): admitted ones
+        whose prompt has not started (prompts are computed oldest first, so the pending prompt tokens of older
+        ones are ahead of them), then waiting ones least slack first (behind every running prompt and those
+        ahead in the queue)."""
+        running = list(self.running.values())
+        fresh = [s for s in running if not s.output and s.num_computed == s.cached_tokens and s.leader is None
+                 and s.fork_of is None and s.num_computed < len(s.prompt)]
+        if not any(self.slo.ttft(s) is not None for s in [*fresh, *self.waiting]):
             return []
         now = time.monotonic()
-        running = list(self.running.values())
-        ahead = sum(max(len(s.prompt) - s.num_computed, 0) for s in running)
         decoding = [s for s in running if s.num_computed >= len(s.prompt)]
-        live = self._live_slots() if self.slo.model.fitted else {}
         out: list[Emission] = []
+        ahead = 0
+        for seq in sorted((s for s in running if s.num_computed < len(s.prompt)), key=lambda s: s.arrival):
+            own = len(seq.prompt) - seq.num_computed
+            predicted = self.slo.unreachable(seq, now, ahead, own, decoding) if seq in fresh else None
+            if predicted is None:
+                ahead += own
+            else:
+                out.append(self._refuse(seq, predicted))
+        live = self._live_slots() if self.slo.model.fitted and self.waiting else {}
         for seq in self.slo.order(self.waiting):
             cached = self.cache.best_source(seq.prompt, seq.cache_salt, -1, live)[1] if live else 0
             own = len(seq.prompt) - cached
             predicted = self.slo.unreachable(seq, now, ahead, own, decoding)
             if predicted is None:
                 ahead += own
-                continue
-            target = self.slo.ttft(seq) or 0.0
-            retry = max(1, math.ceil(predicted - target))
-            out.append(self.end(seq, Finish.ABORT, failure=Failure.SLO_UNREACHABLE, error=(
-                f"its time-to-first-token target of {target * 1000:.0f} ms cannot be met (predicted "
-                f"{predicted * 1000:.0f} ms); retry after {retry} s")))
+            else:
+                out.append(self._refuse(seq, predicted))
         return out
+
+    def _refuse(self, seq: Sequence, predicted: float) -> Emission:
+        """End a sequence whose TTFT target cannot be met, saying when to retry (the predicted overshoot)."""
+        target = self.slo.ttft(seq) or 0.0
+        retry = max(1, math.ceil(predicted - target))
+        return self.end(seq, Finish.ABORT, failure=Failure.SLO_UNREACHABLE, error=(
+            f"its time-to-first-token target of {target * 1000:.0f} ms cannot be met (predicted "
+            f"{predicted * 1000:.0f} ms); retry after {retry} s"))
 
     def _take_shares(self) -> list[tuple[int, int]]:
         """Copies for the followers whose leader has computed their shared prefix (or is gone): each takes the

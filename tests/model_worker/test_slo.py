@@ -161,3 +161,16 @@ def test_headroom_is_the_rows_that_fit_the_tightest_target():
     assert slo.headroom([a, b], free_slots=2) == 2
     assert slo.headroom([b], free_slots=8) == -1  # no targets: unknown
     assert SloAdmission().headroom([a], free_slots=8) == -1  # no model yet
+
+
+def test_an_admitted_prompt_that_has_not_started_is_refused_too():
+    """With free slots everything is admitted at once, but prompts are computed oldest first: a younger one
+    whose turn comes too late is refused before any of it is computed (its slot freed), an older one is not."""
+    s = scheduler(slots=3)
+    first, second = seq("first", prompt_len=2560), seq("second", prompt_len=2560, first=5000)
+    s.add(first)
+    s.add(second)
+    assert s.schedule().compute is first and second.slot is not None  # both admitted, no targets yet
+    first.slo_ttft_s = second.slo_ttft_s = 0.5  # first: 10 chunks, 356 ms; second behind it: 712 ms
+    assert list(refusals(s.schedule())) == ["second"] and "second" not in s.by_id and second.slot is None
+    assert s.by_id["first"].finish == Finish.NONE
