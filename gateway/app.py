@@ -174,11 +174,17 @@ def create_app(backends: Backends, limits: Limits | None = None,
 
     @app.get("/v1/models")
     async def models():
+        """The served model, in OpenAI's list shape with the fields Anthropic's `models.list` reads too (`type`,
+        `display_name`, `created_at`, `has_more`, `first_id`, `last_id`)."""
         facts = backends.ready_facts()
+        now = int(time.time())
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
         return {
             "object": "list",
-            "data": [{"id": facts.name, "object": "model", "created": int(time.time()), "owned_by": "gemma-serve",
-                      "max_model_len": facts.max_model_len}],
+            "data": [{"id": facts.name, "object": "model", "created": now, "owned_by": "gemma-serve",
+                      "max_model_len": facts.max_model_len, "type": "model", "display_name": facts.name,
+                      "created_at": created}],
+            "has_more": False, "first_id": facts.name, "last_id": facts.name,
         }
 
     @app.post("/v1/completions", responses=_STREAM_RESPONSES)

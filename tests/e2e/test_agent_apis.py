@@ -253,6 +253,14 @@ def test_messages_stream_joins_into_the_unary_answer(stack):
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 6
 
 
+def test_both_clients_list_the_served_model(stack):
+    model = _model(stack)
+    assert [m.id for m in _openai(stack).models.list().data] == [model]
+    listed = _anthropic(stack).models.list()
+    assert [m.id for m in listed.data] == [model] and listed.data[0].type == "model"
+    assert listed.data[0].display_name == model and not listed.has_more
+
+
 def test_messages_stop_sequence_and_errors(stack):
     client, model = _anthropic(stack), _model(stack)
     free = client.messages.create(model=model, max_tokens=12, messages=[{"role": "user", "content": "Count: 1 2 3"}],
