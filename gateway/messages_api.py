@@ -37,7 +37,7 @@ from gateway.messages_request import (
 )
 from gateway.openai_types import TokenizeChatRequest
 from gateway.planner import Plan, plan_chat_completion, tokenize
-from gateway.responses_api import warning_headers
+from gateway.responses_api import has_thinking, warning_headers
 from gateway.workers import Session
 
 
@@ -78,15 +78,11 @@ async def count_tokens(backends: Backends, limits: Limits, calls: CallArguments,
                        tenant: str) -> dict:
     """`POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt `POST /v1/messages` would use."""
     scope = history_scope(tenant, None)
-    chat = chat_request(req, _thinking(backends), limits.drop_system_patterns, calls, scope, [])
+    chat = chat_request(req, has_thinking(backends), limits.drop_system_patterns, calls, scope, [])
     fields = {k: getattr(chat, k) for k in ("messages", "tools", "tool_choice", "chat_template_kwargs", "model")}
     with renamed_params(CHAT_PARAM):
         ids, _ = await tokenize(backends, TokenizeChatRequest(**fields), limits, tenant=tenant)
     return {"input_tokens": len(ids)}
-
-
-def _thinking(backends: Backends) -> bool:
-    return bool(backends.ready_facts().output_format().thinking)
 
 
 async def _plan(backends: Backends, limits: Limits, calls: CallArguments, req: MessagesRequest, tenant: str,
@@ -94,7 +90,7 @@ async def _plan(backends: Backends, limits: Limits, calls: CallArguments, req: M
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     warnings: list[str] = []
     scope = history_scope(tenant, None)
-    chat = chat_request(req, _thinking(backends), limits.drop_system_patterns, calls, scope, warnings)
+    chat = chat_request(req, has_thinking(backends), limits.drop_system_patterns, calls, scope, warnings)
     key = session.key or req.session_key()
     with renamed_params(CHAT_PARAM):
         plan = await plan_chat_completion(backends, chat, limits, call_prefix=f"toolu_{mid[4:16]}_", tenant=tenant,

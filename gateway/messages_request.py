@@ -19,12 +19,12 @@ import json
 import re
 from typing import Annotated, Any
 
-from pydantic import Field, StrictBool, StrictStr, ValidationError, WithJsonSchema
+from pydantic import Field, StrictBool, StrictStr, WithJsonSchema
 
 from gateway.errors import ApiError
 from gateway.lru import ByteLRU, text_size
 from gateway.openai_types import ChatCompletionRequest, Int32, Name, Number, _Body, int_in
-from gateway.responses_request import extras, merge_turns, relaxed
+from gateway.responses_request import extras, merge_turns, relaxed, schema_object, validated_chat
 
 #: Chat request fields -> the Messages field a client sent (errors name the client's field).
 CHAT_PARAM = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", "stop": "stop_sequences",
@@ -33,24 +33,20 @@ CHAT_PARAM = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens",
               "chat_template_kwargs": "thinking", "response_format": "output_config.format"}
 
 
-def _obj(required: list[str], **properties) -> dict:
-    return {"type": "object", "required": required, "properties": properties}
-
-
-_TEXT_BLOCK = _obj(["type", "text"], type={"const": "text"}, text={"type": "string"})
+_TEXT_BLOCK = schema_object(["type", "text"], type={"const": "text"}, text={"type": "string"})
 #: The messages documented in the OpenAPI schema (checked by `chat_request`, which names the bad field).
-MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": _obj(
+MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": schema_object(
     ["role", "content"], role={"enum": ["user", "assistant"]},
     content={"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
         _TEXT_BLOCK,
-        _obj(["type", "id", "name", "input"], type={"const": "tool_use"}, id={"type": "string"},
+        schema_object(["type", "id", "name", "input"], type={"const": "tool_use"}, id={"type": "string"},
              name={"type": "string"}, input={"type": "object"}),
-        _obj(["type", "tool_use_id", "content"], type={"const": "tool_result"}, tool_use_id={"type": "string"},
+        schema_object(["type", "tool_use_id", "content"], type={"const": "tool_result"}, tool_use_id={"type": "string"},
              content={"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
              is_error={"type": "boolean"}),
     ]}}]})}
 SYSTEM_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]}
-TOOLS_SCHEMA = {"type": "array", "items": _obj(["name", "input_schema"], name={"type": "string", "minLength": 1},
+TOOLS_SCHEMA = {"type": "array", "items": schema_object(["name", "input_schema"], name={"type": "string", "minLength": 1},
                                                description={"type": "string"},
                                                input_schema={"type": "object"})}
 
@@ -138,13 +134,7 @@ def chat_request(req: CountTokensRequest, thinking: bool, drop: tuple[str, ...],
         body["response_format"] = _response_format(req.output_config)
         body.update(max_completion_tokens=req.max_tokens, stop=req.stop_sequences or None,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, user=req.session_key())
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except ValidationError as err:
-        first = err.errors()[0]
-        loc = [str(p) for p in first.get("loc", ())]
-        param = CHAT_PARAM.get(loc[0], loc[0]) if loc else None
-        raise ApiError(400, f"{param or 'messages'}: {first.get('msg', 'invalid value')}", param=param) from None
+    return validated_chat(body, CHAT_PARAM, "messages")
 
 
 def _response_format(config: dict | None) -> dict | None:

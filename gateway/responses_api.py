@@ -103,7 +103,7 @@ async def count_input_tokens(backends: Backends, limits: Limits, store: Response
     """`POST /v1/responses/input_tokens`: the prompt tokens `POST /v1/responses` would use for the same body."""
     warnings: list[str] = []
     history = _history(store, tenant, req)
-    chat, _ = chat_request(req, history.messages if history else [], _thinking(backends), warnings)
+    chat, _ = chat_request(req, history.messages if history else [], has_thinking(backends), warnings)
     fields = {k: getattr(chat, k) for k in ("messages", "tools", "tool_choice", "reasoning_effort", "model")}
     with renamed_params(CHAT_PARAM):
         ids, _ = await tokenize(backends, TokenizeChatRequest(**fields), limits, tenant=tenant)
@@ -148,7 +148,9 @@ def _history(store: ResponseStore, tenant: str, req: ResponsesRequest):
     return entry
 
 
-def _thinking(backends: Backends) -> bool:
+def has_thinking(backends: Backends) -> bool:
+    """Whether the served model has a thinking mode (else the agent APIs ignore thinking fields, with a
+    warning, instead of refusing them as chat completions do)."""
     return bool(backends.ready_facts().output_format().thinking)
 
 
@@ -157,7 +159,7 @@ async def _plan(backends: Backends, limits: Limits, store: ResponseStore, req: R
     rid = f"resp_{uuid.uuid4().hex}"
     warnings: list[str] = []
     history = _history(store, tenant, req)
-    chat, conversation = chat_request(req, history.messages if history else [], _thinking(backends), warnings)
+    chat, conversation = chat_request(req, history.messages if history else [], has_thinking(backends), warnings)
     key = session.key or req.prompt_cache_key or (history.session_key if history else None) or \
         (rid if req.store else None)
     ttl = session.ttl or (STORED_LEASE_S if req.store and key else 0.0)

@@ -33,22 +33,24 @@ CHAT_PARAM = {"max_completion_tokens": "max_output_tokens", "response_format": "
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
-def _obj(required: list[str], **properties) -> dict:
+def schema_object(required: list[str], **properties) -> dict:
+    """A JSON-schema object with these required keys and properties (the OpenAPI documents of the agent APIs)."""
     return {"type": "object", "required": required, "properties": properties}
 
 
+
 _TEXT = {"type": "string"}
-_PARTS = {"type": "array", "items": _obj(["type", "text"], type={"enum": ["input_text", "output_text"]},
+_PARTS = {"type": "array", "items": schema_object(["type", "text"], type={"enum": ["input_text", "output_text"]},
                                          text=_TEXT)}
 #: The input items documented in the OpenAPI schema (checked by `input_messages`, which names the bad field).
 INPUT_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": {"anyOf": [
-    _obj(["role", "content"], type={"const": "message"}, role={"enum": ["system", "developer", "user", "assistant"]},
+    schema_object(["role", "content"], type={"const": "message"}, role={"enum": ["system", "developer", "user", "assistant"]},
          content={"anyOf": [_TEXT, _PARTS]}),
-    _obj(["type", "call_id", "name", "arguments"], type={"const": "function_call"},
+    schema_object(["type", "call_id", "name", "arguments"], type={"const": "function_call"},
          call_id={"type": "string", "minLength": 1}, name={"type": "string", "minLength": 1}, arguments=_TEXT),
-    _obj(["type", "call_id", "output"], type={"const": "function_call_output"},
+    schema_object(["type", "call_id", "output"], type={"const": "function_call_output"},
          call_id={"type": "string", "minLength": 1}, output=_TEXT),
-    _obj(["type", "summary"], type={"const": "reasoning"}, summary={"type": "array", "items": _obj(
+    schema_object(["type", "summary"], type={"const": "reasoning"}, summary={"type": "array", "items": schema_object(
         ["type", "text"], type={"const": "summary_text"}, text=_TEXT)}),
 ]}}]}
 
@@ -116,13 +118,23 @@ def chat_request(req: ResponsesRequest, history: list[dict], thinking: bool,
             body["reasoning_effort"] = effort
         else:
             warnings.append("reasoning.effort ignored: this model has no thinking mode")
+    return validated_chat(body, CHAT_PARAM, "input"), conversation
+
+
+def validated_chat(body: dict[str, Any], names: dict[str, str], fallback: str) -> ChatCompletionRequest:
+    """The chat request of a translated body (None values left out).
+
+    Raises:
+      ApiError: 400 naming the client's field (`names`: chat field -> the front door's; `fallback` when the
+        error names none).
+    """
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}), conversation
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as err:
         first = err.errors()[0]
         loc = [str(p) for p in first.get("loc", ())]
-        param = CHAT_PARAM.get(loc[0], loc[0]) if loc else None
-        raise ApiError(400, f"{param or 'input'}: {first.get('msg', 'invalid value')}", param=param) from None
+        param = names.get(loc[0], loc[0]) if loc else None
+        raise ApiError(400, f"{param or fallback}: {first.get('msg', 'invalid value')}", param=param) from None
 
 
 def relaxed(name: str, parameters: Any, warnings: list[str]) -> Any:

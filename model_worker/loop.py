@@ -331,11 +331,9 @@ class EngineLoop:
         shape = StepShape(rows=len(work.decode), kv_tokens=sum(s.num_computed for s in work.decode),
                           chunk_tokens=result.computed if work.chunk is not None else 0,
                           draft_tokens=sum(len(d) for d in work.drafts) if verified else 0)
-        model = self.scheduler.slo.model
-        predicted = model.predict(shape)
-        model.observe(shape, seconds)
-        if self.metrics is not None and predicted is not None and seconds > 0:
-            self.metrics.step_prediction_error.observe(abs(predicted - seconds) / seconds)
+        error = self.scheduler.slo.model.observe(shape, seconds)
+        if self.metrics is not None and error is not None:
+            self.metrics.step_prediction_error.observe(error)
 
     def _observe_admissions(self, admitted: list[Sequence]) -> None:
         """Queue-time and prompt-size metrics of the sequences admitted this iteration."""

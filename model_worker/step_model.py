@@ -73,20 +73,23 @@ class StepTimeModel:
             return None
         return float(max(self.coef @ shape.features(), 0.0))
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
+    def observe(self, shape: StepShape, seconds: float) -> float | None:
         """Record a measured step: its prediction error (when a prediction was possible), then the sample
-        (refitting every `REFIT_EVERY` samples once `MIN_SAMPLES` are in)."""
+        (refitting every `REFIT_EVERY` samples once `MIN_SAMPLES` are in). Returns the relative error
+        |predicted - measured| / measured, or None."""
         predicted = self.predict(shape)
-        if predicted is not None and seconds > 0:
-            self.errors.append(abs(predicted - seconds) / seconds)
+        error = abs(predicted - seconds) / seconds if predicted is not None and seconds > 0 else None
+        if error is not None:
+            self.errors.append(error)
         if self.fixed:
-            return
+            return error
         self._x.append(shape.features())
         self._y.append(seconds)
         self._since_fit += 1
         if len(self._y) >= MIN_SAMPLES and (self.coef is None or self._since_fit >= REFIT_EVERY):
             self.coef = fit(np.array(self._x), np.array(self._y))
             self._since_fit = 0
+        return error
 
     def error_quantile(self, q: float) -> float | None:
         """The q-quantile (0..1) of the relative prediction errors seen so far, or None."""
