@@ -81,6 +81,8 @@ class GenParams:
       draft_scope: whose finished answers the worker may draft from (the answer-history scope: tenant and
         cache_salt, gateway/history.py).
       slo_ttft_s, slo_tpot_s: the request's latency targets in seconds (None: the worker's defaults).
+      priority: admission order among the worker's waiting requests with the same deadline (vLLM's `priority`:
+        lower first).
     """
 
     sampling: common_pb2.SamplingParams
@@ -102,6 +104,7 @@ class GenParams:
     draft_scope: str = ""
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    priority: int = 0
 
 
 @dataclasses.dataclass
@@ -253,6 +256,7 @@ async def generate(
         draft_scope=params.draft_scope,
         slo_ttft_s=params.slo_ttft_s or 0.0,
         slo_tpot_s=params.slo_tpot_s or 0.0,
+        priority=params.priority,
     )
     if params.session is not None:
         prefill.session_id = params.session.key

@@ -8,12 +8,14 @@ message (never internals) for our own bugs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 
 import grpc
 import pydantic
 
+from gateway import workers
 from gateway.auth import ApiKeys
 from gateway.chat_output import ChatRoute
 from gateway.clients import Backends
@@ -93,6 +95,8 @@ def request_model(request: gateway_pb2.GenerateRequest) -> CompletionRequest | C
         body["allowed_token_ids"] = list(request.allowed_token_ids)
     if request.cache_salt:
         body["cache_salt"] = request.cache_salt
+    if request.priority:
+        body["priority"] = request.priority
     if request.prediction and kind != "chat":
         raise ApiError(400, "prediction is for chat input", param="prediction")
     if kind == "chat":
@@ -149,7 +153,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                     "malformed bytes)")
             req = request_model(request)
             prefix = f"call_{rid[-12:]}_"
-            session = Session.from_headers(lambda name: _metadata(context, name))  # as the REST headers
+            session = _with_targets(Session.from_headers(lambda name: _metadata(context, name)), request)
             with self.backends.admission.serving():
                 if isinstance(req, ChatCompletionRequest):
                     plan = await plan_chat_completion(self.backends, req, self.limits, call_prefix=prefix,
@@ -166,6 +170,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except Exception:
             log.exception("Generate %s failed", rid)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (request id {rid})")
+
+
+def _with_targets(session: Session, request: gateway_pb2.GenerateRequest) -> Session:
+    """The session (from the metadata, as the REST headers) with the request's own latency-target fields, which
+    win over the `x-slo-*-ms` metadata.
+
+    Raises:
+      ApiError: 400 naming the field for a target that is not a number of milliseconds in (0, 86,400,000].
+    """
+    targets = {}
+    for field, attr in (("slo_ttft_ms", "ttft_s"), ("slo_tpot_ms", "tpot_s")):
+        value = getattr(request, field)
+        if value:
+            targets[attr] = workers.latency_target(repr(value), field)
+    return dataclasses.replace(session, **targets) if targets else session
 
 
 def _metadata(context, key: str) -> str | None:

@@ -102,6 +102,9 @@ class SamplingFields(_Body):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     #: Isolates this request's cached prefixes and remembered answers from requests with another salt (vLLM).
     cache_salt: Name | None = None
+    #: Admission order among the worker's waiting requests with the same latency deadline (vLLM's field: lower
+    #: first; requests without a TTFT target share one deadline).
+    priority: int_in(-(2**31), 2**31 - 1) = 0
 
     def stop_list(self) -> list[str]:
         """`stop` as a list."""

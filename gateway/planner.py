@@ -572,7 +572,7 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
                 # the lease follows choice 0's slot
                 session=session if session.key is not None and not j else None,
                 prediction=ask.prediction, draft_scope=ask.scope, slo_ttft_s=session.ttft_s,
-                slo_tpot_s=session.tpot_s)
+                slo_tpot_s=session.tpot_s, priority=req.priority)
             jobs.append(Job(index, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
     routes = [ask.chat.route(facts, req.stop_list(), f"{ask.call_prefix}{job.index}_") for job in jobs]
     return Plan(ask.model, prompts, req.n, jobs, ask.chat, routes, ask.scope)

@@ -304,17 +304,17 @@ class Session:
         if release not in ("true", "false", "1", "0"):
             raise ApiError(400, f"x-session-release must be true or false, got {release_text[:40]!r}",
                            param="x-session-release")
-        return cls(key[:256] if key else None, ttl, release in ("true", "1"), _target(get, "x-slo-ttft-ms"),
-                   _target(get, "x-slo-tpot-ms"))
+        return cls(key[:256] if key else None, ttl, release in ("true", "1"),
+                   latency_target(get("x-slo-ttft-ms"), "x-slo-ttft-ms"),
+                   latency_target(get("x-slo-tpot-ms"), "x-slo-tpot-ms"))
 
 
-def _target(get, name: str) -> float | None:
-    """A latency-target header in milliseconds, as seconds (None when absent).
+def latency_target(text: str | None, name: str) -> float | None:
+    """A latency target in milliseconds (a header's or a gRPC field's text), as seconds (None when absent).
 
     Raises:
-      ApiError: 400 naming the header for a value that is not a number of milliseconds in (0, 86,400,000].
+      ApiError: 400 naming `name` for a value that is not a number of milliseconds in (0, 86,400,000].
     """
-    text = get(name)
     if not text:
         return None
     try:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -51,7 +52,7 @@ import numpy as np
 
 from model_worker import sharding
 from model_worker.config import ModelConfig
-from model_worker.engine_api import DecodeBatch, HostOutput, PromptChunk, VerifyBatch, VerifyOutput
+from model_worker.engine_api import DecodeBatch, HostOutput, PromptChunk, StepShape, VerifyBatch, VerifyOutput
 from model_worker.executables import ExecutableCache, fingerprint
 from model_worker.kv_cache import KVCache
 from model_worker.model import Batch
@@ -341,6 +342,32 @@ class Engine:
                 jax.block_until_ready(self._run(key, *kind.example(key, self.cfg.vocab_size), count=False))
         return time.perf_counter() - t0
 
+    def time_programs(self, budget: float = 1.0) -> list[tuple[ProgramKey, float]]:
+        """Run the compiled forward programs once more each on all-padding inputs, timed, until `budget` seconds
+        are spent (call after `warm_up`: a program's first run costs more than later ones): the kinds in turn
+        (compute, decode, mixed, verify), each kind's cheapest first, so a short budget still covers every kind.
+        Returns (key, seconds) pairs: the step-time model's first fit (model_worker/step_model.py), so a fresh
+        worker predicts its first steps instead of admitting first-come first-served. Changes no state, as
+        `warm_up`."""
+        def work(key: ProgramKey) -> int:
+            return key.batch * max(key.chunk, 1) * key.kv_len
+
+        by_kind: dict[str, list[ProgramKey]] = {}
+        for k in sorted((k for k in self._programs if PROGRAMS[k.kind].warm), key=work):
+            by_kind.setdefault(k.kind, []).append(k)
+        order = [k for turn in itertools.zip_longest(*by_kind.values()) for k in turn if k is not None]
+        timed: list[tuple[ProgramKey, float]] = []
+        t0 = time.perf_counter()
+        for key in order:
+            if time.perf_counter() - t0 > budget:
+                break
+            kind = PROGRAMS[key.kind]
+            inputs = kind.example(key, self.cfg.vocab_size)
+            started = time.perf_counter()
+            jax.block_until_ready(self._run(key, *inputs, count=False))
+            timed.append((key, time.perf_counter() - started))
+        return timed
+
     @property
     def num_programs(self) -> int:
         """Number of compiled programs."""
@@ -419,6 +446,31 @@ class Engine:
         key = ProgramKey("mixed", d.slots.shape[0], size, self.kv_buckets[-1])
         logits, d_logits = self._run(key, inputs, d.batch)
         return Pending.of_chunk(inputs, chunk.slot, logits), n, d.pending(d_logits)
+
+    def step_programs(self, *, shape: StepShape) -> tuple[ProgramKey, ...]:
+        """The forward programs a step of this shape runs, chosen as `dispatch_compute`, `dispatch_mixed`,
+        `dispatch_decode` and `dispatch_verify` choose them (chunk size, batch and KV buckets); lengths beyond the
+        grid are clamped to its largest bucket. Contract: `engine_api.Engine.step_programs`."""
+        keys: list[ProgramKey] = []
+        largest = self.kv_buckets[-1]
+        rows = min(shape.rows, self.ecfg.num_slots)
+        verify = bool(rows and shape.draft_tokens and self.ecfg.verify_batches())
+        if shape.chunk_tokens:
+            size = self.chunk_size(shape.chunk_tokens)
+            if rows and not verify and size == self.mixed_chunk:
+                keys.append(ProgramKey("mixed", self.batch_bucket(rows), size, largest))
+                rows = 0
+            else:
+                end = min(max(shape.chunk_end, shape.chunk_tokens), largest)
+                keys.append(ProgramKey("compute", 1, size, self.kv_bucket(end)))
+        if rows and verify:
+            buckets = self.ecfg.verify_batches()
+            batch = next((b for b in buckets if rows <= b), buckets[-1])
+            keys.append(ProgramKey("verify", batch, self.ecfg.max_draft_tokens + 1, largest))
+        elif rows:
+            keys.append(ProgramKey("decode", self.batch_bucket(rows), 1,
+                                   self.kv_bucket(min(max(shape.longest, 1), largest))))
+        return tuple(keys)
 
     def _decode_rows(self, decode: DecodeBatch, exclude: int | None = None) -> _DecodeRows:
         """A decode batch padded to its bucket with idle slots (position -1: they write nothing and their outputs

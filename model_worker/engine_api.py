@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -33,6 +33,42 @@ if TYPE_CHECKING:
 #: it only hands it back to `Engine.sample`, at most once, and may drop it unsampled (a prompt chunk that is not
 #: the prompt's last: its KV writes stand all the same).
 Pending = Any
+
+
+class ProgramKey(NamedTuple):
+    """A compiled program: its kind (a key of `programs.PROGRAMS`) and shapes. A tuple, so ("decode", 4, 1, 512)
+    is one."""
+
+    kind: str
+    batch: int  # rows
+    chunk: int  # tokens per row (0: no tokens, a sample or copy program)
+    kv_len: int  # the KV bucket full-attention layers read up to (0: no forward pass)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What one engine step computes, as the scheduler sees it (before the engine pads it to its programs'
+    shapes: `Engine.step_programs`). For the step-time model (model_worker/step_model.py).
+
+    Attributes:
+      rows: decode rows (sequences producing a token this step).
+      kv_tokens: cached tokens those rows attend to, summed over rows.
+      chunk_tokens: prompt tokens computed in the step's chunk (0: a decode-only step).
+      draft_tokens: drafted tokens verified (speculative decoding; > 0: the decode rows run as a verify step).
+      longest: the longest decode row's KV length after the step (positions), which picks its KV bucket.
+      chunk_end: the chunk's KV length after the step (its start + chunk_tokens; 0: unknown, a planned chunk).
+    """
+
+    rows: int = 0
+    kv_tokens: int = 0
+    chunk_tokens: int = 0
+    draft_tokens: int = 0
+    longest: int = 0
+    chunk_end: int = 0
+
+    def features(self) -> np.ndarray:
+        """[1, rows, kv_tokens, chunk_tokens, draft_tokens] as float64 (shape (5,)): the step before padding."""
+        return np.array([1.0, self.rows, self.kv_tokens, self.chunk_tokens, self.draft_tokens])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +302,13 @@ class Engine(Protocol):
         Returns:
           One result row per pending row.
         """
+        ...
+
+    def step_programs(self, *, shape: StepShape) -> tuple[ProgramKey, ...]:
+        """The forward programs a step of this shape runs (its rows, chunk and drafts padded to the engine's
+        buckets), as the dispatch methods would choose them; no sampling or copy programs. A pure function of
+        the shape: the step-time model prices planned steps with it. Shapes beyond the grid are clamped to
+        its largest programs, never an error."""
         ...
 
     def copy_slot(self, *, src: int, dst: int) -> None:

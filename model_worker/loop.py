@@ -32,7 +32,7 @@ from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Emission, Scheduler, StepResult, Work
 from model_worker.sequence import Failure, Finish, GrammarDraft, SamplingSpec, Sequence, TokenEvent
 from model_worker.slo import SloAdmission, SloSettings
-from model_worker.step_model import StepShape
+from model_worker.step_model import StepShape, StepTimeModel, program_features, shape_of_program
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,8 @@ class EngineLoop:
                                    max_waiting=engine.ecfg.max_waiting, token_budget=self.token_budget,
                                    lease_preempt_after=lease_preempt_after, max_draft_tokens=drafts,
                                    max_verify_batch=engine.ecfg.max_verify_batch if drafts else 0,
-                                   slo=SloAdmission(slo or SloSettings()))
+                                   slo=SloAdmission(slo or SloSettings(), StepTimeModel(featurize=self.step_features),
+                                                    chunks=tuple(engine.ecfg.prefill_chunks)))
         self.costs = StepCosts()
         self._inbox: queue.Queue[Command] = queue.Queue()
         self._submitted = 0  # `Submit`s in the inbox, not yet taken in (`load`); changed under `_submitted_lock`
@@ -324,14 +325,29 @@ class EngineLoop:
         if work.compute is None and not work.decode and self.scheduler.has_work():
             time.sleep(0.001)  # everyone waits for a mask or a parent: don't spin
 
+    def seed_step_model(self, timed: list[tuple[engine_api.ProgramKey, float]]) -> None:
+        """Give the step-time model its first fit from timed programs (`engine.Engine.time_programs`); call
+        before `start`."""
+        self.scheduler.slo.model.seed((shape_of_program(key), seconds) for key, seconds in timed)
+
+    def step_features(self, shape: StepShape) -> np.ndarray:
+        """The step-time model's features of a step: those of the programs the engine runs for it."""
+        return program_features(shape, self.engine.step_programs(shape=shape))
+
+    @staticmethod
+    def step_shape(work: Work, result: StepResult) -> StepShape:
+        """What an iteration's step computed (before `postprocess` moves its sequences on)."""
+        verified = result.verify_sample is not None
+        chunk = result.computed if work.chunk is not None else 0
+        return StepShape(rows=len(work.decode), kv_tokens=sum(s.num_computed for s in work.decode),
+                         chunk_tokens=chunk, draft_tokens=sum(len(d) for d in work.drafts) if verified else 0,
+                         longest=max((s.num_computed + 1 for s in work.decode), default=0),
+                         chunk_end=work.chunk.rows.start + chunk if work.chunk is not None else 0)
+
     def _observe_step(self, work: Work, result: StepResult, seconds: float) -> None:
         """Feed one measured step to the scheduler's step-time model (model_worker/step_model.py), before
         `postprocess` moves the sequences on, and its prediction error to the metrics."""
-        verified = result.verify_sample is not None
-        shape = StepShape(rows=len(work.decode), kv_tokens=sum(s.num_computed for s in work.decode),
-                          chunk_tokens=result.computed if work.chunk is not None else 0,
-                          draft_tokens=sum(len(d) for d in work.drafts) if verified else 0)
-        error = self.scheduler.slo.model.observe(shape, seconds)
+        error = self.scheduler.slo.model.observe(self.step_shape(work, result), seconds)
         if self.metrics is not None and error is not None:
             self.metrics.step_prediction_error.observe(error)
 

@@ -304,6 +304,10 @@ async def serve(args: argparse.Namespace) -> int:
                       fault_salt=fault or None, lease_preempt_after=args.lease_preempt_after,
                       speculation=args.speculation,
                       slo=SloSettings(args.slo_ttft, args.slo_tpot, args.slo_policy))
+    timed = engine.time_programs()
+    loop.seed_step_model(timed)
+    log.info("timed %d of %d forward programs for the step-time model in %.1f s", len(timed), engine.num_programs,
+             sum(t for _, t in timed))
     loop.start()
     servicer.set_ready(loop, info)
     for name in ("", SERVICE_NAME):

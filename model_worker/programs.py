@@ -30,23 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model_worker.engine_api import ProgramKey
 from model_worker.model import Batch, forward, forward_batches
 from model_worker.sampling import PenaltyState, SamplingArrays, sample, sample_greedy
-
-
-class ProgramKey(NamedTuple):
-    """A compiled program: its kind (a key of `PROGRAMS`) and shapes. A tuple, so ("decode", 4, 1, 512) is one."""
-
-    kind: str
-    batch: int  # rows
-    chunk: int  # tokens per row (0: no tokens, a sample or copy program)
-    kv_len: int  # the KV bucket full-attention layers read up to (0: no forward pass)
 
 
 @dataclasses.dataclass(frozen=True)

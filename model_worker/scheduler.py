@@ -216,7 +216,8 @@ class Scheduler:
         decode = sorted((s for s in live if s.pending == 1 and (s.ready() or not s.missed)), key=lambda s: s.row)
         chunk = None
         if compute is not None:
-            budgets = [b for b in (self.token_budget, self.slo.chunk_budget(decode)) if b is not None and decode]
+            slo_budget = self.slo.chunk_budget(decode, compute.num_computed)
+            budgets = [b for b in (self.token_budget, slo_budget) if b is not None and decode]
             chunk = self._plan_chunk(compute, min(budgets) if budgets else None)
         drafts: list[list[int]] = []
         draft_masks: list[list[np.ndarray]] = []
@@ -300,7 +301,7 @@ class Scheduler:
         if not self.waiting or not self.cache.has_free():
             return copies, admitted  # nothing to place, or nowhere: skip copying the running histories
         live = self._live_slots()  # once per iteration; an admitted sequence is added below
-        if self._targets_waiting():
+        if self._targets_waiting() or any(s.priority for s in self.waiting):
             self.waiting = collections.deque(self.slo.order(self.waiting))
         while self.waiting:
             seq = self.waiting[0]

@@ -150,6 +150,7 @@ class Sequence:
       grammar_draft: the client's latest draft with its masks (`GrammarDraft`), or None.
       slo_ttft_s, slo_tpot_s: the request's time-to-first-token and time-per-output-token targets in seconds
         (None: the worker's defaults, model_worker/slo.py).
+      priority: admission order among waiting sequences with the same deadline (vLLM's field: lower first).
     """
 
     request_id: str
@@ -188,6 +189,7 @@ class Sequence:
     grammar_draft: GrammarDraft | None = None
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    priority: int = 0
 
     @property
     def row(self) -> int:

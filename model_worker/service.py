@@ -320,6 +320,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             lease_ttl=0.0 if request.session_release else min(max(request.session_ttl_s, 0.0), self.max_session_ttl),
             slo_ttft_s=request.slo_ttft_s or None,
             slo_tpot_s=request.slo_tpot_s or None,
+            priority=request.priority,
         )
 
     def _constraint(self, rid: str, msg: model_worker_pb2.DecodeRequest) -> None:

@@ -5,7 +5,8 @@ worker's `--slo-ttft` / `--slo-tpot` give requests without their own the default
 first-come first-served behaviour). Goodput counts the requests that meet both (DistServe's definition).
 
 - Order: waiting requests are admitted least slack first — deadline = arrival + TTFT target — (requests without
-  a target after those with one, each group in arrival order).
+  a target after those with one); equal deadlines (among requests without a target: all of them) go by
+  `priority` (vLLM's field: lower first), then by arrival.
 - Early refusal (SCORPIO's idea): a waiting request whose TTFT can no longer be met is answered at once
   (`Failure.SLO_UNREACHABLE`: the gateway's 429 with Retry-After) instead of waiting in vain — when its deadline
   has passed, or when the prompt tokens ahead of it and its own uncached ones, at the modelled rate, cannot be
@@ -13,8 +14,9 @@ first-come first-served behaviour). Goodput counts the requests that meet both (
 - Admission keeps running requests on target: a new request joins only while a decode step with one more row
   is predicted within the tightest TPOT target among the running requests.
 - Chunk sizing (Sarathi-Serve's idea): a step that decodes requests with a TPOT target gets the largest prompt
-  chunk whose predicted step time stays within the tightest of those targets (at least `MIN_CHUNK` tokens, so
-  prompts always progress).
+  chunk whose predicted step time stays within the tightest of those targets: the largest of the engine's
+  compiled chunk sizes that fits, else its smallest (a shorter cut would be padded to it: no time saved); with
+  no sizes known, any length down to `MIN_CHUNK` tokens. Either way prompts always progress.
 Without a fitted model nothing is predicted: only passed deadlines are refused.
 """
 
@@ -51,9 +53,14 @@ class SloSettings:
 class SloAdmission:
     """The scheduler's latency-target decisions (see the module docstring)."""
 
-    def __init__(self, settings: SloSettings = SloSettings(), model: StepTimeModel | None = None):
+    def __init__(self, settings: SloSettings = SloSettings(), model: StepTimeModel | None = None,
+                 chunks: tuple[int, ...] = ()):
+        """Args: settings: the worker's flags; model: the step-time model (default: learned from the steps,
+        on the raw shape); chunks: the engine's compiled prompt chunk sizes (`EngineSizes.prefill_chunks`;
+        empty: any length)."""
         self.settings = settings
         self.model = model or StepTimeModel()
+        self.chunks = tuple(sorted(chunks))
 
     def ttft(self, seq: Sequence) -> float | None:
         """A sequence's TTFT target in seconds (its own, else the default), or None."""
@@ -64,11 +71,12 @@ class SloAdmission:
         return seq.slo_tpot_s if seq.slo_tpot_s is not None else self.settings.tpot_s
 
     def order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
-        """Waiting sequences least slack first: by TTFT deadline, those without a target last (arrival order
-        within each)."""
+        """Waiting sequences least slack first: by TTFT deadline, those without a target last; ties (equal
+        deadlines, and every sequence without a target) by priority, then arrival."""
         def key(seq: Sequence) -> tuple:
             target = self.ttft(seq)
-            return (target is None, seq.arrived_at + (target or 0.0), seq.arrival)
+            deadline = 0.0 if target is None else seq.arrived_at + target
+            return (target is None, deadline, seq.priority, seq.arrival)
 
         return sorted(waiting, key=key)
 
@@ -103,12 +111,16 @@ class SloAdmission:
         per = self.model.predict(self._shape(decoding, min(tokens, PLANNING_CHUNK)))
         return None if per is None else steps * per
 
-    def chunk_budget(self, decoding: list[Sequence]) -> int | None:
+    def chunk_budget(self, decoding: list[Sequence], start: int = 0) -> int | None:
         """The most prompt tokens a step with these decode rows may compute and stay within their tightest
-        TPOT target (None: no bound)."""
+        TPOT target (None: no bound). `start`: the chunk's first position (its KV bucket)."""
         tight = self._tightest(decoding)
         if tight is None or not self.model.fitted:
             return None
+        if self.chunks:
+            fits = [c for c in self.chunks
+                    if (self.model.predict(self._shape(decoding, c, start + c)) or 0.0) <= tight]
+            return fits[-1] if fits else self.chunks[0]
         base = self.model.predict(self._shape(decoding, 0)) or 0.0
         per_token = (self.model.predict(self._shape(decoding, 1)) or 0.0) - base
         if per_token <= 0:
@@ -129,23 +141,31 @@ class SloAdmission:
 
     def headroom(self, running: list[Sequence], free_slots: int) -> int:
         """More rows the running ones can take within their tightest achievable TPOT target (at most
-        `free_slots`); -1 when no running row has a target or the model is not fitted (unknown)."""
+        `free_slots`; each new row assumed as long as the running ones on average); -1 when no running row has a
+        target or the model is not fitted (unknown)."""
         if not self.model.fitted or not running:
             return -1
-        now = self.model.predict(self._shape(running, 0)) or 0.0
+        shape = self._shape(running, 0)
+        now = self.model.predict(shape) or 0.0
         targets = [t for s in running if (t := self.tpot(s)) is not None and t >= now]
         if not targets:
             return -1
-        base = self.model.predict(StepShape(rows=0)) or 0.0
-        per_row = (now - base) / len(running) if running else 0.0
-        if per_row <= 0:
-            return free_slots
-        return max(0, min(free_slots, int((min(targets) - now) / per_row)))
+        mean = shape.kv_tokens // len(running)
+        more = 0
+        while more < free_slots:
+            bigger = dataclasses.replace(shape, rows=shape.rows + more + 1,
+                                         kv_tokens=shape.kv_tokens + (more + 1) * mean)
+            if (self.model.predict(bigger) or 0.0) > min(targets):
+                break
+            more += 1
+        return more
 
     def _tightest(self, seqs: Iterable[Sequence]) -> float | None:
         targets = [t for s in seqs if (t := self.tpot(s)) is not None]
         return min(targets) if targets else None
 
     @staticmethod
-    def _shape(decoding: list[Sequence], chunk: int) -> StepShape:
-        return StepShape(rows=len(decoding), kv_tokens=sum(s.num_computed for s in decoding), chunk_tokens=chunk)
+    def _shape(decoding: list[Sequence], chunk: int, chunk_end: int = 0) -> StepShape:
+        """A step of these decode rows and a `chunk`-token prompt chunk ending at `chunk_end` (0: unknown)."""
+        return StepShape(rows=len(decoding), kv_tokens=sum(s.num_computed for s in decoding), chunk_tokens=chunk,
+                         longest=max((s.num_computed + 1 for s in decoding), default=0), chunk_end=chunk_end)

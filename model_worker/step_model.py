@@ -1,60 +1,89 @@
 """A model of the engine's step time, for latency-target (SLO) admission and chunk sizing (plain Python and numpy).
 
 A step's time is modelled as linear in what it computes (Sarathi-Serve's and DistServe's observation for
-batched decoding: a fixed cost per step, plus costs per decode row, per cached token those rows attend to, per
-prompt token of the step's chunk, and per drafted token verified):
+batched decoding): a fixed cost per step, plus costs per forward pass, per row, per cached token the rows attend
+to, per prompt token and per cached token the prompt tokens attend to. What a step computes is what the engine
+runs, not what the scheduler asked for: the engine pads a decode batch to its batch bucket, a row's attention to
+its KV bucket and a chunk to a compiled chunk size, and a step with a chunk and decode rows is one pass or two
+(`Engine.step_programs`). So the features are read from the step's programs (`program_features`):
 
-    t = c0 + c1 * rows + c2 * kv_tokens + c3 * chunk_tokens + c4 * draft_tokens      (seconds)
+    t = c0 + c1 * passes + c2 * rows + c3 * padded_rows + c4 * padded_rows * kv_bucket
+           + c5 * chunk + c6 * chunk * kv_bucket                                              (seconds)
+
+(rows: the real decode rows, whose sampling and bookkeeping cost; a verify step's rows count each drafted
+position.) The first measured model, on the raw shape (`StepShape.features`: rows, cached tokens, chunk tokens,
+drafts), missed by ~30% at the 90th percentile on the agent fleet, mostly where a row more crossed a batch
+bucket or a chunk was padded (docs/performance.md, "Latency-target admission").
 
 The coefficients are least-squares fits (non-negative, a small ridge) over the most recent measured steps, refitted
-as steps arrive (`observe`), so the model follows the machine it runs on and what else runs there. Until
-`MIN_SAMPLES` steps are measured it predicts nothing (`predict` returns None) and admission falls back to
-first-come first-served. Each prediction made before its step ran is compared with the measured time: the
-relative errors are kept for the prediction-error metric.
+as steps arrive (`observe`), so the model follows the machine it runs on and what else runs there; the worker
+seeds it at start-up with the warm-up's timed programs (`seed`). Until `MIN_SAMPLES` steps are known it predicts
+nothing (`predict` returns None) and admission falls back to first-come first-served. Each prediction made before
+its step ran is compared with the measured time: the relative errors are kept for the prediction-error metric.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
+from collections.abc import Callable, Iterable
 
 import numpy as np
+
+from model_worker.engine_api import ProgramKey, StepShape
+
+__all__ = ["MIN_SAMPLES", "StepShape", "StepTimeModel", "fit", "program_features", "shape_of_program"]
 
 #: Measured steps kept for the fit (the oldest dropped first).
 WINDOW = 512
 #: Steps measured before the model predicts.
 MIN_SAMPLES = 16
-#: Refit after this many new steps (a fit is a 5x5 solve over the window: microseconds).
+#: Refit after this many new steps (a fit is a 7x7 solve over the window: microseconds).
 REFIT_EVERY = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-    """What one engine step computes.
+def program_features(shape: StepShape, programs: Iterable[ProgramKey]) -> np.ndarray:
+    """Features of a step from the forward programs it runs (see the module docstring), float64 shape (7,):
+    [1, passes, rows, padded rows, padded rows x KV bucket, chunk, chunk x KV bucket].
 
-    Attributes:
-      rows: decode rows (sequences producing a token this step).
-      kv_tokens: cached tokens those rows attend to, summed over rows.
-      chunk_tokens: prompt tokens computed in the step's chunk (0: a decode-only step).
-      draft_tokens: drafted tokens verified (speculative decoding).
-    """
+    Decode and verify programs count batch x tokens-per-row rows (a verify row's drafted positions are rows of
+    the same matrix products); a mixed program counts its decode rows and its chunk; compute its chunk."""
+    passes = rows = attended = chunk = chunk_attended = 0
+    for key in programs:
+        passes += 1
+        if key.kind in ("compute", "mixed"):
+            chunk += key.chunk  # compute programs are batch 1
+            chunk_attended += key.chunk * key.kv_len
+        if key.kind == "mixed":
+            rows += key.batch
+            attended += key.batch * key.kv_len
+        elif key.kind in ("decode", "verify"):
+            rows += key.batch * key.chunk
+            attended += key.batch * key.chunk * key.kv_len
+    return np.array([1.0, passes, shape.rows + shape.draft_tokens, rows, attended, chunk, chunk_attended],
+                    dtype=np.float64)
 
-    rows: int = 0
-    kv_tokens: int = 0
-    chunk_tokens: int = 0
-    draft_tokens: int = 0
 
-    def features(self) -> np.ndarray:
-        """[1, rows, kv_tokens, chunk_tokens, draft_tokens] as float64 (shape (5,))."""
-        return np.array([1.0, self.rows, self.kv_tokens, self.chunk_tokens, self.draft_tokens])
+def shape_of_program(key: ProgramKey) -> StepShape:
+    """A step that runs exactly this forward program (its rows and chunk filling its buckets): how a timed
+    program (`Engine.time_programs`) enters the model."""
+    rows = key.batch if key.kind in ("decode", "mixed", "verify") else 0
+    drafts = key.batch * (key.chunk - 1) if key.kind == "verify" else 0
+    chunk = key.chunk if key.kind in ("compute", "mixed") else 0
+    return StepShape(rows=rows, kv_tokens=rows * key.kv_len, chunk_tokens=chunk, draft_tokens=drafts,
+                     longest=key.kv_len if rows else 0,
+                     chunk_end=(key.kv_len if key.kind == "compute" else chunk) if chunk else 0)
 
 
 class StepTimeModel:
-    """Step time (seconds) as a linear function of a `StepShape`, fitted online from measured steps."""
+    """Step time (seconds) as a linear function of a step's features, fitted online from measured steps."""
 
-    def __init__(self, coefficients: tuple[float, ...] | None = None, window: int = WINDOW):
-        """Args: coefficients: fixed (c0..c4) — a scripted model that never refits (tests, a known machine);
-        None: learn from `observe`. window: measured steps kept for the fit."""
+    def __init__(self, coefficients: tuple[float, ...] | None = None, window: int = WINDOW,
+                 featurize: Callable[[StepShape], np.ndarray] = StepShape.features):
+        """Args: coefficients: fixed, one per feature — a scripted model that never refits (tests, a known
+        machine); None: learn from `observe`. window: measured steps kept for the fit. featurize: a step's
+        features; the default, the raw shape's five (`StepShape.features`), suits an engine that pads nothing;
+        the worker passes `program_features` of its engine's `step_programs`."""
+        self.featurize = featurize
         self.fixed = coefficients is not None
         self.coef: np.ndarray | None = np.array(coefficients, dtype=np.float64) if self.fixed else None
         self._x: collections.deque[np.ndarray] = collections.deque(maxlen=window)
@@ -71,7 +100,7 @@ class StepTimeModel:
         """Predicted seconds of a step of this shape, or None before the model is fitted."""
         if self.coef is None:
             return None
-        return float(max(self.coef @ shape.features(), 0.0))
+        return float(max(self.coef @ self.featurize(shape), 0.0))
 
     def observe(self, shape: StepShape, seconds: float) -> float | None:
         """Record a measured step: its prediction error (when a prediction was possible), then the sample
@@ -81,15 +110,28 @@ class StepTimeModel:
         error = abs(predicted - seconds) / seconds if predicted is not None and seconds > 0 else None
         if error is not None:
             self.errors.append(error)
+        if not self.fixed:
+            self._add(shape, seconds)
+        return error
+
+    def seed(self, samples: Iterable[tuple[StepShape, float]]) -> None:
+        """Start from known steps (the warm-up's timed programs: `Engine.time_programs`) without counting
+        prediction errors; measured steps push them out of the window as they come."""
         if self.fixed:
-            return error
-        self._x.append(shape.features())
+            return
+        for shape, seconds in samples:
+            self._add(shape, seconds)
+        if len(self._y) > len(self._x[0]):  # more samples than coefficients: timed programs are exact shapes
+            self.coef = fit(np.array(self._x), np.array(self._y))
+            self._since_fit = 0
+
+    def _add(self, shape: StepShape, seconds: float) -> None:
+        self._x.append(self.featurize(shape))
         self._y.append(seconds)
         self._since_fit += 1
         if len(self._y) >= MIN_SAMPLES and (self.coef is None or self._since_fit >= REFIT_EVERY):
             self.coef = fit(np.array(self._x), np.array(self._y))
             self._since_fit = 0
-        return error
 
     def error_quantile(self, q: float) -> float | None:
         """The q-quantile (0..1) of the relative prediction errors seen so far, or None."""
@@ -102,9 +144,9 @@ def fit(x: np.ndarray, y: np.ndarray, ridge: float = 1e-9, rounds: int = 5) -> n
     varies in the window gets 0 rather than a wild value).
 
     Args:
-      x: (n, 5) features; y: (n,) seconds.
+      x: (n, k) features; y: (n,) seconds.
     Returns:
-      (5,) coefficients, c0 >= 0 .. c4 >= 0.
+      (k,) coefficients, each >= 0.
     """
     active = np.ones(x.shape[1], dtype=bool)
     coef = np.zeros(x.shape[1])

@@ -26,7 +26,7 @@ from protos import common_pb2 as protos_dot_common__pb2
 from protos import tokenizer_pb2 as protos_dot_tokenizer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/gateway.proto\x12\x0egemma_serve.v1\x1a\x13protos/common.proto\x1a\x16protos/tokenizer.proto\"\xc0\x01\n\tChatInput\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.gemma_serve.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x03 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x04 \x01(\t\x12\x1e\n\x16no_parallel_tool_calls\x18\x05 \x01(\x08\x12\x18\n\x10reasoning_effort\x18\x06 \x01(\t\"\x1f\n\nTokenInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x8f\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.gemma_serve.v1.ChatInputH\x00\x12,\n\x06tokens\x18\x04 \x01(\x0b\x32\x1a.gemma_serve.v1.TokenInputH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.gemma_serve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x1e\n\x16include_special_tokens\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x0b \x03(\x05\x12\x1c\n\x14response_format_json\x18\x0c \x01(\t\x12\x12\n\ncache_salt\x18\r \x01(\t\x12\x12\n\nprediction\x18\x0e \x01(\tB\x07\n\x05input\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x85\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\x06tokens\x18\x02 \x03(\x0b\x32\x1e.gemma_serve.v1.GeneratedToken\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.gemma_serve.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.gemma_serve.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\x05\x12\x16\n\x0ereasoning_text\x18\x06 \x01(\t\x12\x31\n\ntool_calls\x18\x07 \x03(\x0b\x32\x1d.gemma_serve.v1.ToolCallDelta2Z\n\x07Gateway\x12O\n\x08Generate\x12\x1f.gemma_serve.v1.GenerateRequest\x1a .gemma_serve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/gateway.proto\x12\x0egemma_serve.v1\x1a\x13protos/common.proto\x1a\x16protos/tokenizer.proto\"\xc0\x01\n\tChatInput\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.gemma_serve.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x03 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x04 \x01(\t\x12\x1e\n\x16no_parallel_tool_calls\x18\x05 \x01(\x08\x12\x18\n\x10reasoning_effort\x18\x06 \x01(\t\"\x1f\n\nTokenInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xcb\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.gemma_serve.v1.ChatInputH\x00\x12,\n\x06tokens\x18\x04 \x01(\x0b\x32\x1a.gemma_serve.v1.TokenInputH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.gemma_serve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x1e\n\x16include_special_tokens\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x0b \x03(\x05\x12\x1c\n\x14response_format_json\x18\x0c \x01(\t\x12\x12\n\ncache_salt\x18\r \x01(\t\x12\x12\n\nprediction\x18\x0e \x01(\t\x12\x13\n\x0bslo_ttft_ms\x18\x0f \x01(\x01\x12\x13\n\x0bslo_tpot_ms\x18\x10 \x01(\x01\x12\x10\n\x08priority\x18\x11 \x01(\x05\x42\x07\n\x05input\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x85\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\x06tokens\x18\x02 \x03(\x0b\x32\x1e.gemma_serve.v1.GeneratedToken\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.gemma_serve.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.gemma_serve.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\x05\x12\x16\n\x0ereasoning_text\x18\x06 \x01(\t\x12\x31\n\ntool_calls\x18\x07 \x03(\x0b\x32\x1d.gemma_serve.v1.ToolCallDelta2Z\n\x07Gateway\x12O\n\x08Generate\x12\x1f.gemma_serve.v1.GenerateRequest\x1a .gemma_serve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,11 +38,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENINPUT']._serialized_start=280
   _globals['_TOKENINPUT']._serialized_end=311
   _globals['_GENERATEREQUEST']._serialized_start=314
-  _globals['_GENERATEREQUEST']._serialized_end=713
-  _globals['_TOOLCALLDELTA']._serialized_start=715
-  _globals['_TOOLCALLDELTA']._serialized_end=790
-  _globals['_GENERATERESPONSE']._serialized_start=793
-  _globals['_GENERATERESPONSE']._serialized_end=1054
-  _globals['_GATEWAY']._serialized_start=1056
-  _globals['_GATEWAY']._serialized_end=1146
+  _globals['_GENERATEREQUEST']._serialized_end=773
+  _globals['_TOOLCALLDELTA']._serialized_start=775
+  _globals['_TOOLCALLDELTA']._serialized_end=850
+  _globals['_GENERATERESPONSE']._serialized_start=853
+  _globals['_GENERATERESPONSE']._serialized_end=1114
+  _globals['_GATEWAY']._serialized_start=1116
+  _globals['_GATEWAY']._serialized_end=1206
 # @@protoc_insertion_point(module_scope)

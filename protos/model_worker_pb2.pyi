@@ -90,7 +90,7 @@ class DeviceMemory(_message.Message):
     def __init__(self, device_id: _Optional[int] = ..., device_kind: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., penalty_bytes: _Optional[int] = ..., temp_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask", "constrained", "share_prompt_with", "allowed_tokens", "cache_salt", "session_id", "session_ttl_s", "session_release", "prediction_token_ids", "draft_scope", "drafts_with_masks", "slo_ttft_s", "slo_tpot_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "initial_mask", "constrained", "share_prompt_with", "allowed_tokens", "cache_salt", "session_id", "session_ttl_s", "session_release", "prediction_token_ids", "draft_scope", "drafts_with_masks", "slo_ttft_s", "slo_tpot_s", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class PrefillRequest(_message.Message):
     DRAFTS_WITH_MASKS_FIELD_NUMBER: _ClassVar[int]
     SLO_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     SLO_TPOT_S_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -125,7 +126,8 @@ class PrefillRequest(_message.Message):
     drafts_with_masks: bool
     slo_ttft_s: float
     slo_tpot_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingParams, _Mapping]] = ..., initial_mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., constrained: _Optional[bool] = ..., share_prompt_with: _Optional[str] = ..., allowed_tokens: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_ttl_s: _Optional[float] = ..., session_release: _Optional[bool] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ..., draft_scope: _Optional[str] = ..., drafts_with_masks: _Optional[bool] = ..., slo_ttft_s: _Optional[float] = ..., slo_tpot_s: _Optional[float] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingParams, _Mapping]] = ..., initial_mask: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., constrained: _Optional[bool] = ..., share_prompt_with: _Optional[str] = ..., allowed_tokens: _Optional[_Union[_common_pb2.TokenMask, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_ttl_s: _Optional[float] = ..., session_release: _Optional[bool] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ..., draft_scope: _Optional[str] = ..., drafts_with_masks: _Optional[bool] = ..., slo_ttft_s: _Optional[float] = ..., slo_tpot_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token", "finish_reason", "usage", "max_draft_tokens")

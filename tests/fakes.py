@@ -16,7 +16,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from model_worker.engine_api import DecodeBatch, HostOutput, PromptChunk, VerifyBatch, VerifyOutput
+from model_worker.engine_api import (
+    DecodeBatch,
+    HostOutput,
+    ProgramKey,
+    PromptChunk,
+    StepShape,
+    VerifyBatch,
+    VerifyOutput,
+)
 from model_worker.sampling import SamplingArrays, unpack_mask
 
 
@@ -138,6 +146,17 @@ class FakeEngine:
                 emitted[r] += 1
         return VerifyOutput(tokens, np.full((n, T), pending.logprob, np.float32), np.full((n, T, 20), -1, np.int32),
                             np.zeros((n, T, 20), np.float32), np.zeros((n, T), bool), emitted)
+
+    def step_programs(self, *, shape: StepShape) -> tuple[ProgramKey, ...]:
+        """No buckets: a compute program of the chunk as it is, then a decode (or verify) program of the rows."""
+        keys = []
+        if shape.chunk_tokens:
+            keys.append(ProgramKey("compute", 1, min(shape.chunk_tokens, self.ecfg.chunk),
+                                   max(shape.chunk_end, shape.chunk_tokens)))
+        if shape.rows:
+            tokens = 1 + (self.ecfg.max_draft_tokens if shape.draft_tokens else 0)
+            keys.append(ProgramKey("verify" if shape.draft_tokens else "decode", shape.rows, tokens, shape.longest))
+        return tuple(keys)
 
     def copy_slot(self, *, src: int, dst: int) -> None:
         """Count the copy (the fake keeps no per-slot state)."""

@@ -88,3 +88,18 @@ def test_request_models_refuse_values_outside_their_literals():
         with pytest.raises(pydantic.ValidationError) as err:
             ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **bad})
         assert err.value.errors()[0]["loc"][0] == next(iter(bad)), err.value
+
+
+def test_latency_targets_and_priority_are_fields_that_win_over_metadata():
+    from gateway.grpc_service import _with_targets
+    from gateway.workers import Session
+
+    assert request_model(_text(priority=-3)).priority == -3 and request_model(_text()).priority == 0
+    metadata = Session(key="s", ttft_s=9.0, tpot_s=0.5)
+    session = _with_targets(metadata, _text(slo_ttft_ms=1500))
+    assert (session.key, session.ttft_s, session.tpot_s) == ("s", 1.5, 0.5)  # the field wins, the other stays
+    assert _with_targets(metadata, _text()) is metadata
+    for bad in (-1.0, math.inf, math.nan, 1e12):
+        with pytest.raises(ApiError) as err:
+            _with_targets(Session(), _text(slo_tpot_ms=bad))
+        assert err.value.status == 400 and err.value.param == "slo_tpot_ms"

@@ -4,6 +4,7 @@ steps as the longest one."""
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 import threading
@@ -123,7 +124,24 @@ def test_no_compilation_after_warmup_and_smallest_buckets(loop, engine):
     smallest_kv, smallest_chunk = engine.kv_buckets[0], min(engine.ecfg.prefill_chunks)
     assert set(engine.calls) == {("compute", 1, smallest_chunk, smallest_kv), ("decode", 1, 1, smallest_kv),
                                  ("sample", 1, 0, 0)}, engine.calls  # top_logprobs=20: the full sampler
-    # A randomized stream: prompt lengths, max_tokens, sampling settings, batch sizes.
+    # A randomized stream: prompt lengths, max_tokens, sampling settings, batch sizes. Every step's forward
+    # programs are the ones `step_programs` prices for its shape (the step-time model's features).
+    ran, mismatches = [], []
+    run_work, observe = loop._run_work, loop._observe_step
+
+    def counted_run(work):
+        before = collections.Counter(engine.calls)
+        result = run_work(work)
+        ran[:] = sorted((collections.Counter(engine.calls) - before).elements())
+        return result
+
+    def checked_observe(work, result, seconds):
+        forward = sorted(k for k in ran if k.kind in ("compute", "decode", "mixed", "verify"))
+        if forward != sorted(engine.step_programs(shape=loop.step_shape(work, result))):
+            mismatches.append((loop.step_shape(work, result), forward))
+        observe(work, result, seconds)
+
+    loop._observe_step, loop._run_work = checked_observe, counted_run
     rng = random.Random(7)
     sinks = []
     for i in range(24):
@@ -142,6 +160,7 @@ def test_no_compilation_after_warmup_and_smallest_buckets(loop, engine):
     for sink in sinks:
         assert sink.done.wait(300)
     assert compiles == [], f"{len(compiles)} compilations after warm-up"
+    assert not mismatches, mismatches[:3]
     assert {k[1] for k in engine.calls if k[0] == "decode"} > {1}, "the stream used several batch buckets"
     assert {k[0] for k in engine.calls} >= {"sample", "greedy"}, engine.calls
 
