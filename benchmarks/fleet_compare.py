@@ -73,7 +73,8 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 def run_ours(args, out_dir: pathlib.Path, workers: int = 1) -> pathlib.Path:
     """Start `gemma-serve up` (free ports, `--ours-args`, `--workers`), run every fleet size against it, keep the
-    gateway's routing counters (`ours-W.routed.json`), stop it; returns the JSON path."""
+    gateway's routing counters (`ours-W.routed.json`) and worker 0's metrics (`ours-W.worker-metrics.txt`: the
+    step-time model's error, SLO counters), stop it; returns the JSON path."""
     ports = {flag: _free_port() for flag in ("--http-port", "--gateway-grpc-port", "--tokenizer-port")}
     ports["--worker-port"], ports["--worker-metrics-port"] = _free_run(workers), _free_run(workers)
     cmd = [sys.executable, "-m", "gemma_serve.cli", "up", *(x for kv in ports.items() for x in map(str, kv)),
@@ -92,6 +93,9 @@ def run_ours(args, out_dir: pathlib.Path, workers: int = 1) -> pathlib.Path:
                         *workload_argv(args)], check=False)
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             (out_dir / f"{name}.routed.json").write_text(json.dumps(routed_counts(r.read().decode())))
+        worker_metrics = f"http://127.0.0.1:{ports['--worker-metrics-port']}/metrics"
+        with urllib.request.urlopen(worker_metrics, timeout=10) as r:  # worker 0's (step-time model error, SLO)
+            (out_dir / f"{name}.worker-metrics.txt").write_bytes(r.read())
         return out
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

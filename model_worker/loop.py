@@ -32,7 +32,7 @@ from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Emission, Scheduler, StepResult, Work
 from model_worker.sequence import Failure, Finish, GrammarDraft, SamplingSpec, Sequence, TokenEvent
 from model_worker.slo import SloAdmission, SloSettings
-from model_worker.step_model import StepShape, StepTimeModel, program_features, shape_of_program
+from model_worker.step_model import StepShape, StepTimeModel, shape_of_program
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +198,9 @@ class EngineLoop:
                                    max_waiting=engine.ecfg.max_waiting, token_budget=self.token_budget,
                                    lease_preempt_after=lease_preempt_after, max_draft_tokens=drafts,
                                    max_verify_batch=engine.ecfg.max_verify_batch if drafts else 0,
-                                   slo=SloAdmission(slo or SloSettings(), StepTimeModel(featurize=self.step_features),
-                                                    chunks=tuple(engine.ecfg.prefill_chunks)))
+                                   slo=SloAdmission(slo or SloSettings(), StepTimeModel(programs=self.step_programs),
+                                                    chunks=tuple(engine.ecfg.prefill_chunks),
+                                                    token_budget=self.token_budget))
         self.costs = StepCosts()
         self._inbox: queue.Queue[Command] = queue.Queue()
         self._submitted = 0  # `Submit`s in the inbox, not yet taken in (`load`); changed under `_submitted_lock`
@@ -315,7 +316,7 @@ class EngineLoop:
             self._observe_admissions(work.admitted)
         started = time.perf_counter()
         result = self._run_work(work)
-        if work.chunk is not None or work.decode:
+        if work.decode:  # a chunk alone is not waited for unless sampled: its time lands in a later step
             self._observe_step(work, result, time.perf_counter() - started)
         self._count(work, result)
         self._publish(self.scheduler.postprocess(work, result))
@@ -330,9 +331,9 @@ class EngineLoop:
         before `start`."""
         self.scheduler.slo.model.seed((shape_of_program(key), seconds) for key, seconds in timed)
 
-    def step_features(self, shape: StepShape) -> np.ndarray:
-        """The step-time model's features of a step: those of the programs the engine runs for it."""
-        return program_features(shape, self.engine.step_programs(shape=shape))
+    def step_programs(self, shape: StepShape) -> tuple[engine_api.ProgramKey, ...]:
+        """The forward programs the engine runs for a step of this shape (the step-time model's features)."""
+        return self.engine.step_programs(shape=shape)
 
     @staticmethod
     def step_shape(work: Work, result: StepResult) -> StepShape:

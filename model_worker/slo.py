@@ -31,8 +31,8 @@ from model_worker.step_model import StepShape, StepTimeModel
 
 #: Fewest prompt tokens a step's chunk is cut to under a TPOT target.
 MIN_CHUNK = 16
-#: Prompt tokens per step assumed when predicting how long a queue of prompts takes (the chunk the scheduler
-#: runs when no target bounds it: the engine's largest compiled chunk is typical).
+#: Prompt tokens per step assumed when predicting how long a queue of prompts takes, when neither the engine's
+#: chunk sizes nor the scheduler's token budget are known (a scripted scheduler in tests).
 PLANNING_CHUNK = 256
 
 
@@ -54,13 +54,15 @@ class SloAdmission:
     """The scheduler's latency-target decisions (see the module docstring)."""
 
     def __init__(self, settings: SloSettings = SloSettings(), model: StepTimeModel | None = None,
-                 chunks: tuple[int, ...] = ()):
+                 chunks: tuple[int, ...] = (), token_budget: int | None = None):
         """Args: settings: the worker's flags; model: the step-time model (default: learned from the steps,
         on the raw shape); chunks: the engine's compiled prompt chunk sizes (`EngineSizes.prefill_chunks`;
-        empty: any length)."""
+        empty: any length); token_budget: the most prompt tokens the scheduler computes in a step that also
+        decodes (its `token_budget`; None: unbounded)."""
         self.settings = settings
         self.model = model or StepTimeModel()
         self.chunks = tuple(sorted(chunks))
+        self.token_budget = token_budget
 
     def ttft(self, seq: Sequence) -> float | None:
         """A sequence's TTFT target in seconds (its own, else the default), or None."""
@@ -104,12 +106,24 @@ class SloAdmission:
         return None
 
     def prompt_seconds(self, tokens: int, decoding: list[Sequence]) -> float | None:
-        """Predicted seconds to compute `tokens` prompt tokens in chunks beside the running decode rows."""
+        """Predicted seconds to compute `tokens` prompt tokens in chunks beside the running decode rows, each
+        chunk as large as the scheduler makes it (`planned_chunk`)."""
         if tokens <= 0:
             return 0.0
-        steps = math.ceil(tokens / PLANNING_CHUNK)
-        per = self.model.predict(self._shape(decoding, min(tokens, PLANNING_CHUNK)))
+        chunk = self.planned_chunk(decoding)
+        steps = math.ceil(tokens / chunk)
+        per = self.model.predict(self._shape(decoding, min(tokens, chunk)))
         return None if per is None else steps * per
+
+    def planned_chunk(self, decoding: list[Sequence]) -> int:
+        """The prompt tokens a step computes beside these decode rows: the largest compiled chunk, bounded by
+        the token budget and the TPOT targets when rows decode (the scheduler's own rule); `PLANNING_CHUNK`
+        when neither chunk sizes nor a budget are known."""
+        chunk = self.chunks[-1] if self.chunks else PLANNING_CHUNK
+        if decoding:
+            bounds = [b for b in (self.token_budget, self.chunk_budget(decoding)) if b is not None]
+            chunk = min([chunk, *bounds])
+        return max(1, chunk)
 
     def chunk_budget(self, decoding: list[Sequence], start: int = 0) -> int | None:
         """The most prompt tokens a step with these decode rows may compute and stay within their tightest

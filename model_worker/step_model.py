@@ -11,9 +11,12 @@ its KV bucket and a chunk to a compiled chunk size, and a step with a chunk and 
            + c5 * chunk + c6 * chunk * kv_bucket                                              (seconds)
 
 (rows: the real decode rows, whose sampling and bookkeeping cost; a verify step's rows count each drafted
-position.) The first measured model, on the raw shape (`StepShape.features`: rows, cached tokens, chunk tokens,
-drafts), missed by ~30% at the 90th percentile on the agent fleet, mostly where a row more crossed a batch
-bucket or a chunk was padded (docs/performance.md, "Latency-target admission").
+position.) A line through every program still misses some of them by 20-50% (a verify step's rows are not a
+decode step's; the mixed program is not a decode plus a chunk), while each program's own time varies by less
+than 10% from step to step: so a set of programs measured `CORRECT_AFTER` times gets its own correction, the
+weighted mean of measured / linear over its steps, and the line prices the shapes not run yet. The first
+model, on the raw shape (`StepShape.features`: rows, cached tokens, chunk tokens, drafts), missed by ~30% at
+the 90th percentile (docs/performance.md, "Latency-target admission").
 
 The coefficients are least-squares fits (non-negative, a small ridge) over the most recent measured steps, refitted
 as steps arrive (`observe`), so the model follows the machine it runs on and what else runs there; the worker
@@ -39,6 +42,10 @@ WINDOW = 512
 MIN_SAMPLES = 16
 #: Refit after this many new steps (a fit is a 7x7 solve over the window: microseconds).
 REFIT_EVERY = 8
+#: Weight of the newest step in a program set's correction (an exponentially weighted mean of measured / linear).
+RATIO_WEIGHT = 0.25
+#: Steps of a program set measured before its correction applies.
+CORRECT_AFTER = 2
 
 
 def program_features(shape: StepShape, programs: Iterable[ProgramKey]) -> np.ndarray:
@@ -75,20 +82,23 @@ def shape_of_program(key: ProgramKey) -> StepShape:
 
 
 class StepTimeModel:
-    """Step time (seconds) as a linear function of a step's features, fitted online from measured steps."""
+    """Step time (seconds): a linear function of a step's features, fitted online from measured steps, times a
+    per-program correction learned from the steps that ran those programs (see the module docstring)."""
 
     def __init__(self, coefficients: tuple[float, ...] | None = None, window: int = WINDOW,
-                 featurize: Callable[[StepShape], np.ndarray] = StepShape.features):
-        """Args: coefficients: fixed, one per feature — a scripted model that never refits (tests, a known
-        machine); None: learn from `observe`. window: measured steps kept for the fit. featurize: a step's
-        features; the default, the raw shape's five (`StepShape.features`), suits an engine that pads nothing;
-        the worker passes `program_features` of its engine's `step_programs`."""
-        self.featurize = featurize
+                 programs: Callable[[StepShape], tuple[ProgramKey, ...]] | None = None):
+        """Args: coefficients: fixed, one per feature — a scripted model that never refits nor corrects (tests,
+        a known machine); None: learn from `observe`. window: measured steps kept for the fit. programs: the
+        forward programs a step runs (the engine's `step_programs`): features from them (`program_features`)
+        and a correction per set of programs; None: the raw shape's five features (`StepShape.features`), for an
+        engine that pads nothing."""
+        self.programs = programs
         self.fixed = coefficients is not None
         self.coef: np.ndarray | None = np.array(coefficients, dtype=np.float64) if self.fixed else None
         self._x: collections.deque[np.ndarray] = collections.deque(maxlen=window)
         self._y: collections.deque[float] = collections.deque(maxlen=window)
         self._since_fit = 0
+        self._ratio: dict[tuple[ProgramKey, ...], tuple[float, int]] = {}  # measured / linear: EWMA, count
         self.errors: collections.deque[float] = collections.deque(maxlen=window)
 
     @property
@@ -100,18 +110,28 @@ class StepTimeModel:
         """Predicted seconds of a step of this shape, or None before the model is fitted."""
         if self.coef is None:
             return None
-        return float(max(self.coef @ self.featurize(shape), 0.0))
+        keys = self.programs(shape) if self.programs is not None else ()
+        linear = self._linear(shape, keys)
+        ratio, count = self._ratio.get(keys, (1.0, 0))
+        return linear * ratio if count >= CORRECT_AFTER else linear
 
     def observe(self, shape: StepShape, seconds: float) -> float | None:
         """Record a measured step: its prediction error (when a prediction was possible), then the sample
-        (refitting every `REFIT_EVERY` samples once `MIN_SAMPLES` are in). Returns the relative error
-        |predicted - measured| / measured, or None."""
+        (refitting every `REFIT_EVERY` samples once `MIN_SAMPLES` are in) and its programs' correction. Returns
+        the relative error |predicted - measured| / measured, or None."""
         predicted = self.predict(shape)
         error = abs(predicted - seconds) / seconds if predicted is not None and seconds > 0 else None
         if error is not None:
             self.errors.append(error)
-        if not self.fixed:
-            self._add(shape, seconds)
+        if self.fixed:
+            return error
+        keys = self.programs(shape) if self.programs is not None else ()
+        if self.coef is not None and keys:
+            linear = self._linear(shape, keys)
+            if linear > 0:
+                ratio, count = self._ratio.get(keys, (seconds / linear, 0))
+                self._ratio[keys] = ((1 - RATIO_WEIGHT) * ratio + RATIO_WEIGHT * seconds / linear, count + 1)
+        self._add(shape, keys, seconds)
         return error
 
     def seed(self, samples: Iterable[tuple[StepShape, float]]) -> None:
@@ -120,13 +140,20 @@ class StepTimeModel:
         if self.fixed:
             return
         for shape, seconds in samples:
-            self._add(shape, seconds)
-        if len(self._y) > len(self._x[0]):  # more samples than coefficients: timed programs are exact shapes
+            self._add(shape, self.programs(shape) if self.programs is not None else (), seconds)
+        if self._x and len(self._y) > len(self._x[0]):  # more samples than coefficients (exact shapes)
             self.coef = fit(np.array(self._x), np.array(self._y))
             self._since_fit = 0
 
-    def _add(self, shape: StepShape, seconds: float) -> None:
-        self._x.append(self.featurize(shape))
+    def _features(self, shape: StepShape, keys: tuple[ProgramKey, ...]) -> np.ndarray:
+        return program_features(shape, keys) if self.programs is not None else shape.features()
+
+    def _linear(self, shape: StepShape, keys: tuple[ProgramKey, ...]) -> float:
+        assert self.coef is not None
+        return float(max(self.coef @ self._features(shape, keys), 0.0))
+
+    def _add(self, shape: StepShape, keys: tuple[ProgramKey, ...], seconds: float) -> None:
+        self._x.append(self._features(shape, keys))
         self._y.append(seconds)
         self._since_fit += 1
         if len(self._y) >= MIN_SAMPLES and (self.coef is None or self._since_fit >= REFIT_EVERY):

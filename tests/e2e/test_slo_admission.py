@@ -40,6 +40,9 @@ def test_a_burst_beyond_capacity_is_refused_early_not_served_late(stack):
     assert counted and float(counted.group(1)) >= len(refused), metrics[:200]
     attained = re.findall(r'gemma_serve:slo_requests_total\{met="(true|false)",target="ttft"\} ([0-9.]+)', metrics)
     assert sum(float(n) for _, n in attained) >= len(served)
+    # The step-time model predicted the burst's steps (seeded at start-up: from its first step) and says how well.
+    predicted = re.search(r'gemma_serve:step_time_prediction_relative_error_count ([0-9.]+)', metrics)
+    assert predicted and float(predicted.group(1)) > 0, metrics[:200]
 
 
 def test_a_malformed_target_is_a_400_naming_the_header(stack):
