@@ -345,7 +345,8 @@ class Engine:
     def time_programs(self, budget: float = 1.0) -> list[tuple[ProgramKey, float]]:
         """Run the compiled forward programs once more each on all-padding inputs, timed, until `budget` seconds
         are spent (call after `warm_up`: a program's first run costs more than later ones): the kinds in turn
-        (compute, decode, mixed, verify), each kind's cheapest first, so a short budget still covers every kind.
+        (one program of each kind, then the next of each), each kind's cheapest first, so a short budget still
+        covers every kind.
         Returns (key, seconds) pairs: the step-time model's first fit (model_worker/step_model.py), so a fresh
         worker predicts its first steps instead of admitting first-come first-served. Changes no state, as
         `warm_up`."""

@@ -32,7 +32,7 @@ from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays
 from model_worker.scheduler import Emission, Scheduler, StepResult, Work
 from model_worker.sequence import Failure, Finish, GrammarDraft, SamplingSpec, Sequence, TokenEvent
 from model_worker.slo import SloAdmission, SloSettings
-from model_worker.step_model import StepShape, StepTimeModel, shape_of_program
+from model_worker.step_model import StepShape, StepTimeModel
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ class EngineLoop:
     def seed_step_model(self, timed: list[tuple[engine_api.ProgramKey, float]]) -> None:
         """Give the step-time model its first fit from timed programs (`engine.Engine.time_programs`); call
         before `start`."""
-        self.scheduler.slo.model.seed((shape_of_program(key), seconds) for key, seconds in timed)
+        self.scheduler.slo.model.seed(timed)
 
     def step_programs(self, shape: StepShape) -> tuple[engine_api.ProgramKey, ...]:
         """The forward programs the engine runs for a step of this shape (the step-time model's features)."""

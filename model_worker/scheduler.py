@@ -216,7 +216,8 @@ class Scheduler:
         decode = sorted((s for s in live if s.pending == 1 and (s.ready() or not s.missed)), key=lambda s: s.row)
         chunk = None
         if compute is not None:
-            slo_budget = self.slo.chunk_budget(decode, compute.num_computed)
+            may_draft = self.max_draft_tokens * len(decode) if len(decode) <= self.max_verify_batch else 0
+            slo_budget = self.slo.chunk_budget(decode, compute.num_computed, may_draft)
             budgets = [b for b in (self.token_budget, slo_budget) if b is not None and decode]
             chunk = self._plan_chunk(compute, min(budgets) if budgets else None)
         drafts: list[list[int]] = []
@@ -295,7 +296,8 @@ class Scheduler:
                         () if seq.leader is not None or seq.fork_of is not None else seq.prompt)
 
     def _admit(self) -> tuple[list[tuple[int, int]], list[Sequence]]:
-        """Place waiting sequences in arrival order until one finds no slot; (copies to run, admitted)."""
+        """Place waiting sequences until one finds no slot — in arrival order, or with latency targets or
+        priorities waiting, least slack first (`SloAdmission.order`); (copies to run, admitted)."""
         copies: list[tuple[int, int]] = []
         admitted: list[Sequence] = []
         if not self.waiting or not self.cache.has_free():
@@ -344,20 +346,25 @@ class Scheduler:
         decoding = [s for s in running if s.num_computed >= len(s.prompt)]
         out: list[Emission] = []
         ahead = 0
+        lead: int | None = None  # with nothing decoding: the first prompt's tokens, computed alone
         for seq in sorted((s for s in running if s.num_computed < len(s.prompt)), key=lambda s: s.arrival):
             own = len(seq.prompt) - seq.num_computed
-            predicted = self.slo.unreachable(seq, now, ahead, own, decoding) if seq in fresh else None
+            first = lead if lead is not None or decoding else own
+            predicted = self.slo.unreachable(seq, now, ahead, own, decoding, first) if seq in fresh else None
             if predicted is None:
                 ahead += own
+                lead = first
             else:
                 out.append(self._refuse(seq, predicted))
         live = self._live_slots() if self.slo.model.fitted and self.waiting else {}
         for seq in self.slo.order(self.waiting):
             cached = self.cache.best_source(seq.prompt, seq.cache_salt, -1, live)[1] if live else 0
             own = len(seq.prompt) - cached
-            predicted = self.slo.unreachable(seq, now, ahead, own, decoding)
+            first = lead if lead is not None or decoding else own
+            predicted = self.slo.unreachable(seq, now, ahead, own, decoding, first)
             if predicted is None:
                 ahead += own
+                lead = first
             else:
                 out.append(self._refuse(seq, predicted))
         return out

@@ -5,8 +5,8 @@ worker's `--slo-ttft` / `--slo-tpot` give requests without their own the default
 first-come first-served behaviour). Goodput counts the requests that meet both (DistServe's definition).
 
 - Order: waiting requests are admitted least slack first — deadline = arrival + TTFT target — (requests without
-  a target after those with one); equal deadlines (among requests without a target: all of them) go by
-  `priority` (vLLM's field: lower first), then by arrival.
+  a target after those with one); deadlines within the same 100 ms (`DEADLINE_TIE_S`), and all requests
+  without a target, go by `priority` (vLLM's field: lower first), then by deadline and arrival.
 - Early refusal (SCORPIO's idea): a waiting request whose TTFT can no longer be met is answered at once
   (`Failure.SLO_UNREACHABLE`: the gateway's 429 with Retry-After) instead of waiting in vain — when its deadline
   has passed, or when the prompt tokens ahead of it and its own uncached ones, at the modelled rate, cannot be
@@ -31,6 +31,9 @@ from model_worker.step_model import StepShape, StepTimeModel
 
 #: Fewest prompt tokens a step's chunk is cut to under a TPOT target.
 MIN_CHUNK = 16
+#: Deadlines this close (seconds: the same step of this size) count as equal, and `priority` orders them: exact
+#: float deadlines are never equal, so without it the field would order only requests without a target.
+DEADLINE_TIE_S = 0.1
 #: Prompt tokens per step assumed when predicting how long a queue of prompts takes, when neither the engine's
 #: chunk sizes nor the scheduler's token budget are known (a scripted scheduler in tests).
 PLANNING_CHUNK = 256
@@ -73,17 +76,18 @@ class SloAdmission:
         return seq.slo_tpot_s if seq.slo_tpot_s is not None else self.settings.tpot_s
 
     def order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
-        """Waiting sequences least slack first: by TTFT deadline, those without a target last; ties (equal
-        deadlines, and every sequence without a target) by priority, then arrival."""
+        """Waiting sequences least slack first: by TTFT deadline, those without a target last; ties (deadlines
+        in the same `DEADLINE_TIE_S` step, and every sequence without a target) by priority, then deadline, then
+        arrival."""
         def key(seq: Sequence) -> tuple:
             target = self.ttft(seq)
             deadline = 0.0 if target is None else seq.arrived_at + target
-            return (target is None, deadline, seq.priority, seq.arrival)
+            return (target is None, math.floor(deadline / DEADLINE_TIE_S), seq.priority, deadline, seq.arrival)
 
         return sorted(waiting, key=key)
 
     def unreachable(self, seq: Sequence, now: float, tokens_ahead: int, own_tokens: int,
-                    decoding: list[Sequence]) -> float | None:
+                    decoding: list[Sequence], lead: int | None = None) -> float | None:
         """The predicted TTFT (seconds from arrival) of a waiting sequence whose target cannot be met, or None
         when it can (or it has no target, or the policy is best-effort).
 
@@ -93,6 +97,7 @@ class SloAdmission:
             ahead in the queue).
           own_tokens: its own uncached prompt tokens.
           decoding: the running decode rows (their steps share the engine with the prompts).
+          lead: see `prompt_seconds`.
         """
         target = self.ttft(seq)
         if target is None or self.settings.policy != "reject":
@@ -100,20 +105,32 @@ class SloAdmission:
         waited = now - seq.arrived_at
         if waited > target:
             return waited
-        remaining = self.prompt_seconds(tokens_ahead + own_tokens, decoding)
+        remaining = self.prompt_seconds(tokens_ahead + own_tokens, decoding, lead)
         if remaining is not None and waited + remaining > target:
             return waited + remaining
         return None
 
-    def prompt_seconds(self, tokens: int, decoding: list[Sequence]) -> float | None:
+    def prompt_seconds(self, tokens: int, decoding: list[Sequence], lead: int | None = None) -> float | None:
         """Predicted seconds to compute `tokens` prompt tokens in chunks beside the running decode rows, each
-        chunk as large as the scheduler makes it (`planned_chunk`)."""
+        chunk as large as the scheduler makes it (`planned_chunk`).
+
+        `lead`: when no row decodes, the tokens of the prompt computed first: they run alone, in the largest
+        chunks, and the rest beside its decode row, in the chunks the scheduler cuts then (its token budget) —
+        pricing a whole queue alone would be several times too optimistic. None: all of them alone."""
         if tokens <= 0:
             return 0.0
-        chunk = self.planned_chunk(decoding)
-        steps = math.ceil(tokens / chunk)
-        per = self.model.predict(self._shape(decoding, min(tokens, chunk)))
-        return None if per is None else steps * per
+        if decoding or lead is None or lead >= tokens:
+            return self._chunks_seconds(tokens, self._shape(decoding, 0), self.planned_chunk(decoding))
+        alone = self.planned_chunk([])
+        first = self._chunks_seconds(lead, StepShape(), alone)
+        beside = StepShape(rows=1, kv_tokens=lead, longest=lead + 1)
+        rest = self._chunks_seconds(tokens - lead, beside, min(alone, self.token_budget or alone))
+        return None if first is None or rest is None else first + rest
+
+    def _chunks_seconds(self, tokens: int, step: StepShape, chunk: int) -> float | None:
+        """Predicted seconds of ceil(tokens / chunk) steps of `step` with a chunk each."""
+        per = self.model.predict(dataclasses.replace(step, chunk_tokens=min(tokens, chunk)))
+        return None if per is None else math.ceil(tokens / chunk) * per
 
     def planned_chunk(self, decoding: list[Sequence]) -> int:
         """The prompt tokens a step computes beside these decode rows: the largest compiled chunk, bounded by
@@ -125,15 +142,21 @@ class SloAdmission:
             chunk = min([chunk, *bounds])
         return max(1, chunk)
 
-    def chunk_budget(self, decoding: list[Sequence], start: int = 0) -> int | None:
+    def chunk_budget(self, decoding: list[Sequence], start: int = 0, draft_tokens: int = 0) -> int | None:
         """The most prompt tokens a step with these decode rows may compute and stay within their tightest
-        TPOT target (None: no bound). `start`: the chunk's first position (its KV bucket)."""
+        TPOT target (None: no bound). `start`: the chunk's first position (its KV bucket); `draft_tokens`: the
+        drafts the step may verify (its rows then run as a verify pass beside the chunk: the dearer of the two
+        is priced)."""
         tight = self._tightest(decoding)
         if tight is None or not self.model.fitted:
             return None
         if self.chunks:
-            fits = [c for c in self.chunks
-                    if (self.model.predict(self._shape(decoding, c, start + c)) or 0.0) <= tight]
+            def seconds(c: int) -> float:
+                shape = self._shape(decoding, c, start + c)
+                shapes = [shape, dataclasses.replace(shape, draft_tokens=draft_tokens)] if draft_tokens else [shape]
+                return max(self.model.predict(s) or 0.0 for s in shapes)
+
+            fits = [c for c in self.chunks if seconds(c) <= tight]
             return fits[-1] if fits else self.chunks[0]
         base = self.model.predict(self._shape(decoding, 0)) or 0.0
         per_token = (self.model.predict(self._shape(decoding, 1)) or 0.0) - base

@@ -20,8 +20,9 @@ the 90th percentile (docs/performance.md, "Latency-target admission").
 
 The coefficients are least-squares fits (non-negative, a small ridge) over the most recent measured steps, refitted
 as steps arrive (`observe`), so the model follows the machine it runs on and what else runs there; the worker
-seeds it at start-up with the warm-up's timed programs (`seed`). Until `MIN_SAMPLES` steps are known it predicts
-nothing (`predict` returns None) and admission falls back to first-come first-served. Each prediction made before
+seeds it at start-up with the warm-up's timed programs (`seed`). Until it has more samples than coefficients
+(seeded) or `MIN_SAMPLES` measured steps it predicts nothing (`predict` returns None), and admission falls back
+to first-come first-served. Each prediction made before
 its step ran is compared with the measured time: the relative errors are kept for the prediction-error metric.
 """
 
@@ -99,6 +100,8 @@ class StepTimeModel:
         self._y: collections.deque[float] = collections.deque(maxlen=window)
         self._since_fit = 0
         self._ratio: dict[tuple[ProgramKey, ...], tuple[float, int]] = {}  # measured / linear: EWMA, count
+        self._seed_x: list[np.ndarray] = []  # timed programs (`seed`), part of every fit
+        self._seed_y: list[float] = []
         self.errors: collections.deque[float] = collections.deque(maxlen=window)
 
     @property
@@ -134,16 +137,24 @@ class StepTimeModel:
         self._add(shape, keys, seconds)
         return error
 
-    def seed(self, samples: Iterable[tuple[StepShape, float]]) -> None:
-        """Start from known steps (the warm-up's timed programs: `Engine.time_programs`) without counting
-        prediction errors; measured steps push them out of the window as they come."""
+    def seed(self, timed: Iterable[tuple[ProgramKey, float]]) -> None:
+        """Start from timed programs (`Engine.time_programs`): each one's features are its own (not those of
+        a shape mapped back through the buckets: the grid holds programs no step picks, e.g. a chunk in a
+        smaller KV bucket), no prediction error is counted, and they stay in every later fit — the programs
+        a busy worker never runs alone (a prompt chunk with no decode rows) stay priced. Timed on all-padding
+        inputs, their attention reads almost nothing, so they price attention low until real steps come."""
         if self.fixed:
             return
-        for shape, seconds in samples:
-            self._add(shape, self.programs(shape) if self.programs is not None else (), seconds)
-        if self._x and len(self._y) > len(self._x[0]):  # more samples than coefficients (exact shapes)
-            self.coef = fit(np.array(self._x), np.array(self._y))
-            self._since_fit = 0
+        for key, seconds in timed:
+            shape = shape_of_program(key)
+            self._seed_x.append(program_features(shape, (key,)) if self.programs is not None else shape.features())
+            self._seed_y.append(seconds)
+        if self._seed_x and len(self._seed_y) + len(self._y) > len(self._seed_x[0]):  # more samples than coefficients
+            self._refit()
+
+    def _refit(self) -> None:
+        self.coef = fit(np.array([*self._seed_x, *self._x]), np.array([*self._seed_y, *self._y]))
+        self._since_fit = 0
 
     def _features(self, shape: StepShape, keys: tuple[ProgramKey, ...]) -> np.ndarray:
         return program_features(shape, keys) if self.programs is not None else shape.features()
@@ -156,9 +167,8 @@ class StepTimeModel:
         self._x.append(self._features(shape, keys))
         self._y.append(seconds)
         self._since_fit += 1
-        if len(self._y) >= MIN_SAMPLES and (self.coef is None or self._since_fit >= REFIT_EVERY):
-            self.coef = fit(np.array(self._x), np.array(self._y))
-            self._since_fit = 0
+        if len(self._y) + len(self._seed_y) >= MIN_SAMPLES and (self.coef is None or self._since_fit >= REFIT_EVERY):
+            self._refit()
 
     def error_quantile(self, q: float) -> float | None:
         """The q-quantile (0..1) of the relative prediction errors seen so far, or None."""

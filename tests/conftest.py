@@ -43,7 +43,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 #: The suite's plugins: the order of the tests and the lanes of `make test` (scheduling), one gguf-py reader per
 #: file (gguf_readers).
-pytest_plugins = ("tests.plugins.scheduling", "tests.plugins.gguf_readers", "tests.plugins.bytecode")
+pytest_plugins = ("tests.plugins.scheduling", "tests.plugins.gguf_readers")
 
 
 @pytest.fixture(scope="session")

@@ -250,7 +250,7 @@ def test_a_seeded_model_predicts_from_its_first_step():
     keys = [ProgramKey("decode", b, 1, kv) for b in (1, 2, 4, 8, 16) for kv in (512, 2048, 8192)]
     keys += [ProgramKey("compute", 1, c, kv) for c in (64, 256) for kv in (512, 2048, 8192)]
     cost = {k: 0.01 + 0.001 * k.batch + 1e-6 * k.batch * k.kv_len + 5e-5 * k.chunk for k in keys}
-    model.seed((shape_of_program(k), t) for k, t in cost.items())
+    model.seed(cost.items())
     assert model.fitted and not model.errors  # seeds are not predictions
     step = StepShape(rows=3, kv_tokens=3000, longest=1500)  # runs ("decode", 4, 1, 2048)
     assert model.predict(step) == pytest.approx(cost[ProgramKey("decode", 4, 1, 2048)], rel=0.05)
@@ -265,6 +265,9 @@ def test_chunks_are_cut_to_the_compiled_sizes():
     assert slo.chunk_budget([seq("c", tpot=0.012)]) == 64  # even 64 tokens miss 12 ms: the smallest
     assert slo.chunk_budget([seq("d", tpot=1.0)]) == 256
     assert slo.chunk_budget([seq("e")]) is None  # no target, no bound
+    # A step that may verify 16 drafted tokens (0.5 ms each) beside the chunk is priced with them.
+    drafting = SloAdmission(SloSettings(), StepTimeModel((0.010, 0.001, 0.0, 0.0001, 0.0005)), chunks=(64, 128, 256))
+    assert drafting.chunk_budget([a, b]) == 128 and drafting.chunk_budget([a, b], draft_tokens=16) == 64
 
 
 def test_priority_orders_equal_deadlines_and_requests_without_targets():
@@ -282,10 +285,12 @@ def test_priority_orders_equal_deadlines_and_requests_without_targets():
     s.add(targeted)
     order = _admission_order(s)
     assert order == ["targeted", "p-1", "p0", "p5"]
-    same = [seq("late", ttft=1.0), seq("early", ttft=1.0)]
-    same[0].priority, same[1].priority = 2, 1
-    same[1].arrived_at = same[0].arrived_at  # one deadline
-    assert [x.request_id for x in SloAdmission().order(same)] == ["early", "late"]
+    same = [seq("late", ttft=1.0), seq("early", ttft=1.0), seq("urgent", ttft=0.5)]
+    same[0].priority, same[1].priority, same[2].priority = 2, 1, 9
+    same[0].arrived_at = 100.0
+    same[1].arrived_at = 100.03  # a deadline 30 ms later, in the same 100 ms: priority decides
+    same[2].arrived_at = 100.1  # 400 ms less slack: first whatever its priority
+    assert [x.request_id for x in SloAdmission().order(same)] == ["urgent", "early", "late"]
 
 
 def test_programs_off_the_line_get_their_own_correction():
@@ -320,3 +325,6 @@ def test_a_prompt_queue_is_priced_in_the_chunks_the_scheduler_will_run():
     row.num_computed = 100
     assert slo.prompt_seconds(640, [row]) == pytest.approx(10 * (0.010 + 0.001 + 64 * 0.0001))  # 10 steps of 64
     assert slo.prompt_seconds(640, []) == pytest.approx(3 * (0.010 + 256 * 0.0001))  # 3 steps of 256
+    # Nothing decodes yet, two prompts queued: the first alone in 256s, the second beside its decode row in 64s.
+    first, second = 4 * (0.010 + 256 * 0.0001), 10 * (0.010 + 0.001 + 64 * 0.0001)
+    assert slo.prompt_seconds(1024 + 640, [], lead=1024) == pytest.approx(first + second)
