@@ -193,6 +193,7 @@ class Scheduler:
             raise OverflowError(f"{len(self.waiting)} requests are already waiting")
         self._arrivals += 1
         seq.arrival = self._arrivals
+        seq.first_arrived_at = self.slo.first_arrival(seq)
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
         if self.max_draft_tokens > 0:  # (the prompt is indexed here only when the submitter did not)
@@ -373,6 +374,7 @@ class Scheduler:
         """End a sequence whose TTFT target cannot be met, saying when to retry (the predicted overshoot)."""
         target = self.slo.ttft(seq) or 0.0
         retry = max(1, math.ceil(predicted - target))
+        self.slo.refused(seq)
         return self.end(seq, Finish.ABORT, failure=Failure.SLO_UNREACHABLE, error=(
             f"its time-to-first-token target of {target * 1000:.0f} ms cannot be met (predicted "
             f"{predicted * 1000:.0f} ms); retry after {retry} s"))

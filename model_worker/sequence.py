@@ -151,6 +151,9 @@ class Sequence:
       slo_ttft_s, slo_tpot_s: the request's time-to-first-token and time-per-output-token targets in seconds
         (None: the worker's defaults, model_worker/slo.py).
       priority: admission order among waiting sequences with the same deadline (vLLM's field: lower first).
+      first_arrived_at: for a retry of a request refused for its TTFT target (the same prompt in the same scope,
+        `SloAdmission.first_arrival`), time.monotonic() of the first refused attempt: its place in the queue
+        follows that attempt's deadline; None otherwise.
     """
 
     request_id: str
@@ -190,6 +193,7 @@ class Sequence:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     priority: int = 0
+    first_arrived_at: float | None = None
 
     @property
     def row(self) -> int:

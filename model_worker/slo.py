@@ -22,8 +22,10 @@ Without a fitted model nothing is predicted: only passed deadlines are refused.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import time
 from collections.abc import Iterable
 
 from model_worker.sequence import Sequence
@@ -34,6 +36,9 @@ MIN_CHUNK = 16
 #: Deadlines this close (seconds: the same step of this size) count as equal, and `priority` orders them: exact
 #: float deadlines are never equal, so without it the field would order only requests without a target.
 DEADLINE_TIE_S = 0.1
+#: Seconds a refused request's first arrival is remembered for its retries, and how many are remembered.
+RETRY_MEMORY_S = 60.0
+RETRY_MEMORY_SIZE = 4096
 #: Prompt tokens per step assumed when predicting how long a queue of prompts takes, when neither the engine's
 #: chunk sizes nor the scheduler's token budget are known (a scripted scheduler in tests).
 PLANNING_CHUNK = 256
@@ -66,6 +71,7 @@ class SloAdmission:
         self.model = model or StepTimeModel()
         self.chunks = tuple(sorted(chunks))
         self.token_budget = token_budget
+        self._refused: collections.OrderedDict[int, float] = collections.OrderedDict()  # prompt key -> first arrival
 
     def ttft(self, seq: Sequence) -> float | None:
         """A sequence's TTFT target in seconds (its own, else the default), or None."""
@@ -75,13 +81,39 @@ class SloAdmission:
         """A sequence's TPOT target in seconds (its own, else the default), or None."""
         return seq.slo_tpot_s if seq.slo_tpot_s is not None else self.settings.tpot_s
 
+    def refused(self, seq: Sequence) -> None:
+        """Remember a request refused for its TTFT target, so that its retries queue by its first deadline."""
+        first = seq.first_arrived_at if seq.first_arrived_at is not None else seq.arrived_at
+        key = self._prompt_key(seq)
+        self._refused[key] = min(first, self._refused.get(key, first))
+        self._refused.move_to_end(key)
+        while len(self._refused) > RETRY_MEMORY_SIZE:
+            self._refused.popitem(last=False)
+
+    def first_arrival(self, seq: Sequence) -> float | None:
+        """When a request with this one's prompt (and scope) was first refused within `RETRY_MEMORY_S` seconds,
+        that attempt's arrival; else None. A refused attempt comes back as a new request, so without this an
+        unlucky client could be refused again and again while the queue stays full (OpenAI's clients resend the
+        same body after `Retry-After`)."""
+        if not self._refused:
+            return None
+        now = time.monotonic()
+        while self._refused and now - next(iter(self._refused.values())) > RETRY_MEMORY_S:
+            self._refused.popitem(last=False)
+        return self._refused.get(self._prompt_key(seq))
+
+    @staticmethod
+    def _prompt_key(seq: Sequence) -> int:
+        return hash((seq.cache_salt, seq.draft_scope, tuple(seq.prompt)))
+
     def order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
-        """Waiting sequences least slack first: by TTFT deadline, those without a target last; ties (deadlines
-        in the same `DEADLINE_TIE_S` step, and every sequence without a target) by priority, then deadline, then
-        arrival."""
+        """Waiting sequences least slack first: by TTFT deadline (a retry's: its first attempt's, `first_arrival`),
+        those without a target last; ties (deadlines in the same `DEADLINE_TIE_S` step, and every sequence
+        without a target) by priority, then deadline, then arrival."""
         def key(seq: Sequence) -> tuple:
             target = self.ttft(seq)
-            deadline = 0.0 if target is None else seq.arrived_at + target
+            arrived = seq.first_arrived_at if seq.first_arrived_at is not None else seq.arrived_at
+            deadline = 0.0 if target is None else arrived + target
             return (target is None, math.floor(deadline / DEADLINE_TIE_S), seq.priority, deadline, seq.arrival)
 
         return sorted(waiting, key=key)

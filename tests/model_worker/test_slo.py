@@ -328,3 +328,23 @@ def test_a_prompt_queue_is_priced_in_the_chunks_the_scheduler_will_run():
     # Nothing decodes yet, two prompts queued: the first alone in 256s, the second beside its decode row in 64s.
     first, second = 4 * (0.010 + 256 * 0.0001), 10 * (0.010 + 0.001 + 64 * 0.0001)
     assert slo.prompt_seconds(1024 + 640, [], lead=1024) == pytest.approx(first + second)
+
+
+def test_a_retried_request_queues_by_its_first_attempts_deadline():
+    """A request refused for its TTFT target comes back as a new request (the same prompt, after Retry-After): it
+    queues by its first attempt's deadline, so refusals do not land on the same client again and again; the
+    same prompt in another scope (cache_salt) is another request."""
+    s = scheduler(slots=1)
+    s.add(seq("busy"))
+    s.schedule()
+    first = seq("try1", first=500, ttft=0.5, age=0.6)
+    s.add(first)
+    assert list(refusals(s.schedule())) == ["try1"]
+    s.add(seq("other", first=900, ttft=2.0, age=0.3))  # deadline in 1.7 s
+    retry = seq("try2", first=500, ttft=2.0)  # its own deadline in 2.0 s, its first attempt's in 1.4 s
+    s.add(retry)
+    elsewhere = seq("salted", first=500, ttft=2.0)
+    elsewhere.cache_salt = "tenant-b"
+    s.add(elsewhere)
+    assert retry.first_arrived_at == first.arrived_at and elsewhere.first_arrived_at is None
+    assert _admission_order(s) == ["try2", "other", "salted"]
