@@ -36,7 +36,8 @@ MIN_CHUNK = 16
 #: Deadlines this close (seconds: the same step of this size) count as equal, and `priority` orders them: exact
 #: float deadlines are never equal, so without it the field would order only requests without a target.
 DEADLINE_TIE_S = 0.1
-#: Seconds a refused request's first arrival is remembered for its retries, and how many are remembered.
+#: Seconds after its last refusal that a refused request's first arrival is remembered for its retries, and
+#: how many are remembered.
 RETRY_MEMORY_S = 60.0
 RETRY_MEMORY_SIZE = 4096
 #: Prompt tokens per step assumed when predicting how long a queue of prompts takes, when neither the engine's
@@ -71,7 +72,8 @@ class SloAdmission:
         self.model = model or StepTimeModel()
         self.chunks = tuple(sorted(chunks))
         self.token_budget = token_budget
-        self._refused: collections.OrderedDict[int, float] = collections.OrderedDict()  # prompt key -> first arrival
+        # prompt key -> (first refused attempt's arrival, last refusal), least recently refused first
+        self._refused: collections.OrderedDict[int, tuple[float, float]] = collections.OrderedDict()
 
     def ttft(self, seq: Sequence) -> float | None:
         """A sequence's TTFT target in seconds (its own, else the default), or None."""
@@ -85,22 +87,24 @@ class SloAdmission:
         """Remember a request refused for its TTFT target, so that its retries queue by its first deadline."""
         first = seq.first_arrived_at if seq.first_arrived_at is not None else seq.arrived_at
         key = self._prompt_key(seq)
-        self._refused[key] = min(first, self._refused.get(key, first))
+        earlier = self._refused.get(key, (first, 0.0))[0]
+        self._refused[key] = (min(first, earlier), time.monotonic())
         self._refused.move_to_end(key)
         while len(self._refused) > RETRY_MEMORY_SIZE:
             self._refused.popitem(last=False)
 
     def first_arrival(self, seq: Sequence) -> float | None:
-        """When a request with this one's prompt (and scope) was first refused within `RETRY_MEMORY_S` seconds,
-        that attempt's arrival; else None. A refused attempt comes back as a new request, so without this an
+        """When a request with this one's prompt (and scope) was refused within the last `RETRY_MEMORY_S`
+        seconds, the arrival of its first refused attempt; else None. A refused attempt comes back as a new request, so without this an
         unlucky client could be refused again and again while the queue stays full (OpenAI's clients resend the
         same body after `Retry-After`)."""
         if not self._refused:
             return None
         now = time.monotonic()
-        while self._refused and now - next(iter(self._refused.values())) > RETRY_MEMORY_S:
+        while self._refused and now - next(iter(self._refused.values()))[1] > RETRY_MEMORY_S:
             self._refused.popitem(last=False)
-        return self._refused.get(self._prompt_key(seq))
+        found = self._refused.get(self._prompt_key(seq))
+        return None if found is None else found[0]
 
     @staticmethod
     def _prompt_key(seq: Sequence) -> int:

@@ -114,7 +114,9 @@ class StepTimeModel:
         if self.coef is None:
             return None
         keys = self.programs(shape) if self.programs is not None else ()
-        linear = self._linear(shape, keys)
+        return self._corrected(keys, self._linear(self._features(shape, keys)))
+
+    def _corrected(self, keys: tuple[ProgramKey, ...], linear: float) -> float:
         ratio, count = self._ratio.get(keys, (1.0, 0))
         return linear * ratio if count >= CORRECT_AFTER else linear
 
@@ -122,19 +124,19 @@ class StepTimeModel:
         """Record a measured step: its prediction error (when a prediction was possible), then the sample
         (refitting every `REFIT_EVERY` samples once `MIN_SAMPLES` are in) and its programs' correction. Returns
         the relative error |predicted - measured| / measured, or None."""
-        predicted = self.predict(shape)
-        error = abs(predicted - seconds) / seconds if predicted is not None and seconds > 0 else None
-        if error is not None:
+        keys = self.programs(shape) if self.programs is not None else ()
+        features = self._features(shape, keys)
+        linear = self._linear(features) if self.coef is not None else None
+        error = None
+        if linear is not None and seconds > 0:
+            error = abs(self._corrected(keys, linear) - seconds) / seconds
             self.errors.append(error)
         if self.fixed:
             return error
-        keys = self.programs(shape) if self.programs is not None else ()
-        if self.coef is not None and keys:
-            linear = self._linear(shape, keys)
-            if linear > 0:
-                ratio, count = self._ratio.get(keys, (seconds / linear, 0))
-                self._ratio[keys] = ((1 - RATIO_WEIGHT) * ratio + RATIO_WEIGHT * seconds / linear, count + 1)
-        self._add(shape, keys, seconds)
+        if linear and keys:
+            ratio, count = self._ratio.get(keys, (seconds / linear, 0))
+            self._ratio[keys] = ((1 - RATIO_WEIGHT) * ratio + RATIO_WEIGHT * seconds / linear, count + 1)
+        self._add(features, seconds)
         return error
 
     def seed(self, timed: Iterable[tuple[ProgramKey, float]]) -> None:
@@ -159,12 +161,12 @@ class StepTimeModel:
     def _features(self, shape: StepShape, keys: tuple[ProgramKey, ...]) -> np.ndarray:
         return program_features(shape, keys) if self.programs is not None else shape.features()
 
-    def _linear(self, shape: StepShape, keys: tuple[ProgramKey, ...]) -> float:
+    def _linear(self, features: np.ndarray) -> float:
         assert self.coef is not None
-        return float(max(self.coef @ self._features(shape, keys), 0.0))
+        return float(max(self.coef @ features, 0.0))
 
-    def _add(self, shape: StepShape, keys: tuple[ProgramKey, ...], seconds: float) -> None:
-        self._x.append(self._features(shape, keys))
+    def _add(self, features: np.ndarray, seconds: float) -> None:
+        self._x.append(features)
         self._y.append(seconds)
         self._since_fit += 1
         if len(self._y) + len(self._seed_y) >= MIN_SAMPLES and (self.coef is None or self._since_fit >= REFIT_EVERY):
