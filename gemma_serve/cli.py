@@ -164,8 +164,10 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "own Q8_0/Q5_0 blocks, others requantized) with activations quantized per block of 32, as llama.cpp "
         "does, in a CPU kernel built on first use (the same bits in pure JAX elsewhere): half the bytes per "
         "decode step, batch-invariant by construction. float32 multiplies the exact weights, for numerics "
-        "work. auto = bfloat16 (with bfloat16 activations, the GPU/TPU default, there is nothing to choose; int8 "
-        "is refused there) (measured figures: docs/performance.md) (default: %(default)s)",
+        "work. auto = int8 for a GGUF model (the embedded one included) with float32 activations on one device "
+        "(the CPU default), else bfloat16 (a checkpoint's weights, --tensor-parallel > 1; with bfloat16 "
+        "activations, the GPU/TPU default, there is nothing to choose and int8 is refused) (measured figures: "
+        "docs/performance.md) (default: %(default)s)",
     )
     p.add_argument(
         "--tensor-parallel", "--tensor-parallel-size", type=_positive_int, default=1,

@@ -136,7 +136,9 @@ def load_engine(prepared, args: argparse.Namespace):
         params = to_device(cfg, flat, jnp.dtype(dtype))
         del flat  # the file's arrays: only the converted ones are needed from here on
         try:
-            precision, invariant = matmul_mode(args.matmul_precision, args.batch_invariant, dtype)
+            precision, invariant = matmul_mode(args.matmul_precision, args.batch_invariant, dtype,
+                                               tensor_parallel=args.tensor_parallel,
+                                               gguf=prepared.kind != "checkpoint")
         except ValueError as err:
             raise FlagsRefused(str(err)) from None
         if precision == "int8" and args.tensor_parallel > 1:

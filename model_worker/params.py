@@ -324,16 +324,23 @@ def for_matmul_precision(cfg: ModelConfig, params: Params, precision: str,
     return dataclasses.replace(cfg, batch_invariant=batch_invariant), with_bf16_matmuls(params, batch_invariant)
 
 
-def matmul_mode(precision: str, batch_invariant: bool | None, dtype: str) -> tuple[str, bool]:
+def matmul_mode(precision: str, batch_invariant: bool | None, dtype: str, *, tensor_parallel: int = 1,
+                gguf: bool = True) -> tuple[str, bool]:
     """The worker's (matmul precision, batch invariance) from its flags and activation dtype.
 
     Args:
-      precision: `--matmul-precision`: "auto" (= "bfloat16"), "float32", "bfloat16" or "int8".
+      precision: `--matmul-precision`: "auto", "float32", "bfloat16" or "int8". "auto" is "int8" for a GGUF model
+        with float32 activations on one device (the CPU default: half the bytes of a decode step, and its error
+        was measured against transformers and llama.cpp on the GGUF's own blocks: docs/performance.md), else
+        "bfloat16" (a checkpoint's bfloat16 weights would be requantized to int8 blocks: opt in with "int8"; the
+        int8 products are not split across devices).
       batch_invariant: `--batch-invariant` / `--no-batch-invariant`, or None (not given): on wherever it applies,
         i.e. bfloat16 or int8 products with float32 activations (CPU's default), so that the default is
         reproducible.
       dtype: the activation dtype ("float32" or "bfloat16"); with bfloat16 activations (GPU/TPU) the products
         already have bfloat16 operands and there is nothing to choose.
+      tensor_parallel: devices the worker splits its weights over (`--tensor-parallel`).
+      gguf: whether the weights come from a GGUF (int8 blocks of its own) rather than a safetensors checkpoint.
     Returns:
       (a precision, bool), for `for_matmul_precision` (which is only applied to float32 activations).
     Raises:
@@ -345,7 +352,8 @@ def matmul_mode(precision: str, batch_invariant: bool | None, dtype: str) -> tup
     if precision == "int8" and dtype != "float32":
         raise ValueError(f"--matmul-precision int8 needs float32 activations (the CPU default); got {dtype} "
                          "activations (--dtype)")
-    precision = "bfloat16" if precision == "auto" else precision
+    if precision == "auto":
+        precision = "int8" if dtype == "float32" and tensor_parallel == 1 and gguf else "bfloat16"
     applies = precision in ("bfloat16", "int8") and dtype == "float32"
     if batch_invariant and not applies:
         raise ValueError("--batch-invariant needs bfloat16 or int8 matmul precision with float32 activations (the CPU "

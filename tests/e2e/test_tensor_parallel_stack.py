@@ -1,10 +1,12 @@
 """`gemma-serve up --tensor-parallel 2` on this CPU (two simulated devices: the worker sets XLA's host device
 count itself): it serves chat requests, a repeated conversation is a prefix hit, and its greedy answers equal the
-single-device embedded stack's up to a near tie: the split sums its partial products in another order, whose
-float32 last bits the bfloat16 products turn into bfloat16-sized differences (the bfloat16 path's mean |Δlogit|
-against float32 is 0.04; docs/performance.md), so where the answers part, the single-device stack's two best
-tokens at that position must be within TIE of each other and the split stack's token one of them. The worker splits weights, logits and penalties over both devices (its log says
-what it kept whole: the model has one KV head)."""
+single-device embedded stack's up to a near tie. The split runs bfloat16 products (int8 products are not split
+over devices), the single-device stack the CPU default, int8 products with Q8_0 activations: where the answers
+part, the split's token must be one of the single-device stack's five best at that position, within TIE of its
+best (both paths' logits sit near float32's: mean KL 2e-5 for bfloat16, 4e-4 for int8 over the long test text,
+tests/model_worker/test_gemma3_numerics.py, so two tokens closer than about twice int8's logprob error may swap).
+The worker splits weights, logits and penalties over both devices (its log says what it kept whole: the model has
+one KV head)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["Name three primary colours.", "Write a haiku about the sea.", "What is 12 times 12?"]
 
 
-TIE = 0.1  # logprob gap of the two best tokens within which the split's bfloat16-sized differences may pick either
+TIE = 0.25  # logprob gap within which int8's and bfloat16's differences from float32 may pick either token
 
 
 def _chat(base: str, content: str, max_tokens: int = 12) -> dict:
     r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
         "model": "gemma-3-270m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-        "temperature": 0, "logprobs": True, "top_logprobs": 2})
+        "temperature": 0, "logprobs": True, "top_logprobs": 5})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -41,10 +43,9 @@ def test_a_two_device_stack_answers_like_the_single_device_one_and_reuses_prefix
             assert split["choices"][0]["message"]["content"] == whole["choices"][0]["message"]["content"], prompt
             assert split["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
             continue
-        at = same.index(False)  # the first token where they part: a tie in the single-device logits
-        best = b[at]["top_logprobs"]
-        assert best[0]["logprob"] - best[1]["logprob"] < TIE and a[at]["token"] in {t["token"] for t in best}, \
-            (prompt, at, a[at], b[at])
+        at = same.index(False)  # the first token where they part: a near tie in the single-device logits
+        best = {t["token"]: t["logprob"] for t in b[at]["top_logprobs"]}
+        assert a[at]["token"] in best and max(best.values()) - best[a[at]["token"]] < TIE, (prompt, at, a[at], b[at])
     again = _chat(tp_stack.base_url, PROMPTS[-1])  # the same conversation: its KV is still in the slot
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 1
     assert again["choices"][0]["message"]["content"] == split["choices"][0]["message"]["content"]

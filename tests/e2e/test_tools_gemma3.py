@@ -143,7 +143,7 @@ def test_budget_aware_ending_gives_complete_calls(client, stack):
 
     before = endings()
     with ThreadPoolExecutor(2) as pool:  # seeds whose answers run into the budget (others stop after one call)
-        answers = list(pool.map(ask, (1, 4)))
+        answers = list(pool.map(ask, (1, 6)))
     for r in answers:
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls", (choice, r.usage)

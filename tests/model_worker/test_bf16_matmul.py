@@ -153,9 +153,9 @@ def test_gemma4_projections_convert_and_the_forward_stays_close(tmp_path):
 
 def test_the_flags_reach_the_worker_and_resolve_to_the_default_mode():
     """`gemma-serve up --matmul-precision ... --[no-]batch-invariant` passes both flags to the worker process, whose
-    parser takes them; the default (auto, not given) resolves to batch-invariant bfloat16 products with float32
-    activations (the CPU default), to nothing to choose with bfloat16 activations, and an impossible combination
-    is refused."""
+    parser takes them; the default (auto, not given) resolves to int8 products for a GGUF model with float32
+    activations on one device (the CPU default), to batch-invariant bfloat16 for a checkpoint or a split over
+    devices, to nothing to choose with bfloat16 activations, and an impossible combination is refused."""
     from gemma_serve.cli import build_parser
     from gemma_serve.launcher import service_commands
     from model_worker.params import matmul_mode
@@ -172,7 +172,9 @@ def test_the_flags_reach_the_worker_and_resolve_to_the_default_mode():
     assert worker_args("--matmul-precision", "bfloat16", "--no-batch-invariant") == ("bfloat16", False)
     assert worker_args("--matmul-precision", "float32") == ("float32", None)
     assert worker_args("--batch-invariant") == ("auto", True)
-    assert matmul_mode("auto", None, "float32") == ("bfloat16", True)
+    assert matmul_mode("auto", None, "float32") == ("int8", True)
+    assert matmul_mode("auto", None, "float32", gguf=False) == ("bfloat16", True)
+    assert matmul_mode("auto", None, "float32", tensor_parallel=2) == ("bfloat16", True)
     assert matmul_mode("bfloat16", False, "float32") == ("bfloat16", False)
     assert matmul_mode("float32", None, "float32") == ("float32", False)
     assert matmul_mode("auto", None, "bfloat16") == ("bfloat16", False)
