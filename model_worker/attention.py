@@ -413,6 +413,46 @@ def attend_position_blocks(q, read_block, q_pos, first: jax.Array, count: jax.Ar
     return out.transpose(2, 0, 1, 3).reshape(C + pad, N * D)[:C]
 
 
+def attend_rows_position_blocks(q, read_block, q_pos, first: jax.Array, count: jax.Array, block: int,
+                                kv_heads: int, window, scale: float, dtype) -> jax.Array:
+    """`attend_position_blocks` of every batch row in one loop: step j visits block first[r] + j of each row r, for
+    j < max(count). A row's blocks past its own count hold no key it can see (later positions than its queries),
+    so they are exact no-ops (see the comment above) and each row's result is the one `attend_position_blocks`
+    gives it alone; one loop for the batch instead of one per row saves the loop's fixed cost per block and row
+    (most of a decode step's attention time on XLA CPU: docs/performance.md).
+
+    Args:
+      q: [B, C, N, D] queries; q_pos: [B, C] int32 positions (-1 = padding).
+      read_block: b [B] int32 -> (keys [B, T0, K, D], values [B, T0, K, D], k_pos [B, T0]) of block b[r] of each
+        row (k_pos: the position each entry holds, negative = empty).
+      first, count: [B] int32, each row's blocks [first, first + count) (any superset of its visible ones).
+      block: T0; kv_heads: K.
+    Returns:
+      [B, C, N*D] in `dtype`.
+    """
+    B, C, N, D = q.shape
+    K = kv_heads
+    G = N // K
+    pad = gemm_row_pad(C)  # C * G GEMM rows per batch row, a multiple of GEMM_ROW_MULTIPLE whatever G
+    qb = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, C + pad, K, G, D)
+    qp = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1)
+    step = jax.vmap(lambda carry, q, keys, vals, k_pos, q_pos: _block_step(carry, q, keys, vals, k_pos, q_pos,
+                                                                            window, scale))
+
+    def body(j, carry):
+        b = first + j
+        keys, vals, k_pos = read_block(b)
+        lo, hi = (b * block)[:, None], ((b + 1) * block)[:, None]
+        k_pos = jnp.where((k_pos >= lo) & (k_pos < hi), k_pos, -1)  # only the block's own positions, as alone
+        return step(carry, qb, keys, vals, k_pos, qp)
+
+    init = (jnp.full((B, K, G, C + pad), MASK_VALUE, jnp.float32),
+            jnp.zeros((B, K, G, C + pad, D + 1), jnp.float32))
+    _, acc = lax.fori_loop(0, jnp.max(count), body, init)
+    out = (acc[..., :D] / acc[..., D:]).astype(dtype)  # [B, K, G, C + pad, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, C + pad, N * D)[:, :C]
+
+
 def _blocks_of(q_pos: jax.Array, block: int, window: int | None, limit: int) -> tuple[jax.Array, jax.Array]:
     """(first, count) of the position blocks that can hold a key visible to queries at q_pos ([C], -1 = padding):
     from the block of the earliest query's window start (0 without a window) to the latest query's block, at most
@@ -461,34 +501,25 @@ def attend_invariant(q, st: BatchKV, source: tuple, cache: KVCache, src: int, wi
         block = _pow2_divisor(T, KEY_BLOCK)
         limit = -(-min(kv_len, T) // block)
 
-        def full(args):
-            qb, row, qp = args
+        def read(row, b):
+            k, v, ks, vs = sliced(row, b * block, block)
+            return dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype), b * block + jnp.arange(block)
 
-            def read(b):
-                k, v, ks, vs = sliced(row, b * block, block)
-                return dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype), b * block + jnp.arange(block)
-
-            first, count = _blocks_of(qp, block, None, limit)
-            return attend_position_blocks(qb, read, qp, first, count, block, K, window, scale, dtype)
-
-        return lax.map(full, (q, rows, st.positions))
+        first, count = jax.vmap(lambda qp: _blocks_of(qp, block, None, limit))(st.positions)
+        return attend_rows_position_blocks(q, lambda b: jax.vmap(read)(rows, b), st.positions, first, count, block,
+                                           K, window, scale, dtype)
     if in_place:  # a sliding ring (decode)
         R = k_pos.shape[1]
         block = _pow2_divisor(R, 256)  # a position block is then a contiguous run of ring indices
 
-        def ring(args):
-            qb, row, qp, kp = args
+        def read(row, kp, b):
+            at = (b * block) % R
+            k, v, ks, vs = sliced(row, at, block)
+            return dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype), lax.dynamic_slice(kp, (at,), (block,))
 
-            def read(b):
-                at = (b * block) % R
-                k, v, ks, vs = sliced(row, at, block)
-                return (dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype),
-                        lax.dynamic_slice(kp, (at,), (block,)))
-
-            first, count = _blocks_of(qp, block, window, R // block + 1)
-            return attend_position_blocks(qb, read, qp, first, count, block, K, window, scale, dtype)
-
-        return lax.map(ring, (q, rows, st.positions, k_pos))
+        first, count = jax.vmap(lambda qp: _blocks_of(qp, block, window, R // block + 1))(st.positions)
+        return attend_rows_position_blocks(q, lambda b: jax.vmap(read)(rows, k_pos, b), st.positions, first, count,
+                                           block, K, window, scale, dtype)
     # A sliding chunk over its gathered ring + its own keys (the queries may be fewer than the chunk's keys: KV-shared
     # layers compute only the rows whose logits are wanted).
     R = arrays[0].shape[1]

@@ -48,8 +48,8 @@ constexpr int64_t kRows = 4;                      // activation rows sharing eac
 //   t[(r * nb + b) * 16 + lane] = float(isum[m0 + r, 16 tile + lane, b]) * (xs[m0 + r, b] * st[tile, 16 b + lane])
 //   y[(m0 + r) * N + 16 tile + lane] = the tree of fixed_order.fixed_order_sum over b of those terms.
 // `x` and `xs` point at row m0 (row strides K and nb), `wt` and `st` at the tile, `y` at y[m0, 16 tile].
-using TileProduct = void (*)(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt,
-                             const float* st, int64_t nb, float* t, float* y, int64_t N);
+using TileProduct = void (*)(const int8_t* x, const float* xs, const int32_t* xc, int64_t K, int64_t mr,
+                             const int8_t* wt, const float* st, int64_t nb, float* t, float* y, int64_t N);
 
 // The tree of fixed_order.fixed_order_sum over t[0..nb) (16 lanes each): halves added pairwise, an odd element
 // joining the last pair. Elementwise per lane, so any vectorization gives the same bits.
@@ -64,8 +64,8 @@ inline __attribute__((always_inline)) void tree16(float* t, int64_t nb) {
   }
 }
 
-void product_scalar(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt, const float* st,
-                    int64_t nb, float* t, float* y, int64_t N) {
+void product_scalar(const int8_t* x, const float* xs, const int32_t*, int64_t K, int64_t mr, const int8_t* wt,
+                    const float* st, int64_t nb, float* t, float* y, int64_t N) {
   for (int64_t r = 0; r < mr; ++r) {
     float* tr = t + r * nb * kTile;
     for (int64_t b = 0; b < nb; ++b) {
@@ -122,33 +122,33 @@ __attribute__((target("avx2"))) void product_avx2_rows(const int8_t* x, const fl
   }
 }
 
-// vpdpbusd multiplies unsigned bytes by signed ones: x + 128 (x ^ 0x80, made once per call: `x` here holds those
-// bytes) is unsigned, and the 128 * sum(w) it adds is taken off with a second vpdpbusd of 0x80 bytes by the same
-// weights (shared by the MR rows).
+// vpdpbusd multiplies unsigned bytes by signed ones: each weight byte is made unsigned on load (w ^ 0x80 = w + 128,
+// one xor) and multiplied with the signed activations; the 128 * sum(x) that adds to a block sum is taken off
+// with `xc` (128 * the block sums of x, made once per call), so the loop has one vpdpbusd per row and load.
 template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(const int8_t* x, const float* xs,
-                                                                                int64_t K, const int8_t* wt,
+                                                                                const int32_t* xc, int64_t K,
+                                                                                const int8_t* wt,
                                                                                 const float* st, int64_t nb,
                                                                                 float* t, float* y, int64_t N) {
   const __m512i c80 = _mm512_set1_epi8(char(0x80));
   for (int64_t b = 0; b < nb; ++b) {
     __m512i acc[MR];
-    __m512i corr = _mm512_setzero_si512();
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
     const int8_t* wb = wt + b * kTileBlock;
     for (int64_t i = 0; i < 8; ++i) {
-      __m512i wv = _mm512_loadu_si512(wb + i * 64);
-      corr = _mm512_dpbusd_epi32(corr, c80, wv);
+      __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wb + i * 64), c80);
       for (int r = 0; r < MR; ++r) {
         int32_t four;
         std::memcpy(&four, x + r * K + b * kBlock + 4 * i, 4);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(four), wv);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], wv, _mm512_set1_epi32(four));
       }
     }
     __m512 sv = _mm512_loadu_ps(st + b * kTile);
     for (int r = 0; r < MR; ++r) {
       __m512 scale = _mm512_mul_ps(_mm512_set1_ps(xs[r * nb + b]), sv);
-      _mm512_storeu_ps(t + (r * nb + b) * kTile, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], corr)), scale));
+      __m512i isum = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(xc[r * nb + b]));
+      _mm512_storeu_ps(t + (r * nb + b) * kTile, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale));
     }
   }
   for (int r = 0; r < MR; ++r) {
@@ -160,19 +160,21 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(co
 // The row-count instances of each path, indexed by mr - 1.
 using RowsProduct = void (*)(const int8_t* x, const float* xs, int64_t K, const int8_t* wt, const float* st,
                              int64_t nb, float* t, float* y, int64_t N);
+using VnniRowsProduct = void (*)(const int8_t* x, const float* xs, const int32_t* xc, int64_t K, const int8_t* wt,
+                                 const float* st, int64_t nb, float* t, float* y, int64_t N);
 constexpr RowsProduct kAvx2Rows[kRows] = {product_avx2_rows<1>, product_avx2_rows<2>, product_avx2_rows<3>,
                                           product_avx2_rows<4>};
-constexpr RowsProduct kVnniRows[kRows] = {product_vnni_rows<1>, product_vnni_rows<2>, product_vnni_rows<3>,
-                                          product_vnni_rows<4>};
+constexpr VnniRowsProduct kVnniRows[kRows] = {product_vnni_rows<1>, product_vnni_rows<2>, product_vnni_rows<3>,
+                                              product_vnni_rows<4>};
 
-void product_avx2(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt, const float* st,
-                  int64_t nb, float* t, float* y, int64_t N) {
+void product_avx2(const int8_t* x, const float* xs, const int32_t*, int64_t K, int64_t mr, const int8_t* wt,
+                  const float* st, int64_t nb, float* t, float* y, int64_t N) {
   kAvx2Rows[mr - 1](x, xs, K, wt, st, nb, t, y, N);
 }
 
-void product_vnni(const int8_t* x, const float* xs, int64_t K, int64_t mr, const int8_t* wt, const float* st,
-                  int64_t nb, float* t, float* y, int64_t N) {
-  kVnniRows[mr - 1](x, xs, K, wt, st, nb, t, y, N);
+void product_vnni(const int8_t* x, const float* xs, const int32_t* xc, int64_t K, int64_t mr, const int8_t* wt,
+                  const float* st, int64_t nb, float* t, float* y, int64_t N) {
+  kVnniRows[mr - 1](x, xs, xc, K, wt, st, nb, t, y, N);
 }
 #endif
 
@@ -211,7 +213,7 @@ struct Work {
   float* y;
   int64_t M, N, K, nb, tiles_per_chunk, chunks;
   TileProduct product;
-  std::vector<int8_t> shifted;  // the AVX-512 VNNI path's x ^ 0x80, [M, K]
+  std::vector<int32_t> xc;  // the AVX-512 VNNI path's 128 * (block sums of x), [M, K/32]
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
@@ -222,7 +224,8 @@ struct Work {
       const int8_t* w = wt + tile * nb * kTileBlock;
       const float* s = st + tile * nb * kTile;
       for (int64_t m0 = 0; m0 < M; m0 += kRows)
-        product(xq + m0 * K, xs + m0 * nb, K, std::min(kRows, M - m0), w, s, nb, t, y + m0 * N + tile * kTile, N);
+        product(xq + m0 * K, xs + m0 * nb, xc.empty() ? nullptr : xc.data() + m0 * nb, K, std::min(kRows, M - m0),
+                w, s, nb, t, y + m0 * N + tile * kTile, N);
     }
   }
 
@@ -261,9 +264,12 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buff
   work->M = M, work->N = N, work->K = K, work->nb = nb;
   work->product = pick(path);
   if (work->product == product_vnni_entry()) {
-    work->shifted.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) work->shifted[i] = int8_t(uint8_t(work->xq[i]) ^ 0x80u);
-    work->xq = work->shifted.data();
+    work->xc.resize(M * nb);
+    for (int64_t i = 0; i < M * nb; ++i) {
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kBlock; ++j) sum += work->xq[i * kBlock + j];
+      work->xc[i] = 128 * sum;
+    }
   }
   // About 64 KiB of weights per chunk (fewer tiles when many rows use each): spreads over the pool, amortizes a task.
   int64_t per_tile = kTile * K * std::max<int64_t>(1, (M + kRows - 1) / kRows);
