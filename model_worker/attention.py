@@ -475,7 +475,9 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def attend_invariant(q, st: BatchKV, source: tuple, cache: KVCache, src: int, window, scale: float, dtype,
                      kv_len: int) -> jax.Array:
-    """Batch-invariant attention of a batch's queries (`attend_position_blocks` per batch row).
+    """Batch-invariant attention of a batch's queries: a decode step's rows read in place in one loop over key
+    blocks (`attend_rows_position_blocks`), a prompt chunk's row over its gathered ring and keys
+    (`attend_position_blocks`); each row's result is the same either way.
 
     Args:
       q: [B, C, N, D]; st: the batch (positions, start, slots).

@@ -199,6 +199,7 @@ class Scheduler:
         if self.max_draft_tokens > 0:  # (the prompt is indexed here only when the submitter did not)
             self.drafter.start(seq.request_id, seq.tokens if drafting is None else (), seq.prediction,
                                state=drafting)
+            self.drafter.begin(seq.request_id, seq.draft_scope)
 
     def schedule(self) -> Work:
         """Append the forced tokens that are due, admit waiting sequences (reusing cached prefixes), copy due forks

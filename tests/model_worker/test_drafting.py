@@ -192,3 +192,27 @@ def test_speculation_is_off_where_the_numerics_are_not_batch_invariant(caplog):
     with caplog.at_level("WARNING"):
         assert speculation_drafts(args, invariant=False) == 0
     assert "not batch-invariant" in caplog.text
+
+
+def test_a_new_sequence_starts_from_its_scopes_recent_acceptance():
+    """After a scope's drafts were accepted, its next sequence expects them to be (so a short constrained answer
+    gets verified from its first draft); another scope still starts from one-in-two, and a sequence's own
+    verified drafts soon outweigh the prior."""
+    from model_worker.drafting import Acceptance, Drafter
+
+    d = Drafter()
+    d.start("a", [1, 2, 3])
+    d.begin("a", "tenant-1")
+    for _ in range(3):
+        d.verified("a", 7, 7)
+    d.finish("a", "tenant-1", [4, 5, 6])
+    d.start("b", [1, 2, 3])
+    d.begin("b", "tenant-1")
+    d.start("c", [1, 2, 3])
+    d.begin("c", "tenant-2")
+    fresh = Acceptance().rate
+    assert d.states["b"].acceptance.rate > 0.9 > fresh == d.states["c"].acceptance.rate == 0.5
+    assert d.expected_tokens("b", 7) > 2 * d.expected_tokens("c", 7)
+    for _ in range(4):
+        d.verified("b", 7, 0)
+    assert d.states["b"].acceptance.rate < 0.2
