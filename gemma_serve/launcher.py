@@ -65,12 +65,14 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
               "--lease-preempt-after", str(args.lease_preempt_after), "--slo-policy", args.slo_policy,
               *(a for flag in ("slo_ttft", "slo_tpot") if getattr(args, flag) is not None
                 for a in ("--" + flag.replace("_", "-"), str(getattr(args, flag)))),
-              "--speculation", args.speculation, "--max-draft-tokens", str(args.max_draft_tokens),
+              "--speculation", args.speculation,
               "--tensor-parallel", str(getattr(args, "tensor_parallel", 1))]
     if args.prefill_token_budget:
         engine += ["--prefill-token-budget", str(args.prefill_token_budget)]
     if args.batch_invariant is not None:
         engine += ["--batch-invariant" if args.batch_invariant else "--no-batch-invariant"]
+    if args.max_draft_tokens is not None:
+        engine += ["--max-draft-tokens", str(args.max_draft_tokens)]
     engine += ["--prefill-chunks", *map(str, args.prefill_chunks)]
     gateway = ["--host", args.host, "--http-port", str(args.http_port), "--gateway-grpc-port",
                str(args.gateway_grpc_port), "--tokenizer-addr", f"{inner}:{args.tokenizer_port}",

@@ -62,28 +62,36 @@ PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"weights": write_weights}
 
 
 
-def speculation_drafts(args: argparse.Namespace, invariant: bool) -> int:
+def speculation_drafts(args: argparse.Namespace, invariant: bool, precision: str = "bfloat16") -> int:
     """The engine's `max_draft_tokens`: `--max-draft-tokens` with speculation on where it is exact (a row's logits
     batch-invariant: a verify step's positions then equal the decode steps'), else 0 (no verify programs).
+
+    Not given, it is 3 with int8 products (`precision`) and 7 otherwise: the int8 kernel reads its weights once
+    whatever the rows but is bound by arithmetic from a few rows, so a verify step of 4 positions costs ~1.2 plain
+    decode steps and one of 8 ~2.4 (2-core CPU, docs/performance.md): 8 pays less than 4 at any acceptance below
+    ~0.95 per drafted token, and loses to plain decoding below ~0.55.
 
     Raises:
       FlagsRefused: a negative `--max-draft-tokens`.
     """
-    if args.max_draft_tokens < 0:
-        raise FlagsRefused(f"--max-draft-tokens must be >= 0, got {args.max_draft_tokens}")
-    if args.speculation == "off" or args.max_draft_tokens == 0:
+    drafts = args.max_draft_tokens
+    if drafts is None:
+        drafts = 3 if precision == "int8" else 7
+    if drafts < 0:
+        raise FlagsRefused(f"--max-draft-tokens must be >= 0, got {drafts}")
+    if args.speculation == "off" or drafts == 0:
         return 0
-    if args.max_draft_tokens & (args.max_draft_tokens + 1):
+    if drafts & (drafts + 1):
         raise FlagsRefused(f"--max-draft-tokens must be one less than a power of two (1, 3, 7, 15, ...), got "
-                           f"{args.max_draft_tokens}")
-    if args.max_draft_tokens > args.prefix_slack:
-        raise FlagsRefused(f"--max-draft-tokens {args.max_draft_tokens} exceeds --prefix-slack {args.prefix_slack} "
+                           f"{drafts}")
+    if drafts > args.prefix_slack:
+        raise FlagsRefused(f"--max-draft-tokens {drafts} exceeds --prefix-slack {args.prefix_slack} "
                            "(rejected drafts overwrite that many sliding-ring entries)")
     if not invariant:
         log.warning("speculation off: these numerics are not batch-invariant, so verified drafts could change a "
                     "request's tokens (--batch-invariant makes it exact)")
         return 0
-    return args.max_draft_tokens
+    return drafts
 
 
 def load_engine(prepared, args: argparse.Namespace):
@@ -158,7 +166,7 @@ def load_engine(prepared, args: argparse.Namespace):
         prefix_slack=args.prefix_slack,
         max_waiting=args.max_waiting,
         tensor_parallel=args.tensor_parallel,
-        max_draft_tokens=speculation_drafts(args, cfg.batch_invariant),
+        max_draft_tokens=speculation_drafts(args, cfg.batch_invariant, precision),
     )
     try:
         ecfg, footprint, limit = memory.size_slots(cfg, params, ecfg, auto=args.num_slots == "auto")

@@ -216,3 +216,23 @@ def test_a_new_sequence_starts_from_its_scopes_recent_acceptance():
     for _ in range(4):
         d.verified("b", 7, 0)
     assert d.states["b"].acceptance.rate < 0.2
+
+
+def test_default_draft_length_follows_the_matmul_precision():
+    """Not given, `--max-draft-tokens` is 3 with int8 products (a verify step of 8 positions costs ~2.4 plain steps
+    there, one of 4 ~1.2) and 7 otherwise; a given value wins; `gemma-serve up` passes it only when given."""
+    import argparse
+
+    from gemma_serve.cli import build_parser
+    from gemma_serve.launcher import service_commands
+    from model_worker.main import speculation_drafts
+
+    args = argparse.Namespace(max_draft_tokens=None, prefix_slack=256, speculation="auto")
+    assert speculation_drafts(args, invariant=True, precision="int8") == 3
+    assert speculation_drafts(args, invariant=True, precision="bfloat16") == 7
+    assert speculation_drafts(argparse.Namespace(**{**vars(args), "max_draft_tokens": 15}), True, "int8") == 15
+    parser = build_parser()
+    worker = service_commands(parser.parse_args(["up"]))["worker"]
+    assert parser.parse_args(worker[worker.index("worker"):]).max_draft_tokens is None
+    worker = service_commands(parser.parse_args(["up", "--max-draft-tokens", "1"]))["worker"]
+    assert parser.parse_args(worker[worker.index("worker"):]).max_draft_tokens == 1
