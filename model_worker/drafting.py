@@ -124,12 +124,11 @@ class Drafter:
         self.states: dict[str, DraftState] = {}
         self._answers: collections.OrderedDict[str, collections.deque[NgramIndex]] = collections.OrderedDict()
         # Per cache scope, the acceptance of its recent verified drafts: a new sequence of the scope starts from it
-        # (`Acceptance.prior`) rather than from one-in-two. At int8 on CPU a verify step of 8 positions costs ~2.6
+        # (`Acceptance.prior`) rather than from one-in-two. At int8 on CPU a verify step of 8 positions costs ~2.4
         # plain steps, so a fresh sequence at one-in-two never looked worth verifying, and short answers (a
         # constrained JSON reply, a tool call) ended before a probe. Scoped like the answers cache, so that one
         # tenant's acceptance cannot change how fast another's requests run.
         self._recent: collections.OrderedDict[str, Acceptance] = collections.OrderedDict()
-        self._scopes: dict[str, str] = {}
 
     @staticmethod
     def new_state(tokens: Sequence[int], prediction: Sequence[int] = ()) -> DraftState:
@@ -138,22 +137,15 @@ class Drafter:
         return DraftState(NgramIndex(tokens), NgramIndex(prediction) if prediction else None)
 
     def start(self, request_id: str, tokens: Sequence[int], prediction: Sequence[int] = (),
-              state: DraftState | None = None) -> DraftState:
-        """Begin drafting for a sequence whose tokens so far are `tokens` (`state`: already built by `new_state`)."""
+              state: DraftState | None = None, scope: str | None = None) -> DraftState:
+        """Begin drafting for a sequence whose tokens so far are `tokens` (`state`: already built by `new_state`);
+        with its cache `scope`, its acceptance starts from the scope's recent one."""
         state = state or self.new_state(tokens, prediction)
-        self.states[request_id] = state
-        return state
-
-    def begin(self, request_id: str, scope: str) -> None:
-        """A sequence of cache scope `scope` starts decoding: its acceptance starts from the scope's recent one
-        (unless it was verified already)."""
-        state = self.states.get(request_id)
-        if state is None:
-            return
-        self._scopes[request_id] = scope
-        recent = self._recent.get(scope)
+        recent = self._recent.get(scope) if scope is not None else None
         if recent is not None and state.acceptance.drafted == 0:
             state.acceptance = recent.prior()
+        self.states[request_id] = state
+        return state
 
     def append(self, request_id: str, token: int) -> None:
         """A sequence got its next token."""
@@ -206,13 +198,13 @@ class Drafter:
         if state is not None:
             state.acceptance.passed += 1
 
-    def verified(self, request_id: str, drafted: int, accepted: int) -> None:
-        """Record how many of a sequence's latest draft's `drafted` tokens were accepted."""
+    def verified(self, request_id: str, drafted: int, accepted: int, scope: str | None = None) -> None:
+        """Record how many of a sequence's latest draft's `drafted` tokens were accepted (also for its cache
+        `scope`'s recent acceptance, when given)."""
         state = self.states.get(request_id)
         if state is None:
             return
         state.acceptance.update(drafted, accepted)
-        scope = self._scopes.get(request_id)
         if scope is not None:
             recent = self._recent.pop(scope, None) or Acceptance()
             recent.update(drafted, accepted)
@@ -225,7 +217,6 @@ class Drafter:
     def finish(self, request_id: str, scope: str, output: Sequence[int]) -> DraftState | None:
         """A sequence ended: keep its answer for its scope's later drafts; returns its state (None if unknown)."""
         state = self.states.pop(request_id, None)
-        self._scopes.pop(request_id, None)
         if state is not None and len(output) > NGRAM_MIN:
             answers = self._answers.setdefault(scope, collections.deque(maxlen=ANSWERS_PER_SCOPE))
             self._answers.move_to_end(scope)

@@ -198,8 +198,7 @@ class Scheduler:
         self.waiting.append(seq)
         if self.max_draft_tokens > 0:  # (the prompt is indexed here only when the submitter did not)
             self.drafter.start(seq.request_id, seq.tokens if drafting is None else (), seq.prediction,
-                               state=drafting)
-            self.drafter.begin(seq.request_id, seq.draft_scope)
+                               state=drafting, scope=seq.draft_scope)
 
     def schedule(self) -> Work:
         """Append the forced tokens that are due, admit waiting sequences (reusing cached prefixes), copy due forks
@@ -503,7 +502,7 @@ class Scheduler:
             return []
         emitted = int(out.emitted[row])
         if seq.slot is not None:
-            self.drafter.verified(seq.request_id, len(draft), emitted - 1)
+            self.drafter.verified(seq.request_id, len(draft), emitted - 1, seq.draft_scope)
         base, first = seq.num_computed, not seq.output
         emissions: list[Emission] = []
         for t in range(emitted):

@@ -201,20 +201,17 @@ def test_a_new_sequence_starts_from_its_scopes_recent_acceptance():
     from model_worker.drafting import Acceptance, Drafter
 
     d = Drafter()
-    d.start("a", [1, 2, 3])
-    d.begin("a", "tenant-1")
+    d.start("a", [1, 2, 3], scope="tenant-1")
     for _ in range(3):
-        d.verified("a", 7, 7)
+        d.verified("a", 7, 7, "tenant-1")
     d.finish("a", "tenant-1", [4, 5, 6])
-    d.start("b", [1, 2, 3])
-    d.begin("b", "tenant-1")
-    d.start("c", [1, 2, 3])
-    d.begin("c", "tenant-2")
+    d.start("b", [1, 2, 3], scope="tenant-1")
+    d.start("c", [1, 2, 3], scope="tenant-2")
     fresh = Acceptance().rate
     assert d.states["b"].acceptance.rate > 0.9 > fresh == d.states["c"].acceptance.rate == 0.5
     assert d.expected_tokens("b", 7) > 2 * d.expected_tokens("c", 7)
     for _ in range(4):
-        d.verified("b", 7, 0)
+        d.verified("b", 7, 0, "tenant-1")
     assert d.states["b"].acceptance.rate < 0.2
 
 
