@@ -43,14 +43,16 @@ class Acceptance:
 
     Attributes:
       accepted, rejected: decayed counts; drafted, taken: totals since start (metrics, Predicted Outputs usage);
-      passed: drafts passed over since the last verified one.
+      passed: drafts passed over since the last verified one; it starts at `PROBE_AFTER`, so a sequence's first
+        draft is verified whatever the costs say (a short answer, a constrained reply or a tool call, would
+        otherwise end before its estimate was ever tested).
     """
 
     accepted: float = 1.0
     rejected: float = 1.0
     drafted: int = 0
     taken: int = 0
-    passed: int = 0
+    passed: int = 16  # = PROBE_AFTER: a sequence's first draft is verified, to measure its own acceptance
     DECAY = 0.7
     #: Drafts passed over (not worth verifying) before one is verified anyway: acceptance changes along a text
     #: (a model that starts to loop), and an estimate that is never tested again could not notice.
