@@ -46,7 +46,8 @@ def _error(r: httpx.Response, status: int) -> dict:
 
 class HealthWatch:
     """Polls /health on its own connection (every 10 ms) while a block runs; `worst` is the slowest answer in
-    seconds, `count` the answers seen."""
+    seconds, `count` the answers seen. Entering waits for the first answer, so the poller is running (its
+    connection open) before the block's work starts."""
 
     def __init__(self, base_url: str):
         self.base_url, self.worst, self.count = base_url, 0.0, 0
@@ -64,6 +65,9 @@ class HealthWatch:
 
         self._thread = threading.Thread(target=poll, daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + 30
+        while self.count == 0 and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
         return self
 
     def __exit__(self, *exc):
@@ -86,7 +90,8 @@ def test_catastrophic_regex_in_every_place_is_linear_and_the_loop_stays_responsi
                      {"id": "c0", "type": "function", "function": {"name": "pick",
                                                                    "arguments": json.dumps({"s": "a" * 40 + "!"})}}]},
                  {"role": "tool", "tool_call_id": "c0", "content": "done"}]
-    with HealthWatch(fuzz_stack.base_url) as watch:
+
+    def hostile_round():
         r = http.post("/v1/chat/completions", json=_chat(response_format={
             "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}))
         assert r.status_code == 200, r.text
@@ -97,7 +102,14 @@ def test_catastrophic_regex_in_every_place_is_linear_and_the_loop_stays_responsi
         assert r.json()["choices"][0]["finish_reason"] == "length"
         r = http.post("/v1/chat/completions", json={"messages": sent_back, "tools": [tool], "max_tokens": 2})
         assert r.status_code == 200, r.text
-    assert watch.count >= 3 and watch.worst < 1.0, (watch.count, watch.worst)
+
+    with HealthWatch(fuzz_stack.base_url) as watch:
+        start = watch.count
+        for _ in range(50):  # a fast stack answers all three before the poller's next probe: repeat them meanwhile
+            hostile_round()
+            if watch.count - start >= 3:
+                break
+    assert watch.count - start >= 3 and watch.worst < 1.0, (watch.count - start, watch.worst)
     _normal(http)
 
 
