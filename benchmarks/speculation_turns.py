@@ -77,9 +77,12 @@ def _tool_turn(i: int, choice: str, before: list[dict]) -> dict:
 
 
 def _continued(body: dict, reply: dict) -> list[dict]:
-    """The conversation after a tool-call turn: its messages, the answer, a result per call."""
+    """The conversation after a tool-call turn: its messages, the answer, a result per call. The calls' ids
+    (random per response, and rendered into the next prompt) become `call_<turn>_<k>`, so that the runs with
+    speculation on and off send the same prompts and their answers can be compared."""
     msg = reply["choices"][0]["message"]
-    calls = msg.get("tool_calls") or []
+    turn = sum(m["role"] == "user" for m in body["messages"])
+    calls = [{**c, "id": f"call_{turn}_{k}"} for k, c in enumerate(msg.get("tool_calls") or [])]
     out = [*body["messages"], {"role": "assistant", "content": msg.get("content"), **({"tool_calls": calls} if calls
                                                                                       else {})}]
     return out + [{"role": "tool", "tool_call_id": c["id"], "content": f"(result of {c['function']['name']})"}

@@ -201,3 +201,22 @@ def test_gemma3_budget_before_the_first_call_ends(g3):
     script, out, result, c, ended = _g3_case(g3, first + _unit(g3) // 2, ["Oslo", "Tokyo"])
     assert out[-1] == 106 and not result.truncated and c.max_units == 1 and ended == [1]
     assert [json.loads(x.arguments) for x in result.tool_calls] == [{"city": "Oslo"}]
+
+
+def test_a_parsers_copy_shares_only_what_never_changes():
+    """`copy.deepcopy` of a tool-call parser (what `BudgetedUnits.fork` does at every drafted step) shares the
+    control ids (thousands of them: copying them cost ~2.5 ms a step) and copies the state: the copy and the
+    original, fed different continuations, each end with their own call and neither sees the other's."""
+    import copy
+
+    parser = Gemma3ToolCallParser("call_", range(6000), ids=GEMMA3_IDS)
+    for ch in '{"tool_calls": [{"name": "f", "arguments": {"a": "':
+        parser.feed(-1, ch)
+    twin = copy.deepcopy(parser)
+    assert twin._control is parser._control and twin._out is not parser._out
+    for ch in 'x"}}]}':
+        parser.feed(-1, ch)
+    for ch in 'yz"}}]}':
+        twin.feed(-1, ch)
+    assert [c.arguments for c in parser.result().tool_calls] == ['{"a": "x"}']
+    assert [c.arguments for c in twin.result().tool_calls] == ['{"a": "yz"}']
