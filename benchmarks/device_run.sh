@@ -11,7 +11,8 @@
 # written in parallel and kept for a rerun; (3) every program both benchmarks time compiled into JAX's persistent
 # compilation cache by the four runs at once (`--compile-only`: compile time is most of a run; not on a TPU, which
 # takes one process at a time), then (4) the four measured runs one after another (each loads its programs from
-# the cache), each appending its table.
+# the cache), each appending its table; (5) if 2 minutes are left, speculation on / off by turn type on the embedded
+# model (benchmarks/speculation_turns.py --compare-off).
 #
 # Environment: OUT (results: device_bench.md, the runs' JSON, device_run.log; default $WORK/results), WORK
 # (checkpoints and compilation cache, ~17 GB free needed; default /tmp/gemma-serve-device), TP (tensor-parallel
@@ -133,6 +134,24 @@ for fmt in "${FORMATS[@]}"; do
       || { log "FAILED: $name $fmt"; status=1; }
   done
 done
+# ----- (5) speculation on and off on the device ---------------------------------------------------------------------
+# The embedded Gemma 3 270M (synthetic weights draft nothing worth measuring): benchmarks/speculation_turns.py starts
+# our stack with speculation auto, then off, and prints tok/s on / off, acceptance and whether the answers are the
+# same, by turn type (tool calls, JSON, code echoed, chat). Skipped when less than 2 minutes are left.
+if [ $((DEADLINE - SECONDS)) -ge 120 ]; then
+  log "measuring: speculation on / off by turn type (embedded model)"
+  {
+    echo
+    echo "## Speculation on / off by turn type (embedded Gemma 3 270M, one request at a time)"
+    echo
+    echo '```'
+    timeout "$(left)" "$PY" benchmarks/speculation_turns.py --compare-off --variants 2 --startup-timeout "$(left 30)" \
+      --ours-args "--num-slots 4" --json "$OUT/speculation-turns.json" 2>&1 | tee -a "$LOG" | sed -n '/^turn type/,$p'
+    echo '```'
+  } >>"$REPORT" || { log "FAILED: speculation on / off"; status=1; }
+else
+  log "SKIPPED speculation on / off: out of time"
+fi
 log "done: $REPORT"
 cat "$REPORT"
 exit $status
