@@ -66,12 +66,14 @@ def _unary(stack: Stack, model: str, body: dict, out: list):
 
 def test_kill_9_the_worker_mid_stream(fault_stack, model):
     first, streamed, unary = threading.Event(), [], []
-    threads = [threading.Thread(target=_stream_events, args=(fault_stack, model, LONG, first, streamed)),
-               threading.Thread(target=_unary, args=(fault_stack, model, LONG, unary))]
+    body = {**LONG, "max_tokens": 480}  # a looping greedy text drafts well: long enough to be running at the kill
+    threads = [threading.Thread(target=_stream_events, args=(fault_stack, model, body, first, streamed)),
+               threading.Thread(target=_unary, args=(fault_stack, model, body, unary))]
     for t in threads:
         t.start()
     assert first.wait(60), streamed
     time.sleep(0.5)  # the unary request is decoding too
+    assert not unary and streamed[-1][1] != "[DONE]", "a request ended before the kill"
     os.kill(fault_stack.service_pid("worker"), signal.SIGKILL)
     killed = time.monotonic()
     for t in threads:
@@ -110,7 +112,7 @@ def test_a_fault_inside_a_step_restarts_the_worker(fault_stack, model):
 def test_sigterm_lets_running_generations_finish(fault_stack, model):
     """Four long streams are running when `up` gets SIGTERM: all four finish whole; a request arriving during
     the drain gets a 503; `up` then exits 0."""
-    body = {**LONG, "max_tokens": 64}
+    body = {**LONG, "max_tokens": 200}  # long enough to outlast the start of the drain, however fast the steps
     firsts = [threading.Event() for _ in range(4)]
     outs: list[list] = [[] for _ in range(4)]
     threads = [threading.Thread(target=_stream_events, args=(fault_stack, model, body, firsts[i], outs[i]))
@@ -119,7 +121,12 @@ def test_sigterm_lets_running_generations_finish(fault_stack, model):
         t.start()
     assert all(f.wait(60) for f in firsts)
     fault_stack.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # `up` notices the signal on its next poll: wait for the drain, not a fixed time
+    while time.monotonic() < deadline:
+        if httpx.get(fault_stack.base_url + "/health", timeout=10).json().get("status") == "draining":
+            break
+        time.sleep(0.05)
+    assert not any(out and out[-1][1] == "[DONE]" for out in outs), "a stream ended before the drain began"
     late = httpx.post(fault_stack.base_url + "/v1/completions", timeout=30,
                       json={"model": model, "prompt": "Hi", "max_tokens": 2})
     assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text

@@ -248,7 +248,7 @@ def test_a_request_waiting_past_lease_preempt_after_takes_the_leased_slot(two_wo
 
         def stream(i: int) -> None:
             body = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": f"Story number {i}."}],
-                    "max_tokens": 150, "temperature": 0, "stream": True, "ignore_eos": True,
+                    "max_tokens": 250, "temperature": 0, "stream": True, "ignore_eos": True,
                     "cache_salt": f"stream-{i}"}
             with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
                 for line in r.iter_lines():
@@ -266,6 +266,7 @@ def test_a_request_waiting_past_lease_preempt_after_takes_the_leased_slot(two_wo
             "model": "gemma-3-270m", "messages": [{"role": "user", "content": "Quick question."}],
             "max_tokens": 2, "temperature": 0, "cache_salt": "waiter"})
         assert waiter.status_code == 200, waiter.text
+        assert not any(finished), "a stream ended while the waiter waited: the test needs longer streams"
         for t in streams:
             t.join(300)
         assert all(finished)

@@ -55,7 +55,7 @@ def test_metrics_move_after_requests(stack, urls):
 def test_client_disconnect_frees_the_slot(stack, urls):
     with httpx.stream("POST", stack.base_url + "/v1/completions", timeout=300,
                       json={"prompt": "Write a very long story about the sea.", "max_tokens": 500,
-                            "temperature": 0, "stream": True}) as response:
+                            "temperature": 0, "stream": True, "ignore_eos": True}) as response:
         lines = response.iter_lines()
         chunks = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in chunks)
@@ -69,7 +69,8 @@ def test_client_disconnect_frees_the_slot(stack, urls):
 def test_non_streamed_disconnect_aborts_too(stack, urls):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack.base_url + "/v1/completions", timeout=1.0,
-                   json={"prompt": "Another long story.", "max_tokens": 500, "temperature": 0})
+                   json={"prompt": "Another long story.", "max_tokens": 500, "temperature": 0,
+                         "ignore_eos": True})
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and scrape(urls[1])["gemma_serve:num_requests_running"] != 0:
         time.sleep(0.1)

@@ -19,12 +19,12 @@ def _ask(stack, i: int) -> tuple[int, float, httpx.Response]:
     started = time.monotonic()
     r = httpx.post(stack.base_url + "/v1/chat/completions", timeout=300, headers={"x-slo-ttft-ms": str(TARGET_MS)},
                    json={"messages": [{"role": "user", "content": f"Burst request {i}: count to one hundred."}],
-                         "max_tokens": 96, "temperature": 0, "ignore_eos": True})
+                         "max_tokens": 160, "temperature": 0, "ignore_eos": True})
     return r.status_code, time.monotonic() - started, r
 
 
 def test_a_burst_beyond_capacity_is_refused_early_not_served_late(stack):
-    # 4 slots and 16 requests of 96 tokens each: the last ones cannot get a slot within the target.
+    # 4 slots and 16 requests of 160 tokens each: the last ones cannot get a slot within the target.
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda i: _ask(stack, i), range(16)))
     served = [r for status, _, r in results if status == 200]
