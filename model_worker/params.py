@@ -250,8 +250,8 @@ def with_bf16_matmuls(params: Params, row_invariant: bool = False) -> Params:
 def q8_of(weight: jax.Array | Int8Weight, dense_in_out: bool = True) -> Q8Weight | None:
     """A projection as Q8_0 blocks of 32 (`q8.Q8Weight`), or None where its input size is not a multiple of 32.
 
-    An `Int8Weight` of symmetric blocks of 32 (GGUF Q8_0 and Q5_0) without a -128 keeps its integers and scales
-    exactly; any other weight (GGUF Q4_K with its offsets, Q6_K's blocks of 16, a dense float weight, an int8 block
+    An `Int8Weight` of symmetric blocks of 32 (GGUF Q8_0 and Q5_0) without a -128 and with float16 scales (as GGUF
+    stores them) keeps its integers and scales exactly; any other weight (GGUF Q4_K with its offsets, Q6_K's blocks of 16, a dense float weight, an int8 block
     holding -128) is requantized from its exact float32 values by `q8.q8_from_values` (error at most half a step of
     max|w| / 127 per block of 32, a small fraction of a 4- or 6-bit step).
 
@@ -263,7 +263,8 @@ def q8_of(weight: jax.Array | Int8Weight, dense_in_out: bool = True) -> Q8Weight
         q, scale = np.asarray(weight.q), np.asarray(weight.scale)
         if weight.shape[1] % BLOCK:
             return None
-        if weight.group_size == BLOCK and weight.offset is None and (q.size == 0 or q.min() > -128):
+        if weight.group_size == BLOCK and weight.offset is None and (q.size == 0 or q.min() > -128) and \
+                np.array_equal(scale.astype(np.float16).astype(np.float32), scale.astype(np.float32)):
             return q8_weight(q, scale)
         dense = np.asarray(weight.values())
     else:

@@ -4,8 +4,9 @@
     isum[m, n, b] = sum_{i < 32} xq[m, 32 b + i] * wq[n, 32 b + i]
 
 Activations are quantized per block of 32 as llama.cpp's `Q8_0` does (scale = max|x| / 127, values rounded to
-[-127, 127]; `quantize_blocks`, in JAX before any call); weights are int8 blocks of 32 with one float32 scale each
-(GGUF `Q8_0` as stored), held in tiles of 16 rows for the kernel (`tile_weight`). Integer sums are exact, so a
+[-127, 127]; `quantize_blocks`, in JAX before any call); weights are int8 blocks of 32 with one float16 scale each
+(GGUF `Q8_0` as stored; converted to float32 exactly where used, so it only halves the scales' bytes: 5% of a
+decode step's reads), held in tiles of 16 rows for the kernel (`tile_weight`). Integer sums are exact, so a
 row's result cannot depend on the rows computed with it, on SIMD lanes or on threads: batch invariance by
 construction, on any backend. The float epilogue has one fixed order (each block's term, then
 `fixed_order.fixed_order_sum`'s tree over the blocks).
@@ -73,8 +74,8 @@ def quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def q8_matmul_twin(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array,
                    block_bytes: int = TWIN_BLOCK_BYTES) -> jax.Array:
-    """The pure-JAX block-int8 product: xq int8 [M, K], xs float32 [M, K/32], wq int8 [N, K], ws float32
-    [N, K/32] -> float32 [M, N] (the formula in the module docstring; same bits as the CPU kernel).
+    """The pure-JAX block-int8 product: xq int8 [M, K], xs float32 [M, K/32], wq int8 [N, K], ws float16 (or
+    float32) [N, K/32] -> float32 [M, N] (the formula in the module docstring; same bits as the CPU kernel).
 
     Its [K/32, M, N] int32 sums and float32 terms are materialized, so the weight rows are taken in blocks under
     `lax.map` whose temporaries stay near `block_bytes` (the 262144-row LM head at 64 rows would need ~11 GB at
@@ -104,20 +105,34 @@ def _twin_block(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array) -> j
     # compilers cannot see is 1.0 (exact: x * 1 = x) leaves every product rounded on its own first, as the
     # kernel does: a contracted fma(term, 1, other) rounds once, to the same sum.
     one = xq[:1, :1].astype(jnp.float32).T[:, :, None] * 0.0 + 1.0  # 1.0 (int8 is finite), from row 0; [1, 1, 1]
-    scales = xs.T[:, :, None] * ws.T[:, None, :]  # [nb, M, N]
+    scales = xs.T[:, :, None] * ws.astype(jnp.float32).T[:, None, :]  # [nb, M, N]; float16 -> float32 is exact
     terms = (isum.astype(jnp.float32) * scales) * one
     return fixed_order_sum(jnp.moveaxis(terms, 0, -1))
 
 
+def _float16_scales(ws) -> np.ndarray:
+    """Block scales as float16 (numpy), refusing any value float16 cannot hold exactly (a silent rounding would
+    change the weights).
+
+    Raises:
+      ValueError: a scale that is not a float16 value.
+    """
+    ws = np.asarray(ws)
+    out = ws.astype(np.float16)
+    if ws.dtype != np.float16 and not np.array_equal(out.astype(np.float32), ws.astype(np.float32), equal_nan=True):
+        raise ValueError("Q8 scales must be float16 values (GGUF Q8_0's are; requantize with q8_from_values)")
+    return out
+
+
 def tile_weight(wq, ws) -> tuple[np.ndarray, np.ndarray]:
-    """Weights in rows (int8 [N, K], float32 [N, K/32]) -> the kernel's tiles of 16 rows: (int8 [N/16, 16 K],
-    float32 [N/16, K/2]), wt[t, 512 b + 64 i + 4 r + j] = wq[16 t + r, 32 b + 4 i + j] and st[t, 16 b + r] =
+    """Weights in rows (int8 [N, K], float16 [N, K/32]) -> the kernel's tiles of 16 rows: (int8 [N/16, 16 K],
+    float16 [N/16, K/2]), wt[t, 512 b + 64 i + 4 r + j] = wq[16 t + r, 32 b + 4 i + j] and st[t, 16 b + r] =
     ws[16 t + r, b] (one 64-byte load holds 4 values of each of 16 rows; see the kernel's header).
 
     Raises:
-      ValueError: N is not a multiple of 16 or K of 32, or the scales do not fit.
+      ValueError: N is not a multiple of 16 or K of 32, or the scales do not fit or are not float16 values.
     """
-    wq, ws = np.asarray(wq), np.asarray(ws, np.float32)
+    wq, ws = np.asarray(wq), _float16_scales(ws)
     n, k = wq.shape
     if n % TILE or k % BLOCK or ws.shape != (n, k // BLOCK):
         raise ValueError(f"tile_weight: need N % 16 == 0, K % 32 == 0 and scales [N, K/32]; got {wq.shape}, "
@@ -129,7 +144,7 @@ def tile_weight(wq, ws) -> tuple[np.ndarray, np.ndarray]:
 
 
 def untile_weight(wt: jax.Array, st: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inverse of `tile_weight`, in JAX: (int8 [N/16, 16 K], float32 [N/16, K/2]) -> (int8 [N, K], float32
+    """Inverse of `tile_weight`, in JAX: (int8 [N/16, 16 K], float16 [N/16, K/2]) -> (int8 [N, K], float16
     [N, K/32])."""
     t, nb = st.shape[0], st.shape[1] // TILE
     wq = wt.reshape(t, nb, 8, TILE, 4).transpose(0, 3, 1, 2, 4).reshape(t * TILE, nb * BLOCK)
@@ -139,12 +154,12 @@ def untile_weight(wt: jax.Array, st: jax.Array) -> tuple[jax.Array, jax.Array]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Q8Weight:
-    """A projection as symmetric int8 blocks of 32 along its input axis, one float32 scale per block (GGUF `Q8_0`
+    """A projection as symmetric int8 blocks of 32 along its input axis, one float16 scale per block (GGUF `Q8_0`
     values): W[n, k] = q[n, k] * s[n, k // 32], multiplied with Q8_0 activations by `q8_linear`.
 
     Attributes:
       q: int8, [N/16, 16 K] in the kernel's tiles when `tiled` (see `tile_weight`), else [N, K].
-      scale: float32, [N/16, K/2] when `tiled`, else [N, K/32].
+      scale: float16, [N/16, K/2] when `tiled`, else [N, K/32].
       tiled: static; the CPU kernel's layout (made where the kernel is available; the twin reads either).
 
     Raises (`q8_weight`): ValueError for a weight value of -128.
@@ -163,24 +178,29 @@ class Q8Weight:
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes: N K int8 + N K / 32 float32 scales."""
+        """Resident bytes: N K int8 + N K / 32 float16 scales."""
         return int(self.q.nbytes + self.scale.nbytes)
 
     def rows(self) -> tuple[jax.Array, jax.Array]:
-        """(int8 [N, K], float32 [N, K/32]) in row layout (a transpose when tiled)."""
+        """(int8 [N, K], float16 [N, K/32]) in row layout (a transpose when tiled)."""
         return untile_weight(self.q, self.scale) if self.tiled else (self.q, self.scale)
 
     def dense(self) -> jax.Array:
         """The float32 values [N, K] (q * s, exact): for tests."""
         q, s = self.rows()
         n, k = q.shape
-        return (q.reshape(n, k // BLOCK, BLOCK).astype(jnp.float32) * s[..., None]).reshape(n, k)
+        return (q.reshape(n, k // BLOCK, BLOCK).astype(jnp.float32) * s.astype(jnp.float32)[..., None]).reshape(n, k)
 
 
 def q8_weight(wq, ws, tile: bool | None = None) -> Q8Weight:
-    """A Q8Weight (arrays on the default device) from rows (int8 [N, K] in [-127, 127], float32 [N, K/32]);
-    tiled for the kernel when `tile` (default: where the kernel is available and N is a multiple of 16)."""
-    wq, ws = np.asarray(wq, np.int8), np.asarray(ws, np.float32)
+    """A Q8Weight (arrays on the default device) from rows (int8 [N, K] in [-127, 127], scales [N, K/32] whose
+    values are float16 values, in any float dtype); tiled for the kernel when `tile` (default: where the kernel is
+    available and N is a multiple of 16).
+
+    Raises:
+      ValueError: a weight of -128, or a scale that float16 cannot hold exactly (`q8_from_values` makes them).
+    """
+    wq, ws = np.asarray(wq, np.int8), _float16_scales(ws)
     if wq.size and wq.min() == -128:
         raise ValueError("q8_weight: int8 weights must be in [-127, 127] (the AVX2 path negates them)")
     if tile is None:
@@ -191,22 +211,27 @@ def q8_weight(wq, ws, tile: bool | None = None) -> Q8Weight:
 
 
 def q8_from_values(w, group_size: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """Float weights [N, K] -> Q8_0 blocks (int8 [N, K] in [-127, 127], float32 [N, K/32]): per block of 32,
-    scale = max|w| / 127 and q = round(w / scale), as llama.cpp's `quantize_row_q8_0` (with a float32 scale).
-    Numpy, at preparation (no device memory).
+    """Float weights [N, K] -> Q8_0 blocks (int8 [N, K] in [-127, 127], float16 [N, K/32]): per block of 32,
+    scale = max|w| / 127 rounded to float16, as llama.cpp's `quantize_row_q8_0` stores it, and q = round(w / scale)
+    with that stored scale (llama.cpp divides by the unrounded one), clipped to [-127, 127] where rounding the
+    scale down pushed a value past it. Numpy, at preparation (no device memory).
 
     Raises:
-      ValueError: K is not a multiple of 32.
+      ValueError: K is not a multiple of 32, or a block's scale is beyond float16's range.
     """
     w = np.asarray(w, np.float32)
     n, k = w.shape
     if k % BLOCK:
         raise ValueError(f"q8_from_values: K={k} is not a multiple of {BLOCK}")
     wb = w.reshape(n, k // BLOCK, BLOCK)
-    scale = np.abs(wb).max(axis=-1) / np.float32(127)
+    with np.errstate(over="ignore"):
+        scale16 = (np.abs(wb).max(axis=-1) / np.float32(127)).astype(np.float16)
+    if not np.isfinite(scale16).all():
+        raise ValueError("q8_from_values: a block's scale is beyond float16's range (|w| > 8.3e6)")
+    scale = scale16.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(scale[..., None] > 0, np.rint(wb * (np.float32(1) / scale)[..., None]), 0)
-    return np.clip(q, -127, 127).astype(np.int8).reshape(n, k), scale.astype(np.float32)
+    return np.clip(q, -127, 127).astype(np.int8).reshape(n, k), scale16
 
 
 def _cpu_flags() -> str:
@@ -280,9 +305,9 @@ def kernel_path() -> int:
 
 def q8_matmul_kernel(xq: jax.Array, xs: jax.Array, wt: jax.Array, st: jax.Array, path: int = 0) -> jax.Array:
     """The CPU kernel through `jax.ffi.ffi_call` (needs `kernel_available()`): xq int8 [M, K], xs float32
-    [M, K/32], weights in tiles (`tile_weight`: int8 [N/16, 16 K], float32 [N/16, K/2]) -> float32 [M, N]."""
+    [M, K/32], weights in tiles (`tile_weight`: int8 [N/16, 16 K], float16 [N/16, K/2]) -> float32 [M, N]."""
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((xq.shape[0], wt.shape[0] * TILE), jnp.float32))
-    return call(xq, xs.astype(jnp.float32), wt, st.astype(jnp.float32), path=path)
+    return call(xq, xs.astype(jnp.float32), wt, st.astype(jnp.float16), path=path)
 
 
 def q8_matmul(xq: jax.Array, xs: jax.Array, w: Q8Weight) -> jax.Array:

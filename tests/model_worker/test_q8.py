@@ -26,7 +26,7 @@ def operands(m: int, n: int, k: int, seed: int = 0):
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1)).astype(np.float32))
     xq, xs = jax.jit(q8.quantize_blocks)(x)
     wq = jnp.asarray(rng.integers(-127, 128, (n, k)).astype(np.int8))
-    ws = jnp.asarray(rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float32))
+    ws = jnp.asarray(rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float16))  # GGUF Q8_0 scales are float16
     return x, xq, xs, wq, ws
 
 
@@ -135,7 +135,7 @@ def test_tiles_hold_the_rows():
     `Q8Weight.dense` is q * s."""
     _, _, _, wq, ws = operands(1, 48, 96, seed=5)
     w = q8.q8_weight(wq, ws, tile=True)
-    assert w.shape == (48, 96) and w.nbytes == 48 * 96 + 48 * 3 * 4
+    assert w.shape == (48, 96) and w.nbytes == 48 * 96 + 48 * 3 * 2  # float16 scales
     back_q, back_s = (np.asarray(a) for a in w.rows())
     assert np.array_equal(back_q, np.asarray(wq)) and np.array_equal(back_s, np.asarray(ws))
     np.testing.assert_array_equal(np.asarray(w.dense()), np.asarray(wq, np.float32) * np.repeat(np.asarray(ws), 32, 1))
@@ -156,14 +156,19 @@ def test_a_non_finite_row_stays_in_its_row():
 
 
 def test_q8_from_values_is_q8_0():
-    """Weights quantized per block of 32: scale max|w| / 127, |q| <= 127, error at most half a step; integer
-    multiples of a power-of-two step come back exactly."""
+    """Weights quantized per block of 32: scale max|w| / 127 stored as float16 (as GGUF's Q8_0), |q| <= 127, error
+    at most half a step plus what rounding the scale to float16 moves the largest value (127 s 2^-11); integer
+    multiples of a power-of-two step come back exactly. A scale float16 cannot hold is refused, not rounded."""
     rng = np.random.default_rng(2)
     w = rng.standard_normal((16, 64)).astype(np.float32)
     q, s = q8.q8_from_values(w)
-    assert np.array_equal(s, np.abs(w.reshape(16, 2, 32)).max(-1) / np.float32(127)) and np.abs(q).max() == 127
-    err = np.abs(q.reshape(16, 2, 32) * s[..., None] - w.reshape(16, 2, 32))
-    assert (err <= s[..., None] / 2 * (1 + 1e-6)).all()
+    assert s.dtype == np.float16 and np.abs(q).max() == 127
+    assert np.array_equal(s, (np.abs(w.reshape(16, 2, 32)).max(-1) / np.float32(127)).astype(np.float16))
+    s32 = s.astype(np.float32)[..., None]
+    err = np.abs(q.reshape(16, 2, 32) * s32 - w.reshape(16, 2, 32))
+    assert (err <= s32 * (0.5 + 127 * 2.0 ** -11) * (1 + 1e-6)).all()
+    with pytest.raises(ValueError, match="float16"):
+        q8.q8_weight(q, s.astype(np.float32) * np.float32(1 + 2 ** -20))
     exact = (rng.integers(-127, 128, (4, 32)) * 2.0 ** -7).astype(np.float32)
     exact[:, 0] = 127 * 2.0 ** -7
     q, s = q8.q8_from_values(exact)
