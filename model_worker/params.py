@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_worker.config import ModelConfig
-from model_worker.q8 import BLOCK, Q8Weight, q8_from_values, q8_weight
+from model_worker.q8 import BLOCK, Q8Weight, float16_exact, q8_from_values, q8_weight
 from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight, int8_from_flat
 
 
@@ -251,9 +251,10 @@ def q8_of(weight: jax.Array | Int8Weight, dense_in_out: bool = True) -> Q8Weight
     """A projection as Q8_0 blocks of 32 (`q8.Q8Weight`), or None where its input size is not a multiple of 32.
 
     An `Int8Weight` of symmetric blocks of 32 (GGUF Q8_0 and Q5_0) without a -128 and with float16 scales (as GGUF
-    stores them) keeps its integers and scales exactly; any other weight (GGUF Q4_K with its offsets, Q6_K's blocks of 16, a dense float weight, an int8 block
-    holding -128) is requantized from its exact float32 values by `q8.q8_from_values` (error at most half a step of
-    max|w| / 127 per block of 32, a small fraction of a 4- or 6-bit step).
+    stores them) keeps its integers and scales exactly; any other weight (GGUF Q4_K with its offsets, Q6_K's
+    blocks of 16, a dense float weight, an int8 block holding -128) is requantized from its exact float32 values by
+    `q8.q8_from_values` (error at most half a step of max|w| / 127 per block of 32, a small fraction of a 4- or
+    6-bit step).
 
     Args:
       weight: an `Int8Weight` [N, K], or a dense float weight, [K, N] ([in, out], a projection) when
@@ -264,7 +265,7 @@ def q8_of(weight: jax.Array | Int8Weight, dense_in_out: bool = True) -> Q8Weight
         if weight.shape[1] % BLOCK:
             return None
         if weight.group_size == BLOCK and weight.offset is None and (q.size == 0 or q.min() > -128) and \
-                np.array_equal(scale.astype(np.float16).astype(np.float32), scale.astype(np.float32)):
+                float16_exact(scale):
             return q8_weight(q, scale)
         dense = np.asarray(weight.values())
     else:

@@ -110,6 +110,14 @@ def _twin_block(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array) -> j
     return fixed_order_sum(jnp.moveaxis(terms, 0, -1))
 
 
+def float16_exact(ws) -> bool:
+    """Whether every block scale in `ws` (any float dtype) is a float16 value, so storing it as float16 changes
+    nothing (GGUF Q8_0 and Q5_0 scales are)."""
+    ws = np.asarray(ws)
+    return ws.dtype == np.float16 or np.array_equal(ws.astype(np.float16).astype(np.float32), ws.astype(np.float32),
+                                                    equal_nan=True)
+
+
 def _float16_scales(ws) -> np.ndarray:
     """Block scales as float16 (numpy), refusing any value float16 cannot hold exactly (a silent rounding would
     change the weights).
@@ -117,11 +125,9 @@ def _float16_scales(ws) -> np.ndarray:
     Raises:
       ValueError: a scale that is not a float16 value.
     """
-    ws = np.asarray(ws)
-    out = ws.astype(np.float16)
-    if ws.dtype != np.float16 and not np.array_equal(out.astype(np.float32), ws.astype(np.float32), equal_nan=True):
+    if not float16_exact(ws):
         raise ValueError("Q8 scales must be float16 values (GGUF Q8_0's are; requantize with q8_from_values)")
-    return out
+    return np.asarray(ws).astype(np.float16)
 
 
 def tile_weight(wq, ws) -> tuple[np.ndarray, np.ndarray]:
@@ -246,14 +252,19 @@ def _cpu_flags() -> str:
     return ""
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernel is built with: `$CXX`, else `c++` or `g++` on the PATH; None without one."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
 def _build(cache: pathlib.Path) -> pathlib.Path | None:
     """Compile the kernel into `cache` (once per key); its path, or None (with one warning) when it cannot be."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
+    cxx = compiler()
+    if cxx is None:
         log.warning("q8 kernel: no C++ compiler found; block-int8 products run the pure-JAX twin")
         return None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + jaxlib.__version__.encode() + compiler.encode() + _cpu_flags().encode()).hexdigest()
+    key = hashlib.sha256(source + jaxlib.__version__.encode() + cxx.encode() + _cpu_flags().encode()).hexdigest()
     lib = cache / f"q8_matmul-{key[:16]}.so"
     if lib.exists():
         return lib
@@ -261,7 +272,7 @@ def _build(cache: pathlib.Path) -> pathlib.Path | None:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             out = pathlib.Path(tmp) / lib.name
-            cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-w",
+            cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-w",
                    f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
             os.replace(out, lib)  # atomic: a concurrent builder of the same key wrote the same bytes

@@ -150,6 +150,16 @@ __attribute__((target("avx2,f16c"))) void product_avx2_rows(const int8_t* x, con
 // with `xc` (128 * the block sums of x, made once per call; each accumulator starts at -xc), so the loop has one
 // vpdpbusd per row and load. The block terms are stored to `t` (64-byte aligned: a split store or load across two
 // cache lines cost ~30% of a 64-row product) and the sum tree's first level is folded into the epilogue.
+// Block term dst += block term src in each of `mr` rows of `t` (aligned, rows nb terms apart): one level of the tree.
+__attribute__((target("avx512f"), always_inline)) inline void add_terms_avx512(float* t, int64_t nb, int mr,
+                                                                             int64_t dst, int64_t src) {
+  for (int r = 0; r < mr; ++r) {
+    float* tr = t + r * nb * kTile;
+    __m512 sum = _mm512_add_ps(_mm512_load_ps(tr + dst * kTile), _mm512_load_ps(tr + src * kTile));
+    _mm512_store_ps(tr + dst * kTile, sum);
+  }
+}
+
 template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(const int8_t* x, const float* xs,
                                                                                 const int32_t* xc, int64_t K,
@@ -184,16 +194,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(co
   // The remaining levels, row after row within each level (a store is read a few rows later, not at once).
   for (int64_t n = nb > 1 ? half : 1; n > 1;) {
     int64_t h = n / 2;
-    for (int64_t i = 0; i < h; ++i)
-      for (int r = 0; r < MR; ++r) {
-        float* tr = t + r * nb * kTile;
-        _mm512_store_ps(tr + i * kTile, _mm512_add_ps(_mm512_load_ps(tr + i * kTile), _mm512_load_ps(tr + (h + i) * kTile)));
-      }
-    if (n % 2)
-      for (int r = 0; r < MR; ++r) {
-        float* tr = t + r * nb * kTile;
-        _mm512_store_ps(tr + (h - 1) * kTile, _mm512_add_ps(_mm512_load_ps(tr + (h - 1) * kTile), _mm512_load_ps(tr + 2 * h * kTile)));
-      }
+    for (int64_t i = 0; i < h; ++i) add_terms_avx512(t, nb, MR, i, h + i);
+    if (n % 2) add_terms_avx512(t, nb, MR, h - 1, 2 * h);
     n = h;
   }
   for (int r = 0; r < MR; ++r) std::memcpy(y + r * N, t + r * nb * kTile, kTile * sizeof(float));
