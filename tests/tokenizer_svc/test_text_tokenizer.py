@@ -65,4 +65,7 @@ def test_long_texts_encode_alike_and_leave_the_gil_free(text_tokenizer):
     took = time.monotonic() - t0
     done.set()
     ticker.join()
-    assert gaps[0] < max(0.25, took / 4), (gaps[0], took)
+    # Holding the GIL for the whole call leaves one gap as long as the call; released, the gaps are a few ms here but
+    # a loaded CI host (other test workers, the tokenizer's own threads) can deschedule the ticker for a good part of
+    # a second, so the bound is half the call, not a fixed fraction tuned on an idle host.
+    assert gaps[0] < max(0.25, took / 2), (gaps[0], took)
