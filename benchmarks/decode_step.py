@@ -243,45 +243,56 @@ def append_markdown(path: pathlib.Path, heading: str, note: str, columns: list[s
         f.write("\n".join(lines) + "\n\n")
 
 
-def llama_cpp_token_ms(gguf: pathlib.Path, tokens: int = 64, threads: int = 2, port: int = 18089) -> float:
-    """llama.cpp's own decode time per token (ms) on `gguf`: its llama-server (built by
-    benchmarks/llama_cpp_server.sh), one slot, `threads` threads, one greedy completion of `tokens` tokens after a
-    warm-up, read from the server's `timings.predicted_per_token_ms`.
+class LlamaServer:
+    """llama.cpp's llama-server (built by benchmarks/llama_cpp_server.sh) on a GGUF, one slot, `threads` threads,
+    for `token_ms`; a context manager that stops it on exit.
 
-    Raises:
+    Raises (on enter):
       FileNotFoundError: llama-server is not built.
-      RuntimeError: the server did not start or answer.
+      RuntimeError: the server did not start or answer within 60 s.
     """
-    import subprocess
-    import urllib.request
 
-    binary = next((pathlib.Path(__file__).parent / ".llama.cpp").glob("build-*/bin/llama-server"), None)
-    if binary is None:
-        raise FileNotFoundError("llama-server is not built: benchmarks/llama_cpp_server.sh build")
-    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "1",
-                             "-c", "2048", "-t", str(threads), "-tb", str(threads)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        def post(n: int) -> dict:
-            body = json.dumps({"prompt": "The history of the river valley", "n_predict": n, "temperature": 0,
-                               "cache_prompt": False}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return json.loads(r.read())
+    def __init__(self, gguf: pathlib.Path, threads: int = 2, port: int = 18089, context: int = 8192):
+        self.gguf, self.threads, self.port, self.context = gguf, threads, port, context
 
+    def __enter__(self) -> LlamaServer:
+        import subprocess
+
+        binary = next((pathlib.Path(__file__).parent / ".llama.cpp").glob("build-*/bin/llama-server"), None)
+        if binary is None:
+            raise FileNotFoundError("llama-server is not built: benchmarks/llama_cpp_server.sh build")
+        self.proc = subprocess.Popen([str(binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port",
+                                      str(self.port), "-np", "1", "-c", str(self.context), "-t", str(self.threads),
+                                      "-tb", str(self.threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(120):
             try:
-                post(4)  # warm-up (and the wait for the model to load)
-                break
+                self._post([2, 651], 4)  # warm-up (and the wait for the model to load)
+                return self
             except OSError:
                 time.sleep(0.5)
-        else:
-            raise RuntimeError("llama-server did not answer within 60 s")
-        return float(post(tokens)["timings"]["predicted_per_token_ms"])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        self.__exit__()
+        raise RuntimeError("llama-server did not answer within 60 s")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+    def _post(self, prompt: list[int], n: int) -> dict:
+        import urllib.request
+
+        body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": False,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+
+    def token_ms(self, last_position: int, tokens: int = 64) -> float:
+        """llama.cpp's own decode time per token (ms, the server's `timings.predicted_per_token_ms`): one greedy
+        completion of `tokens` tokens whose last one is at `last_position` (a prompt of arbitrary token ids fills
+        the positions before), so that it attends to as many keys as our step at that position does."""
+        prompt = [2] + [651 + i % 1000 for i in range(max(1, last_position + 1 - tokens) - 1)]
+        return float(self._post(prompt, tokens)["timings"]["predicted_per_token_ms"])
 
 
 def main() -> None:
@@ -300,7 +311,8 @@ def main() -> None:
     parser.add_argument("--llama-cpp", action="store_true",
                         help="(embedded model) also measure llama.cpp's own time per decoded token on the same GGUF "
                         "(its llama-server, built by benchmarks/llama_cpp_server.sh, 2 threads) and print the "
-                        "B=1 step against it")
+                        "B=1 step against it, in interleaved rounds at the same position")
+    parser.add_argument("--llama-rounds", type=int, default=5, help="with --llama-cpp: rounds of ours then theirs")
     args = parser.parse_args()
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
@@ -356,12 +368,20 @@ def main() -> None:
             print(f"{b:>5} {L:>6} {row['step_ms']:>8.2f} {row['tokens_per_s']:>8.1f} {moved.total / 1e6:>8.0f} "
                   f"{row['bandwidth_fraction']:>5.0%} {row['vs_batch1']:>6.2f}x" + extra)
     if args.llama_cpp:
+        # Interleaved rounds (ours, then llama.cpp, at the same last position), so that both see the same phases
+        # of a shared host; the ratio is of the medians.
         from common import preparation
 
-        llama_ms = llama_cpp_token_ms(preparation.embedded_gguf(pathlib.Path(args.cache_dir)))
-        ours = next(r["step_ms"] for r in rows if r["batch"] == min(engine.batch_buckets))
-        print(f"llama.cpp: {llama_ms:.2f} ms per decoded token (llama-server, 2 threads, same GGUF); our "
-              f"B={min(engine.batch_buckets)} step at kv {rows[0]['kv_len']} / llama.cpp = {ours / llama_ms:.2f}x")
+        b, L = min(engine.batch_buckets), engine.kv_buckets[0]
+        ours, theirs = [], []
+        with LlamaServer(preparation.embedded_gguf(pathlib.Path(args.cache_dir))) as server:
+            for _ in range(args.llama_rounds):
+                ours.append(time_step(engine, b, L, args.steps) * 1e3)
+                theirs.append(server.token_ms(L - 1))
+        o, t = statistics.median(ours), statistics.median(theirs)
+        print(f"llama.cpp: {t:.2f} ms per decoded token at position {L - 1} (llama-server, 2 threads, same GGUF; "
+              f"rounds {', '.join(f'{x:.2f}' for x in theirs)}); our B={b} step at kv {L}: {o:.2f} ms (rounds "
+              f"{', '.join(f'{x:.2f}' for x in ours)}) / llama.cpp = {o / t:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(dict(model=cfg.name, device=device, backend=backend, dtype=dtype,
                                              weights=weights, matmul_precision=args.matmul_precision,

@@ -19,6 +19,11 @@ Two implementations give the same bits:
   hash of the source, the jaxlib version and the compiler, with run-time dispatch on the CPU's features (AVX-512
   VNNI, AVX2, scalar; no `-march=native` baked in). No compiler or a failed build: one warning and the twin.
 
+Weights whose integers all lie in [-16, 15] (GGUF `Q5_0`'s, w = d * (u - 16) with u a 5-bit integer) are held
+in 5-bit tiles where the kernel runs on AVX-512 VNNI (`tile_weight5`: 20 bytes per 32 weights instead of 32, the
+GGUF's own 5 bits and float16 scale: 22 bytes per 32 as llama.cpp reads them); the block sums are the same
+integers, so the results are the same bits as from their int8 tiles and from the twin.
+
 Environment: `GEMMA_SERVE_Q8_KERNEL=off` uses the twin on CPU too (what a machine without a compiler runs);
 `GEMMA_SERVE_Q8_PATH=scalar|avx2|vnni` forces a kernel path (a path the CPU lacks falls back to the best it has).
 """
@@ -52,6 +57,8 @@ TILE = 16  # weight rows per kernel tile (kernels/q8_matmul.cc)
 TWIN_BLOCK_BYTES = 32 << 20  # the twin's temporaries per block of weight rows (`q8_matmul_twin`)
 SOURCE = pathlib.Path(__file__).parent / "kernels" / "q8_matmul.cc"
 TARGET = "gemma_q8_matmul"
+TARGET5 = "gemma_q5_matmul"  # the same product on 5-bit tiles (`tile_weight5`)
+TILE_BLOCK5 = 320  # bytes of a 5-bit tile's block of 32 columns: 256 of nibbles + 64 of fifth bits
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
 
 
@@ -149,6 +156,41 @@ def tile_weight(wq, ws) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(wt), np.ascontiguousarray(st)
 
 
+def tile_weight5(wq, ws) -> tuple[np.ndarray, np.ndarray]:
+    """Weights in rows whose integers lie in [-16, 15] (int8 [N, K], float16 [N, K/32]) -> 5-bit tiles (uint8
+    [N/16, 10 K], float16 [N/16, K/2] as `tile_weight`). With u = wq + 16 in [0, 32) and wt8 = `tile_weight`'s
+    int8 tile, each tile's block b is 320 bytes: byte 64 p + l (p < 4, l < 64) holds u of wt8[t, 512 b + 64 p + l]
+    in its low nibble and u of wt8[t, 512 b + 64 (p + 4) + l] in its high nibble, and bit l of the little-endian
+    64-bit word at 256 + 8 i is u's fifth bit for wt8[t, 512 b + 64 i + l] (the kernel's header has the why).
+
+    Raises:
+      ValueError: an integer outside [-16, 15], or what `tile_weight` refuses.
+    """
+    wq = np.asarray(wq)
+    if wq.size and (wq.min() < -16 or wq.max() > 15):
+        raise ValueError("tile_weight5: 5-bit tiles hold integers in [-16, 15]")
+    wt, st = tile_weight(wq, ws)
+    t, nb = st.shape[0], st.shape[1] // TILE
+    u: np.ndarray = (wt.astype(np.int16) + 16).astype(np.uint8).reshape(t, nb, 8, 64)
+    nibbles = (u[:, :, :4] & 0xF) | ((u[:, :, 4:] & 0xF) << 4)  # [t, nb, 4, 64]
+    fifth = np.packbits((u >> 4) & 1, axis=-1, bitorder="little")  # [t, nb, 8, 8]
+    packed = np.concatenate([nibbles.reshape(t, nb, 256), fifth.reshape(t, nb, 64)], axis=-1)
+    return np.ascontiguousarray(packed.reshape(t, nb * TILE_BLOCK5)), st
+
+
+def expand_weight5(w5: jax.Array) -> jax.Array:
+    """Inverse of `tile_weight5`'s packing, in JAX: uint8 [N/16, 10 K] -> the int8 tiles [N/16, 16 K] of
+    `tile_weight` (values u - 16)."""
+    t, nb = w5.shape[0], w5.shape[1] // TILE_BLOCK5
+    blocks = w5.reshape(t, nb, TILE_BLOCK5)
+    nibbles = blocks[..., :256].reshape(t, nb, 4, 64)
+    low4 = jnp.concatenate([nibbles & 0xF, nibbles >> 4], axis=2)  # [t, nb, 8, 64]
+    bits = blocks[..., 256:].reshape(t, nb, 8, 8, 1) >> jnp.arange(8, dtype=jnp.uint8)
+    fifth = (bits & 1).reshape(t, nb, 8, 64)
+    u = low4 | (fifth << 4)
+    return (u.astype(jnp.int8) - 16).reshape(t, nb * BLOCK * TILE)
+
+
 def untile_weight(wt: jax.Array, st: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Inverse of `tile_weight`, in JAX: (int8 [N/16, 16 K], float16 [N/16, K/2]) -> (int8 [N, K], float16
     [N, K/32])."""
@@ -164,9 +206,11 @@ class Q8Weight:
     values): W[n, k] = q[n, k] * s[n, k // 32], multiplied with Q8_0 activations by `q8_linear`.
 
     Attributes:
-      q: int8, [N/16, 16 K] in the kernel's tiles when `tiled` (see `tile_weight`), else [N, K].
+      q: int8, [N/16, 16 K] in the kernel's tiles when `tiled` (see `tile_weight`), else [N, K]; with `bits` 5,
+        uint8 [N/16, 10 K] (`tile_weight5`).
       scale: float16, [N/16, K/2] when `tiled`, else [N, K/32].
       tiled: static; the CPU kernel's layout (made where the kernel is available; the twin reads either).
+      bits: static; 8, or 5 for 5-bit tiles (integers in [-16, 15]; always tiled).
 
     Raises (`q8_weight`): ValueError for a weight value of -128.
     """
@@ -174,21 +218,26 @@ class Q8Weight:
     q: jax.Array
     scale: jax.Array
     tiled: bool = dataclasses.field(default=False, metadata={"static": True})
+    bits: int = dataclasses.field(default=8, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, int]:
         """(N, K), the shape of the dense weight."""
+        if self.bits == 5:
+            return self.q.shape[0] * TILE, self.q.shape[1] * BLOCK // TILE_BLOCK5
         if self.tiled:
             return self.q.shape[0] * TILE, self.q.shape[1] // TILE
         return tuple(self.q.shape)
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes: N K int8 + N K / 32 float16 scales."""
+        """Resident bytes: N K int8 (5/8 of that in 5-bit tiles) + N K / 32 float16 scales."""
         return int(self.q.nbytes + self.scale.nbytes)
 
     def rows(self) -> tuple[jax.Array, jax.Array]:
-        """(int8 [N, K], float16 [N, K/32]) in row layout (a transpose when tiled)."""
+        """(int8 [N, K], float16 [N, K/32]) in row layout (a transpose when tiled, an expansion of 5-bit tiles)."""
+        if self.bits == 5:
+            return untile_weight(expand_weight5(self.q), self.scale)
         return untile_weight(self.q, self.scale) if self.tiled else (self.q, self.scale)
 
     def dense(self) -> jax.Array:
@@ -198,19 +247,28 @@ class Q8Weight:
         return (q.reshape(n, k // BLOCK, BLOCK).astype(jnp.float32) * s.astype(jnp.float32)[..., None]).reshape(n, k)
 
 
-def q8_weight(wq, ws, tile: bool | None = None) -> Q8Weight:
+def q8_weight(wq, ws, tile: bool | None = None, bits: int | None = None) -> Q8Weight:
     """A Q8Weight (arrays on the default device) from rows (int8 [N, K] in [-127, 127], scales [N, K/32] whose
     values are float16 values, in any float dtype); tiled for the kernel when `tile` (default: where the kernel is
-    available and N is a multiple of 16).
+    available and N is a multiple of 16), in 5-bit tiles when `bits` is 5 (default: when tiled, every integer is
+    in [-16, 15] and the kernel's best path reads 5-bit tiles in registers, `five_bit_pays`).
 
     Raises:
-      ValueError: a weight of -128, or a scale that float16 cannot hold exactly (`q8_from_values` makes them).
+      ValueError: a weight of -128, a scale that float16 cannot hold exactly (`q8_from_values` makes them), or
+        5-bit tiles asked for integers outside [-16, 15] or untiled.
     """
     wq, ws = np.asarray(wq, np.int8), _float16_scales(ws)
     if wq.size and wq.min() == -128:
         raise ValueError("q8_weight: int8 weights must be in [-127, 127] (the AVX2 path negates them)")
     if tile is None:
         tile = kernel_available() and wq.shape[0] % TILE == 0
+    if bits is None:
+        bits = 5 if tile and five_bit_pays() and (wq.size == 0 or (wq.min() >= -16 and wq.max() <= 15)) else 8
+    if bits not in (5, 8) or (bits == 5 and not tile):
+        raise ValueError(f"q8_weight: bits={bits}: 8, or 5 in tiles")
+    if bits == 5:
+        w5, s5 = tile_weight5(wq, ws)
+        return Q8Weight(jnp.asarray(w5), jnp.asarray(s5), tiled=True, bits=5)
     if tile:
         wq, ws = tile_weight(wq, ws)
     return Q8Weight(jnp.asarray(wq), jnp.asarray(ws), tiled=bool(tile))
@@ -296,10 +354,23 @@ def kernel_available() -> bool:
     try:
         dll = ctypes.cdll.LoadLibrary(str(lib))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(dll.GemmaQ8Matmul), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET5, jax.ffi.pycapsule(dll.GemmaQ5Matmul), platform="cpu")
+        _CPU_PATH[0] = int(dll.gemma_q8_cpu_path())
     except (OSError, AttributeError, RuntimeError) as e:
         log.warning("q8 kernel: could not load %s (%s); block-int8 products run the pure-JAX twin", lib, e)
         return False
     return True
+
+
+_CPU_PATH = [0]  # the best kernel path this CPU has (PATHS), set when the kernel loads
+
+
+def five_bit_pays() -> bool:
+    """Whether weights that fit 5 bits are worth 5-bit tiles: the kernel is available and its best path is AVX-512
+    VNNI, which expands them in registers (on a decode step at one row, reading 5/8 of the bytes made the Q5_0
+    projections' products ~20% faster: docs/performance.md). The scalar and AVX2 paths expand a tile to int8
+    before using it, so there int8 tiles stay the format."""
+    return kernel_available() and _CPU_PATH[0] == PATHS["vnni"]
 
 
 def kernel_path() -> int:
@@ -316,8 +387,10 @@ def kernel_path() -> int:
 
 def q8_matmul_kernel(xq: jax.Array, xs: jax.Array, wt: jax.Array, st: jax.Array, path: int = 0) -> jax.Array:
     """The CPU kernel through `jax.ffi.ffi_call` (needs `kernel_available()`): xq int8 [M, K], xs float32
-    [M, K/32], weights in tiles (`tile_weight`: int8 [N/16, 16 K], float16 [N/16, K/2]) -> float32 [M, N]."""
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((xq.shape[0], wt.shape[0] * TILE), jnp.float32))
+    [M, K/32], weights in tiles (`tile_weight`: int8 [N/16, 16 K], or `tile_weight5`: uint8 [N/16, 10 K]; float16
+    scales [N/16, K/2]) -> float32 [M, N]."""
+    target = TARGET5 if wt.dtype == jnp.uint8 else TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((xq.shape[0], wt.shape[0] * TILE), jnp.float32))
     return call(xq, xs.astype(jnp.float32), wt, st.astype(jnp.float16), path=path)
 
 
@@ -325,7 +398,7 @@ def q8_matmul(xq: jax.Array, xs: jax.Array, w: Q8Weight) -> jax.Array:
     """The block-int8 product xq [M, K] (scales xs [M, K/32]) times a Q8Weight [N, K] -> float32 [M, N]: the CPU
     kernel where a program runs on CPU, the weight is tiled and the kernel is available, the twin elsewhere
     (`lax.platform_dependent`, so programs lowered for TPU/GPU contain no custom call)."""
-    twin = lambda xq, xs, q, s: q8_matmul_twin(xq, xs, *Q8Weight(q, s, w.tiled).rows())
+    twin = lambda xq, xs, q, s: q8_matmul_twin(xq, xs, *Q8Weight(q, s, tiled=w.tiled, bits=w.bits).rows())
     if not (w.tiled and kernel_available()):
         return twin(xq, xs, w.q, w.scale)
     path = kernel_path()

@@ -13,6 +13,14 @@
 // so a dot-product instruction that sums 4 byte products into each of 16 int32 lanes gives 16 rows' block sums
 // at once, with no horizontal reduction (the layout of oneDNN's and llama.cpp's repacked int8 GEMMs).
 //
+// 5-bit weights (GGUF Q5_0's values, w = d * (u - 16) with u in [0, 32); q8.py `tile_weight5`) come in the same
+// tiles with 320 bytes per tile and block instead of 512: 256 bytes whose low nibbles hold the low 4 bits of the
+// int8 layout's loads 0-3 and whose high nibbles those of loads 4-7, then 8 little-endian 64-bit words, word i
+// holding the fifth bit of each byte of load i (bit k <-> byte k). The AVX-512 path expands them in registers
+// (a masked add of 16 where the bit is set) and multiplies u with the activations, taking off 16 * sum(x) per
+// block; the other paths expand a tile to the int8 layout first. The integer block sums are those of u - 16,
+// exactly, so both formats give the same bits for the same values.
+//
 // Integer block sums are exact, so their order (SIMD lanes, threads, batch size) cannot change a bit; the float
 // epilogue runs in one fixed order per output: each block's term, then the tree of `fixed_order.fixed_order_sum`
 // (halves added pairwise, an odd element joining the last pair), elementwise over the 16 rows of a tile.
@@ -45,6 +53,7 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;                     // weight rows per tile (16 int32 lanes of a 512-bit register)
 constexpr int64_t kTileBlock = kTile * kBlock;    // bytes of one tile's block b
 constexpr int64_t kRows = 4;                      // activation rows sharing each weight load
+constexpr int64_t kTileBlock5 = 320;              // bytes of one tile's block b in the 5-bit format
 
 // The block terms of `mr` (<= kRows) activation rows with one weight tile, then their sums:
 //   t[(r * nb + b) * 16 + lane] = float(isum[m0 + r, 16 tile + lane, b]) * (xs[m0 + r, b] * st[tile, 16 b + lane])
@@ -201,6 +210,54 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(co
   for (int r = 0; r < MR; ++r) std::memcpy(y + r * N, t + r * nb * kTile, kTile * sizeof(float));
 }
 
+// The 5-bit vpdpbusd product: weights u in [0, 32) expanded in registers (low nibble, high nibble, then 16 added
+// where the fifth bit is set) are already unsigned, so `xc` here holds 16 * (block sums of x), taken off as above.
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void product5_vnni_rows(const int8_t* x, const float* xs,
+                                                                                 const int32_t* xc, int64_t K,
+                                                                                 const int8_t* wt,
+                                                                                 const uint16_t* st, int64_t nb,
+                                                                                 float* t, float* y, int64_t N) {
+  const __m512i c0f = _mm512_set1_epi8(0x0f), c10 = _mm512_set1_epi8(0x10);
+  const int64_t half = nb / 2;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_set1_epi32(-xc[r * nb + b]);
+    const int8_t* wb = wt + b * kTileBlock5;
+    for (int64_t p = 0; p < 4; ++p) {
+      uint64_t h0, h1;
+      std::memcpy(&h0, wb + 256 + 8 * p, 8);
+      std::memcpy(&h1, wb + 256 + 8 * (p + 4), 8);
+      __m512i v = _mm512_loadu_si512(wb + p * 64);
+      __m512i lo = _mm512_mask_add_epi8(_mm512_and_si512(v, c0f), _cvtu64_mask64(h0), _mm512_and_si512(v, c0f), c10);
+      __m512i nib = _mm512_and_si512(_mm512_srli_epi16(v, 4), c0f);
+      __m512i hi = _mm512_mask_add_epi8(nib, _cvtu64_mask64(h1), nib, c10);
+      for (int r = 0; r < MR; ++r) {
+        int32_t f0, f1;
+        std::memcpy(&f0, x + r * K + b * kBlock + 4 * p, 4);
+        std::memcpy(&f1, x + r * K + b * kBlock + 4 * (p + 4), 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(f0));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(f1));
+      }
+    }
+    __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + b * kTile)));
+    int64_t to = b < half || nb == 1 ? b : (b < 2 * half ? b - half : half - 1);
+    for (int r = 0; r < MR; ++r) {
+      __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(xs[r * nb + b]), sv));
+      float* dst = t + (r * nb + to) * kTile;
+      if (b >= half && nb > 1) term = _mm512_add_ps(_mm512_load_ps(dst), term);
+      _mm512_store_ps(dst, term);
+    }
+  }
+  for (int64_t n = nb > 1 ? half : 1; n > 1;) {
+    int64_t h = n / 2;
+    for (int64_t i = 0; i < h; ++i) add_terms_avx512(t, nb, MR, i, h + i);
+    if (n % 2) add_terms_avx512(t, nb, MR, h - 1, 2 * h);
+    n = h;
+  }
+  for (int r = 0; r < MR; ++r) std::memcpy(y + r * N, t + r * nb * kTile, kTile * sizeof(float));
+}
+
 // The row-count instances of each path, indexed by mr - 1.
 using RowsProduct = void (*)(const int8_t* x, const float* xs, int64_t K, const int8_t* wt, const uint16_t* st,
                              int64_t nb, float* t, float* y, int64_t N);
@@ -210,6 +267,8 @@ constexpr RowsProduct kAvx2Rows[kRows] = {product_avx2_rows<1>, product_avx2_row
                                           product_avx2_rows<4>};
 constexpr VnniRowsProduct kVnniRows[kRows] = {product_vnni_rows<1>, product_vnni_rows<2>, product_vnni_rows<3>,
                                               product_vnni_rows<4>};
+constexpr VnniRowsProduct kVnni5Rows[kRows] = {product5_vnni_rows<1>, product5_vnni_rows<2>,
+                                               product5_vnni_rows<3>, product5_vnni_rows<4>};
 
 void product_avx2(const int8_t* x, const float* xs, const int32_t*, int64_t K, int64_t mr, const int8_t* wt,
                   const uint16_t* st, int64_t nb, float* t, float* y, int64_t N) {
@@ -220,7 +279,30 @@ void product_vnni(const int8_t* x, const float* xs, const int32_t* xc, int64_t K
                   const uint16_t* st, int64_t nb, float* t, float* y, int64_t N) {
   kVnniRows[mr - 1](x, xs, xc, K, wt, st, nb, t, y, N);
 }
+
+void product5_vnni(const int8_t* x, const float* xs, const int32_t* xc, int64_t K, int64_t mr, const int8_t* wt,
+                   const uint16_t* st, int64_t nb, float* t, float* y, int64_t N) {
+  kVnni5Rows[mr - 1](x, xs, xc, K, wt, st, nb, t, y, N);
+}
 #endif
+
+// One tile of 5-bit weights (nb blocks of 320 bytes) -> the int8 layout (nb blocks of 512 bytes, values u - 16):
+// how the scalar and AVX2 paths read them.
+void expand5(const int8_t* w5, int64_t nb, int8_t* w8) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(w5 + b * kTileBlock5);
+    int8_t* dst = w8 + b * kTileBlock;
+    for (int64_t i = 0; i < 8; ++i) {
+      uint64_t high;
+      std::memcpy(&high, src + 256 + 8 * i, 8);
+      for (int64_t lane = 0; lane < 64; ++lane) {
+        int u = (src[(i % 4) * 64 + lane] >> (4 * (i / 4))) & 0x0f;
+        u |= int((high >> lane) & 1) << 4;
+        dst[i * 64 + lane] = int8_t(u - 16);
+      }
+    }
+  }
+}
 
 TileProduct product_vnni_entry() {
 #if defined(__x86_64__)
@@ -228,6 +310,14 @@ TileProduct product_vnni_entry() {
 #else
   return nullptr;
 #endif
+}
+
+// The 5-bit product of a path whose int8 product is `product` (nullptr: expand the tile, then `product`).
+TileProduct product5_of(TileProduct product) {
+#if defined(__x86_64__)
+  if (product == product_vnni) return product5_vnni;
+#endif
+  return nullptr;
 }
 
 int cpu_path() {
@@ -256,20 +346,28 @@ struct Work {
   const uint16_t* st;
   float* y;
   int64_t M, N, K, nb, tiles_per_chunk, chunks;
-  TileProduct product;
-  std::vector<int32_t> xc;  // the AVX-512 VNNI path's 128 * (block sums of x), [M, K/32]
+  int64_t tile_bytes;     // one tile's weight bytes: nb * 512 (int8) or nb * 320 (5-bit)
+  bool five_bit;
+  TileProduct product;    // the path's int8 product
+  TileProduct product5;   // its 5-bit product (nullptr: 5-bit tiles are expanded to int8 first)
+  std::vector<int32_t> xc;  // the vpdpbusd paths' 128 (int8) or 16 (5-bit) * (block sums of x), [M, K/32]
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   // Weight tiles outer, activation rows inner: a tile (16 K bytes) stays in cache while every row uses it.
-  void run_chunk(int64_t c, float* t) {
+  void run_chunk(int64_t c, float* t, int8_t* expanded) {
     int64_t t0 = c * tiles_per_chunk, t1 = std::min(N / kTile, t0 + tiles_per_chunk);
+    TileProduct f = five_bit && product5 ? product5 : product;
     for (int64_t tile = t0; tile < t1; ++tile) {
-      const int8_t* w = wt + tile * nb * kTileBlock;
+      const int8_t* w = wt + tile * tile_bytes;
+      if (five_bit && !product5) {
+        expand5(w, nb, expanded);
+        w = expanded;
+      }
       const uint16_t* s = st + tile * nb * kTile;
       for (int64_t m0 = 0; m0 < M; m0 += kRows)
-        product(xq + m0 * K, xs + m0 * nb, xc.empty() ? nullptr : xc.data() + m0 * nb, K, std::min(kRows, M - m0),
-                w, s, nb, t, y + m0 * N + tile * kTile, N);
+        f(xq + m0 * K, xs + m0 * nb, xc.empty() ? nullptr : xc.data() + m0 * nb, K, std::min(kRows, M - m0), w, s,
+          nb, t, y + m0 * N + tile * kTile, N);
     }
   }
 
@@ -278,21 +376,25 @@ struct Work {
     // 64-byte aligned (block terms are whole 512-bit registers); kRows * nb * kTile floats is a multiple of 64 bytes.
     std::unique_ptr<float, decltype(&std::free)> t(
         static_cast<float*>(std::aligned_alloc(64, kRows * nb * kTile * sizeof(float))), &std::free);
+    std::unique_ptr<int8_t, decltype(&std::free)> expanded(
+        five_bit && !product5 ? static_cast<int8_t*>(std::aligned_alloc(64, nb * kTileBlock)) : nullptr, &std::free);
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      run_chunk(c, t.get());
+      run_chunk(c, t.get(), expanded.get());
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> xs,
-                        ffi::Buffer<ffi::S8> wt, ffi::Buffer<ffi::F16> st, int64_t path,
-                        ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = xq.dimensions(), wd = wt.dimensions();
+// The product of `wt`'s tiles, int8 (`five_bit` false: [N/16, 16 K]) or 5-bit ([N/16, 10 K]).
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> xs, const int8_t* wt,
+                      ffi::Span<const int64_t> wd, bool five_bit, ffi::Buffer<ffi::F16> st, int64_t path,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = xq.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("q8_matmul: xq and wt must be 2-D");
   int64_t M = xd[0], K = xd[1], N = wd[0] * kTile;
-  if (K % kBlock || wd[1] != K * kTile)
-    return ffi::Error::InvalidArgument("q8_matmul: K must be a multiple of 32 and wt [N/16, 16 K]");
+  if (K % kBlock || wd[1] != K * (five_bit ? kTileBlock5 : kTileBlock) / kBlock)
+    return ffi::Error::InvalidArgument(five_bit ? "q5_matmul: K must be a multiple of 32 and wt [N/16, 10 K]"
+                                                : "q8_matmul: K must be a multiple of 32 and wt [N/16, 16 K]");
   int64_t nb = K / kBlock;
   if (xs.element_count() != M * nb || st.element_count() != N * nb || y->element_count() != M * N)
     return ffi::Error::InvalidArgument("q8_matmul: scale or output shapes do not match [M, K/32], [N/16, K/2], [M, N]");
@@ -304,21 +406,25 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buff
   auto work = std::make_shared<Work>();
   work->xq = xq.typed_data();
   work->xs = xs.typed_data();
-  work->wt = wt.typed_data();
+  work->wt = wt;
   work->st = reinterpret_cast<const uint16_t*>(st.typed_data());
   work->y = y->typed_data();
   work->M = M, work->N = N, work->K = K, work->nb = nb;
+  work->five_bit = five_bit;
+  work->tile_bytes = nb * (five_bit ? kTileBlock5 : kTileBlock);
   work->product = pick(path);
+  work->product5 = product5_of(work->product);
   if (work->product == product_vnni_entry()) {
+    int32_t offset = five_bit ? 16 : 128;
     work->xc.resize(M * nb);
     for (int64_t i = 0; i < M * nb; ++i) {
       int32_t sum = 0;
       for (int64_t j = 0; j < kBlock; ++j) sum += work->xq[i * kBlock + j];
-      work->xc[i] = 128 * sum;
+      work->xc[i] = offset * sum;
     }
   }
   // About 64 KiB of weights per chunk (fewer tiles when many rows use each): spreads over the pool, amortizes a task.
-  int64_t per_tile = kTile * K * std::max<int64_t>(1, (M + kRows - 1) / kRows);
+  int64_t per_tile = work->tile_bytes * std::max<int64_t>(1, (M + kRows - 1) / kRows);
   work->tiles_per_chunk = std::max<int64_t>(1, (int64_t(64) << 10) / per_tile);
   work->chunks = (N / kTile + work->tiles_per_chunk - 1) / work->tiles_per_chunk;
   // One task fewer than the pool has threads: the calling thread works too (on 2 cores, the step was ~7% faster
@@ -330,7 +436,30 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buff
   return ffi::Error::Success();
 }
 
+ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> xs,
+                        ffi::Buffer<ffi::S8> wt, ffi::Buffer<ffi::F16> st, int64_t path,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  return MatmulImpl(pool, xq, xs, wt.typed_data(), wt.dimensions(), false, st, path, y);
+}
+
+ffi::Error Q5MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> xs,
+                        ffi::Buffer<ffi::U8> wt, ffi::Buffer<ffi::F16> st, int64_t path,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  return MatmulImpl(pool, xq, xs, reinterpret_cast<const int8_t*>(wt.typed_data()), wt.dimensions(), true, st, path,
+                    y);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaQ5Matmul, Q5MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Attr<int64_t>("path")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaQ8Matmul, Q8MatmulImpl,
                               ffi::Ffi::Bind()

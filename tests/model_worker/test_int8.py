@@ -19,10 +19,11 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from families.gemma3.worker import GEMMA3_270M, gemma3_layers
+from model_worker import q8
 from model_worker.gguf_int8 import SUPPORTED, int8_from_gguf
 from model_worker.kv_cache import KVCache
 from model_worker.model import forward_jit
-from model_worker.params import Params, random_flat, to_device
+from model_worker.params import Params, random_flat, to_device, with_q8_matmuls
 from model_worker.quant import Int8Weight, _dequant_int8, int8_from_flat, int8_linear, int8_to_flat
 
 BLOCK = {T.Q8_0: (34, 32, [0]), T.Q5_0: (22, 32, [0]), T.Q6_K: (210, 256, [208]), T.Q4_K: (144, 256, [0, 2])}
@@ -164,6 +165,13 @@ def test_embedded_model_keeps_its_matrices_as_int8(gemma3):
     layer = params.layers[0]
     assert all(isinstance(getattr(layer, n), Int8Weight) for n in ("q", "k", "v", "o", "gate", "up", "down"))
     assert params.nbytes() < 0.35 * 2**30
+    # At int8 matmul precision the GGUF's Q5_0 projections (q, k, gate, up) keep their 5 bits where the kernel
+    # reads 5-bit tiles; Q8_0 (v, the LM head) and the requantized Q4_K / Q6_K ones are int8.
+    q8p = with_q8_matmuls(params)
+    five = 5 if q8.five_bit_pays() else 8
+    assert {n: getattr(q8p.layers[0], n).bits for n in ("q", "k", "v", "o", "gate", "up", "down")} == {
+        "q": five, "k": five, "v": 8, "o": 8, "gate": five, "up": five, "down": 8}
+    assert q8p.lm_head.bits == 8
 
 
 def test_bf16_activations_give_float32_logits():

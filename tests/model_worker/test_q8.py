@@ -200,3 +200,59 @@ def test_the_twin_in_blocks_of_rows_gives_the_same_bits():
     for block_bytes in (8 * 3 * 3 * 16, 8 * 3 * 3 * 48, 8 * 3 * 3 * 500):  # 16, 48, 496 rows per block
         out = jax.jit(functools.partial(q8.q8_matmul_twin, block_bytes=block_bytes))(xq, xs, wq, ws)
         assert np.array_equal(np.asarray(out), whole), block_bytes
+
+
+def operands5(m: int, n: int, k: int, seed: int = 0):
+    """`operands` with 5-bit weight integers (GGUF Q5_0's u - 16, in [-16, 15])."""
+    x, xq, xs, _, ws = operands(m, n, k, seed)
+    wq = jnp.asarray(np.random.default_rng(seed + 100).integers(-16, 16, (n, k)).astype(np.int8))
+    return x, xq, xs, wq, ws
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_five_bit_tiles_equal_the_twin_on_every_path(m, n, k):
+    """5-bit tiles (expanded in registers on AVX-512 VNNI, to int8 tiles on the other paths) give the twin's bits
+    for the same integers, on every path, through `q8_matmul` as the model calls it."""
+    _, xq, xs, wq, ws = operands5(m, n, k, seed=m + n)
+    twin = np.asarray(jax.jit(q8.q8_matmul_twin)(xq, xs, wq, ws))
+    w5 = q8.q8_weight(wq, ws, tile=True, bits=5)
+    for name, path in q8.PATHS.items():
+        out = jax.jit(functools.partial(q8.q8_matmul_kernel, path=path))(xq, xs, w5.q, w5.scale)
+        assert np.array_equal(np.asarray(out), twin), name
+    assert np.array_equal(np.asarray(jax.jit(q8.q8_matmul)(xq, xs, w5)), twin)
+
+
+def test_five_bit_tiles_hold_the_rows_in_five_eighths_of_the_bytes():
+    """`tile_weight5`: 20 bytes per 32 integers (10 K per 16 rows) that expand back to the rows, with the extreme
+    values -16 and 15 in every position of a block; integers outside [-16, 15] are refused; the twin of a 5-bit
+    weight reads it as its rows (and lowered for TPU/GPU holds no custom call)."""
+    rng = np.random.default_rng(4)
+    wq = rng.integers(-16, 16, (32, 64)).astype(np.int8)
+    wq[0], wq[1] = -16, 15
+    ws = rng.uniform(1e-3, 1e-2, (32, 2)).astype(np.float16)
+    w5 = q8.q8_weight(wq, ws, tile=True, bits=5)
+    assert w5.q.dtype == jnp.uint8 and w5.q.shape == (2, 640) and w5.shape == (32, 64) and w5.bits == 5
+    assert w5.nbytes == 32 * 64 * 5 // 8 + 32 * 2 * 2
+    back_q, back_s = (np.asarray(a) for a in w5.rows())
+    assert np.array_equal(back_q, wq) and np.array_equal(back_s, ws)
+    with pytest.raises(ValueError, match=r"\[-16, 15\]"):
+        q8.tile_weight5(np.full((16, 32), 16, np.int8), np.ones((16, 1), np.float16))
+    with pytest.raises(ValueError, match="bits"):
+        q8.q8_weight(wq, ws, tile=False, bits=5)
+    _, xq, xs, _, _ = operands(2, 32, 64)
+    traced = jax.jit(q8.q8_matmul).trace(xq, xs, w5)
+    assert q8.TARGET5 in traced.lower(lowering_platforms=("cpu",)).as_text()
+    for platform in ("tpu", "cuda"):
+        assert "custom_call" not in traced.lower(lowering_platforms=(platform,)).as_text(), platform
+
+
+def test_five_bit_tiles_are_chosen_where_they_pay():
+    """By default a tiled weight whose integers fit [-16, 15] gets 5-bit tiles exactly where the kernel's best path
+    expands them in registers (AVX-512 VNNI); any wider integer keeps int8 tiles."""
+    _, _, _, wq, ws = operands5(1, 32, 64)
+    assert q8.q8_weight(wq, ws).bits == (5 if q8.five_bit_pays() else 8)
+    flags = q8._cpu_flags().split()
+    assert q8.five_bit_pays() == ("avx512_vnni" in flags and "avx512bw" in flags)
+    wide = np.asarray(wq).copy()
+    wide[3, 7] = 16
+    assert q8.q8_weight(wide, ws).bits == 8
