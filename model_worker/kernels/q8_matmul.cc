@@ -169,6 +169,38 @@ __attribute__((target("avx512f"), always_inline)) inline void add_terms_avx512(f
   }
 }
 
+// Block b's terms of MR rows from their int32 block sums acc[r], with the tree's first level taken as the terms
+// come: term b >= nb/2 is added to term b - nb/2 (stored nb/2 blocks earlier), and with an odd count the last term
+// joins the last pair - tree16's first level, in its order.
+template <int MR>
+__attribute__((target("avx512f"), always_inline)) inline void store_terms_avx512(const __m512i* acc, const float* xs,
+                                                                               const uint16_t* st, int64_t b,
+                                                                               int64_t nb, float* t) {
+  const int64_t half = nb / 2;
+  __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + b * kTile)));
+  int64_t to = b < half || nb == 1 ? b : (b < 2 * half ? b - half : half - 1);
+  for (int r = 0; r < MR; ++r) {
+    __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(xs[r * nb + b]), sv));
+    float* dst = t + (r * nb + to) * kTile;
+    if (b >= half && nb > 1) term = _mm512_add_ps(_mm512_load_ps(dst), term);
+    _mm512_store_ps(dst, term);
+  }
+}
+
+// The tree's remaining levels over the terms `store_terms_avx512` left, row after row within each level (a store
+// is read a few rows later, not at once), then each row's sum to y.
+template <int MR>
+__attribute__((target("avx512f"), always_inline)) inline void sum_terms_avx512(float* t, int64_t nb, float* y,
+                                                                             int64_t N) {
+  for (int64_t n = nb > 1 ? nb / 2 : 1; n > 1;) {
+    int64_t h = n / 2;
+    for (int64_t i = 0; i < h; ++i) add_terms_avx512(t, nb, MR, i, h + i);
+    if (n % 2) add_terms_avx512(t, nb, MR, h - 1, 2 * h);
+    n = h;
+  }
+  for (int r = 0; r < MR; ++r) std::memcpy(y + r * N, t + r * nb * kTile, kTile * sizeof(float));
+}
+
 template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(const int8_t* x, const float* xs,
                                                                                 const int32_t* xc, int64_t K,
@@ -176,9 +208,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(co
                                                                                 const uint16_t* st, int64_t nb,
                                                                                 float* t, float* y, int64_t N) {
   const __m512i c80 = _mm512_set1_epi8(char(0x80));
-  // The tree's first level is taken as the terms come: term b >= half is added to term b - half (stored half
-  // blocks earlier), and with an odd count the last term joins the last pair - tree16's first level, in its order.
-  const int64_t half = nb / 2;
   for (int64_t b = 0; b < nb; ++b) {
     __m512i acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_set1_epi32(-xc[r * nb + b]);
@@ -191,23 +220,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(co
         acc[r] = _mm512_dpbusd_epi32(acc[r], wv, _mm512_set1_epi32(four));
       }
     }
-    __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + b * kTile)));
-    int64_t to = b < half || nb == 1 ? b : (b < 2 * half ? b - half : half - 1);
-    for (int r = 0; r < MR; ++r) {
-      __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(xs[r * nb + b]), sv));
-      float* dst = t + (r * nb + to) * kTile;
-      if (b >= half && nb > 1) term = _mm512_add_ps(_mm512_load_ps(dst), term);
-      _mm512_store_ps(dst, term);
-    }
+    store_terms_avx512<MR>(acc, xs, st, b, nb, t);
   }
-  // The remaining levels, row after row within each level (a store is read a few rows later, not at once).
-  for (int64_t n = nb > 1 ? half : 1; n > 1;) {
-    int64_t h = n / 2;
-    for (int64_t i = 0; i < h; ++i) add_terms_avx512(t, nb, MR, i, h + i);
-    if (n % 2) add_terms_avx512(t, nb, MR, h - 1, 2 * h);
-    n = h;
-  }
-  for (int r = 0; r < MR; ++r) std::memcpy(y + r * N, t + r * nb * kTile, kTile * sizeof(float));
+  sum_terms_avx512<MR>(t, nb, y, N);
 }
 
 // The 5-bit vpdpbusd product: weights u in [0, 32) expanded in registers (low nibble, high nibble, then 16 added
@@ -219,7 +234,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product5_vnni_rows(c
                                                                                  const uint16_t* st, int64_t nb,
                                                                                  float* t, float* y, int64_t N) {
   const __m512i c0f = _mm512_set1_epi8(0x0f), c10 = _mm512_set1_epi8(0x10);
-  const int64_t half = nb / 2;
   for (int64_t b = 0; b < nb; ++b) {
     __m512i acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_set1_epi32(-xc[r * nb + b]);
@@ -240,22 +254,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product5_vnni_rows(c
         acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(f1));
       }
     }
-    __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + b * kTile)));
-    int64_t to = b < half || nb == 1 ? b : (b < 2 * half ? b - half : half - 1);
-    for (int r = 0; r < MR; ++r) {
-      __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(xs[r * nb + b]), sv));
-      float* dst = t + (r * nb + to) * kTile;
-      if (b >= half && nb > 1) term = _mm512_add_ps(_mm512_load_ps(dst), term);
-      _mm512_store_ps(dst, term);
-    }
+    store_terms_avx512<MR>(acc, xs, st, b, nb, t);
   }
-  for (int64_t n = nb > 1 ? half : 1; n > 1;) {
-    int64_t h = n / 2;
-    for (int64_t i = 0; i < h; ++i) add_terms_avx512(t, nb, MR, i, h + i);
-    if (n % 2) add_terms_avx512(t, nb, MR, h - 1, 2 * h);
-    n = h;
-  }
-  for (int r = 0; r < MR; ++r) std::memcpy(y + r * N, t + r * nb * kTile, kTile * sizeof(float));
+  sum_terms_avx512<MR>(t, nb, y, N);
 }
 
 // The row-count instances of each path, indexed by mr - 1.
