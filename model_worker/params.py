@@ -280,7 +280,8 @@ def with_q8_matmuls(params: Params) -> Params:
     """`params` at block-int8 matmul precision (`q8.q8_linear`, the worker's `--matmul-precision int8`): each layer
     projection and the tied LM head as `Q8Weight` (see `q8_of`), multiplied with activations quantized to Q8_0
     blocks, as llama.cpp does. Integer block sums make every product batch-invariant by construction, and a
-    decode step reads about 1.06 bytes per weight (int8 + a float32 scale per 32) instead of bfloat16's 2.
+    decode step reads about 1.06 bytes per weight (int8 + a float16 scale per 32; 0.69 for 5-bit tiles of the
+    GGUF's Q5_0 integers, `q8.tile_weight5`) instead of bfloat16's 2.
 
     Projections whose input size is not a multiple of 32 get a row-invariant `Bf16Weight` instead (Gemma 4's
     per-layer-input projections of some tiny test configs), Int4Weights stay as they are; norms and the

@@ -220,6 +220,10 @@ class Q8Weight:
     tiled: bool = dataclasses.field(default=False, metadata={"static": True})
     bits: int = dataclasses.field(default=8, metadata={"static": True})
 
+    def __post_init__(self):
+        if self.bits not in (5, 8) or (self.bits == 5 and not self.tiled):
+            raise ValueError(f"Q8Weight: bits={self.bits}, tiled={self.tiled}: 8, or 5 in tiles")
+
     @property
     def shape(self) -> tuple[int, int]:
         """(N, K), the shape of the dense weight."""
@@ -265,7 +269,8 @@ def q8_weight(wq, ws, tile: bool | None = None, bits: int | None = None) -> Q8We
     if bits is None:
         bits = 5 if tile and five_bit_pays() and (wq.size == 0 or (wq.min() >= -16 and wq.max() <= 15)) else 8
     if bits not in (5, 8) or (bits == 5 and not tile):
-        raise ValueError(f"q8_weight: bits={bits}: 8, or 5 in tiles")
+        raise ValueError(f"q8_weight: bits={bits}, tile={tile}: 8, or 5 in tiles (tiles need the kernel, or "
+                         "tile=True)")
     if bits == 5:
         w5, s5 = tile_weight5(wq, ws)
         return Q8Weight(jnp.asarray(w5), jnp.asarray(s5), tiled=True, bits=5)
@@ -369,7 +374,9 @@ def five_bit_pays() -> bool:
     """Whether weights that fit 5 bits are worth 5-bit tiles: the kernel is available and its best path is AVX-512
     VNNI, which expands them in registers (on a decode step at one row, reading 5/8 of the bytes made the Q5_0
     projections' products ~20% faster: docs/performance.md). The scalar and AVX2 paths expand a tile to int8
-    before using it, so there int8 tiles stay the format."""
+    before using it, so there int8 tiles stay the format (`GEMMA_SERVE_Q8_PATH` does not change the choice: a
+    path forced on a VNNI CPU reads the 5-bit tiles too, expanding them, so its timings are not those of a CPU
+    that has only that path)."""
     return kernel_available() and _CPU_PATH[0] == PATHS["vnni"]
 
 

@@ -49,12 +49,12 @@ Vocabulary split across devices (tensor parallelism, `model_worker.sharding`): t
 state [S, V] arrive split over V, and XLA's SPMD partitioner runs every step on each device's part: bias,
 penalties, masks and the min-p / top-p thresholds are elementwise work plus all-reduced row sums and maxima
 (softmax, log_softmax, the top-p bisection's masses, the inverse-CDF count). `sample` and `sample_greedy` take
-the number of parts (`vocab_parts`, static): the greedy argmax is then a row maximum and the first index holding
-it (two all-reduced [B] values, `_argmax`), and the inverse-CDF's cumulative sum is each part's own plus the
-totals of the parts before it (`_cumsum`). What still gathers a [B, V] row onto every device: `lax.top_k`, which
+the number of parts (`vocab_parts`, static): the greedy argmax is a row maximum and the first index holding it
+(two all-reduced [B] values, `_argmax`, the same on one device), and the inverse-CDF's cumulative sum is each
+part's own plus the totals of the parts before it (`_cumsum`). What still gathers a [B, V] row onto every device: `lax.top_k`, which
 XLA does not partition along the sorted axis (seen on CPU), in the top-k filter (rows with top_k > 0) and in
 top logprobs (rows asking for them); a plain greedy batch (`sample_greedy`) gathers nothing of size V. With one
-part the programs are unchanged.
+part only `_cumsum` takes the plain path.
 
 Host helpers: `SamplingArrays.defaults(batch, vocab)` (greedy, everything off), `pack_mask` (bool [V] -> the
 uint32 words of `SamplingArrays.mask`), `mask_words_from_bytes` (the protocol's `TokenMask.allowed` bytes ->
@@ -415,8 +415,10 @@ def _argmax(logits: jax.Array, parts: int = 1) -> jax.Array:
     because XLA CPU's argmax (a variadic reduce) and `lax.top_k(x, 1)` (a partial sort) are slow on a [B, 262144]
     row (one row: 1.2 ms and 0.6 ms against 0.2; eight rows: top_k 4.3 ms against 2.0: docs/performance.md), and
     because with the vocabulary split across devices (`parts` > 1) XLA splits both reductions by part where a
-    top-k would gather the rows. A row holding a NaN gets some index in range (which one depends on how the
-    backend's max treats NaN): NaN logits are a broken model."""
+    top-k would gather the rows. The index is top_k's for every row of numbers, ties included, except that a
+    maximum of zero held as both -0.0 and +0.0 gives the first of them (top_k's total order ranks +0.0 higher); a
+    row holding a NaN gets some index in range (which one depends on how the backend's max treats NaN): NaN
+    logits are a broken model."""
     del parts  # the same two reductions whatever the split
     best = jnp.max(logits, axis=-1, keepdims=True)
     ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)

@@ -154,11 +154,6 @@ __attribute__((target("avx2,f16c"))) void product_avx2_rows(const int8_t* x, con
   }
 }
 
-// vpdpbusd multiplies unsigned bytes by signed ones: each weight byte is made unsigned on load (w ^ 0x80 = w + 128,
-// one xor) and multiplied with the signed activations; the 128 * sum(x) that adds to a block sum is taken off
-// with `xc` (128 * the block sums of x, made once per call; each accumulator starts at -xc), so the loop has one
-// vpdpbusd per row and load. The block terms are stored to `t` (64-byte aligned: a split store or load across two
-// cache lines cost ~30% of a 64-row product) and the sum tree's first level is folded into the epilogue.
 // Block term dst += block term src in each of `mr` rows of `t` (aligned, rows nb terms apart): one level of the tree.
 __attribute__((target("avx512f"), always_inline)) inline void add_terms_avx512(float* t, int64_t nb, int mr,
                                                                              int64_t dst, int64_t src) {
@@ -201,6 +196,11 @@ __attribute__((target("avx512f"), always_inline)) inline void sum_terms_avx512(f
   for (int r = 0; r < MR; ++r) std::memcpy(y + r * N, t + r * nb * kTile, kTile * sizeof(float));
 }
 
+// vpdpbusd multiplies unsigned bytes by signed ones: each weight byte is made unsigned on load (w ^ 0x80 = w + 128,
+// one xor) and multiplied with the signed activations; the 128 * sum(x) that adds to a block sum is taken off
+// with `xc` (128 * the block sums of x, made once per call; each accumulator starts at -xc), so the loop has one
+// vpdpbusd per row and load. The block terms are stored to `t` (64-byte aligned: a split store or load across two
+// cache lines cost ~30% of a 64-row product) and the sum tree's first level is folded into the epilogue.
 template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product_vnni_rows(const int8_t* x, const float* xs,
                                                                                 const int32_t* xc, int64_t K,
@@ -355,7 +355,9 @@ struct Work {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  // Weight tiles outer, activation rows inner: a tile (16 K bytes) stays in cache while every row uses it.
+  // Weight tiles outer, activation rows inner: a tile (16 K bytes, 10 K in 5 bits) stays in cache while every
+  // row uses it (a 5-bit tile is expanded again for each group of kRows rows: at 64 rows a prompt chunk's products
+  // took the same time as from int8 tiles).
   void run_chunk(int64_t c, float* t, int8_t* expanded) {
     int64_t t0 = c * tiles_per_chunk, t1 = std::min(N / kTile, t0 + tiles_per_chunk);
     TileProduct f = five_bit && product5 ? product5 : product;
@@ -391,14 +393,14 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer
                       ffi::Span<const int64_t> wd, bool five_bit, ffi::Buffer<ffi::F16> st, int64_t path,
                       ffi::ResultBuffer<ffi::F32> y) {
   auto xd = xq.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("q8_matmul: xq and wt must be 2-D");
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("q8/q5_matmul: xq and wt must be 2-D");
   int64_t M = xd[0], K = xd[1], N = wd[0] * kTile;
   if (K % kBlock || wd[1] != K * (five_bit ? kTileBlock5 : kTileBlock) / kBlock)
     return ffi::Error::InvalidArgument(five_bit ? "q5_matmul: K must be a multiple of 32 and wt [N/16, 10 K]"
                                                 : "q8_matmul: K must be a multiple of 32 and wt [N/16, 16 K]");
   int64_t nb = K / kBlock;
   if (xs.element_count() != M * nb || st.element_count() != N * nb || y->element_count() != M * N)
-    return ffi::Error::InvalidArgument("q8_matmul: scale or output shapes do not match [M, K/32], [N/16, K/2], [M, N]");
+    return ffi::Error::InvalidArgument("q8/q5_matmul: scale or output shapes do not match [M, K/32], [N/16, K/2], [M, N]");
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (nb == 0) {  // K = 0: empty sums
     std::fill(y->typed_data(), y->typed_data() + M * N, 0.0f);
