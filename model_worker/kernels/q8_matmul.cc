@@ -243,7 +243,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void product5_vnni_rows(c
       std::memcpy(&h0, wb + 256 + 8 * p, 8);
       std::memcpy(&h1, wb + 256 + 8 * (p + 4), 8);
       __m512i v = _mm512_loadu_si512(wb + p * 64);
-      __m512i lo = _mm512_mask_add_epi8(_mm512_and_si512(v, c0f), _cvtu64_mask64(h0), _mm512_and_si512(v, c0f), c10);
+      __m512i low = _mm512_and_si512(v, c0f);
+      __m512i lo = _mm512_mask_add_epi8(low, _cvtu64_mask64(h0), low, c10);
       __m512i nib = _mm512_and_si512(_mm512_srli_epi16(v, 4), c0f);
       __m512i hi = _mm512_mask_add_epi8(nib, _cvtu64_mask64(h1), nib, c10);
       for (int r = 0; r < MR; ++r) {
