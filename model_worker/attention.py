@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from model_worker.block_attention import CHUNK, FULL, RING, block_attention
 from model_worker.config import LayerSpec, ModelConfig
 from model_worker.kv_cache import (
+    BF16_BITS,
     KVCache,
     after_value,
     dequantize_kv,
@@ -489,6 +491,49 @@ def attend_invariant(q, st: BatchKV, source: tuple, cache: KVCache, src: int, wi
     Returns:
       [B, C, N*D] in `dtype`.
     """
+    if cache.k[src].dtype == BF16_BITS:  # bfloat16 K/V: on CPU the fixed-arithmetic kernel (or its twin)
+        fixed = lambda q: _attend_fixed(q, st, source, cache, src, window, scale, dtype, kv_len)
+        xla = lambda q: _attend_xla(q, st, source, cache, src, window, scale, dtype, kv_len)
+        return lax.platform_dependent(q, cpu=fixed, default=xla)
+    return _attend_xla(q, st, source, cache, src, window, scale, dtype, kv_len)
+
+
+def _attend_fixed(q, st: BatchKV, source: tuple, cache: KVCache, src: int, window, scale: float, dtype,
+                  kv_len: int) -> jax.Array:
+    """`attend_invariant` on CPU with bfloat16 K/V: `block_attention` (one kernel call per layer and batch, the
+    same position blocks and visibility as `_attend_xla`, its own fixed arithmetic)."""
+    keys, vals, k_pos, in_place = source
+    B, C, N, D = q.shape
+    rows = _batch_rows(st.slots, B)
+    qb = lax.bitcast_convert_type(q.astype(jnp.bfloat16), BF16_BITS)
+    static = {"scale": scale, "window": window}
+    zeros = jnp.zeros((B,), jnp.int32)
+    if in_place and k_pos is None:  # a full layer: index = position
+        T = cache.k[src].shape[1]
+        block = _pow2_divisor(T, KEY_BLOCK)
+        first, count = jax.vmap(lambda qp: _blocks_of(qp, block, None, -(-min(kv_len, T) // block)))(st.positions)
+        out = block_attention(qb, st.positions, cache.k[src], cache.v[src], rows, None, zeros, first, count,
+                              mode=FULL, block=block, **static)
+    elif in_place:  # a sliding ring (decode)
+        R = k_pos.shape[1]
+        block = _pow2_divisor(R, 256)
+        first, count = jax.vmap(lambda qp: _blocks_of(qp, block, window, R // block + 1))(st.positions)
+        out = block_attention(qb, st.positions, cache.k[src], cache.v[src], rows, k_pos, zeros, first, count,
+                              mode=RING, block=block, ring=R, **static)
+    else:  # a sliding chunk over its gathered ring + its own keys
+        R = cache.k[src].shape[1]
+        L = keys.shape[1]
+        block = _pow2_divisor(R, 256)
+        first, count = jax.vmap(lambda qp: _blocks_of(qp, block, window, L // block + 2))(st.positions)
+        as_bits = lambda x: lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+        out = block_attention(qb, st.positions, as_bits(keys), as_bits(vals), jnp.arange(B, dtype=jnp.int32), k_pos,
+                              st.start, first, count, mode=CHUNK, block=block, ring=R, **static)
+    return (out[..., :D] / out[..., D:]).astype(dtype).reshape(B, C, N * D)
+
+
+def _attend_xla(q, st: BatchKV, source: tuple, cache: KVCache, src: int, window, scale: float, dtype,
+                kv_len: int) -> jax.Array:
+    """`attend_invariant` with XLA's bfloat16 dots (TPU/GPU, and int8 K/V)."""
     keys, vals, k_pos, in_place = source
     rows = _batch_rows(st.slots, q.shape[0])
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])

@@ -37,6 +37,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -55,7 +56,9 @@ log = logging.getLogger(__name__)
 BLOCK = 32
 TILE = 16  # weight rows per kernel tile (kernels/q8_matmul.cc)
 TWIN_BLOCK_BYTES = 32 << 20  # the twin's temporaries per block of weight rows (`q8_matmul_twin`)
-SOURCE = pathlib.Path(__file__).parent / "kernels" / "q8_matmul.cc"
+KERNELS = pathlib.Path(__file__).parent / "kernels"
+SOURCE = KERNELS / "q8_matmul.cc"
+TARGET_ATTENTION = "gemma_block_attention"  # `block_attention`'s kernel, built into the same library
 TARGET = "gemma_q8_matmul"
 TARGET5 = "gemma_q5_matmul"  # the same product on 5-bit tiles (`tile_weight5`)
 TILE_BLOCK5 = 320  # bytes of a 5-bit tile's block of 32 columns: 256 of nibbles + 64 of fifth bits
@@ -320,28 +323,48 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
+def _units() -> list[tuple[pathlib.Path, list[str]]]:
+    """The library's translation units and their own flags: the block-int8 product, the block attention's
+    handler, and its vector code once per instruction set (x86-64: baseline, AVX2, AVX-512; chosen at run time)."""
+    simd = KERNELS / "block_attention_simd.cc"
+    units = [(SOURCE, []), (KERNELS / "block_attention.cc", []), (simd, ["-DATTN_NS=attn_base"])]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        units += [(simd, ["-DATTN_NS=attn_avx2", "-mavx2"]), (simd, ["-DATTN_NS=attn_avx512", "-mavx512f"])]
+    return units
+
+
 def _build(cache: pathlib.Path) -> pathlib.Path | None:
-    """Compile the kernel into `cache` (once per key); its path, or None (with one warning) when it cannot be."""
+    """Compile the kernels into `cache` (once per key); the library's path, or None (with one warning) when it
+    cannot be."""
     cxx = compiler()
     if cxx is None:
-        log.warning("q8 kernel: no C++ compiler found; block-int8 products run the pure-JAX twin")
+        log.warning("q8 kernel: no C++ compiler found; block-int8 products and block attention run the pure-JAX "
+                    "twins")
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + jaxlib.__version__.encode() + cxx.encode() + _cpu_flags().encode()).hexdigest()
-    lib = cache / f"q8_matmul-{key[:16]}.so"
+    units = _units()
+    sources = b"".join(path.read_bytes() + " ".join(flags).encode() for path, flags in units)
+    sources += (KERNELS / "block_attention.h").read_bytes()
+    key = hashlib.sha256(sources + jaxlib.__version__.encode() + cxx.encode() + _cpu_flags().encode()).hexdigest()
+    lib = cache / f"gemma_kernels-{key[:16]}.so"
     if lib.exists():
         return lib
+    common = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-w",
+              f"-I{jax.ffi.include_dir()}"]
     try:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            objects = []
+            for i, (path, flags) in enumerate(units):
+                objects.append(str(pathlib.Path(tmp) / f"{i}.o"))
+                subprocess.run([cxx, *common, *flags, "-c", str(path), "-o", objects[-1]], check=True,
+                               capture_output=True, text=True, timeout=300)
             out = pathlib.Path(tmp) / lib.name
-            cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-w",
-                   f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
-            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+            subprocess.run([cxx, "-shared", *objects, "-o", str(out)], check=True, capture_output=True, text=True,
+                           timeout=300)
             os.replace(out, lib)  # atomic: a concurrent builder of the same key wrote the same bytes
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("q8 kernel: build failed (%s); block-int8 products run the pure-JAX twin",
+        log.warning("q8 kernel: build failed (%s); block-int8 products and block attention run the pure-JAX twins",
                     detail.strip().splitlines()[-1] if detail.strip() else e)
         return None
     return lib
@@ -360,6 +383,7 @@ def kernel_available() -> bool:
         dll = ctypes.cdll.LoadLibrary(str(lib))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(dll.GemmaQ8Matmul), platform="cpu")
         jax.ffi.register_ffi_target(TARGET5, jax.ffi.pycapsule(dll.GemmaQ5Matmul), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(dll.GemmaBlockAttention), platform="cpu")
         _CPU_PATH[0] = int(dll.gemma_q8_cpu_path())
     except (OSError, AttributeError, RuntimeError) as e:
         log.warning("q8 kernel: could not load %s (%s); block-int8 products run the pure-JAX twin", lib, e)
