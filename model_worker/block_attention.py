@@ -43,6 +43,7 @@ from model_worker import q8
 from model_worker.fixed_order import fixed_order_sum
 
 FULL, RING, CHUNK = 0, 1, 2
+TWIN_QUERIES = 16  # queries per group in the twin: its q . k products are [K, G, 16, T0, D] float32 at most
 MASK_VALUE = np.float32(-1e30)
 
 # Cephes' expf (S. Moshier, Cephes Math Library): n = rint(x log2 e), r = x - n ln 2 with ln 2 = C1 + C2 (C1 has
@@ -126,6 +127,7 @@ def block_attention_twin(q, qpos, keys, vals, rows, kpos, start, first, count, *
 
     def row_attention(args):
         qb, qp, row, kp, st, f, cnt = args
+        C = qb.shape[0]
         qf = lax.bitcast_convert_type(qb, jnp.bfloat16).astype(jnp.float32)  # [C, N, D]
         one = qb[0, 0, 0].astype(jnp.float32) * np.float32(0.0) + np.float32(1.0)  # finite input: exactly 1.0
         qf = qf.reshape(C, K, G, D).transpose(1, 2, 0, 3)  # [K, G, C, D]
@@ -157,7 +159,16 @@ def block_attention_twin(q, qpos, keys, vals, rows, kpos, start, first, count, *
         return out.transpose(2, 0, 1, 3).reshape(C, N, D + 1)
 
     kp = kpos if mode != FULL else jnp.zeros((B, 1), jnp.int32)
-    return lax.map(row_attention, (q, qpos, rows, kp, start, first, count))
+    per_row = (rows, kp, start, first, count)
+    if C > TWIN_QUERIES:  # queries in groups (padding queries added), so [K, G, C, T0, D] products stay small
+        n = -(-C // TWIN_QUERIES)
+        pad = n * TWIN_QUERIES - C
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B * n, TWIN_QUERIES, N, D)
+        qpos = jnp.pad(qpos, ((0, 0), (0, pad)), constant_values=-1).reshape(B * n, TWIN_QUERIES)
+        per_row = tuple(jnp.repeat(x, n, axis=0) for x in per_row)
+        out = lax.map(row_attention, (q, qpos, *per_row))
+        return out.reshape(B, n * TWIN_QUERIES, N, D + 1)[:, :C]
+    return lax.map(row_attention, (q, qpos, *per_row))
 
 
 def block_attention_kernel(q, qpos, keys, vals, rows, kpos, start, first, count, *, mode: int, block: int,

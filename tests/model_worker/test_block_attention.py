@@ -58,6 +58,7 @@ CASES = [
     (ba.FULL, {"N": 8, "K": 1, "D": 256, "L": 128, "block": 32, "B": 1, "C": 1}),
     (ba.FULL, {"D": 48, "block": 8}),  # D that is not 16 times a power of two: the scalar trees on every path
     (ba.FULL, {"D": 16, "block": 4, "C": 9}),
+    (ba.FULL, {"C": 37}),  # more queries than the twin takes at once (block_attention.TWIN_QUERIES)
     (ba.RING, {"window": 40}),
     (ba.RING, {"N": 4, "K": 1, "D": 256, "L": 512, "block": 256, "window": 512, "B": 1, "C": 1}),
     (ba.CHUNK, {"window": 40, "C": 5}),
