@@ -105,9 +105,14 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> q, ffi::Buf
   Args& a = work->args;
   a = Args{q.typed_data(), qpos.typed_data(), keys.typed_data(), vals.typed_data(), rows.typed_data(),
            kpos.typed_data(), start.typed_data(), first.typed_data(), count.typed_data(), out->typed_data(),
-           B, C, N, D, S, L, K, mode, block, ring, window, scale, 4, 0};
+           B, C, N, D, S, L, K, mode, block, ring, window, scale, 4, 1, 0};
   a.queries_per_task = std::min<int64_t>(C, 4);
-  a.tasks = B * K * ((C + a.queries_per_task - 1) / a.queries_per_task);
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t tasks = B * K * ((C + a.queries_per_task - 1) / a.queries_per_task);
+  // Fewer tasks than threads (a decode step of one row): split each KV head's query heads between threads too;
+  // each reads the same keys (from the cache the other brought in), halving the arithmetic per thread.
+  for (int64_t G = N / K; tasks * a.head_groups < threads && G % (2 * a.head_groups) == 0;) a.head_groups *= 2;
+  a.tasks = tasks * a.head_groups;
   int best = attention_cpu_path();
   int chosen = (path <= 0 || path > 3) ? best : int(path);
   if (chosen > 1 && chosen > best) chosen = best;  // a path the CPU lacks: the best it has
@@ -117,7 +122,6 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> q, ffi::Buf
   if (chosen == 3) work->run = attn_avx512::run;
   if (chosen == 2) work->run = attn_avx2::run;
 #endif
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
   work->chunk = std::max<int64_t>(1, a.tasks / (4 * threads));
   int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, a.tasks / work->chunk - 1));
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });

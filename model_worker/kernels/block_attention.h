@@ -30,7 +30,8 @@ struct Args {
   int64_t B, C, N, D, S, L, K;
   int64_t mode, block, ring, window;  // window 0: none
   float scale;
-  int64_t queries_per_task;  // a task is (row, KV head, up to this many queries)
+  int64_t queries_per_task;  // a task is (row, KV head, up to this many queries, a group of the KV head's
+  int64_t head_groups;       // query heads: G / head_groups of them)
   int64_t tasks;
 };
 

@@ -184,6 +184,14 @@ ScoresFn scores_fn(int64_t nv) {
   }
 }
 
+constexpr int64_t kAhead = 8;  // keys read ahead
+
+// Ask for the cache lines of one K or V row (D bfloat16 values) before they are needed: the rows of a block
+// stream from memory, and the work on each is too short for the hardware prefetcher alone to hide the latency.
+inline void prefetch_row(const uint16_t* p, int64_t D) {
+  for (int64_t i = 0; i < D; i += 32) __builtin_prefetch(p + i);
+}
+
 inline void locate(const Args& a, int64_t r, int64_t pos, int64_t* idx, bool* held) {
   if (a.mode == gemma_attention::kFull) {
     *held = pos < a.L;
@@ -279,8 +287,11 @@ inline vf round_bf16_vec(vf x) {
 void pv_groups(const Args& a, const float* P, int64_t QH, const uint16_t* vbase, const Scratch& w, float* stack,
                int64_t levels, float* pv) {
   int64_t D = a.D, T0 = a.block, stride = a.K * D, groups = T0 / 8;
+  for (int64_t i = 0; i < 8 && i < T0; ++i) prefetch_row(vbase + w.idx[i] * stride, D);
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t* idx = w.idx + 8 * g;
+    if (g + 1 < groups)
+      for (int64_t i = 0; i < 8; ++i) prefetch_row(vbase + idx[8 + i] * stride, D);
     for (int64_t dv = 0; dv < D; dv += 16) {
       vf v0 = load_bf16(vbase + idx[0] * stride + dv), v1 = load_bf16(vbase + idx[1] * stride + dv);
       vf v2 = load_bf16(vbase + idx[2] * stride + dv), v3 = load_bf16(vbase + idx[3] * stride + dv);
@@ -303,15 +314,17 @@ void pv_groups(const Args& a, const float* P, int64_t QH, const uint16_t* vbase,
 }
 
 void run_task(const Args& a, int64_t task, bool vector, const Scratch& w) {
-  int64_t qblocks = (a.C + a.queries_per_task - 1) / a.queries_per_task;
-  int64_t r = task / (a.K * qblocks), k = task / qblocks % a.K, c0 = task % qblocks * a.queries_per_task;
+  int64_t qblocks = (a.C + a.queries_per_task - 1) / a.queries_per_task, hg = a.head_groups;
+  int64_t r = task / (a.K * qblocks * hg), k = task / (qblocks * hg) % a.K;
+  int64_t c0 = task / hg % qblocks * a.queries_per_task;
   int64_t nq = a.C - c0 < a.queries_per_task ? a.C - c0 : a.queries_per_task;
-  int64_t G = a.N / a.K, QH = nq * G, D = a.D, T0 = a.block;
+  int64_t G = a.N / a.K, Gh = G / hg, g0 = task % hg * Gh;  // this task's heads: g0 .. g0 + Gh - 1 of KV head k
+  int64_t QH = nq * Gh, D = a.D, T0 = a.block;
   int64_t nv = D / 16;
   ScoresFn scores = vector && D % 16 == 0 ? scores_fn(nv) : nullptr;
   bool vec_pv = vector && D % 16 == 0;
   for (int64_t h = 0; h < QH; ++h) {
-    int64_t c = c0 + h / G, n = k * G + h % G;
+    int64_t c = c0 + h / Gh, n = k * G + g0 + h % Gh;
     const uint16_t* qr = a.q + ((r * a.C + c) * a.N + n) * D;
     for (int64_t d = 0; d < D; ++d) w.qf[h * D + d] = bf16(qr[d]);
     for (int64_t d = 0; d < D; ++d) w.acc[h * D + d] = 0.0f;
@@ -328,10 +341,11 @@ void run_task(const Args& a, int64_t task, bool vector, const Scratch& w) {
       int64_t pos = b * T0 + t;
       bool any = false;
       for (int64_t h = 0; h < QH; ++h) {
-        int64_t qp = a.qpos[r * a.C + c0 + h / G];
+        int64_t qp = a.qpos[r * a.C + c0 + h / Gh];
         w.vis[h] = w.held[t] && qp >= 0 && pos <= qp && (a.window == 0 || qp - pos < a.window);
         any = any || w.vis[h];
       }
+      if (t + kAhead < T0) prefetch_row(kbase + w.idx[t + kAhead] * a.K * D, D);
       if (any) {
         const uint16_t* kr = kbase + w.idx[t] * a.K * D;
         if (vec_pv) {
@@ -396,7 +410,7 @@ void run_task(const Args& a, int64_t task, bool vector, const Scratch& w) {
     }
   }
   for (int64_t h = 0; h < QH; ++h) {
-    int64_t c = c0 + h / G, n = k * G + h % G;
+    int64_t c = c0 + h / Gh, n = k * G + g0 + h % Gh;
     float* o = a.out + ((r * a.C + c) * a.N + n) * (D + 1);
     std::memcpy(o, w.acc + h * D, D * sizeof(float));
     o[D] = w.l[h];
