@@ -1,4 +1,4 @@
-"""The launcher's restart policy and the gateway's drain state, without processes (the e2e fault tests kill and
+"""The launcher's restart policy, the gateway's drain state and the worker's huge-pages re-exec, without processes (the e2e fault
 restart the real ones)."""
 
 from __future__ import annotations
@@ -103,3 +103,26 @@ def test_a_drain_that_times_out_ends_running_streams_with_an_error_event():
         assert tail["body"].rstrip().endswith(b"data: [DONE]")
 
     asyncio.run(main())
+
+
+def test_the_worker_command_re_executes_itself_with_huge_pages(monkeypatch):
+    """`gemma-serve worker` asks glibc for transparent huge pages through `GLIBC_TUNABLES` (read only at process
+    start, hence a re-exec of the same command), keeps other tunables, and leaves an explicit choice alone."""
+    from gemma_serve import cli
+
+    calls = []
+    monkeypatch.setattr(cli.os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
+    monkeypatch.setattr(cli.sys, "argv", ["/venv/bin/gemma-serve", "worker", "--num-slots", "4"])
+    monkeypatch.setattr(cli.sys, "platform", "linux")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    cli._with_huge_pages()
+    (exe, argv, env), = calls
+    assert argv == [exe, "-m", "gemma_serve.cli", "worker", "--num-slots", "4"]
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    calls.clear()
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")  # the operator's choice
+    cli._with_huge_pages()
+    monkeypatch.setattr(cli.sys, "platform", "darwin")
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    cli._with_huge_pages()
+    assert calls == []
