@@ -1,5 +1,5 @@
-"""The launcher's restart policy, the gateway's drain state and the worker's huge-pages re-exec, without processes (the e2e fault
-restart the real ones)."""
+"""The launcher's restart policy, the gateway's drain state and the worker's huge-pages re-exec, without processes
+(the e2e fault tests kill and restart the real ones)."""
 
 from __future__ import annotations
 
