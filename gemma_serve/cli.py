@@ -316,9 +316,12 @@ def _with_huge_pages() -> None:
     if sys.platform != "linux" or "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
         return
     tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES", ""), HUGE_PAGES_TUNABLE) if t)
+    env = {**os.environ, "GLIBC_TUNABLES": tunables}
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "gemma_serve.cli", *sys.argv[1:]],
-                  {**os.environ, "GLIBC_TUNABLES": tunables})
+        if os.path.basename(sys.argv[0]) != "cli.py" and os.access(sys.argv[0], os.X_OK):
+            os.execve(sys.argv[0], sys.argv, env)  # the `gemma-serve` script: the same command line again
+        else:  # `python -m gemma_serve.cli`
+            os.execve(sys.executable, [sys.executable, "-m", "gemma_serve.cli", *sys.argv[1:]], env)
     except OSError as e:
         logging.getLogger(__name__).warning("could not re-execute with huge pages (%s); continuing without", e)
 

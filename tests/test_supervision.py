@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import sys
 
 import pytest
 
@@ -112,13 +114,18 @@ def test_the_worker_command_re_executes_itself_with_huge_pages(monkeypatch):
 
     calls = []
     monkeypatch.setattr(cli.os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
-    monkeypatch.setattr(cli.sys, "argv", ["/venv/bin/gemma-serve", "worker", "--num-slots", "4"])
+    monkeypatch.setattr(cli.sys, "argv", [cli.__file__, "worker", "--num-slots", "4"])  # python -m gemma_serve.cli
     monkeypatch.setattr(cli.sys, "platform", "linux")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     cli._with_huge_pages()
     (exe, argv, env), = calls
     assert argv == [exe, "-m", "gemma_serve.cli", "worker", "--num-slots", "4"]
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    script = shutil.which("gemma-serve") or sys.executable  # the console script: its own command line again
+    monkeypatch.setattr(cli.sys, "argv", [script, "worker"])
+    calls.clear()
+    cli._with_huge_pages()
+    assert [c[:2] for c in calls] == [(script, [script, "worker"])]
     calls.clear()
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")  # the operator's choice
     cli._with_huge_pages()
