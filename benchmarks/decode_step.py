@@ -15,6 +15,10 @@ that several compile at once before the measured runs (benchmarks/device_run.sh)
 in place and imports no service module: jax, numpy, ml_dtypes and safetensors are all this needs then.
 
 Target (embedded model on a 2-core CPU; docs/performance.md): the B=8 step takes <= 2x the B=1 step.
+
+The worker runs with glibc's malloc asking for huge pages (`gemma-serve worker` re-executes itself with
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`); run this script under the same variable to measure what it serves
+(llama-server, started from here, inherits it too).
 """
 
 from __future__ import annotations
