@@ -301,6 +301,7 @@ def _configure_logging(level: str, name: str) -> None:
 
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+REEXEC_MARK = "GEMMA_SERVE_HUGE_PAGES_REEXEC"  # set in the re-executed worker's environment
 
 
 def _with_huge_pages() -> None:
@@ -311,12 +312,16 @@ def _with_huge_pages() -> None:
     pages, faulted in and zeroed 4 KiB at a time (~8,000 faults per decode step at 8 rows). With huge pages the
     eight-row step took 5-15% less, the one-row step ~2% (fewer TLB misses streaming the weights; figures:
     docs/performance.md, "Huge pages for the worker's allocations"). Linux only; a failed exec leaves the process
-    as it was.
+    as it was; the re-executed process carries `REEXEC_MARK`, so it never executes itself again (glibc removes
+    tunables from a secure-mode process's environment).
     """
-    if sys.platform != "linux" or "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
+    if (sys.platform != "linux" or "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", "")
+            or os.environ.get(REEXEC_MARK)):  # glibc drops tunables in secure mode: never exec twice
         return
     tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES", ""), HUGE_PAGES_TUNABLE) if t)
-    env = {**os.environ, "GLIBC_TUNABLES": tunables}
+    env = {**os.environ, "GLIBC_TUNABLES": tunables, REEXEC_MARK: "1"}
+    sys.stdout.flush()
+    sys.stderr.flush()
     try:
         if os.path.basename(sys.argv[0]) != "cli.py" and os.access(sys.argv[0], os.X_OK):
             os.execve(sys.argv[0], sys.argv, env)  # the `gemma-serve` script: the same command line again

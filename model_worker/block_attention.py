@@ -12,7 +12,7 @@ holding positions p = b T0 + t (t < T0, T0 a power of two):
 
 from m = MASK_VALUE, acc = 0, l = 0; the result is (acc, l) and the caller divides. `fixed_order_sum` is the
 halves tree of `fixed_order`, `pairs_sum` the tree of adjacent pairs, `exp` is Cephes' expf written as single
-float32 operations (`exp_fixed`). The online softmax is Milakov & Gimelshein's (2018) recurrence; blocks holding no
+float32 operations (`exp_fixed`, 0 below -40). The online softmax is Milakov & Gimelshein's (2018) recurrence; blocks holding no
 visible key change nothing once one has (p = 0, a rescale of exactly 1), so a row's result depends only on its
 visible keys, whatever chunk, batch or program computes it.
 
@@ -27,7 +27,7 @@ Key modes (where position p sits in a row of `keys`): `FULL` a full-attention ca
 sliding-window ring read in place, index p % R, held when the ring's positions say so; `CHUNK` a prompt chunk's
 gathered ring plus its own keys (index R + p - start for p >= start, else p % R).
 
-The kernel runs where `q8.kernel_available()`; without it (no compiler, `GEMMA_SERVE_Q8_KERNEL=off`) the twin
+The kernel runs where `q8.attention_kernel_available()`; without it (no compiler, `GEMMA_SERVE_Q8_KERNEL=off`) the twin
 does, with the same bits. `GEMMA_SERVE_Q8_PATH` forces its instruction set as for the block-int8 product
 (`vnni` = AVX-512 here).
 """
@@ -47,9 +47,11 @@ TWIN_QUERIES = 16  # queries per group in the twin: its q . k products are [K, G
 MASK_VALUE = np.float32(-1e30)
 
 # Cephes' expf (S. Moshier, Cephes Math Library): n = rint(x log2 e), r = x - n ln 2 with ln 2 = C1 + C2 (C1 has
-# 9 significant bits, so n C1 is exact), exp(r) by a degree-6 polynomial, times 2^n. Below EXP_LO: 0, so 2^n
-# stays normal and no product is subnormal (e^-80 ~ 1.8e-35, far below a bfloat16 probability's resolution).
-EXP_LO = np.float32(-80.0)
+# 9 significant bits, so n C1 is exact), exp(r) by a degree-6 polynomial, times 2^n. Below EXP_LO: 0. A
+# probability is then 0 or >= e^-40 ~ 2^-58 (a key that far below the row's best adds < 1e-13 of it even summed
+# over 32k keys, below bfloat16 probabilities' own resolution), so no product with a K or V value above ~1e-20
+# is subnormal: flush-to-zero settings, which may differ between XLA's threads, cannot change a bit.
+EXP_LO = np.float32(-40.0)
 LOG2E = np.float32(1.44269504088896341)
 C1, C2 = np.float32(0.693359375), np.float32(-2.12194440e-4)
 POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
@@ -60,7 +62,7 @@ def exp_fixed(x: jax.Array, one: jax.Array) -> jax.Array:
     """exp(x) in float32 as the kernel computes it (see EXP_LO, C1, POLY): any shape -> the same shape.
 
     Args:
-      x: float32, any values (below EXP_LO and NaN give 0).
+      x: float32, any values (below EXP_LO = -40 and NaN give 0).
       one: a float32 1.0 XLA cannot fold (from data): every rounded product is multiplied by it before an add,
         so that a fused multiply-add rounds as the kernel's separate multiply and add do.
     """
@@ -122,6 +124,7 @@ def block_attention_twin(q, qpos, keys, vals, rows, kpos, start, first, count, *
     L, K = keys.shape[1], keys.shape[2]
     G = N // K
     scale = np.float32(scale)
+    window = window or None  # 0 is no window, as for the kernel
     if block & (block - 1):
         raise ValueError(f"block_attention: block {block} is not a power of two")
 
@@ -141,7 +144,7 @@ def block_attention_twin(q, qpos, keys, vals, rows, kpos, start, first, count, *
             kb = lax.bitcast_convert_type(jnp.take(krow, idx, axis=0), jnp.bfloat16).astype(jnp.float32)
             vb = lax.bitcast_convert_type(jnp.take(vrow, idx, axis=0), jnp.bfloat16).astype(jnp.float32)
             prod = qf[:, :, :, None, :] * kb.transpose(1, 0, 2)[:, None, None, :, :]  # [K, G, C, T0, D]
-            s = (fixed_order_sum(prod) * scale) * one
+            s = (fixed_order_sum(prod * one) * scale) * one
             visible = held[None, :] & (qp[:, None] >= 0) & (pos[None, :] <= qp[:, None])
             if window is not None:
                 visible &= qp[:, None] - pos[None, :] < window
@@ -149,7 +152,7 @@ def block_attention_twin(q, qpos, keys, vals, rows, kpos, start, first, count, *
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = exp_fixed(s - m_new[..., None], one).astype(jnp.bfloat16).astype(jnp.float32)
             fix = exp_fixed(m - m_new, one)
-            pv = pairs_sum(p[:, :, :, None, :] * vb.transpose(1, 2, 0)[:, None, None, :, :])  # [K, G, C, D]
+            pv = pairs_sum((p[:, :, :, None, :] * vb.transpose(1, 2, 0)[:, None, None, :, :]) * one)  # [K, G, C, D]
             return m_new, (l * fix) * one + pairs_sum(p), (acc * fix[..., None]) * one + pv
 
         init = (jnp.full((K, G, C), MASK_VALUE), jnp.zeros((K, G, C), jnp.float32),
@@ -179,7 +182,7 @@ def block_attention_kernel(q, qpos, keys, vals, rows, kpos, start, first, count,
     Raises:
       RuntimeError: the kernel is not available (no compiler, a failed build, `GEMMA_SERVE_Q8_KERNEL=off`).
     """
-    if not q8.kernel_available():
+    if not q8.attention_kernel_available():
         raise RuntimeError("block_attention_kernel: the CPU kernel is not available (see the q8 kernel warning)")
     B, C, N, D = q.shape
     if kpos is None or mode == FULL:
@@ -194,7 +197,7 @@ def block_attention_kernel(q, qpos, keys, vals, rows, kpos, start, first, count,
 def block_attention(q, qpos, keys, vals, rows, kpos, start, first, count, **static) -> jax.Array:
     """The kernel where it is available, else the twin (same arguments, same bits; for CPU programs: callers
     choose another attention for TPU/GPU with `lax.platform_dependent`)."""
-    if q8.kernel_available():
+    if q8.attention_kernel_available():
         return block_attention_kernel(q, qpos, keys, vals, rows, kpos, start, first, count, path=q8.kernel_path(),
                                       **static)
     return block_attention_twin(q, qpos, keys, vals, rows, kpos, start, first, count, **static)

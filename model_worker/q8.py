@@ -333,15 +333,15 @@ def _units() -> list[tuple[pathlib.Path, list[str]]]:
     return units
 
 
-def _build(cache: pathlib.Path) -> pathlib.Path | None:
-    """Compile the kernels into `cache` (once per key); the library's path, or None (with one warning) when it
-    cannot be."""
+def _build(cache: pathlib.Path, units: list[tuple[pathlib.Path, list[str]]] | None = None,
+           fallback: str = "block-int8 products and block attention run the pure-JAX twins") -> pathlib.Path | None:
+    """Compile `units` (default `_units()`) into one library in `cache` (once per key); its path, or None (with
+    one warning, ending with `fallback`) when it cannot be."""
     cxx = compiler()
     if cxx is None:
-        log.warning("q8 kernel: no C++ compiler found; block-int8 products and block attention run the pure-JAX "
-                    "twins")
+        log.warning("q8 kernel: no C++ compiler found; %s", fallback)
         return None
-    units = _units()
+    units = _units() if units is None else units
     sources = b"".join(path.read_bytes() + " ".join(flags).encode() for path, flags in units)
     sources += (KERNELS / "block_attention.h").read_bytes()
     key = hashlib.sha256(sources + jaxlib.__version__.encode() + cxx.encode() + _cpu_flags().encode()).hexdigest()
@@ -364,8 +364,8 @@ def _build(cache: pathlib.Path) -> pathlib.Path | None:
             os.replace(out, lib)  # atomic: a concurrent builder of the same key wrote the same bytes
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("q8 kernel: build failed (%s); block-int8 products and block attention run the pure-JAX twins",
-                    detail.strip().splitlines()[-1] if detail.strip() else e)
+        log.warning("q8 kernel: build failed (%s); %s", detail.strip().splitlines()[-1] if detail.strip() else e,
+                    fallback)
         return None
     return lib
 
@@ -376,14 +376,19 @@ def kernel_available() -> bool:
     `GEMMA_SERVE_Q8_KERNEL=off`, without a compiler or after a failed build)."""
     if os.environ.get("GEMMA_SERVE_Q8_KERNEL", "").lower() in ("off", "0", "false"):
         return False
-    lib = _build(default_cache_dir() / "kernels")
+    cache = default_cache_dir() / "kernels"
+    lib = _build(cache, fallback="building the block-int8 product alone; block attention runs the pure-JAX twin")
+    _ATTENTION[0] = lib is not None
+    if lib is None:  # the block-int8 product alone (a compiler that cannot build the attention's vector code)
+        lib = _build(cache, [(SOURCE, [])])
     if lib is None:
         return False
     try:
         dll = ctypes.cdll.LoadLibrary(str(lib))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(dll.GemmaQ8Matmul), platform="cpu")
         jax.ffi.register_ffi_target(TARGET5, jax.ffi.pycapsule(dll.GemmaQ5Matmul), platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(dll.GemmaBlockAttention), platform="cpu")
+        if _ATTENTION[0]:
+            jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(dll.GemmaBlockAttention), platform="cpu")
         _CPU_PATH[0] = int(dll.gemma_q8_cpu_path())
     except (OSError, AttributeError, RuntimeError) as e:
         log.warning("q8 kernel: could not load %s (%s); block-int8 products run the pure-JAX twin", lib, e)
@@ -392,6 +397,13 @@ def kernel_available() -> bool:
 
 
 _CPU_PATH = [0]  # the best kernel path this CPU has (PATHS), set when the kernel loads
+_ATTENTION = [False]  # whether the loaded library has the block attention (`attention_kernel_available`)
+
+
+def attention_kernel_available() -> bool:
+    """Whether the block attention's CPU kernel is built and registered (with the block-int8 product's library;
+    a compiler that builds the product but not the attention's vector code leaves the attention to its twin)."""
+    return kernel_available() and _ATTENTION[0]
 
 
 def five_bit_pays() -> bool:

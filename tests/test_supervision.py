@@ -126,7 +126,12 @@ def test_the_worker_command_re_executes_itself_with_huge_pages(monkeypatch):
     calls.clear()
     cli._with_huge_pages()
     assert [c[:2] for c in calls] == [(script, [script, "worker"])]
+    assert env[cli.REEXEC_MARK] == "1"
     calls.clear()
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv(cli.REEXEC_MARK, "1")  # already re-executed (a secure-mode glibc dropped the tunable)
+    cli._with_huge_pages()
+    monkeypatch.delenv(cli.REEXEC_MARK)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")  # the operator's choice
     cli._with_huge_pages()
     monkeypatch.setattr(cli.sys, "platform", "darwin")

@@ -6,7 +6,7 @@
 //   s[t]  = (fixed_order_sum_d q[d] k_p[d]) * scale     if p is held and visible (0 <= p <= qp, qp - p < window),
 //           else -1e30                                   (q, k_p bfloat16: every product is exact in float32)
 //   m'    = max(m, max_t s[t])
-//   p[t]  = bfloat16(exp(s[t] - m'))                     (exp: Cephes' expf in plain float32 operations)
+//   p[t]  = bfloat16(exp(s[t] - m'))                     (exp: Cephes' expf in plain float32 operations, 0 below -40)
 //   acc   = acc * exp(m - m') + pairs_t p[t] v_p          (pairs: the tree of adjacent pairs over t, per d)
 //   l     = l * exp(m - m') + pairs_t p[t]
 //   m     = m'

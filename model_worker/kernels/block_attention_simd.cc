@@ -23,8 +23,9 @@ using gemma_attention::Args;
 
 constexpr float kMask = -1e30f;
 // exp as Cephes' expf (S. Moshier): n = rint(x log2 e), r = x - n ln 2 in two parts, a degree-6 polynomial, times
-// 2^n; inputs below kExpLo give 0 (so 2^n stays a normal number and no product is subnormal).
-constexpr float kExpLo = -80.0f;
+// 2^n; inputs below kExpLo give 0: probabilities are then 0 or >= e^-40 ~ 2^-58, so no product with a value of
+// K or V above ~1e-20 is subnormal, and flush-to-zero modes cannot make threads or paths differ.
+constexpr float kExpLo = -40.0f;
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: (t + kMagic) - kMagic rounds t to the nearest even integer
 constexpr float kC1 = 0.693359375f;    // ln 2 = kC1 + kC2, kC1 with 9 significant bits (n * kC1 is exact)
@@ -109,6 +110,18 @@ inline vf mul_add_exact(vf a, vf b, vf c) {
 #endif
 }
 
+// x's lanes picked by `idx` (GCC's __builtin_shuffle, which GCC 11 has and __builtin_shufflevector needs 12 for;
+// Clang's equivalent).
+inline vf lanes(vf x, vi idx) {
+#if defined(__clang__)
+  vf r;
+  for (int i = 0; i < 16; ++i) r[i] = x[idx[i]];
+  return r;
+#else
+  return __builtin_shuffle(x, idx);
+#endif
+}
+
 inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
@@ -161,10 +174,10 @@ void scores_vec(const float* qf, const float* kf, const bool* vis, int64_t QH, f
     for (int n = NV / 2; n > 1; n /= 2)
       for (int j = 0; j < n / 2; ++j) v[j] = v[j] + v[j + n / 2];
     vf x = v[0];
-    x = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
-    x = x + __builtin_shufflevector(x, x, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
-    x = x + __builtin_shufflevector(x, x, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    x = x + __builtin_shufflevector(x, x, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
+    x = x + lanes(x, vi{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
+    x = x + lanes(x, vi{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
+    x = x + lanes(x, vi{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
+    x = x + lanes(x, vi{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
     s[h * T0] = x[0] * scale;
   }
 }
@@ -428,7 +441,8 @@ void run(const gemma_attention::Args* a, int64_t task0, int64_t task1, bool vect
   while ((int64_t(1) << (levels - 1)) < T0) ++levels;
   size_t floats = QH * D + D + D + QH * T0 + QH * D + 3 * QH + QH * levels * D + QH * D + D;
   // int64 indices first (aligned), then the floats, then the flags.
-  char* mem = static_cast<char*>(std::malloc(T0 * sizeof(int64_t) + floats * sizeof(float) + T0 + QH));
+  char* mem = static_cast<char*>(std::calloc(1, T0 * sizeof(int64_t) + floats * sizeof(float) + T0 + QH));
+  if (mem == nullptr) std::abort();  // a few KiB to a few hundred: out of memory anyway
   Scratch w;
   w.idx = reinterpret_cast<int64_t*>(mem);
   float* f = reinterpret_cast<float*>(w.idx + T0);
