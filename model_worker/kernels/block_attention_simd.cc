@@ -59,27 +59,10 @@ inline float round_bf16(float x) {
   return from_bits(u & 0xffff0000u);
 }
 
-inline float exp_fixed(float x) {
-  float xc = x > kExpLo ? x : kExpLo;
-  float t = xc * kLog2e;
-  float n = (t + kMagic) - kMagic;
-  float r = xc - n * kC1;
-  r = r - n * kC2;
-  float z = r * r;
-  float y = kP0 * r + kP1;
-  y = y * r + kP2;
-  y = y * r + kP3;
-  y = y * r + kP4;
-  y = y * r + kP5;
-  y = y * z + r;
-  y = y + 1.0f;
-  float res = y * from_bits(uint32_t(int32_t(n) + 127) << 23);
-  return x >= kExpLo ? res : 0.0f;
-}
 
 inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-// exp_fixed on 16 lanes: the same operations.
+// exp on 16 lanes (the constants above); block_attention.exp_fixed is its twin.
 inline vf exp_vec(vf x) {
   vf lo = splat(kExpLo);
   vf xc = x > lo ? x : lo;
@@ -121,6 +104,9 @@ inline vf lanes(vf x, vi idx) {
   return __builtin_shuffle(x, idx);
 #endif
 }
+
+// The scalar exp: lane 0 of the vector one (the same operations, so the scalar and vector paths agree).
+inline float exp_fixed(float x) { return exp_vec(splat(x))[0]; }
 
 inline vf load(const float* p) {
   vf v;
