@@ -46,7 +46,7 @@ def main() -> None:
     print("shape        rows  kernel_ms  twin_ms  bf16_gemm_ms  kernel/gemm  kernel_GB/s")
     for name, (n, k) in SHAPES.items():
         wq = jnp.asarray(rng.integers(-127, 128, (n, k)).astype(np.int8))
-        ws = jnp.asarray(rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float32))
+        ws = jnp.asarray(rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float16).astype(np.float32))  # GGUF's: float16
         wt, st = (jnp.asarray(a) for a in q8.tile_weight(wq, ws))
         wb = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32)).astype(jnp.bfloat16)
         for m in args.rows:

@@ -48,13 +48,13 @@ more than the greedy one (mask step under its own cond) (figures: docs/performan
 Vocabulary split across devices (tensor parallelism, `model_worker.sharding`): the logits [B, V] and the penalty
 state [S, V] arrive split over V, and XLA's SPMD partitioner runs every step on each device's part: bias,
 penalties, masks and the min-p / top-p thresholds are elementwise work plus all-reduced row sums and maxima
-(softmax, log_softmax, the top-p bisection's masses, the inverse-CDF count). `sample` and `sample_greedy` take
-the number of parts (`vocab_parts`, static): the greedy argmax is a row maximum and the first index holding it
-(two all-reduced [B] values, `_argmax`, the same on one device), and the inverse-CDF's cumulative sum is each
-part's own plus the totals of the parts before it (`_cumsum`). What still gathers a [B, V] row onto every device: `lax.top_k`, which
-XLA does not partition along the sorted axis (seen on CPU), in the top-k filter (rows with top_k > 0) and in
-top logprobs (rows asking for them); a plain greedy batch (`sample_greedy`) gathers nothing of size V. With one
-part only `_cumsum` takes the plain path.
+(softmax, log_softmax, the top-p bisection's masses, the inverse-CDF's block sums). `sample` and `sample_greedy`
+take the number of parts (`vocab_parts`, static): the greedy argmax is a row maximum, the first block holding it
+and the first index in that block (`_argmax`, the same on one device), and the inverse-CDF draw locates its block
+from [B, V / block] sums (blocks within a part) before one cumulative sum inside the block (`_inverse_cdf`). What
+still gathers a [B, V] row onto every device: `lax.top_k`, which XLA does not partition along the sorted axis (seen
+on CPU), in the top-k filter (rows with top_k > 0) and in top logprobs (rows asking for them); a plain greedy batch
+(`sample_greedy`) gathers nothing of size V.
 
 Host helpers: `SamplingArrays.defaults(batch, vocab)` (greedy, everything off), `pack_mask` (bool [V] -> the
 uint32 words of `SamplingArrays.mask`), `mask_words_from_bytes` (the protocol's `TokenMask.allowed` bytes ->
@@ -360,18 +360,6 @@ def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
     return 1.0 - jax.random.uniform(key, dtype=jnp.float32)
 
 
-def _cumsum(x: jax.Array, parts: int = 1) -> jax.Array:
-    """Cumulative sum along the last axis of [B, V]; parts > 1: each part's own, plus the totals of the parts
-    before it (only [B, parts] totals cross devices; the order of the additions differs, not the terms)."""
-    if parts == 1:
-        return jnp.cumsum(x, axis=-1)
-    B, V = x.shape
-    local = jnp.cumsum(x.reshape(B, parts, V // parts), axis=-1)
-    totals = local[..., -1]
-    before = jnp.cumsum(totals, axis=-1) - totals
-    return (local + before[..., None]).reshape(B, V)
-
-
 def _top_k_filter(logits: jax.Array, top_k: jax.Array) -> jax.Array:
     """Keep logits >= the row's k-th largest (ties at the k-th value are all kept; top_k == 0: unchanged)."""
     k_max = min(MAX_TOP_K, logits.shape[-1])
@@ -410,29 +398,65 @@ def _min_p_filter(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
+#: Values per block of `_argmax`'s search for the first index holding the row maximum.
+_ARGMAX_BLOCK = 512
+
+
 def _argmax(logits: jax.Array, parts: int = 1) -> jax.Array:
-    """First index of the row maximum: the row maximum, then the least index holding it. Two plain reductions,
-    because XLA CPU's argmax (a variadic reduce) and `lax.top_k(x, 1)` (a partial sort) are slow on a [B, 262144]
-    row (one row: 1.2 ms and 0.6 ms against 0.2; eight rows: top_k 4.3 ms against 2.0: docs/performance.md), and
-    because with the vocabulary split across devices (`parts` > 1) XLA splits both reductions by part where a
-    top-k would gather the rows. The index is top_k's for every row of numbers, ties included, except that a
-    maximum of zero held as both -0.0 and +0.0 gives the first of them (top_k's total order ranks +0.0 higher); a
-    row holding a NaN gets some index in range (which one depends on how the backend's max treats NaN): NaN
-    logits are a broken model."""
-    del parts  # the same two reductions whatever the split
+    """First index of the row maximum: the row maximum, then the first block of `_ARGMAX_BLOCK` values holding it,
+    then the least index within that block holding it (three plain reductions and one [B, block] gather), because
+    XLA CPU's argmax (a variadic reduce) and `lax.top_k(x, 1)` (a partial sort) are slow on a [B, 262144] row, and
+    so was one `min` over the whole row of "index where the value is the maximum" at 16 rows (17 ms: the blocks
+    take 1.2 ms; figures: docs/performance.md, "Sampling"). With the vocabulary split across devices (`parts` > 1)
+    XLA splits the reductions by part where a top-k would gather the rows. The index is top_k's for every row of
+    numbers, ties included, except that a maximum of zero held as both -0.0 and +0.0 gives the first of them
+    (top_k's total order ranks +0.0 higher); a row holding a NaN gets some index in range (which one depends on
+    how the backend's max treats NaN): NaN logits are a broken model."""
+    del parts  # the same reductions whatever the split
+    B, V = logits.shape
     best = jnp.max(logits, axis=-1, keepdims=True)
-    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-    least = jnp.min(jnp.where(logits == best, ids, logits.shape[-1]), axis=-1)
-    return jnp.minimum(least, logits.shape[-1] - 1).astype(jnp.int32)  # a NaN row matches nothing: stay in range
+    L = _ARGMAX_BLOCK if V % _ARGMAX_BLOCK == 0 else V  # (a vocabulary of whole blocks; tests' small ones: one)
+    blocks = logits.reshape(B, V // L, L)
+    holds = jnp.any(blocks == best[:, :, None], axis=-1)  # [B, V / L]
+    first = jnp.min(jnp.where(holds, jnp.arange(V // L, dtype=jnp.int32), V // L), axis=-1)
+    first = jnp.minimum(first, V // L - 1)  # a NaN row matches nothing: stay in range
+    block = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]  # [B, L]
+    lane = jnp.min(jnp.where(block == best, jnp.arange(L, dtype=jnp.int32), L), axis=-1)
+    return jnp.minimum(first * L + lane, V - 1).astype(jnp.int32)
 
 
 def _inverse_cdf(scaled: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
-    """Draw one token per row from softmax(scaled) with the row's uniform number (inverse CDF)."""
-    probs = jax.nn.softmax(scaled, axis=-1)
-    cdf = _cumsum(probs, parts)
+    """Draw one token per row from softmax(scaled) with the row's uniform number u (inverse CDF): the first token
+    whose cumulative probability reaches u * total, found in two levels instead of a cumulative sum over the whole
+    row (XLA CPU's took 10 ms at 16 rows of 262,144; docs/performance.md, "Sampling"): the sums of blocks of
+    `_ARGMAX_BLOCK` tokens and their cumulative sum locate the block, one cumulative sum inside it the token. The
+    token always has a positive probability: a block or token that only rounding would pick is skipped for the
+    last one holding probability. The weights are exp(scaled - row max), unnormalized (u scales their total). `parts` (the vocabulary's split across devices) only needs the blocks to lie
+    within a part; the [B, V / block] sums are what crosses devices."""
     u = jax.vmap(_row_uniform)(s.seed, s.step)
-    idx = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
-    return jnp.minimum(idx, scaled.shape[-1] - 1)
+    B, V = scaled.shape
+    L = _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
+    n = V // L
+    best = jnp.max(scaled, axis=-1, keepdims=True)
+    blocks = scaled.reshape(B, n, L)
+    sums = jnp.sum(jnp.exp(blocks - best[:, :, None]), axis=-1)  # [B, n]: unnormalized, u scales the total
+    cdf = jnp.cumsum(sums, axis=-1)
+    target = u * cdf[:, -1]
+    b = _first_or_last(cdf >= target[:, None], sums > 0)
+    before = jnp.where(b[:, None] > 0, jnp.take_along_axis(cdf, jnp.maximum(b - 1, 0)[:, None], axis=1), 0.0)
+    block = jnp.exp(jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0] - best)  # [B, L]
+    lane = _first_or_last(before + jnp.cumsum(block, axis=-1) >= target[:, None], block > 0)
+    return b * L + lane
+
+
+def _first_or_last(reached: jax.Array, held: jax.Array) -> jax.Array:
+    """Per row of [B, n] flags: the first index where `reached` and `held` hold, else the last where `held` does
+    (0 if none) -> int32 [B]."""
+    n = reached.shape[-1]
+    ids = jnp.arange(n, dtype=jnp.int32)
+    first = jnp.min(jnp.where(reached & held, ids, n), axis=-1)
+    last = jnp.max(jnp.where(held, ids, 0), axis=-1)
+    return jnp.where(first < n, first, last).astype(jnp.int32)
 
 
 def _draw(x: jax.Array, s: SamplingArrays, greedy: jax.Array, parts: int = 1) -> jax.Array:
@@ -455,11 +479,13 @@ def _draw(x: jax.Array, s: SamplingArrays, greedy: jax.Array, parts: int = 1) ->
 
 
 def _top_logprobs(x: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The n[b] most likely tokens of log_softmax(x) per row: (ids, logprobs), [B, MAX_TOP_LOGPROBS] each.
+    """The n[b] most likely tokens of log_softmax(x) per row: (ids, logprobs), [B, MAX_TOP_LOGPROBS] each (the
+    largest logits, their log-probabilities from `_log_probs`, as the chosen token's).
 
     Entries past n[b], and tokens with probability 0, are (-1, 0.0).
     """
-    vals, ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), min(MAX_TOP_LOGPROBS, x.shape[-1]))
+    vals, ids = jax.lax.top_k(x, min(MAX_TOP_LOGPROBS, x.shape[-1]))
+    vals = _log_probs(x, vals)
     pad = ((0, 0), (0, MAX_TOP_LOGPROBS - vals.shape[-1]))  # only for a vocabulary smaller than 20 (tests)
     vals, ids = jnp.pad(vals, pad, constant_values=-jnp.inf), jnp.pad(ids, pad, constant_values=-1)
     keep = (jnp.arange(MAX_TOP_LOGPROBS)[None, :] < n[:, None]) & jnp.isfinite(vals)
@@ -472,11 +498,21 @@ def _no_top_logprobs(x: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32)
 
 
+def _log_probs(x: jax.Array, values: jax.Array) -> jax.Array:
+    """log_softmax(x) at some of each row's logits: x [B, V], values [B, n] taken from x -> float32 [B, n], as
+    `jax.nn.log_softmax` computes it ((value - row max) - log(sum(exp(x - row max)))) without writing the [B, V]
+    result: XLA CPU fused that and a gather of its row into a program that took 19 ms at 16 rows, against 4 ms for
+    the row sums alone (docs/performance.md, "Sampling"). The chosen token and the top logprobs both use it, so a
+    chosen token that is also a top alternative has bit-identical log-probabilities."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(x - best), axis=-1, keepdims=True))
+    return (values - best) - log_sum
+
+
 def _chosen_logprobs(x: jax.Array, tokens: jax.Array) -> jax.Array:
-    """log_softmax(x)[b, tokens[b]] -> float32 [B]; log_softmax then a gather (measured faster on XLA CPU than
-    logsumexp + gather), the same expression as `_top_logprobs`, so a chosen token that is also a top alternative
-    has bit-identical log-probabilities, and `sample` and `sample_greedy` agree bit for bit."""
-    return jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tokens[:, None], axis=1)[:, 0]
+    """log_softmax(x)[b, tokens[b]] -> float32 [B] (`_log_probs`), so `sample` and `sample_greedy` agree bit for
+    bit."""
+    return _log_probs(x, jnp.take_along_axis(x, tokens[:, None], axis=1))[:, 0]
 
 
 def is_plain_greedy(s: SamplingArrays, rows: int) -> bool:

@@ -299,6 +299,26 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
     np.testing.assert_array_equal(k1_tokens, out.tokens)
 
 
+def test_argmax_is_the_first_index_of_the_maximum_over_blocks():
+    """`_argmax` searches blocks of the row (a vocabulary that is a multiple of the block): numpy's argmax (the
+    first index of the maximum) with the maximum in the first, a middle and the last block, ties within a block
+    and across blocks, all-equal rows, -inf entries; a NaN row gets an index in range."""
+    L = S._ARGMAX_BLOCK
+    vocab = 8 * L
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((10, vocab)).astype(np.float32)
+    rows[0, 3] = rows[1, 5 * L + 7] = rows[2, vocab - 1] = 9.0  # the maximum in the first, a middle, the last block
+    rows[3, [2 * L + 9, 2 * L + 4]] = 9.0  # a tie within a block
+    rows[4, [6 * L + 1, 3 * L + 100, 7 * L]] = 9.0  # a tie across blocks
+    rows[5] = 1.0  # every entry equal
+    rows[6, : 4 * L] = -np.inf  # the first half -inf, the maximum after it
+    rows[7, L - 1], rows[7, L] = 9.0, 9.0  # at the edge of two blocks
+    out = np.asarray(jax.jit(S._argmax)(jnp.asarray(rows)))
+    np.testing.assert_array_equal(out, np.argmax(rows, axis=1))
+    rows[8, 17] = np.nan
+    assert 0 <= int(jax.jit(S._argmax)(jnp.asarray(rows[8:9]))[0]) < vocab
+
+
 def test_settings_are_runtime_arrays():
     f = jax.jit(lambda *args: S.sample(*args))  # a fresh function: its own compilation cache
     logits, state = jnp.asarray(random_logits(2, seed=2)), S.penalty_state_zeros(2, V)
@@ -351,6 +371,31 @@ def test_temperature_frequencies_match_softmax():
     p = np.exp(log_softmax(logits / t))
     chi2 = np.sum((counts - n * p) ** 2 / (n * p))
     assert chi2 < 30, (chi2, counts, n * p)  # 5 degrees of freedom: p-value ~ 1e-5
+
+
+def test_draws_over_blocks_match_softmax_and_never_take_a_zero_probability_token():
+    """The inverse-CDF draw locates a block of the row, then a token in it (a vocabulary of whole blocks): the
+    frequencies of the tokens holding the mass match softmax, spread over blocks with empty blocks between them,
+    and a token of probability 0 (-inf: a mask, a filter) is never drawn, also where the mass sits in the last
+    block or in one token at a block's edge."""
+    L = S._ARGMAX_BLOCK
+    vocab = 8 * L
+    logits = np.full(vocab, -np.inf, np.float32)
+    hot = [0, L - 1, 3 * L + 17, 3 * L + 18, 8 * L - 1]  # first and edge tokens, two neighbours, the very last
+    logits[hot] = [1.0, 0.0, -0.5, 2.0, 0.3]
+    n = 20000
+    counts = np.bincount(draws(logits, n, temperature=0.7), minlength=vocab)
+    assert set(np.flatnonzero(counts)) <= set(hot)
+    p = np.exp(log_softmax(logits[hot] / 0.7))
+    chi2 = np.sum((counts[hot] - n * p) ** 2 / (n * p))
+    assert chi2 < 30, (chi2, counts[hot], n * p)  # 4 degrees of freedom: p-value ~ 1e-5
+    for token in (vocab - 1, L, 5 * L - 1):  # all the mass in one token
+        one = np.full(vocab, -np.inf, np.float32)
+        one[token] = 0.0
+        assert set(draws(one, 200, temperature=1.0).tolist()) == {token}
+    wide = random_logits(1, vocab, seed=3)[0]  # mass everywhere, some tokens masked out by -inf
+    wide[::7] = -np.inf
+    assert not np.isin(draws(wide, 2000, temperature=1.5), np.arange(0, vocab, 7)).any()
 
 
 def test_top_p_keeps_exactly_the_nucleus():
