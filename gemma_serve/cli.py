@@ -105,6 +105,16 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "padded (default: 64 512)",
     )
     p.add_argument(
+        "--tail-chunks",
+        type=int,
+        nargs="*",
+        default=None,
+        help="shorter compute chunks, each below the smallest prefill chunk, for the tail of a prompt that no "
+        "prefill chunk fills: on CPU it runs in the cheapest mix of these and the smallest prefill chunk instead of "
+        "one mostly padded chunk (2 compiled programs per KV bucket each); none given: off (default: 16 32 on CPU, "
+        "none elsewhere)",
+    )
+    p.add_argument(
         "--prefill-token-budget",
         type=int,
         default=None,

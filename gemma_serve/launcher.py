@@ -74,6 +74,8 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
     if args.max_draft_tokens is not None:
         engine += ["--max-draft-tokens", str(args.max_draft_tokens)]
     engine += ["--prefill-chunks", *map(str, args.prefill_chunks)]
+    if args.tail_chunks is not None:
+        engine += ["--tail-chunks", *map(str, args.tail_chunks)]
     gateway = ["--host", args.host, "--http-port", str(args.http_port), "--gateway-grpc-port",
                str(args.gateway_grpc_port), "--tokenizer-addr", f"{inner}:{args.tokenizer_port}",
                *(a for port, _ in worker_ports(args).values() for a in ("--worker-addr", f"{inner}:{port}")),

@@ -82,6 +82,10 @@ class EngineConfig:
       max_model_len: context limit in tokens (prompt + generated); the full-attention cache length.
       prefill_chunks: chunk lengths of the compute program; a prompt is cut into the largest chunks that it fills,
         and only its last chunk is padded (`Engine.chunk_size`).
+      tail_chunks: shorter compute chunks (each below the smallest prefill chunk) for what is left of a prompt
+        once no prefill chunk fills: on CPU its tail runs in the cheapest mix of these and the smallest prefill
+        chunk (`Engine.chunk_size`) instead of one chunk mostly padding. Compute programs only (a mixed step
+        keeps the smallest prefill chunk).
       dtype: weights and activations dtype ("float32" or "bfloat16").
       kv_int8: store K/V as int8 with per-token, per-head scales.
       kv_bucket_factor: ratio between consecutive KV-length buckets.
@@ -101,6 +105,7 @@ class EngineConfig:
     num_slots: int = 4
     max_model_len: int = 8192
     prefill_chunks: tuple[int, ...] = (64, 512)
+    tail_chunks: tuple[int, ...] = ()
     dtype: str = "float32"
     kv_int8: bool = False
     kv_bucket_factor: int = 4
@@ -232,6 +237,9 @@ class Engine:
         if ecfg.max_draft_tokens > ecfg.prefix_slack:
             raise ValueError(f"max_draft_tokens {ecfg.max_draft_tokens} exceeds prefix_slack {ecfg.prefix_slack}: a "
                              "rejected draft would overwrite ring entries still in the window")
+        if ecfg.tail_chunks and not 0 < min(ecfg.tail_chunks) <= max(ecfg.tail_chunks) < min(ecfg.prefill_chunks):
+            raise ValueError(f"tail chunks {ecfg.tail_chunks} must be positive and below the smallest prefill chunk "
+                             f"{min(ecfg.prefill_chunks)}")
         if max(ecfg.prefill_chunks) > ecfg.max_model_len:
             raise ValueError(f"prefill chunk {max(ecfg.prefill_chunks)} exceeds max_model_len {ecfg.max_model_len}")
         self.cfg, self.ecfg, self.params = cfg, ecfg, params
@@ -260,7 +268,8 @@ class Engine:
     # ----- the grid -------------------------------------------------------------------------------------------
     def grid(self) -> list[ProgramKey]:
         """Every program key (kind, batch, tokens per row, kv_len), kind by kind (`programs.PROGRAMS`)."""
-        return program_keys(GridSizes(tuple(self.ecfg.prefill_chunks), tuple(self.kv_buckets),
+        chunks = tuple(sorted(set(self.ecfg.prefill_chunks) | set(self.ecfg.tail_chunks)))
+        return program_keys(GridSizes(chunks, tuple(self.kv_buckets),
                                       tuple(self.batch_buckets), self.mixed_chunk, self.ecfg.num_slots,
                                       self.ecfg.max_draft_tokens + 1, self.ecfg.verify_batches()))
 
@@ -402,14 +411,18 @@ class Engine:
         CPU: the largest chunk they fill, else (the tail) the smallest that holds them, so only a prompt's last
         chunk is padded, by less than the smallest chunk: 600 tokens with chunks (64, 512) run as 512 + 64 + 64
         (40 pads), not 512 + 512 (424 pads). On CPU a chunk costs about the same per token at every size, so a
-        padded token costs as much as a real one (figures: docs/performance.md). Other platforms: the smallest
-        chunk that holds them, else the largest (an accelerator reads all weights per chunk and pads nearly for
-        free, so fewer, larger chunks win; not measured here).
+        padded token costs as much as a real one (figures: docs/performance.md). With `tail_chunks`, a tail runs
+        in the cheapest mix of them and the smallest prefill chunk (`_tail_plan`): 130 tokens with (16, 32) and
+        (64, 512) as 64 + 64 + 16, not 64 + 64 + 64. Other platforms: the smallest chunk that holds them, else
+        the largest (an accelerator reads all weights per chunk and pads nearly for free, so fewer, larger chunks
+        win; not measured here).
         """
         chunks = sorted(self.ecfg.prefill_chunks)
         filled = [c for c in chunks if c <= remaining]
         if filled and self._pad_only_tail:
             return filled[-1]
+        if self._pad_only_tail and self.ecfg.tail_chunks and remaining > 0:
+            return _tail_plan(tuple(sorted(self.ecfg.tail_chunks)) + (chunks[0],), remaining)[0]
         return next((c for c in chunks if c >= remaining), chunks[-1])
 
     # ----- running programs -----------------------------------------------------------------------------------
@@ -576,6 +589,27 @@ class Engine:
             else:
                 per_seq += row_bytes
         return per_token, per_seq
+
+
+#: A chunk's fixed cost in tokens' worth of its per-token cost (on CPU, 8 to 64-token chunks at position 1,000
+#: of the embedded model took ~11 ms + ~1.4 ms per token: docs/performance.md, "Tail chunks").
+CHUNK_FIXED_TOKENS = 8
+
+
+@functools.lru_cache(maxsize=4096)
+def _tail_plan(sizes: tuple[int, ...], remaining: int) -> tuple[int, ...]:
+    """The chunks (largest first) that compute `remaining` tokens at the least cost, each chunk costing its
+    length plus `CHUNK_FIXED_TOKENS` (a padded token costs as much as a real one), ties to fewer chunks: with
+    sizes (16, 32, 64), 20 tokens -> (32,), 40 -> (32, 16), 60 -> (64,)."""
+    best: dict[int, tuple[int, tuple[int, ...]]] = {0: (0, ())}
+    for r in range(1, remaining + 1):
+        options = []
+        for c in sizes:
+            cost, rest = best[max(0, r - c)]
+            options.append((cost + c + CHUNK_FIXED_TOKENS, len(rest) + 1, tuple(sorted((c, *rest), reverse=True))))
+        cost, _, plan = min(options)
+        best[r] = (cost, plan)
+    return best[remaining][1]
 
 
 def _pad_rows(sampling: SamplingArrays, batch: int, vocab: int) -> SamplingArrays:

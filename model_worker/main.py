@@ -161,6 +161,7 @@ def load_engine(prepared, args: argparse.Namespace):
         num_slots=1 if args.num_slots == "auto" else args.num_slots,  # decided below (memory.size_slots)
         max_model_len=args.max_model_len,
         prefill_chunks=tuple(sorted(args.prefill_chunks)),
+        tail_chunks=tail_chunks(args.tail_chunks, args.prefill_chunks, backend),
         dtype=dtype,
         kv_int8=args.kv_cache_dtype == "int8",
         prefix_slack=args.prefix_slack,
@@ -225,6 +226,25 @@ def load_engine(prepared, args: argparse.Namespace):
             penalty_bytes=u.penalties, temp_bytes=u.temporaries, capacity_bytes=u.capacity or 0) for u in usage],
     )
     return engine, info
+
+
+#: `--tail-chunks` on CPU when not given (an accelerator pads nearly for free: none there).
+CPU_TAIL_CHUNKS = (16, 32)
+
+
+def tail_chunks(given: list[int] | None, prefill_chunks: list[int], backend: str) -> tuple[int, ...]:
+    """The engine's tail chunks: `--tail-chunks` as given (none: off), else `CPU_TAIL_CHUNKS` on CPU, keeping
+    only those below the smallest prefill chunk (the defaults with `--prefill-chunks 16` leave none).
+
+    Raises:
+      FlagsRefused: a given tail chunk that is not positive and below the smallest prefill chunk.
+    """
+    if given is None:
+        return tuple(c for c in CPU_TAIL_CHUNKS if c < min(prefill_chunks)) if backend == "cpu" else ()
+    if any(not 0 < c < min(prefill_chunks) for c in given):
+        raise FlagsRefused(f"--tail-chunks {' '.join(map(str, given))}: each must be positive and below the smallest "
+                           f"prefill chunk {min(prefill_chunks)}")
+    return tuple(sorted(set(given)))
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -113,6 +113,27 @@ def test_session_headers_parse_and_bad_values_are_a_400_naming_the_header():
         assert err.value.status == 400 and err.value.param == header.replace("_", "-")
 
 
+def test_tail_chunks_reach_the_worker_and_default_to_16_32_on_cpu_only():
+    """`gemma-serve up --tail-chunks 8 16` hands them to the worker; not given: the worker picks 16 32 on CPU
+    (those below the smallest prefill chunk), none on an accelerator; `--tail-chunks` alone turns them off; a tail
+    chunk not below the smallest prefill chunk is refused with the numbers."""
+    from gemma_serve.cli import build_parser
+    from gemma_serve.launcher import service_commands
+    from model_worker.main import FlagsRefused, tail_chunks
+
+    parser = build_parser()
+    for given, expected in ((["--tail-chunks", "8", "16"], [8, 16]), (["--tail-chunks"], []), ([], None)):
+        cmd = service_commands(parser.parse_args(["up", *given]))["worker"]
+        assert parser.parse_args(cmd[cmd.index("worker"):]).tail_chunks == expected
+    assert tail_chunks(None, [64, 512], "cpu") == (16, 32)
+    assert tail_chunks(None, [32, 512], "cpu") == (16,)
+    assert tail_chunks(None, [64, 512], "tpu") == ()
+    assert tail_chunks([], [64, 512], "cpu") == ()
+    assert tail_chunks([24, 8, 8], [64], "gpu") == (8, 24)
+    with pytest.raises(FlagsRefused, match="below the smallest prefill chunk 64"):
+        tail_chunks([64], [64, 512], "cpu")
+
+
 def test_up_workers_runs_n_workers_on_consecutive_ports_behind_one_gateway():
     """`gemma-serve up --workers 3`: three worker command lines on --worker-port + i and --worker-metrics-port + i,
     the gateway given each one's address, and every command line accepted by the CLI's own parser."""

@@ -338,6 +338,46 @@ def test_a_lone_prompt_pads_only_its_last_chunk(engine):
     assert abs(sink.logprobs[0] - float(logprobs[sink.tokens[0]])) < TOL
 
 
+def test_a_prompt_tail_runs_in_the_cheapest_tail_chunks(engine, tmp_path):
+    """Tail chunks (2, 4) beside chunks (8, 32): once no prefill chunk fills, the tail runs in the cheapest mix
+    (`engine._tail_plan`: each chunk costs its length + 8) - 84 tokens as 32 + 32 + 8 + 8 + 4, 23 as 8 + 8 + 8 (a
+    tail of 7: one 8 beats 4 + 2 + 2) - and the last token's logits equal the same prompt's without tail chunks;
+    tail chunks must lie below the smallest prefill chunk."""
+    from model_worker.engine import _tail_plan
+
+    assert _tail_plan((16, 32, 64), 20) == (32,) and _tail_plan((16, 32, 64), 40) == (32, 16)
+    assert _tail_plan((16, 32, 64), 60) == (64,) and _tail_plan((2, 4, 8), 4) == (4,)
+    write_checkpoint(SHARED, tmp_path)
+    cfg, flat = load_checkpoint(tmp_path, jnp.float32)
+    ecfg = EngineConfig(num_slots=4, max_model_len=128, prefill_chunks=(8, 32), tail_chunks=(2, 4),
+                        kv_bucket_factor=16, prefix_slack=4)
+    tails = Engine(cfg, to_device(cfg, flat, jnp.float32), ecfg)
+    assert {k.chunk for k in tails.grid() if k.kind == "compute"} == {2, 4, 8, 32}
+    assert {k.chunk for k in tails.grid() if k.kind == "mixed"} == {8}
+    tails.compile_all(keys=[k for k in tails.grid() if k.kind == "compute"])
+    prompt = np.random.default_rng(21).integers(0, 512, 84).tolist()
+
+    def last_logits(eng: Engine, n: int) -> tuple[list[int], np.ndarray]:
+        start, sizes, pending = 0, [], None
+        while start < n:
+            sizes.append(eng.chunk_size(n - start))
+            pending, used = eng.dispatch_compute(chunk=PromptChunk(1, prompt[start:n], start, [False] * (n - start),
+                                                                   clear_penalties=start == 0))
+            start += used
+        return sizes, np.asarray(pending.logits[0])
+
+    sizes, with_tails = last_logits(tails, 84)
+    assert sizes == [32, 32, 8, 8, 4]
+    base_sizes, without = last_logits(engine, 84)
+    assert base_sizes == [32, 32, 8, 8, 8]
+    np.testing.assert_allclose(with_tails, without, atol=TOL)
+    assert last_logits(tails, 23)[0] == [8, 8, 8]
+    assert any(k.kind == "compute" and k.chunk == 4 for k in tails.calls)
+    with pytest.raises(ValueError, match="tail chunks"):
+        Engine(cfg, to_device(cfg, flat, jnp.float32), EngineConfig(num_slots=1, max_model_len=128,
+                                                                    prefill_chunks=(8,), tail_chunks=(8,)))
+
+
 def test_greedy_sampler_keeps_the_penalty_history_like_the_full_one():
     """The greedy program records input tokens by point updates; the history it leaves equals the full
     program's (active rows record their input token, generated ones also count; inactive rows and padding none)."""
