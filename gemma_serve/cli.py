@@ -111,7 +111,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         default=None,
         help="shorter compute chunks, each below the smallest prefill chunk, for the tail of a prompt that no "
         "prefill chunk fills: on CPU it runs in the cheapest mix of these and the smallest prefill chunk instead of "
-        "one mostly padded chunk (2 compiled programs per KV bucket each); none given: off (default: 16 32 on CPU, "
+        "one mostly padded chunk (one compiled program per KV bucket each); none given: off (default: 16 32 on CPU, "
         "none elsewhere)",
     )
     p.add_argument(

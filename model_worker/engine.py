@@ -417,13 +417,22 @@ class Engine:
         the largest (an accelerator reads all weights per chunk and pads nearly for free, so fewer, larger chunks
         win; not measured here).
         """
+        return self.chunk_plan(remaining)[0]
+
+    def chunk_plan(self, remaining: int, beside_decode: bool = False) -> tuple[int, ...]:
+        """The chunk lengths `remaining` tokens run in from here, one compute step each (`chunk_size` is the
+        first): a prefill chunk they fill, or their tail's plan (`_tail_plan`; one chunk elsewhere than on CPU).
+        `beside_decode`: the step also decodes (`dispatch_mixed`), where a tail that would take more than one
+        step runs as one mixed pass of `mixed_chunk` instead (its decode rows ride on the chunk's products, and the
+        prompt does not wait a step more)."""
         chunks = sorted(self.ecfg.prefill_chunks)
         filled = [c for c in chunks if c <= remaining]
         if filled and self._pad_only_tail:
-            return filled[-1]
+            return (filled[-1],)
         if self._pad_only_tail and self.ecfg.tail_chunks and remaining > 0:
-            return _tail_plan(tuple(sorted(self.ecfg.tail_chunks)) + (chunks[0],), remaining)[0]
-        return next((c for c in chunks if c >= remaining), chunks[-1])
+            plan = _tail_plan(tuple(sorted(self.ecfg.tail_chunks)) + (chunks[0],), remaining)
+            return (self.mixed_chunk,) if beside_decode and len(plan) > 1 else plan
+        return (next((c for c in chunks if c >= remaining), chunks[-1]),)
 
     # ----- running programs -----------------------------------------------------------------------------------
     def dispatch_compute(self, *, chunk: PromptChunk) -> tuple[Pending, int]:
@@ -449,7 +458,7 @@ class Engine:
         """
         if chunk.slot in batch.slots:
             raise ValueError(f"slot {chunk.slot} cannot take a chunk and decode in the same step")
-        size = self.chunk_size(len(chunk.token_ids))
+        size = self.chunk_plan(len(chunk.token_ids), beside_decode=True)[0]
         if size != self.mixed_chunk:
             pending, n = self.dispatch_compute(chunk=chunk)
             return pending, n, self.dispatch_decode(batch=batch)
@@ -464,19 +473,20 @@ class Engine:
     def step_programs(self, *, shape: StepShape) -> tuple[ProgramKey, ...]:
         """The forward programs a step of this shape runs, chosen as `dispatch_compute`, `dispatch_mixed`,
         `dispatch_decode` and `dispatch_verify` choose them (chunk size, batch and KV buckets); lengths beyond the
-        grid are clamped to its largest bucket. Contract: `engine_api.Engine.step_programs`."""
+        grid are clamped to its largest bucket; a prompt tail that runs in several tail chunks lists them all.
+        Contract: `engine_api.Engine.step_programs`."""
         keys: list[ProgramKey] = []
         largest = self.kv_buckets[-1]
         rows = min(shape.rows, self.ecfg.num_slots)
         verify = bool(rows and shape.draft_tokens and self.ecfg.verify_batches())
         if shape.chunk_tokens:
-            size = self.chunk_size(shape.chunk_tokens)
-            if rows and not verify and size == self.mixed_chunk:
-                keys.append(ProgramKey("mixed", self.batch_bucket(rows), size, largest))
+            plan = self.chunk_plan(shape.chunk_tokens, beside_decode=bool(rows and not verify))
+            if rows and not verify and plan[0] == self.mixed_chunk:
+                keys.append(ProgramKey("mixed", self.batch_bucket(rows), plan[0], largest))
                 rows = 0
-            else:
+            else:  # a tail planned as several chunks is priced whole (the latency-target admission plans with it)
                 end = min(max(shape.chunk_end, shape.chunk_tokens), largest)
-                keys.append(ProgramKey("compute", 1, size, self.kv_bucket(end)))
+                keys += [ProgramKey("compute", 1, size, self.kv_bucket(end)) for size in plan]
         if rows and verify:
             buckets = self.ecfg.verify_batches()
             batch = next((b for b in buckets if rows <= b), buckets[-1])

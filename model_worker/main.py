@@ -185,8 +185,8 @@ def load_engine(prepared, args: argparse.Namespace):
             log.warning("tensor parallel %d over simulated CPU devices: for testing, no faster than one device",
                         ecfg.tensor_parallel)
     grid = engine.grid()
-    log.info("compiling %d programs (batch buckets %s, KV buckets %s, chunks %s)", len(grid), engine.batch_buckets,
-             engine.kv_buckets, ecfg.prefill_chunks)
+    log.info("compiling %d programs (batch buckets %s, KV buckets %s, chunks %s, tail chunks %s)", len(grid),
+             engine.batch_buckets, engine.kv_buckets, ecfg.prefill_chunks, ecfg.tail_chunks or "none")
     executables = ExecutableCache(pathlib.Path(args.cache_dir) / "executables")
     seconds = engine.compile_all(lambda n, total, key: log.info("compiled %d/%d %s", n, total, key),
                                  cache=executables)
@@ -234,7 +234,8 @@ CPU_TAIL_CHUNKS = (16, 32)
 
 def tail_chunks(given: list[int] | None, prefill_chunks: list[int], backend: str) -> tuple[int, ...]:
     """The engine's tail chunks: `--tail-chunks` as given (none: off), else `CPU_TAIL_CHUNKS` on CPU, keeping
-    only those below the smallest prefill chunk (the defaults with `--prefill-chunks 16` leave none).
+    only those below the smallest prefill chunk (the defaults with `--prefill-chunks 16` leave none); none off
+    CPU (given ones are dropped with a warning: the engine would compile them and never run them).
 
     Raises:
       FlagsRefused: a given tail chunk that is not positive and below the smallest prefill chunk.
@@ -244,6 +245,10 @@ def tail_chunks(given: list[int] | None, prefill_chunks: list[int], backend: str
     if any(not 0 < c < min(prefill_chunks) for c in given):
         raise FlagsRefused(f"--tail-chunks {' '.join(map(str, given))}: each must be positive and below the smallest "
                            f"prefill chunk {min(prefill_chunks)}")
+    if given and backend != "cpu":
+        log.warning("--tail-chunks %s ignored on %s: only a CPU engine runs tail chunks (an accelerator pads a "
+                    "chunk nearly for free)", " ".join(map(str, given)), backend)
+        return ()
     return tuple(sorted(set(given)))
 
 

@@ -411,11 +411,11 @@ def _argmax(logits: jax.Array, parts: int = 1) -> jax.Array:
     XLA splits the reductions by part where a top-k would gather the rows. The index is top_k's for every row of
     numbers, ties included, except that a maximum of zero held as both -0.0 and +0.0 gives the first of them
     (top_k's total order ranks +0.0 higher); a row holding a NaN gets some index in range (which one depends on
-    how the backend's max treats NaN): NaN logits are a broken model."""
-    del parts  # the same reductions whatever the split
+    how the backend's max treats NaN): NaN logits are a broken model. `parts` only keeps blocks within a part."""
     B, V = logits.shape
     best = jnp.max(logits, axis=-1, keepdims=True)
-    L = _ARGMAX_BLOCK if V % _ARGMAX_BLOCK == 0 else V  # (a vocabulary of whole blocks; tests' small ones: one)
+    # blocks within a device's part (a vocabulary of whole blocks; tests' small ones: one block)
+    L = _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
     blocks = logits.reshape(B, V // L, L)
     holds = jnp.any(blocks == best[:, :, None], axis=-1)  # [B, V / L]
     first = jnp.min(jnp.where(holds, jnp.arange(V // L, dtype=jnp.int32), V // L), axis=-1)

@@ -115,8 +115,8 @@ def test_session_headers_parse_and_bad_values_are_a_400_naming_the_header():
 
 def test_tail_chunks_reach_the_worker_and_default_to_16_32_on_cpu_only():
     """`gemma-serve up --tail-chunks 8 16` hands them to the worker; not given: the worker picks 16 32 on CPU
-    (those below the smallest prefill chunk), none on an accelerator; `--tail-chunks` alone turns them off; a tail
-    chunk not below the smallest prefill chunk is refused with the numbers."""
+    (those below the smallest prefill chunk), none on an accelerator (given ones dropped there); `--tail-chunks`
+    alone turns them off; a tail chunk not below the smallest prefill chunk is refused with the numbers."""
     from gemma_serve.cli import build_parser
     from gemma_serve.launcher import service_commands
     from model_worker.main import FlagsRefused, tail_chunks
@@ -129,7 +129,8 @@ def test_tail_chunks_reach_the_worker_and_default_to_16_32_on_cpu_only():
     assert tail_chunks(None, [32, 512], "cpu") == (16,)
     assert tail_chunks(None, [64, 512], "tpu") == ()
     assert tail_chunks([], [64, 512], "cpu") == ()
-    assert tail_chunks([24, 8, 8], [64], "gpu") == (8, 24)
+    assert tail_chunks([24, 8, 8], [64], "cpu") == (8, 24)
+    assert tail_chunks([24, 8], [64], "gpu") == ()  # (with a warning: an accelerator never runs them)
     with pytest.raises(FlagsRefused, match="below the smallest prefill chunk 64"):
         tail_chunks([64], [64, 512], "cpu")
 

@@ -344,6 +344,7 @@ def test_a_prompt_tail_runs_in_the_cheapest_tail_chunks(engine, tmp_path):
     tail of 7: one 8 beats 4 + 2 + 2) - and the last token's logits equal the same prompt's without tail chunks;
     tail chunks must lie below the smallest prefill chunk."""
     from model_worker.engine import _tail_plan
+    from model_worker.engine_api import StepShape
 
     assert _tail_plan((16, 32, 64), 20) == (32,) and _tail_plan((16, 32, 64), 40) == (32, 16)
     assert _tail_plan((16, 32, 64), 60) == (64,) and _tail_plan((2, 4, 8), 4) == (4,)
@@ -373,6 +374,14 @@ def test_a_prompt_tail_runs_in_the_cheapest_tail_chunks(engine, tmp_path):
     np.testing.assert_allclose(with_tails, without, atol=TOL)
     assert last_logits(tails, 23)[0] == [8, 8, 8]
     assert any(k.kind == "compute" and k.chunk == 4 for k in tails.calls)
+    # beside decode rows, a tail of several chunks is one mixed pass; the step-time model prices a tail's plan
+    wide = Engine(cfg, to_device(cfg, flat, jnp.float32), EngineConfig(
+        num_slots=2, max_model_len=128, prefill_chunks=(64,), tail_chunks=(16, 32)))  # (plans only: no programs)
+    assert wide.chunk_plan(40) == (32, 16) and wide.chunk_plan(40, beside_decode=True) == (64,)
+    assert wide.chunk_plan(20, beside_decode=True) == (32,)
+    assert [(k.kind, k.chunk) for k in wide.step_programs(shape=StepShape(chunk_tokens=40))] == [
+        ("compute", 32), ("compute", 16)]
+    assert [k.kind for k in wide.step_programs(shape=StepShape(rows=1, chunk_tokens=40, longest=9))] == ["mixed"]
     with pytest.raises(ValueError, match="tail chunks"):
         Engine(cfg, to_device(cfg, flat, jnp.float32), EngineConfig(num_slots=1, max_model_len=128,
                                                                     prefill_chunks=(8,), tail_chunks=(8,)))
