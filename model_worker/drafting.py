@@ -232,26 +232,44 @@ class StepCosts:
     """Measured seconds of decode and verify steps by (kind, batch bucket), exponentially averaged, from which
     the loop decides whether checking drafts pays: a verify step runs when its expected tokens per second beat a
     plain decode step's (`worth_verifying`). Until a verify bucket has been measured, its cost is the decode
-    step's times `PRIOR_RATIO`, so speculation gets tried and then judged by its own measurements."""
+    step's times `PRIOR_RATIO`, so speculation gets tried and then judged by its own measurements.
+
+    A decode bucket counts as measured after `FIRST_STEPS` steps, the least of them its first estimate, then the
+    average moves with every step: one slow first step (a page-fault storm, another process's burst) would
+    otherwise make every verify step look cheap, and a loop that then always verifies never measures a plain
+    step again to correct it."""
 
     PRIOR_RATIO = 1.5
     WEIGHT = 0.2
+    FIRST_STEPS = 3
 
     def __init__(self):
         self.seconds: dict[tuple[str, int], float] = {}
+        self.steps: dict[tuple[str, int], int] = {}
 
     def observe(self, kind: str, batch: int, seconds: float) -> None:
         """One measured step (dispatch to sampled tokens on the host)."""
         key = (kind, batch)
         old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - self.WEIGHT) * old + self.WEIGHT * seconds
+        n = self.steps[key] = self.steps.get(key, 0) + 1
+        if old is None:
+            self.seconds[key] = seconds
+        elif n <= self.FIRST_STEPS:
+            self.seconds[key] = min(old, seconds)
+        else:
+            self.seconds[key] = (1 - self.WEIGHT) * old + self.WEIGHT * seconds
 
     def estimate(self, kind: str, batch: int) -> float | None:
-        """The expected seconds of a step, or None when nothing is known."""
+        """The expected seconds of a step, or None when nothing is known (a decode bucket: fewer than
+        `FIRST_STEPS` steps measured)."""
+        decode = self.seconds.get(("decode", batch))
+        if self.steps.get(("decode", batch), 0) < self.FIRST_STEPS:
+            decode = None
+        if kind == "decode":
+            return decode
         known = self.seconds.get((kind, batch))
         if known is not None or kind != "verify":
             return known
-        decode = self.seconds.get(("decode", batch))
         return None if decode is None else decode * self.PRIOR_RATIO
 
     def worth_verifying(self, batch: int, rows: int, expected_tokens: float, beside_chunk: bool = False) -> bool:

@@ -76,7 +76,10 @@ def test_acceptance_estimate_and_probe():
 def test_step_costs_decide_from_tokens_per_second():
     costs = StepCosts()
     assert not costs.worth_verifying(1, 1, 4.0), "no decode step measured yet: decode first"
-    costs.observe("decode", 1, 0.050)
+    for seconds in (0.500, 0.050, 0.060):  # a slow first step (a hiccup) does not set the estimate
+        assert not costs.worth_verifying(1, 1, 4.0), "fewer than three decode steps measured: decode first"
+        costs.observe("decode", 1, seconds)
+    assert costs.estimate("decode", 1) == pytest.approx(0.050), "the least of the first three"
     assert costs.estimate("verify", 1) == pytest.approx(0.075), "the prior until a verify step is measured"
     costs.observe("verify", 1, 0.065)
     assert costs.worth_verifying(1, 1, 1.5) and not costs.worth_verifying(1, 1, 1.2)
