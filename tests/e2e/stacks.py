@@ -212,14 +212,14 @@ def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str
 def _embedded(cache_dir, prepared, tmp, factory) -> Stack:
     """The embedded Gemma 3 270M: max_model_len 512 (= the sliding window: one KV bucket), 4 slots, 64-token chunks
     only (the OpenAI API, sampling, tools, agent tests; 14 programs: the chunk-size and bucket policies, and
-    conversations beyond the window, are the worker's unit tests' business). Its internal links use mutual TLS
+    conversations beyond the window, are the worker's unit tests' business; no tail chunks either). Its internal links use mutual TLS
     with the test CA, so every e2e test through it crosses them; requests with `FAULT_SALT` make its worker fail
     (tests/e2e/test_faults.py, which runs last, breaks and finally stops this stack)."""
     from model_worker.loop import FAULT_ENV
 
     s = start_stack(cache_dir, tmp("stack") / "stack.log",
                     ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64",
-                     "--drain-timeout", "120", *pki(tmp).internal_flags()], env={FAULT_ENV: FAULT_SALT})
+                     "--tail-chunks", "--drain-timeout", "120", *pki(tmp).internal_flags()], env={FAULT_ENV: FAULT_SALT})
     s.internal = pki(tmp)
     return s
 
@@ -238,6 +238,7 @@ def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:
     shutil.copy(GEMMA4_TEMPLATE, ckpt / "chat_template.jinja")
     s = start_stack(cache_dir, tmp("g4log") / "stack.log",
                     ["--model", str(ckpt), "--max-model-len", "512", "--num-slots", "1", "--prefill-chunks", "32",
+                     "--tail-chunks",
                      # exact weights: its tests compare served tokens with transformers' float32 choices and rely on
                      # what the random model writes (the embedded stack runs the default bfloat16 mode)
                      "--matmul-precision", "float32", *pki(tmp).internal_flags()])
@@ -269,7 +270,7 @@ def _tensor_parallel(cache_dir, prepared, tmp, factory) -> Stack:
     stack's defaults, so its greedy answers can be compared with that stack's."""
     return start_stack(cache_dir, tmp("tp") / "stack.log",
                        ["--tensor-parallel", "2", "--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "1",
-                        "--prefill-chunks", "64"])
+                        "--prefill-chunks", "64", "--tail-chunks"])
 
 
 def _fuzz(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:

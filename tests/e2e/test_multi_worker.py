@@ -68,7 +68,7 @@ def two_workers(stack, cache_dir, tmp_path_factory):
     extra = Extra([sys.executable, "-m", "gemma_serve.cli", "worker", "--cache-dir", str(cache_dir),
                    "--worker-port", str(port), "--worker-metrics-port", str(metrics),
                    "--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", str(CHUNK),
-                   "--drain-timeout", "5", "--lease-preempt-after", "1", *pki(tmp).internal_flags()],
+                   "--tail-chunks", "--drain-timeout", "5", "--lease-preempt-after", "1", *pki(tmp).internal_flags()],
                   f"127.0.0.1:{port}", str(tmp("extra") / "worker.log"), metrics)
     extra.start()
     gateway = front_gateway(stack, cache_dir, tmp, "two", ["--worker-addr", extra.addr])
