@@ -417,12 +417,10 @@ def _argmax(logits: jax.Array, parts: int = 1) -> jax.Array:
     # blocks within a device's part (a vocabulary of whole blocks; tests' small ones: one block)
     L = _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
     blocks = logits.reshape(B, V // L, L)
-    holds = jnp.any(blocks == best[:, :, None], axis=-1)  # [B, V / L]
-    first = jnp.min(jnp.where(holds, jnp.arange(V // L, dtype=jnp.int32), V // L), axis=-1)
+    first = _first_index(jnp.any(blocks == best[:, :, None], axis=-1))  # of [B, V / L]
     first = jnp.minimum(first, V // L - 1)  # a NaN row matches nothing: stay in range
     block = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]  # [B, L]
-    lane = jnp.min(jnp.where(block == best, jnp.arange(L, dtype=jnp.int32), L), axis=-1)
-    return jnp.minimum(first * L + lane, V - 1).astype(jnp.int32)
+    return jnp.minimum(first * L + _first_index(block == best), V - 1)
 
 
 def _inverse_cdf(scaled: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
@@ -431,8 +429,9 @@ def _inverse_cdf(scaled: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Ar
     row (XLA CPU's took 10 ms at 16 rows of 262,144; docs/performance.md, "Sampling"): the sums of blocks of
     `_ARGMAX_BLOCK` tokens and their cumulative sum locate the block, one cumulative sum inside it the token. The
     token always has a positive probability: a block or token that only rounding would pick is skipped for the
-    last one holding probability. The weights are exp(scaled - row max), unnormalized (u scales their total). `parts` (the vocabulary's split across devices) only needs the blocks to lie
-    within a part; the [B, V / block] sums are what crosses devices."""
+    last one holding probability. The weights are exp(scaled - row max), unnormalized (u scales their total).
+    `parts` (the vocabulary's split across devices) only needs the blocks to lie within a part; the
+    [B, V / block] sums are what crosses devices."""
     u = jax.vmap(_row_uniform)(s.seed, s.step)
     B, V = scaled.shape
     L = _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
@@ -449,14 +448,19 @@ def _inverse_cdf(scaled: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Ar
     return b * L + lane
 
 
+def _first_index(flags: jax.Array) -> jax.Array:
+    """Per row of [B, n] flags: the first index that is set, n if none -> int32 [B]."""
+    n = flags.shape[-1]
+    return jnp.min(jnp.where(flags, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
 def _first_or_last(reached: jax.Array, held: jax.Array) -> jax.Array:
     """Per row of [B, n] flags: the first index where `reached` and `held` hold, else the last where `held` does
     (0 if none) -> int32 [B]."""
     n = reached.shape[-1]
-    ids = jnp.arange(n, dtype=jnp.int32)
-    first = jnp.min(jnp.where(reached & held, ids, n), axis=-1)
-    last = jnp.max(jnp.where(held, ids, 0), axis=-1)
-    return jnp.where(first < n, first, last).astype(jnp.int32)
+    first = _first_index(reached & held)
+    last = jnp.max(jnp.where(held, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
+    return jnp.where(first < n, first, last)
 
 
 def _draw(x: jax.Array, s: SamplingArrays, greedy: jax.Array, parts: int = 1) -> jax.Array:

@@ -212,14 +212,15 @@ def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str
 def _embedded(cache_dir, prepared, tmp, factory) -> Stack:
     """The embedded Gemma 3 270M: max_model_len 512 (= the sliding window: one KV bucket), 4 slots, 64-token chunks
     only (the OpenAI API, sampling, tools, agent tests; 14 programs: the chunk-size and bucket policies, and
-    conversations beyond the window, are the worker's unit tests' business; no tail chunks either). Its internal links use mutual TLS
-    with the test CA, so every e2e test through it crosses them; requests with `FAULT_SALT` make its worker fail
-    (tests/e2e/test_faults.py, which runs last, breaks and finally stops this stack)."""
+    conversations beyond the window, are the worker's unit tests' business; no tail chunks either). Its internal
+    links use mutual TLS with the test CA, so every e2e test through it crosses them; requests with `FAULT_SALT`
+    make its worker fail (tests/e2e/test_faults.py, which runs last, breaks and finally stops this stack)."""
     from model_worker.loop import FAULT_ENV
 
     s = start_stack(cache_dir, tmp("stack") / "stack.log",
                     ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64",
-                     "--tail-chunks", "--drain-timeout", "120", *pki(tmp).internal_flags()], env={FAULT_ENV: FAULT_SALT})
+                     "--tail-chunks", "--drain-timeout", "120", *pki(tmp).internal_flags()],
+                    env={FAULT_ENV: FAULT_SALT})
     s.internal = pki(tmp)
     return s
 
