@@ -332,13 +332,21 @@ def _with_huge_pages() -> None:
     env = {**os.environ, "GLIBC_TUNABLES": tunables, REEXEC_MARK: "1"}
     sys.stdout.flush()
     sys.stderr.flush()
-    try:
-        if os.path.basename(sys.argv[0]) != "cli.py" and os.access(sys.argv[0], os.X_OK):
-            os.execve(sys.argv[0], sys.argv, env)  # the `gemma-serve` script: the same command line again
-        else:  # `python -m gemma_serve.cli`
-            os.execve(sys.executable, [sys.executable, "-m", "gemma_serve.cli", *sys.argv[1:]], env)
-    except OSError as e:
-        logging.getLogger(__name__).warning("could not re-execute with huge pages (%s); continuing without", e)
+    # The `gemma-serve` script runs itself again, so the process stays that command (what `ps`, a container's
+    # exec form and its signals see). Whether it can is asked of execve itself, not of `os.access`: access()
+    # checks the real uid without the process's capabilities, so a service that may traverse its venv's folder
+    # only through CAP_DAC_READ_SEARCH (a container user in a private folder) would be told no and take the
+    # `python -m` form needlessly.
+    commands = [(sys.executable, [sys.executable, "-m", "gemma_serve.cli", *sys.argv[1:]])]
+    if os.path.basename(sys.argv[0]) != "cli.py" and os.path.isfile(sys.argv[0]):
+        commands.insert(0, (sys.argv[0], sys.argv))
+    for program, argv in commands:
+        try:
+            os.execve(program, argv, env)
+            return  # only reached where execve is replaced (tests): a real one does not return
+        except OSError as e:
+            error = e
+    logging.getLogger(__name__).warning("could not re-execute with huge pages (%s); continuing without", error)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
+import pathlib
 import sys
 
 import pytest
@@ -107,7 +107,7 @@ def test_a_drain_that_times_out_ends_running_streams_with_an_error_event():
     asyncio.run(main())
 
 
-def test_the_worker_command_re_executes_itself_with_huge_pages(monkeypatch):
+def test_the_worker_command_re_executes_itself_with_huge_pages(monkeypatch, tmp_path):
     """`gemma-serve worker` asks glibc for transparent huge pages through `GLIBC_TUNABLES` (read only at process
     start, hence a re-exec of the same command), keeps other tunables, and leaves an explicit choice alone."""
     from gemma_serve import cli
@@ -121,12 +121,29 @@ def test_the_worker_command_re_executes_itself_with_huge_pages(monkeypatch):
     (exe, argv, env), = calls
     assert argv == [exe, "-m", "gemma_serve.cli", "worker", "--num-slots", "4"]
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    script = shutil.which("gemma-serve") or sys.executable  # the console script: its own command line again
+    script = str(tmp_path / "gemma-serve")  # the console script: its own command line again
+    pathlib.Path(script).write_text("#!/bin/sh\n")
     monkeypatch.setattr(cli.sys, "argv", [script, "worker"])
     calls.clear()
     cli._with_huge_pages()
     assert [c[:2] for c in calls] == [(script, [script, "worker"])]
     assert env[cli.REEXEC_MARK] == "1"
+    # The script refused by execve itself (not merely by access(), which ignores capabilities): `python -m` then.
+    calls.clear()
+
+    def refuse_script(exe, argv, env):
+        if exe == script:
+            raise PermissionError(13, "Permission denied")
+        calls.append((exe, argv, env))
+
+    monkeypatch.setattr(cli.os, "execve", refuse_script)
+    monkeypatch.setattr(cli.os, "access", lambda *a: False)  # what a capability-only traversal looks like
+    cli._with_huge_pages()
+    assert [c[1] for c in calls] == [[sys.executable, "-m", "gemma_serve.cli", "worker"]]
+    monkeypatch.setattr(cli.os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
+    calls.clear()
+    cli._with_huge_pages()  # access() saying no does not keep the script from running itself again
+    assert [c[:2] for c in calls] == [(script, [script, "worker"])]
     calls.clear()
     monkeypatch.delenv("GLIBC_TUNABLES")
     monkeypatch.setenv(cli.REEXEC_MARK, "1")  # already re-executed (a secure-mode glibc dropped the tunable)
