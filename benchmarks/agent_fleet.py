@@ -472,8 +472,11 @@ async def run_fleet(args: argparse.Namespace, n: int, w: Workload) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"}
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    # Over a unix socket (--uds: `gemma-serve up --uds DIR` serves DIR/api.sock) the transport carries the socket
+    # and the connection limits; the URL's host is only the Host header.
+    transport = httpx.AsyncHTTPTransport(uds=args.uds, limits=limits) if args.uds else None
     async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, timeout=timeout, limits=limits
+        base_url=args.base_url, headers=headers, timeout=timeout, limits=limits, transport=transport
     ) as client:
         t0 = time.perf_counter()
         progress = Progress(n, w.turns, t0)
@@ -693,7 +696,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="The default run (N = 1 2 4 8) is sized for about 15 minutes on a slow 2-core CPU server.",
         formatter_class=_HelpFormatter,
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL")
+    p.add_argument("--base-url", default=None,
+                   help="OpenAI-compatible base URL [http://127.0.0.1:8000/v1; with --uds http://localhost/v1]")
+    p.add_argument("--uds", default=None, metavar="PATH",
+                   help="reach the server over this unix socket (`gemma-serve up --uds DIR`: DIR/api.sock; llama.cpp's "
+                   "server: a --host ending in .sock) instead of TCP")
     p.add_argument("--model", default="gemma-3-270m", help="model name sent in each request")
     p.add_argument("--api-key", default="unused", help="sent as a Bearer token")
     p.add_argument(
@@ -766,7 +773,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=900.0, help="with --compare: seconds for our stack")
     p.add_argument("--compare-dir", default=None, help="with --compare: where the JSONs and the table go "
                    "[benchmarks/.compare/<time>]")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.base_url is None:
+        args.base_url = "http://localhost/v1" if args.uds else "http://127.0.0.1:8000/v1"
+    return args
 
 
 def workload(args: argparse.Namespace) -> Workload:

@@ -21,6 +21,8 @@ import socket
 
 import grpc
 
+from common import uds
+
 #: Message size limits of every internal link (a Gemma vocabulary's token table is near gRPC's 4 MiB default;
 #: figures: docs/performance.md).
 MAX_MESSAGE_BYTES = 64 << 20
@@ -153,28 +155,64 @@ def check_internal_host(host: str, tls: InternalTls | None, insecure: bool, flag
 
 def internal_server_tls(args: argparse.Namespace) -> InternalTls | None:
     """The mutual TLS of an internal service (`worker`, `tokenizer`) bound to `args.host`, after refusing an unsafe
-    bind (`check_internal_host`).
+    bind (`check_internal_host`; a service on a unix socket, `--uds`, binds no host).
 
     Raises:
       NetworkConfigError: for partial TLS flags, unreadable files or a non-loopback host without mutual TLS.
     """
     tls = InternalTls.from_args(args)
-    check_internal_host(args.host, tls, args.insecure_internal, "--host")
+    if not getattr(args, "uds", None):  # on a unix socket (its metrics beside it) no port is opened on --host
+        check_internal_host(args.host, tls, args.insecure_internal, "--host")
     return tls
 
 
 def add_server_port(server, address: str, tls: InternalTls | None) -> None:
-    """Listen on `address` with mutual TLS when `tls` is set, else in plain text.
+    """Listen on an internal service's `address` with mutual TLS when `tls` is set, else in plain text (see
+    `add_port`).
 
     Raises:
       NetworkConfigError: when the address cannot be bound.
     """
+    add_port(server, address, tls.server_credentials() if tls else None)
+
+
+def add_port(server, address: str, credentials: grpc.ServerCredentials | None) -> None:
+    """Make the gRPC `server` listen on `address` ("host:port", or "unix:PATH": `common.uds`) with `credentials`
+    (TLS) when set, else in plain text. A socket path is checked first (`uds.check_path`: a stale socket is
+    replaced, a live one refused, since gRPC would silently take its path) and the socket made owner-only.
+
+    Raises:
+      NetworkConfigError: when the address cannot be bound (the message names it and says why).
+    """
+    path = None
     try:
-        port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
-    except RuntimeError as err:
-        raise NetworkConfigError(f"cannot listen on {address}: {err}") from None
-    if port == 0:
-        raise NetworkConfigError(f"cannot listen on {address}")
+        if uds.is_unix(address):
+            path = uds.check_path(uds.path_of(address))
+            address = uds.address_of(path)
+        try:
+            port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        except RuntimeError as err:
+            raise NetworkConfigError(f"cannot listen on {address}: {err}") from None
+        if port == 0:
+            raise NetworkConfigError(f"cannot listen on {address}")
+        if path is not None:
+            uds.secure_after_bind(path)
+    except uds.SocketPathError as err:
+        raise NetworkConfigError(str(err)) from None
+
+
+def listen_address(host: str, port: int, socket_path: str | None) -> str:
+    """A service's gRPC listening address: the unix socket `socket_path` when given (`--uds`), else host:port."""
+    if socket_path:
+        return uds.address_of(socket_path)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def add_uds_flag(p: argparse.ArgumentParser, what: str) -> None:
+    """`--uds PATH`: listen on a unix socket instead of `--host` and the service's port (common/uds.py)."""
+    p.add_argument("--uds", default=None, metavar="PATH",
+                   help=f"serve {what} on this unix socket instead of --host and its port: no port is opened (a stale "
+                   "socket from a killed run is replaced; the socket is made owner-only)")
 
 
 def aio_channel(address: str, tls: InternalTls | None, options=CHANNEL_OPTIONS, interceptors=None) -> grpc.aio.Channel:

@@ -11,7 +11,7 @@ import signal
 import grpc
 import uvicorn
 
-from common import network
+from common import network, uds
 from gateway.app import create_app
 from gateway.auth import ApiKeys
 from gateway.clients import Backends, Timeouts
@@ -52,11 +52,14 @@ async def serve(args: argparse.Namespace) -> int:
     grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", limits.max_body_bytes),
                                            ("grpc.max_send_message_length", network.MAX_MESSAGE_BYTES)])
     add_to_server(GatewayServicer(backends, limits, keys), grpc_server)
-    address = f"{args.host}:{args.gateway_grpc_port}"
-    if public_tls is None:
-        grpc_server.add_insecure_port(address)
-    else:
-        grpc_server.add_secure_port(address, public_tls)
+    grpc_uds = args.grpc_uds or (uds.sibling(args.uds, "grpc") if args.uds else None)
+    address = network.listen_address(args.host, args.gateway_grpc_port, grpc_uds)
+    try:
+        http_socket = uds.bind(args.uds) if args.uds else None  # checked, owner-only; before gRPC takes its path
+        network.add_port(grpc_server, address, public_tls)
+    except (uds.SocketPathError, network.NetworkConfigError) as err:
+        log.error("%s", err)
+        return 2
     await grpc_server.start()
     holder: list[_Server] = []
     app = create_app(backends, limits, open_connections=lambda: len(holder[0].server_state.connections), keys=keys)
@@ -70,9 +73,11 @@ async def serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    http = asyncio.ensure_future(server.serve())
-    log.info("gateway listening on %s://%s:%d (gRPC Generate on %s:%d%s; %s)", "https" if public_tls else "http",
-             args.host, args.http_port, args.host, args.gateway_grpc_port, " over TLS" if public_tls else "",
+    http = asyncio.ensure_future(server.serve(sockets=[http_socket] if http_socket else None))
+    scheme = "https" if public_tls else "http"
+    log.info("gateway listening on %s (gRPC Generate on %s%s; %s)",
+             f"unix socket {args.uds} ({scheme})" if args.uds else f"{scheme}://{args.host}:{args.http_port}",
+             address, " over TLS" if public_tls else "",
              f"{len(keys)} API key(s) required on /v1" if keys else "no API key required")
     await asyncio.wait([http, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("draining: %d request(s) running, new ones refused (at most %.0f s)", backends.admission.active,

@@ -1,9 +1,10 @@
 """The model workers behind one gateway: where they are, whether they serve, how loaded they are, and which one
 serves each request.
 
-A gateway is given one or more `--worker-addr` targets. A target whose host name resolves to several addresses (a
-Kubernetes headless Service, a DNS round-robin name) stands for one worker per address; targets are resolved again
-every `refresh_s` seconds, so workers join and leave without a restart. Each worker gets its own channel; every
+A gateway is given one or more `--worker-addr` targets (host:port, or unix:PATH: one worker on a unix socket). A
+target whose host name resolves to several addresses (a Kubernetes headless Service, a DNS round-robin name) stands
+for one worker per address; targets are resolved again every `refresh_s` seconds, so workers join and leave
+without a restart. Each worker gets its own channel; every
 RPC of one request goes to the worker it was routed to (`route`). Health and load come from each worker's
 grpc.health.v1 service and its `GetLoad` RPC, polled by `poll` (the gateway's watch loop calls it about twice a
 second). A worker that fails a call with UNAVAILABLE leaves the routing ring at once (`mark_failed`) and rejoins
@@ -23,6 +24,7 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import uds
 from common.network import CHANNEL_OPTIONS, InternalTls, aio_channel
 from gateway.errors import ApiError
 from gateway.routing import Choice, NoWorkerError, Router, block_hashes, rendezvous_order
@@ -37,11 +39,15 @@ LOAD_SLACK = 0.25
 
 
 def split_target(target: str) -> tuple[str, int]:
-    """("host", port) of "host:port" or "[v6]:port".
+    """("host", port) of "host:port" or "[v6]:port"; ("localhost", 0) of a unix socket "unix:PATH" (the name its
+    TLS, if any, verifies: a socket has no host).
 
     Raises:
-      ValueError: no port, or a port that is not a number in 1-65535.
+      ValueError: no port, a port that is not a number in 1-65535, or a unix address without a path.
     """
+    if uds.is_unix(target):
+        uds.path_of(target)
+        return "localhost", 0
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdecimal() or not 0 < int(port) < 65536:
         raise ValueError(f"worker address {target!r} is not host:port")
@@ -72,7 +78,7 @@ def resolve_target(target: str) -> dict[str, str]:
       OSError: the name does not resolve.
     """
     host, port = split_target(target)
-    if _is_ip(host):
+    if _is_ip(host) or uds.is_unix(target):  # nothing to resolve
         return {target: host}
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})

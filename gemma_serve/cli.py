@@ -202,9 +202,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
 
 def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:
     if with_addrs:
-        p.add_argument("--tokenizer-addr", default="127.0.0.1:50051", help="tokenizer service address (default: %(default)s)")
+        p.add_argument("--tokenizer-addr", default="127.0.0.1:50051",
+                       help="tokenizer service address: host:port or unix:PATH (default: %(default)s)")
         p.add_argument("--worker-addr", action="append", default=None, metavar="HOST:PORT",
-                       help="a model worker's address; repeat it for several workers, or give a name that resolves "
+                       help="a model worker's address (host:port, or unix:PATH for a unix socket); repeat it for several "
+                       "workers, or give a name that resolves "
                        "to several addresses (a Kubernetes headless Service): one worker per address, resolved "
                        "again every --worker-refresh seconds. Requests are routed among them by session, prompt "
                        "prefix and load (default: 127.0.0.1:50052)")
@@ -267,6 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-metrics-port + i, and the gateway routes among them (default: %(default)s)",
     )
     up.add_argument(
+        "--uds", default=None, metavar="DIR",
+        help="run every service on unix sockets in DIR instead of ports (created with mode 0700; one that other "
+        "users may write to is refused): api.sock (the OpenAI REST API: curl --unix-socket DIR/api.sock "
+        "http://localhost/v1/models), generate.sock (gRPC Generate), tokenizer.sock, worker.sock and "
+        "worker-metrics.sock (worker-N.sock, ... with --workers). No TCP port is opened; the port and host flags "
+        "are then unused. For co-located services (a TPU VM, a pod's containers sharing a volume) and hosts that "
+        "allow no TCP",
+    )
+    up.add_argument(
         "--ready-timeout", type=float, default=1800, help="seconds to wait for all services to be healthy (default: %(default)s)"
     )
 
@@ -276,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_host(worker, "the worker's gRPC and metrics ports (non-loopback: mutual TLS or --insecure-internal)")
     network.add_internal_flags(worker)
     _add_ports(worker, ("worker_port", "worker_metrics_port"))
+    network.add_uds_flag(worker, "the worker's gRPC API")
+    worker.add_argument("--metrics-uds", default=None, metavar="PATH",
+                        help="serve /metrics on this unix socket instead of --host and --worker-metrics-port "
+                        "(default with --uds: beside it, named <name>-metrics.sock)")
     _add_engine(worker)
 
     tok = sub.add_parser("tokenizer", help="run the tokenizer service (tokenization and chat templates)")
@@ -284,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_host(tok, "the tokenizer service (non-loopback: mutual TLS or --insecure-internal)")
     network.add_internal_flags(tok)
     _add_ports(tok, ("tokenizer_port",))
+    network.add_uds_flag(tok, "the tokenizer service")
 
     gw = sub.add_parser("gateway", help="run the gateway (OpenAI REST API and gRPC Generate)")
     _add_common(gw)
@@ -291,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_host(gw, "the gateway (the public HTTP API and gRPC Generate)")
     network.add_internal_flags(gw)
     _add_ports(gw, ("http_port", "gateway_grpc_port"))
+    network.add_uds_flag(gw, "the OpenAI REST API (as vLLM's --uds)")
+    gw.add_argument("--grpc-uds", default=None, metavar="PATH",
+                    help="serve gRPC Generate on this unix socket instead of --host and --gateway-grpc-port "
+                    "(default with --uds: beside it, named <name>-grpc.sock)")
     _add_gateway(gw, with_addrs=True)
 
     prep = sub.add_parser("prepare", help="only prepare the model files (assemble, convert, build the tokenizer)")

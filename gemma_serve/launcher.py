@@ -26,7 +26,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import network
+from common import network, uds
 from gateway.auth import ApiKeys, child_env
 from gateway.limits import limit_args
 from gemma_serve.models import prepare
@@ -57,7 +57,6 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
     common = ["--model", model or args.model, "--cache-dir", args.cache_dir, "--log-level", args.log_level,
               "--drain-timeout", str(args.drain_timeout), *network.internal_args(args)]
     internal = ["--host", args.internal_host]
-    inner = connect_host(args.internal_host)
     engine = ["--max-model-len", str(args.max_model_len), "--num-slots", str(args.num_slots), "--dtype", args.dtype,
               "--matmul-precision", args.matmul_precision,
               "--kv-cache-dtype", args.kv_cache_dtype, "--max-waiting", str(args.max_waiting),
@@ -76,9 +75,10 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
     engine += ["--prefill-chunks", *map(str, args.prefill_chunks)]
     if args.tail_chunks is not None:
         engine += ["--tail-chunks", *map(str, args.tail_chunks)]
+    addrs = internal_addresses(args)
     gateway = ["--host", args.host, "--http-port", str(args.http_port), "--gateway-grpc-port",
-               str(args.gateway_grpc_port), "--tokenizer-addr", f"{inner}:{args.tokenizer_port}",
-               *(a for port, _ in worker_ports(args).values() for a in ("--worker-addr", f"{inner}:{port}")),
+               str(args.gateway_grpc_port), "--tokenizer-addr", addrs["tokenizer"],
+               *(a for name in worker_ports(args) for a in ("--worker-addr", addrs[name])),
                "--tokenizer-timeout", str(args.tokenizer_timeout),
                "--worker-timeout", str(args.worker_timeout)]
     for flag in ("ssl_certfile", "ssl_keyfile"):
@@ -87,14 +87,39 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     gateway += limit_args(args)
+    sockets = socket_paths(args)
+    if sockets:
+        gateway += ["--uds", sockets["api"], "--grpc-uds", sockets["generate"]]
     workers = {name: base + ["worker", *common, *internal, "--worker-port", str(port),
-                             "--worker-metrics-port", str(metrics), *engine]
+                             "--worker-metrics-port", str(metrics), *engine,
+                             *(["--uds", sockets[name], "--metrics-uds", sockets[f"{name}-metrics"]] if sockets else [])]
                for name, (port, metrics) in worker_ports(args).items()}
     return {
-        "tokenizer": base + ["tokenizer", *common, *internal, "--tokenizer-port", str(args.tokenizer_port)],
+        "tokenizer": base + ["tokenizer", *common, *internal, "--tokenizer-port", str(args.tokenizer_port),
+                             *(["--uds", sockets["tokenizer"]] if sockets else [])],
         **workers,
         "gateway": base + ["gateway", *common, *gateway],
     }
+
+
+def socket_paths(args: argparse.Namespace) -> dict[str, str]:
+    """{listener: socket path} of `up --uds DIR` (`uds.socket_names`), or {} when the services use ports."""
+    folder = getattr(args, "uds", None)
+    if not folder:
+        return {}
+    return {name: os.path.join(os.path.abspath(folder), file)
+            for name, file in uds.socket_names(getattr(args, "workers", 1)).items()}
+
+
+def internal_addresses(args: argparse.Namespace) -> dict[str, str]:
+    """{"tokenizer" or a worker's name: the gRPC address the gateway and the health checks reach it at}: unix
+    sockets with `--uds`, else host:port on `--internal-host` (a wildcard bind reached on loopback)."""
+    sockets = socket_paths(args)
+    if sockets:
+        return {name: uds.address_of(sockets[name]) for name in ("tokenizer", *worker_ports(args))}
+    inner = connect_host(args.internal_host)
+    return {"tokenizer": f"{inner}:{args.tokenizer_port}",
+            **{name: f"{inner}:{port}" for name, (port, _) in worker_ports(args).items()}}
 
 
 def worker_ports(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
@@ -180,6 +205,15 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+def _socket_http_ok(path: str, tls: bool) -> bool:
+    # As `_http_ok`, over the gateway's unix socket.
+    try:
+        status, _ = uds.http_get(path, "/health", timeout=2, context=ssl._create_unverified_context() if tls else None)
+        return status == 200
+    except OSError:
+        return False
+
+
 def public_url(args: argparse.Namespace) -> str:
     """The gateway's base URL as reached from this machine."""
     scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
@@ -200,7 +234,12 @@ class Launcher:
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping = False
         self.tls = network.InternalTls.from_args(args)
-        network.check_internal_host(args.internal_host, self.tls, args.insecure_internal)
+        if getattr(args, "uds", None):  # every service on a socket in a private folder: no port, no host to check
+            args.uds = str(uds.private_dir(args.uds))
+            for path in socket_paths(args).values():
+                uds.check_path(path)  # a stale socket replaced, a live stack's refused: before anything starts
+        else:
+            network.check_internal_host(args.internal_host, self.tls, args.insecure_internal)
         network.public_server_credentials(args)  # both files given and readable
         ApiKeys.from_args(args)  # valid keys
         self.env = child_env(args, os.environ)
@@ -226,13 +265,11 @@ class Launcher:
 
     def health(self) -> dict[str, bool]:
         """Whether each service answers healthy."""
-        a = self.args
-        inner = connect_host(a.internal_host)
-        return {
-            "tokenizer": _grpc_serving(f"{inner}:{a.tokenizer_port}", self.tls),
-            **{name: _grpc_serving(f"{inner}:{port}", self.tls) for name, (port, _) in worker_ports(a).items()},
-            "gateway": _http_ok(f"{public_url(a)}/health"),
-        }
+        status = {name: _grpc_serving(addr, self.tls) for name, addr in internal_addresses(self.args).items()}
+        api = socket_paths(self.args).get("api")
+        status["gateway"] = _socket_http_ok(api, tls=bool(self.args.ssl_certfile)) if api else \
+            _http_ok(f"{public_url(self.args)}/health")
+        return status
 
     def stop(self) -> None:
         """Drain and stop: SIGTERM the gateway and wait for it (it finishes its running requests within
@@ -328,10 +365,18 @@ def _supervise(launcher: Launcher, args: argparse.Namespace, t0: float) -> int:
                 last = status
             if all(status.values()):
                 ready = True
-                url = public_url(args)
-                log.info("ready in %.1f s: OpenAI API at %s/v1 (gRPC Generate at %s:%d). Ctrl-C stops.",
-                         time.perf_counter() - t0, url, args.host, args.gateway_grpc_port)
-                print(f"gemma-serve is ready: {url}/v1", flush=True)
+                sockets = socket_paths(args)
+                if sockets:
+                    scheme = "https" if args.ssl_certfile else "http"
+                    log.info("ready in %.1f s: OpenAI API on the unix socket %s (gRPC Generate on %s); try: curl "
+                             "--unix-socket %s %s://localhost/v1/models. Ctrl-C stops.", time.perf_counter() - t0,
+                             sockets["api"], sockets["generate"], sockets["api"], scheme)
+                    print(f"gemma-serve is ready: unix:{sockets['api']} ({scheme}://localhost/v1)", flush=True)
+                else:
+                    url = public_url(args)
+                    log.info("ready in %.1f s: OpenAI API at %s/v1 (gRPC Generate at %s:%d). Ctrl-C stops.",
+                             time.perf_counter() - t0, url, args.host, args.gateway_grpc_port)
+                    print(f"gemma-serve is ready: {url}/v1", flush=True)
             elif time.monotonic() > deadline:
                 log.error("services not healthy after %.0f s", args.ready_timeout)
                 return 1

@@ -16,7 +16,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import network, preparation
+from common import network, preparation, uds
 from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
 from protos import model_worker_pb2, model_worker_pb2_grpc
 
@@ -154,6 +154,11 @@ def load_engine(prepared, args: argparse.Namespace):
                                "devices); use bfloat16 with --tensor-parallel")
         if dtype == "float32":
             cfg, params = for_matmul_precision(cfg, params, precision, invariant)
+        if precision == "float32" and backend != "cpu":
+            # float32 products mean float32 here too: a TPU (and a GPU's TF32) multiplies float32 operands at lower
+            # precision by default (one bfloat16 pass on a TPU). The worker owns the process: set it for every
+            # program it traces.
+            jax.config.update("jax_default_matmul_precision", "highest")
     log.info("weights loaded in %.1f s (%.2f GiB%s; %s activations, %s matmul precision%s)",
              time.perf_counter() - t0, params.nbytes() / 2**30, " in host memory" if staging else " on the device",
              dtype, precision, ", batch-invariant" if invariant else "")
@@ -291,7 +296,12 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("%s", err)
         return 2
     metrics = WorkerMetrics()
-    metrics.serve(args.worker_metrics_port, args.host)
+    metrics_uds = args.metrics_uds or (uds.sibling(args.uds, "metrics") if args.uds else None)
+    try:
+        metrics.serve(args.worker_metrics_port, args.host, str(metrics_uds) if metrics_uds else None)
+    except (uds.SocketPathError, OSError) as err:
+        log.error("cannot serve metrics: %s", err)
+        return 2
 
     server = grpc.aio.server(options=network.SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
@@ -300,8 +310,12 @@ async def serve(args: argparse.Namespace) -> int:
     servicer = WorkerServicer(model_worker_pb2.WorkerInfoResponse(), max_session_ttl=args.max_session_ttl)
     model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{args.host}:{args.worker_port}"
-    network.add_server_port(server, address, tls)
+    address = network.listen_address(args.host, args.worker_port, args.uds)
+    try:
+        network.add_server_port(server, address, tls)
+    except network.NetworkConfigError as err:
+        log.error("%s", err)
+        return 2
     await server.start()
     log.info("model worker listening on %s (NOT_SERVING until compiled)", address)
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of the model worker, with the field's names (vLLM's, under the `gemma_serve:` prefix).
 
-Served on their own HTTP port (`--metrics-port`, path /metrics) since the worker's API is gRPC. Latencies are
+Served on their own HTTP port (`--worker-metrics-port`, or the unix socket `--metrics-uds`; path /metrics) since the worker's API is gRPC. Latencies are
 measured at the worker: from the Prefill call's arrival (time to first token, end to end), between tokens as
 they leave the engine (inter-token latency), from arrival to admission into a slot (queue time), from admission
 to the first token (prefill time: the prompt's chunks, or the wait for a leader computing a shared prompt) and
@@ -12,11 +12,14 @@ iteration.
 
 from __future__ import annotations
 
+import socketserver
 import threading
 
 import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.exposition import MetricsHandler
 
+from common import uds
 from common.telemetry import LATENCY_BUCKETS
 
 
@@ -119,6 +122,32 @@ class WorkerMetrics:
             seen["preempted"] = snap.lease_preemptions
         self.leased_slots.set(snap.leased_slots)
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        """Expose /metrics over HTTP on `port` (a daemon thread)."""
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", socket_path: str | None = None) -> None:
+        """Expose /metrics over HTTP on `port` of `host`, or on the unix socket `socket_path` when given (a daemon
+        thread either way).
+
+        Raises:
+          common.uds.SocketPathError: the socket path cannot be used (the message says why).
+          OSError: the port cannot be bound.
+        """
+        if socket_path is None:
+            start_http_server(port, addr=host, registry=self.registry)
+            return
+        server = _UnixHTTPServer(uds.bind(socket_path), MetricsHandler.factory(self.registry))
+        threading.Thread(target=server.serve_forever, name="metrics-uds", daemon=True).start()
+
+
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """prometheus_client's handler on an already bound unix socket (`uds.bind`: checked path, owner-only mode)."""
+
+    daemon_threads = True
+
+    def __init__(self, sock, handler):
+        super().__init__(sock.getsockname(), handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = sock
+        self.server_activate()
+
+    def get_request(self):
+        request, _ = self.socket.accept()
+        return request, ("unix", 0)  # the handler's address_string() reads [0]; a unix peer has no address

@@ -41,9 +41,47 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# The device lane (scripts/device_check.sh, docs/architecture.md "The device lane"): on an accelerator host one
+# process at a time may hold the chip. The "chip" lane's pytest process takes it here, before any test runs, and
+# then pins every process a test starts (services, subprocess checks) to the host's CPU through JAX_PLATFORMS, which
+# they inherit. Its numerics compare float32 values at float32 precision: a TPU multiplies float32 operands in one
+# bfloat16 pass by default (relative error ~4e-3), so the session states "highest", as the worker does for
+# `--matmul-precision float32` (model_worker/main.py). The "host" and "e2e" lanes run with JAX_PLATFORMS=cpu.
+DEVICE_LANE = os.environ.get("GEMMA_SERVE_DEVICE_LANE", "")
+if DEVICE_LANE == "chip":
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    _CHIP = jax.devices()  # take the chip now: no process a test starts may (they inherit the line below)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
 #: The suite's plugins: the order of the tests and the lanes of `make test` (scheduling), one gguf-py reader per
 #: file (gguf_readers).
 pytest_plugins = ("tests.plugins.scheduling", "tests.plugins.gguf_readers")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_backend(request):
+    """Tests marked `cpu_backend` (the CPU kernels) run with `jax.default_device` set to the host's CPU when the
+    default backend is an accelerator (the TPU host has a CPU backend beside the chip): what they test exists only
+    there. Elsewhere, and for unmarked tests, nothing changes."""
+    if request.node.get_closest_marker("cpu_backend") is None:
+        yield
+        return
+    import jax
+
+    if jax.default_backend() == "cpu":
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def pytest_report_header(config) -> list[str]:
+    """The device lane's machine, so each lane's log says where it ran."""
+    if DEVICE_LANE != "chip":
+        return [f"device lane: {DEVICE_LANE}"] if DEVICE_LANE else []
+    return [f"device lane: chip ({', '.join(str(d) for d in _CHIP)}; float32 products at 'highest' precision)"]
 
 
 @pytest.fixture(scope="session")

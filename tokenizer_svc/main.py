@@ -148,8 +148,12 @@ async def serve(args: argparse.Namespace) -> int:
     servicer = TokenizerServicer()
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{args.host}:{args.tokenizer_port}"
-    network.add_server_port(server, address, tls)
+    address = network.listen_address(args.host, args.tokenizer_port, args.uds)
+    try:
+        network.add_server_port(server, address, tls)
+    except network.NetworkConfigError as err:
+        log.error("%s", err)
+        return 2
     await server.start()
     log.info("tokenizer service listening on %s (NOT_SERVING until loaded)", address)
     stop = asyncio.Event()

@@ -36,6 +36,7 @@ import yaml
 
 from gateway import auth
 from gemma_serve import cli
+from tests.transport import needs_tcp
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "kubernetes"
@@ -697,6 +698,7 @@ def test_tls_probe_script(tmp_path):
     """The exec probe script (components/internal-mtls/grpc_health_tls.py) passes a SERVING service behind
     mutual TLS, and fails it when NOT_SERVING, when the certificate is not valid for the name it verifies, and
     on a port where nothing listens."""
+    needs_tcp()  # the probe dials a port, as the kubelet's exec probe does
     from concurrent import futures
 
     import grpc

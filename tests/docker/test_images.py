@@ -48,6 +48,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.network import InternalTls
 from tests.deploy.test_kubernetes import IMAGE_USER, exact_parser
 from tests.e2e.stacks import free_ports, pki
+from tests.transport import needs_tcp
 
 pytestmark = pytest.mark.slow  # runs the services as processes: outside `make test-fast`
 
@@ -393,6 +394,7 @@ def _ids(pid: int) -> list[str]:
 @pytest.fixture(scope="module")
 def run(stages, prepared, tmp_path_factory) -> Run:
     """The compose services started as local processes (module docstring), observed, then stopped with SIGTERM."""
+    needs_tcp()  # the images' services listen on ports, as in their containers
     tmp = tmp_path_factory.mktemp("compose")
     volume = owned_dir(tmp / "volume-cache")  # the named volume `cache`, mounted at /cache in every service
     shell = {"GEMMA_SERVE_MODEL": str(prepared.dir), "GEMMA_SERVE_API_KEY": API_KEYS}
@@ -541,6 +543,7 @@ def test_grpc_healthcheck_over_mutual_tls(tmp_path_factory):
     """With INTERNAL_TLS_* set, the tokenizer's and worker's check speaks mutual TLS with the service's own
     certificate: SERVING passes; NOT_SERVING, a plain-text check and a server name the certificate does not
     carry fail."""
+    needs_tcp()  # the HEALTHCHECK script dials the services' ports
     certs = pki(lambda prefix: tmp_path_factory.mktemp(prefix))
     tls = InternalTls(cert=certs.cert.read_bytes(), key=certs.key.read_bytes(), ca=certs.ca.read_bytes())
     server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -568,6 +571,7 @@ def test_grpc_healthcheck_over_mutual_tls(tmp_path_factory):
 def test_gateway_healthcheck_statuses(tmp_path_factory):
     """The gateway's check passes on /health 200 only (over HTTPS, unverified, when SSL_CERTFILE is set), on the
     wildcard bind's loopback address."""
+    needs_tcp()  # the HEALTHCHECK script dials the services' ports
     certs = pki(lambda prefix: tmp_path_factory.mktemp(prefix))
     answer = {"status": 200}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 
@@ -24,6 +23,7 @@ from gateway.errors import from_rpc_error
 from gateway.http_protocol import GuardedH11Protocol
 from gateway.limits import Limits
 from tests.e2e.stacks import free_ports
+from tests.transport import HttpEndpoint
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -183,14 +183,14 @@ def test_backend_errors_map_to_the_right_status():
 
 @contextlib.contextmanager
 def _serve(limits: Limits, routes=None, protocol=GuardedH11Protocol):
-    """The gateway app on a real uvicorn server in a thread (backends absent), with the gateway's HTTP protocol;
-    yields its base URL."""
-    (port,) = free_ports(1)
+    """The gateway app on a real uvicorn server in a thread (backends absent), with the gateway's HTTP protocol,
+    on a loopback port or a unix socket (tests/transport.py); yields its `HttpEndpoint`."""
+    endpoint = HttpEndpoint.free()
     holder: list = []
     app = create_app(_backends(), limits, open_connections=lambda: len(holder[0].server_state.connections))
     if routes:
         routes(app.fastapi)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=protocol))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", http=protocol, **endpoint.uvicorn_kwargs()))
     holder.append(server)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -199,7 +199,7 @@ def _serve(limits: Limits, routes=None, protocol=GuardedH11Protocol):
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield endpoint
     finally:
         server.should_exit = True
         thread.join(10)
@@ -220,7 +220,7 @@ def _bug_routes(app):
 
 
 def test_a_500_keeps_the_connection_and_hides_internals():
-    with _serve(Limits(), _bug_routes) as url, httpx.Client(base_url=url) as http:
+    with _serve(Limits(), _bug_routes) as endpoint, endpoint.client() as http:
         r = http.get("/boom", headers={"X-Request-Id": "r-1"})
         err = _error(r, 500)
         assert "secret" not in r.text and "r-1" in err["message"] and err["type"] == "internal_error"
@@ -233,19 +233,20 @@ def test_a_500_keeps_the_connection_and_hides_internals():
 
 
 def test_connections_beyond_the_limit_get_an_openai_503():
-    with _serve(Limits(max_connections=2)) as url:
-        host, port = url.removeprefix("http://").split(":")
-        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+    with _serve(Limits(max_connections=2)) as endpoint:
+        held = [endpoint.connect() for _ in range(2)]
         time.sleep(0.2)  # let the server register them
         try:
-            r = httpx.get(url + "/v1/models")
+            with endpoint.client() as http:
+                r = http.get("/v1/models")
             err = _error(r, 503)
             assert err["code"] == "too_many_connections" and r.headers["connection"] == "close"
         finally:
             for s in held:
                 s.close()
         time.sleep(0.2)
-        assert httpx.get(url + "/v1/models").status_code == 200
+        with endpoint.client() as http:
+            assert http.get("/v1/models").status_code == 200
 
 
 def test_cors_is_off_by_default_and_on_for_named_origins():
@@ -313,10 +314,9 @@ def test_refused_json_values_name_their_field(client):
         assert err["code"] == "invalid_json"
 
 
-def _raw(url: str, data: bytes, wait: float = 5.0) -> bytes:
+def _raw(endpoint: HttpEndpoint, data: bytes, wait: float = 5.0) -> bytes:
     """Send raw bytes on a new connection; everything the server sends until it closes (or `wait` passes)."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
+    with endpoint.connect() as sock:
         sock.settimeout(wait)
         sock.sendall(data)
         out = b""
@@ -338,25 +338,24 @@ class _QuickHeaders(GuardedH11Protocol):
 
 def test_incomplete_headers_are_dropped_after_the_header_deadline():
     """A slowloris socket (half a request line, then silence) is closed, so it cannot hold a connection slot."""
-    with _serve(Limits(max_connections=2), protocol=_QuickHeaders) as url:
-        host, port = url.removeprefix("http://").split(":")
+    with _serve(Limits(max_connections=2), protocol=_QuickHeaders) as endpoint:
         t0 = time.monotonic()
-        with socket.create_connection((host, int(port))) as sock:
+        with endpoint.connect() as sock:
             sock.settimeout(10)
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
             assert sock.recv(100) == b""  # closed by the server
         assert time.monotonic() - t0 < 5
-        with httpx.Client(base_url=url) as http:  # a kept-alive connection: its second request is held to it too
+        with endpoint.client() as http:  # a kept-alive connection: its second request is held to it too
             assert http.get("/v1/models").status_code == 200
             time.sleep(1.0)
             assert http.get("/v1/models").status_code == 200
 
 
 def test_malformed_http_gets_a_json_400_with_a_request_id():
-    with _serve(Limits()) as url:
+    with _serve(Limits()) as endpoint:
         for data in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nno colon here\r\n\r\n",
                      b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
-            raw = _raw(url, data)
+            raw = _raw(endpoint, data)
             head = raw.split(b"\r\n\r\n", 1)[0].lower()
             assert head.startswith(b"http/1.1 400") and b"x-request-id: req-" in head, raw
             assert set(_json_tail(raw)["error"]) == ERROR_KEYS
@@ -364,9 +363,9 @@ def test_malformed_http_gets_a_json_400_with_a_request_id():
 
 def test_a_stalled_body_is_408(monkeypatch):
     monkeypatch.setattr(http_guard, "BODY_IDLE_TIMEOUT", 0.5)
-    with _serve(Limits()) as url:
+    with _serve(Limits()) as endpoint:
         t0 = time.monotonic()
-        raw = _raw(url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        raw = _raw(endpoint, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                         b"Content-Length: 1000\r\n\r\n{\"messages\": []}")
         assert raw.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 4, raw
         assert _json_tail(raw)["error"]["code"] == "request_timeout"

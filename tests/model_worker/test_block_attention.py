@@ -16,7 +16,8 @@ import pytest
 from model_worker import block_attention as ba
 from model_worker import q8
 
-pytestmark = pytest.mark.skipif(q8.compiler() is None, reason="no C++ compiler: the kernel cannot be built here")
+pytestmark = [pytest.mark.skipif(q8.compiler() is None, reason="no C++ compiler: the kernel cannot be built here"),
+              pytest.mark.cpu_backend]  # the CPU kernel: on an accelerator host, on its CPU backend
 
 
 def bits(x) -> jax.Array:

@@ -479,6 +479,7 @@ def test_nbytes_is_the_packed_arithmetic(n, k, g, symmetric, scale_dtype):
         assert n * math.ceil(k / 8) * 4 == n * k // 2
 
 
+@pytest.mark.cpu_backend  # the CPU path of `linear` (`lax.platform_dependent`)
 def test_linear_never_materializes_the_whole_dequantized_weight_on_cpu():
     """Compiled temp memory of the CPU path stays near one row block, far below the f32 [N, K] copy (16 MiB)."""
     n, k, g = 4096, 1024, 32

@@ -16,7 +16,8 @@ import pytest
 from model_worker import q8
 
 # Skipped only without a compiler: where one exists, a kernel that fails to build fails these tests.
-pytestmark = pytest.mark.skipif(q8.compiler() is None, reason="no C++ compiler: the kernel cannot be built here")
+pytestmark = [pytest.mark.skipif(q8.compiler() is None, reason="no C++ compiler: the kernel cannot be built here"),
+              pytest.mark.cpu_backend]  # the CPU kernel: on an accelerator host, on its CPU backend
 
 
 def test_the_kernel_builds_where_a_compiler_exists():

