@@ -215,18 +215,29 @@ def add_uds_flag(p: argparse.ArgumentParser, what: str) -> None:
                    "socket from a killed run is replaced; the socket is made owner-only)")
 
 
+def tls_options(address: str, options=()) -> tuple:
+    """`options` for a TLS channel to `address`: over a unix socket, the server's certificate is verified for
+    "localhost" (gRPC would check it against the socket's path, which no certificate names), unless `options`
+    already names the server to verify."""
+    options = tuple(options)
+    if uds.is_unix(address) and not any(k == "grpc.ssl_target_name_override" for k, _ in options):
+        options += (("grpc.ssl_target_name_override", "localhost"),)
+    return options
+
+
 def aio_channel(address: str, tls: InternalTls | None, options=CHANNEL_OPTIONS, interceptors=None) -> grpc.aio.Channel:
-    """An asyncio channel to an internal service, over mutual TLS when `tls` is set."""
+    """An asyncio channel to an internal service (host:port or unix:PATH), over mutual TLS when `tls` is set."""
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=tls_options(address, options),
+                                   interceptors=interceptors)
 
 
 def sync_channel(address: str, tls: InternalTls | None, options=()) -> grpc.Channel:
     """A blocking channel to an internal service (the launcher's health checks), over mutual TLS when set."""
     if tls is None:
         return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=tls_options(address, options))
 
 
 def public_server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | None:

@@ -3,6 +3,7 @@
 #
 #   scripts/device_check.sh                 install, then every lane: chip + host (side by side), then e2e
 #   scripts/device_check.sh install         only the install;   scripts/device_check.sh chip e2e   those lanes
+#   scripts/device_check.sh chip:2/3        the second third of the chip lane's modules (for short sessions)
 #
 # The host's rules shape the lanes (docs/architecture.md, "The device lane"):
 #   chip  the model worker's tests (tests/model_worker) in ONE pytest process, which takes the chip first and
@@ -71,8 +72,20 @@ lane() {
 CPU_MODULES=(tests/model_worker/test_q8.py tests/model_worker/test_block_attention.py
              tests/model_worker/test_tensor_parallel.py)
 
+# chip [I/N]: the chip lane, or its I-th of N parts (every N-th module from the I-th, in name order), for hosts
+# whose sessions are shorter than the whole lane (cold compiles on a TPU v5e take minutes: docs/performance.md).
 chip() {
-  GEMMA_SERVE_DEVICE_LANE=chip lane chip -p no:xdist tests/model_worker "${CPU_MODULES[@]/#/--ignore=}"
+  local part="${1:-}" modules=() m i=0
+  if [ -z "$part" ]; then
+    GEMMA_SERVE_DEVICE_LANE=chip lane chip -p no:xdist tests/model_worker "${CPU_MODULES[@]/#/--ignore=}"
+    return
+  fi
+  for m in tests/model_worker/test_*.py; do
+    case " ${CPU_MODULES[*]} " in *" $m "*) continue ;; esac
+    [ $((i % ${part#*/})) -eq $((${part%/*} - 1)) ] && modules+=("$m")
+    i=$((i + 1))
+  done
+  GEMMA_SERVE_DEVICE_LANE=chip lane "chip-${part%/*}of${part#*/}" -p no:xdist "${modules[@]}"
 }
 
 host() {
@@ -97,9 +110,10 @@ for what in "${lanes[@]}"; do
     install) install || { log "install failed"; exit 2; } ;;
     chip+host) host & hpid=$!; chip || status=1; wait $hpid || status=1 ;;
     chip) chip || status=1 ;;
+    chip:*/*) chip "${what#chip:}" || status=1 ;;
     host) host || status=1 ;;
     e2e) e2e || status=1 ;;
-    *) echo "unknown lane $what (install, chip, host, chip+host, e2e)" >&2; exit 2 ;;
+    *) echo "unknown lane $what (install, chip, chip:I/N, host, chip+host, e2e)" >&2; exit 2 ;;
   esac
 done
 "$VENV/bin/python" "$REPO/scripts/device_summary.py" "$OUT" | tee "$OUT/summary.md"

@@ -12,7 +12,7 @@ import pathlib
 import sys
 import xml.etree.ElementTree as ET
 
-LANES = ("chip", "host", "e2e")
+LANES = ("chip", "host", "e2e")  # their order in the table; a chip lane in parts is chip-1of3, ...
 
 
 def lane_results(path: pathlib.Path) -> dict[str, list]:
@@ -32,7 +32,8 @@ def lane_results(path: pathlib.Path) -> dict[str, list]:
 
 def summary(folder: pathlib.Path) -> str:
     """The Markdown summary of the lanes whose XML is in `folder`."""
-    found = [(lane, folder / f"{lane}.xml") for lane in LANES if (folder / f"{lane}.xml").exists()]
+    found = sorted(((path.stem, path) for path in folder.glob("*.xml")),
+                   key=lambda lp: (next((i for i, lane in enumerate(LANES) if lp[0].startswith(lane)), 9), lp[0]))
     if not found:
         return f"no lane results (chip.xml, host.xml, e2e.xml) in {folder}\n"
     lines = ["| lane | passed | failed | errors | skipped |", "|---|---:|---:|---:|---:|"]

@@ -69,6 +69,7 @@ def checks(oai: openai.OpenAI, claude: anthropic.Anthropic, model: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run every check against the socket given on the command line; 0 when all pass, else 1."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("socket", help="the REST API's unix socket (DIR/api.sock of `gemma-serve up --uds DIR`)")
     p.add_argument("--model", default="gemma-3-270m")
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _timed(gen):
+    """(name, ok, {"ok", "seconds" since the previous check, "answer"}) for each check of `gen`."""
     t0 = time.perf_counter()
     for name, ok, detail in gen:
         yield name, ok, {"ok": ok, "seconds": round(time.perf_counter() - t0, 3), "answer": detail}

@@ -9,8 +9,10 @@ reason (`needs_tcp`).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import pathlib
+import shutil
 import socket
 import tempfile
 
@@ -39,10 +41,16 @@ def needs_tcp() -> None:
         pytest.skip(NO_TCP)
 
 
+_FOLDERS: list[str] = []
+
+
 def socket_folder() -> pathlib.Path:
     """A new private folder for unix sockets, short enough for `sun_path` (under the system's temporary folder,
-    not pytest's deeper ones)."""
-    return pathlib.Path(tempfile.mkdtemp(prefix="gs-"))
+    not pytest's deeper ones); removed when the process exits."""
+    if not _FOLDERS:
+        atexit.register(lambda: [shutil.rmtree(f, ignore_errors=True) for f in _FOLDERS])
+    _FOLDERS.append(tempfile.mkdtemp(prefix="gs-"))
+    return pathlib.Path(_FOLDERS[-1])
 
 
 def grpc_listen(server, credentials=None, name: str = "grpc") -> str:

@@ -24,6 +24,8 @@ import urllib.request
 
 import pytest
 
+from tests.transport import tcp_available
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 GEMMA4_TEMPLATE = REPO / "tests" / "tokenizer_svc" / "data" / "gemma4_chat_template.jinja"
 MAX_MODEL_LEN = 512  # the embedded stack's --max-model-len: one KV bucket (the sliding window)
@@ -31,8 +33,22 @@ FUZZ_MAX_TOKENS = 4   # the fuzz stack's --max-tokens-cap
 FAULT_SALT = "test-fault-injection"  # the embedded stack's worker fails the step of requests with this cache_salt
 
 
+#: The stacks that serve over unix sockets (`up --uds`) on a host with TCP: the embedded one, so that every e2e
+#: test through it (streaming, cancellation, the drain, the faults) crosses the sockets, and its internal links
+#: run mutual TLS over them. The other stacks keep their ports; on a host without TCP every stack uses sockets.
+UDS_STACKS = ("stack",)
+
+
+def uses_uds(name: str) -> bool:
+    """Whether the stack `name` serves over unix sockets on this host."""
+    return name in UDS_STACKS or not tcp_available()
+
+
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1."""
+    """n distinct free TCP ports on 127.0.0.1 (n made-up numbers on a host without TCP: the port flags are then
+    unused, every listener being a unix socket)."""
+    if not tcp_available():
+        return list(range(1, n + 1))
     socks, ports = [], []
     for _ in range(n):
         s = socket.socket()
@@ -103,10 +119,17 @@ class Stack:
     healthy: bool = False
     ca: pathlib.Path | None = None
     internal: Pki | None = None
+    #: {listener: socket path} when the stack serves over unix sockets ("api", "generate", "tokenizer", "worker",
+    #: "worker-metrics": `common.uds.socket_names`), else None (its `ports`).
+    sockets: dict[str, str] | None = None
 
+    # ----- where it listens, and clients that reach it (over its port or its unix socket alike) --------------------
     @property
     def base_url(self) -> str:
-        return f"{'https' if self.ca else 'http'}://127.0.0.1:{self.ports['http']}"
+        """The REST API's base URL; over a unix socket the host is "localhost" and the clients below carry the
+        socket (`http`, `openai`, ...): use them rather than a bare URL."""
+        scheme = "https" if self.ca else "http"
+        return f"{scheme}://localhost" if self.sockets else f"{scheme}://127.0.0.1:{self.ports['http']}"
 
     def ssl_context(self):
         """An SSL context trusting the stack's CA (None for a plain-HTTP stack)."""
@@ -114,17 +137,108 @@ class Stack:
 
         return ssl.create_default_context(cafile=str(self.ca)) if self.ca else None
 
+    def transport(self, asynchronous: bool = False):
+        """An httpx transport to the REST API's unix socket (trusting the stack's CA), or None over TCP."""
+        import httpx
+
+        if not self.sockets:
+            return None
+        cls = httpx.AsyncHTTPTransport if asynchronous else httpx.HTTPTransport
+        return cls(uds=self.sockets["api"], verify=self.ssl_context() or True)
+
+    def http(self, **kwargs):
+        """An `httpx.Client` on the REST API (base_url set; its socket and CA when it has them)."""
+        import httpx
+
+        kwargs.setdefault("base_url", self.base_url)
+        transport = self.transport()
+        if transport is None:
+            kwargs.setdefault("verify", self.ssl_context() or True)
+        return httpx.Client(transport=transport, **kwargs)
+
+    def async_http(self, **kwargs):
+        """An `httpx.AsyncClient` on the REST API (as `http`)."""
+        import httpx
+
+        kwargs.setdefault("base_url", self.base_url)
+        transport = self.transport(asynchronous=True)
+        if transport is None:
+            kwargs.setdefault("verify", self.ssl_context() or True)
+        return httpx.AsyncClient(transport=transport, **kwargs)
+
+    def sdk_http(self, asynchronous: bool = False, timeout: float = 300):
+        """The HTTP client the official SDKs take (`http_client`), on the stack's port or socket: theirs is
+        `httpx2` (anthropic refuses an `httpx` one), where installed, else `httpx`."""
+        try:
+            import httpx2 as hx
+        except ImportError:
+            import httpx as hx
+        verify = self.ssl_context() or True
+        if self.sockets:
+            transport = (hx.AsyncHTTPTransport if asynchronous else hx.HTTPTransport)(uds=self.sockets["api"],
+                                                                                      verify=verify)
+            return (hx.AsyncClient if asynchronous else hx.Client)(transport=transport, timeout=timeout)
+        return (hx.AsyncClient if asynchronous else hx.Client)(verify=verify, timeout=timeout)
+
+    def openai(self, api_key: str = "unused", timeout: float = 300, **kwargs):
+        """The official `openai.OpenAI` client on the stack (no retries)."""
+        import openai
+
+        kwargs.setdefault("max_retries", 0)
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, timeout=timeout,
+                             http_client=self.sdk_http(timeout=timeout), **kwargs)
+
+    def async_openai(self, api_key: str = "unused", timeout: float = 300, **kwargs):
+        """The official `openai.AsyncOpenAI` client on the stack (no retries)."""
+        import openai
+
+        kwargs.setdefault("max_retries", 0)
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=api_key, timeout=timeout,
+                                  http_client=self.sdk_http(asynchronous=True, timeout=timeout), **kwargs)
+
+    def anthropic(self, api_key: str = "unused", timeout: float = 300, **kwargs):
+        """The official `anthropic.Anthropic` client on the stack (no retries)."""
+        import anthropic
+
+        kwargs.setdefault("max_retries", 0)
+        return anthropic.Anthropic(base_url=self.base_url, api_key=api_key, timeout=timeout,
+                                   http_client=self.sdk_http(timeout=timeout), **kwargs)
+
+    def get(self, path: str, timeout: float = 30) -> tuple[int, bytes]:
+        """GET `path` from the REST API: (status, body); (0, b"") when nothing answers."""
+        import httpx
+
+        try:
+            with self.http(timeout=timeout) as c:
+                r = c.get(path)
+                return r.status_code, r.content
+        except httpx.HTTPError:
+            return 0, b""
+
+    def worker_metrics(self, timeout: float = 30) -> str:
+        """The worker's Prometheus text (/metrics on its metrics port or socket)."""
+        import httpx
+
+        transport = httpx.HTTPTransport(uds=self.sockets["worker-metrics"]) if self.sockets else None
+        base = "http://localhost" if self.sockets else f"http://127.0.0.1:{self.ports['metrics']}"
+        with httpx.Client(transport=transport, timeout=timeout) as c:
+            return c.get(base + "/metrics").text
+
     @property
     def grpc_addr(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
+        """The gateway's gRPC Generate address (host:port, or unix:PATH)."""
+        return f"unix:{self.sockets['generate']}" if self.sockets else f"127.0.0.1:{self.ports['grpc']}"
+
+    def address(self, service: str) -> str:
+        """The gRPC address of the stack's "tokenizer" or "worker" service (host:port, or unix:PATH)."""
+        return f"unix:{self.sockets[service]}" if self.sockets else f"127.0.0.1:{self.ports[service]}"
 
     def internal_channel(self, service: str):
         """A blocking gRPC channel to the stack's "tokenizer" or "worker" service, over its internal links' mutual
         TLS when it has them (a test then talks to it as the gateway does)."""
         from common.network import sync_channel
 
-        address = f"127.0.0.1:{self.ports[service]}"
-        return sync_channel(address, self.internal.internal_tls() if self.internal else None)
+        return sync_channel(self.address(service), self.internal.internal_tls() if self.internal else None)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -144,13 +258,9 @@ class Stack:
         while not self.healthy:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 return False
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2, context=self.ssl_context()) as resp:
-                    if resp.status == 200:
-                        self.healthy, self.startup_s = True, time.monotonic() - self.started
-                        break
-            except OSError:
-                pass
+            if self.health_status() == 200:
+                self.healthy, self.startup_s = True, time.monotonic() - self.started
+                break
             time.sleep(0.5)
         return True
 
@@ -166,6 +276,13 @@ class Stack:
 
     def health_status(self) -> int:
         """The gateway's /health status code (0 when it does not answer)."""
+        if self.sockets:
+            from common.uds import http_get
+
+            try:
+                return http_get(self.sockets["api"], "/health", timeout=2, context=self.ssl_context())[0]
+            except OSError:
+                return 0
         try:
             with urllib.request.urlopen(self.base_url + "/health", timeout=2, context=self.ssl_context()) as resp:
                 return resp.status
@@ -193,20 +310,36 @@ def _die_with_parent() -> None:
     die()
 
 
-def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str], env: dict | None = None) -> Stack:
-    """Launch `gemma-serve up` on free ports with `extra` flags (and `env` added to the environment); returns at
-    once (see Stack.wait_healthy)."""
+def socket_dir(log_path: pathlib.Path) -> pathlib.Path:
+    """A private folder for a stack's sockets beside its log (pytest's temporary folders are short enough for
+    `sun_path`)."""
+    d = log_path.parent / "uds"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def start_stack(cache_dir: pathlib.Path, log_path: pathlib.Path, extra: list[str], env: dict | None = None,
+                uds: bool = False) -> Stack:
+    """Launch `gemma-serve up` on free ports (or, with `uds`, on unix sockets in a folder beside `log_path`: `up
+    --uds`) with `extra` flags (and `env` added to the environment); returns at once (see Stack.wait_healthy)."""
+    from common.uds import socket_names
+
     http, grpc_port, tok, worker, metrics = free_ports(5)
     cmd = [
         sys.executable, "-m", "gemma_serve.cli", "up", "--cache-dir", str(cache_dir),
         "--http-port", str(http), "--gateway-grpc-port", str(grpc_port), "--tokenizer-port", str(tok),
         "--worker-port", str(worker), "--worker-metrics-port", str(metrics), *extra,
     ]
+    sockets = None
+    if uds:
+        folder = socket_dir(log_path)
+        cmd += ["--uds", str(folder)]
+        sockets = {name: str(folder / file) for name, file in socket_names().items()}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=_die_with_parent,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     ports = {"http": http, "grpc": grpc_port, "tokenizer": tok, "worker": worker, "metrics": metrics}
-    return Stack(proc, ports, log_path, time.monotonic())
+    return Stack(proc, ports, log_path, time.monotonic(), sockets=sockets)
 
 
 def _embedded(cache_dir, prepared, tmp, factory) -> Stack:
@@ -219,10 +352,27 @@ def _embedded(cache_dir, prepared, tmp, factory) -> Stack:
 
     s = start_stack(cache_dir, tmp("stack") / "stack.log",
                     ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64",
-                     "--tail-chunks", "--drain-timeout", "120", *pki(tmp).internal_flags()],
-                    env={FAULT_ENV: FAULT_SALT})
+                     "--tail-chunks", "--drain-timeout", "120", *pki(tmp).internal_flags(), *chip_flags()],
+                    env={FAULT_ENV: FAULT_SALT, **chip_env()}, uds=uses_uds("stack"))
     s.internal = pki(tmp)
     return s
+
+
+def chip_env() -> dict[str, str]:
+    """The environment that gives a stack's worker the accelerator in the device lane's e2e run
+    (`GEMMA_SERVE_ACCELERATOR`, set by scripts/device_check.sh: the JAX platforms of the chip, e.g. "tpu,cpu"),
+    where the test process and every other stack stay on the host's CPU (JAX_PLATFORMS=cpu): one process at a
+    time may hold the chip. Empty elsewhere."""
+    accelerator = os.environ.get("GEMMA_SERVE_ACCELERATOR")
+    return {"JAX_PLATFORMS": accelerator} if accelerator else {}
+
+
+def chip_flags() -> list[str]:
+    """The worker flags of the embedded stack on the chip: the CPU default's numerics (float32 activations, int8
+    block products, batch-invariant), which the chip runs as the kernel's pure-JAX twin, so that its e2e tests
+    check the same guarantees there (seeded repeats whatever the batch, speculation on == off, prefix hit ==
+    cold run). The chip's own default (bfloat16) is held to its bounds by the unit tests (README, "On a TPU")."""
+    return ["--dtype", "float32", "--matmul-precision", "int8"] if chip_env() else []
 
 
 def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:
@@ -242,7 +392,7 @@ def _gemma4(cache_dir, prepared, tmp, factory) -> Stack:
                      "--tail-chunks",
                      # exact weights: its tests compare served tokens with transformers' float32 choices and rely on
                      # what the random model writes (the embedded stack runs the default bfloat16 mode)
-                     "--matmul-precision", "float32", *pki(tmp).internal_flags()])
+                     "--matmul-precision", "float32", *pki(tmp).internal_flags()], uds=uses_uds("gemma4_stack"))
     s.reference, s.internal = model, pki(tmp)
     return s
 
@@ -253,16 +403,23 @@ def front_gateway(backend: Stack, cache_dir, tmp, name: str, extra: list[str], e
     instead) over mutual TLS with the test CA (no compilation of its own), with `extra` flags; returns at once
     (see Stack.wait_healthy)."""
     http, grpc_port = free_ports(2)
+    log_path = tmp(name) / "gateway.log"
     cmd = [sys.executable, "-m", "gemma_serve.cli", "gateway", "--cache-dir", str(cache_dir),
            "--http-port", str(http), "--gateway-grpc-port", str(grpc_port),
-           "--tokenizer-addr", f"127.0.0.1:{backend.ports['tokenizer']}",
-           *(f for addr in (workers or [f"127.0.0.1:{backend.ports['worker']}"]) for f in ("--worker-addr", addr)),
+           "--tokenizer-addr", backend.address("tokenizer"),
+           *(f for addr in (workers or [backend.address("worker")]) for f in ("--worker-addr", addr)),
            *pki(tmp).internal_flags(), *extra]
-    log_path = tmp(name) / "gateway.log"
+    sockets = None
+    if not tcp_available():  # its public side on sockets too (on a host with TCP it keeps its ports)
+        folder = socket_dir(log_path)
+        sockets = {**(backend.sockets or {}), "api": str(folder / "api.sock"),
+                   "generate": str(folder / "generate.sock")}
+        cmd += ["--uds", sockets["api"], "--grpc-uds", sockets["generate"]]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=_die_with_parent,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    return Stack(proc, {**backend.ports, "http": http, "grpc": grpc_port}, log_path, time.monotonic(), ca=ca)
+    return Stack(proc, {**backend.ports, "http": http, "grpc": grpc_port}, log_path, time.monotonic(), ca=ca,
+                 sockets=sockets)
 
 
 def _tensor_parallel(cache_dir, prepared, tmp, factory) -> Stack:
@@ -271,7 +428,7 @@ def _tensor_parallel(cache_dir, prepared, tmp, factory) -> Stack:
     stack's defaults, so its greedy answers can be compared with that stack's."""
     return start_stack(cache_dir, tmp("tp") / "stack.log",
                        ["--tensor-parallel", "2", "--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "1",
-                        "--prefill-chunks", "64", "--tail-chunks"])
+                        "--prefill-chunks", "64", "--tail-chunks"], uds=uses_uds("tp_stack"))
 
 
 def _fuzz(cache_dir, prepared, tmp, tmp_path_factory) -> Stack:

@@ -1,44 +1,48 @@
 """Access to the real processes: API keys on REST and gRPC `Generate` (the auth gateway, also serving TLS on its
-public ports with a throwaway CA), open `/health` and `/metrics`, internal ports on loopback only, mutual TLS on the
-internal links (the embedded stack runs with it), and refused unsafe network flags."""
+public ports with a throwaway CA), open `/health` and `/metrics`, internal ports on loopback only (or private unix
+sockets and no internet listener at all), mutual TLS on the internal links (the embedded stack runs with it), and
+refused unsafe network flags."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import socket
+import stat
 import subprocess
 import sys
 
 import anthropic
 import grpc
 import httpx
-import httpx2
 import openai
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.network import InternalTls
+from common.network import InternalTls, tls_options
 from protos import gateway_pb2, gateway_pb2_grpc
 from tests.e2e.stacks import API_KEYS, REPO, pki
+from tests.transport import needs_tcp
 
 pytestmark = pytest.mark.slow
 
 
 def _client(stack, key: str) -> openai.OpenAI:
-    http = httpx.Client(verify=stack.ssl_context())
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key=key, http_client=http, max_retries=0)
+    return stack.openai(api_key=key)
 
 
 def _generate(stack, metadata=()):
     creds = grpc.ssl_channel_credentials(root_certificates=stack.ca.read_bytes())
-    with grpc.secure_channel(stack.grpc_addr, creds) as channel:
+    with grpc.secure_channel(stack.grpc_addr, creds, options=tls_options(stack.grpc_addr)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         req = gateway_pb2.GenerateRequest(text="Hello", max_tokens=2)
         return list(stub.Generate(req, metadata=metadata, timeout=60))
 
 
 def test_rest_needs_a_valid_key(auth_stack):
-    with httpx.Client(verify=auth_stack.ssl_context()) as http:  # the openai client refuses to send no key
-        bare = http.post(auth_stack.base_url + "/v1/completions", json={"model": "x", "prompt": "Hello"})
+    with auth_stack.http() as http:  # the openai client refuses to send no key
+        bare = http.post("/v1/completions", json={"model": "x", "prompt": "Hello"})
     assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError) as err:
         _client(auth_stack, "wrong-key").completions.create(model="x", prompt="Hello", max_tokens=2)
@@ -72,13 +76,11 @@ def test_tenants_share_no_cached_prefix(auth_stack):
 
 def test_messages_api_takes_the_key_as_x_api_key(auth_stack):
     """Anthropic's clients send the key as `x-api-key`; a wrong one is a 401 in Anthropic's error shape."""
-    http = httpx2.Client(verify=auth_stack.ssl_context())  # the anthropic client's own httpx
     model = _client(auth_stack, API_KEYS["env"]).models.list().data[0].id
-    client = anthropic.Anthropic(base_url=auth_stack.base_url, api_key=API_KEYS["env"], http_client=http,
-                                 max_retries=0)
+    client = auth_stack.anthropic(api_key=API_KEYS["env"])
     out = client.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "Hello"}])
     assert out.usage.output_tokens == 2
-    wrong = anthropic.Anthropic(base_url=auth_stack.base_url, api_key="wrong-key", http_client=http, max_retries=0)
+    wrong = auth_stack.anthropic(api_key="wrong-key")
     with pytest.raises(anthropic.AuthenticationError) as err:
         wrong.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "Hello"}])
     assert err.value.body == {"type": "error", "error": {"type": "authentication_error",
@@ -86,15 +88,21 @@ def test_messages_api_takes_the_key_as_x_api_key(auth_stack):
 
 
 def test_health_and_metrics_need_no_key(auth_stack):
-    with httpx.Client(verify=auth_stack.ssl_context()) as http:
-        assert http.get(auth_stack.base_url + "/health").status_code == 200
-        metrics = http.get(auth_stack.base_url + "/metrics")
+    with auth_stack.http() as http:
+        assert http.get("/health").status_code == 200
+        metrics = http.get("/metrics")
         assert metrics.status_code == 200 and "gemma_serve:gateway_requests_total" in metrics.text
-        bare = http.post(auth_stack.base_url + "/v1/chat/completions", json={})  # refused before the body is read
+        bare = http.post("/v1/chat/completions", json={})  # refused before the body is read
         assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_plain_http_is_not_served_on_a_tls_port(auth_stack):
+    """Plain HTTP on the TLS port (or, over unix sockets, on the TLS socket) gets no answer."""
+    if auth_stack.sockets:
+        plain = httpx.HTTPTransport(uds=auth_stack.sockets["api"])
+        with httpx.Client(transport=plain, timeout=5) as http, pytest.raises(httpx.HTTPError):
+            http.get("http://localhost/health")
+        return
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{auth_stack.ports['http']}/health", timeout=5)
 
@@ -109,7 +117,8 @@ def test_grpc_generate_needs_a_valid_key(auth_stack):
 
 
 def _health(address: str, creds: grpc.ChannelCredentials | None):
-    channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+    channel = grpc.secure_channel(address, creds, options=tls_options(address)) if creds else \
+        grpc.insecure_channel(address)
     with channel:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
@@ -119,8 +128,8 @@ def test_internal_links_need_a_client_certificate(stack, tmp_path_factory):
     signed is served; a plain-text caller and a TLS caller without a client certificate are not."""
     p = pki(tmp_path_factory.mktemp)
     tls = InternalTls(p.cert.read_bytes(), p.key.read_bytes(), p.ca.read_bytes())
-    for port in (stack.ports["worker"], stack.ports["tokenizer"]):
-        address = f"127.0.0.1:{port}"
+    for service in ("worker", "tokenizer"):
+        address = stack.address(service)
         assert _health(address, tls.channel_credentials()) == health_pb2.HealthCheckResponse.SERVING
         for creds in (None, grpc.ssl_channel_credentials(root_certificates=tls.ca)):
             with pytest.raises(grpc.RpcError) as err:
@@ -140,6 +149,23 @@ def _outward_address() -> str | None:
 
 
 def test_internal_ports_listen_on_loopback_only(stack):
+    """Over TCP, the worker's, its metrics' and the tokenizer service's ports answer on loopback only; over unix
+    sockets, every socket is its owner's only (mode 0600, in a 0700 folder) and no process of the stack listens
+    on an internet socket at all."""
+    if stack.sockets:
+        for name, path in stack.sockets.items():
+            mode = os.stat(path).st_mode
+            assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600, (name, path, oct(mode))
+            folder = stat.S_IMODE(os.stat(pathlib.Path(path).parent).st_mode)
+            assert folder == 0o700, (name, path, oct(folder))
+        up = psutil.Process(stack.proc.pid)
+        processes = [up, *up.children(recursive=True)]
+        assert len(processes) >= 4, processes  # `up`, its gateway, tokenizer service and worker
+        listening = [(p.pid, p.name(), c.laddr) for p in processes for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert not listening, listening
+        return
+    needs_tcp()
     address = _outward_address()
     if address is None:
         pytest.skip("this machine has no non-loopback IPv4 address")

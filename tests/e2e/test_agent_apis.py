@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import anthropic
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -30,11 +29,11 @@ CHUNK = 64
 
 
 def _openai(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="none", max_retries=0)
+    return stack.openai(api_key="none")
 
 
 def _anthropic(stack) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=stack.base_url, api_key="none", max_retries=0)
+    return stack.anthropic(api_key="none")
 
 
 def _prompt(usage) -> int:
@@ -45,7 +44,8 @@ def _prompt(usage) -> int:
 
 
 def _model(stack) -> str:
-    return httpx.get(stack.base_url + "/v1/models").json()["data"][0]["id"]
+    with stack.http() as http:
+        return http.get("/v1/models").json()["data"][0]["id"]
 
 
 # ----------------------------------------------------------------------------------------------- Responses
@@ -180,9 +180,11 @@ def test_responses_input_tokens_and_left_out_tools(stack):
     model = _model(stack)
     body = {"model": model, "input": ASK, "instructions": "Answer briefly.",
             "tools": [RESPONSES_TOOL, {"type": "web_search"}, {"type": "custom", "name": "apply_patch"}]}
-    count = httpx.post(stack.base_url + "/v1/responses/input_tokens", json=body, timeout=60)
+    with stack.http(timeout=60) as http:
+        count = http.post("/v1/responses/input_tokens", json=body)
     assert count.status_code == 200, count.text
-    made = httpx.post(stack.base_url + "/v1/responses", json={**body, "max_output_tokens": 2}, timeout=120)
+    with stack.http(timeout=120) as http:
+        made = http.post("/v1/responses", json={**body, "max_output_tokens": 2})
     assert made.status_code == 200, made.text
     assert count.json() == {"object": "response.input_tokens", "input_tokens": made.json()["usage"]["input_tokens"]}
     assert "web_search" in made.headers["x-gemma-serve-warning"]
@@ -230,7 +232,7 @@ def test_messages_tool_round_trip_reuses_the_first_turn(stack):
 def test_messages_stream_joins_into_the_unary_answer(stack):
     client, model = _anthropic(stack), _model(stack)
     unary = _tool_message(client, model)
-    with httpx.stream("POST", stack.base_url + "/v1/messages", timeout=120, json={
+    with stack.http(timeout=120) as http, http.stream("POST", "/v1/messages", json={
             "model": model, "max_tokens": 48, "messages": [{"role": "user", "content": ASK}], "stream": True,
             "tools": [MESSAGES_TOOL], "temperature": 0,
             "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}) as r:
@@ -271,8 +273,8 @@ def test_messages_stop_sequence_and_errors(stack):
                                          messages=[{"role": "user", "content": "Count: 1 2 3"}],
                                          extra_body={"temperature": 0})
         assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
-    bare = httpx.post(stack.base_url + "/v1/messages", json={"model": model, "messages": [
-        {"role": "user", "content": "Hi"}]}, timeout=30)
+    with stack.http(timeout=30) as http:
+        bare = http.post("/v1/messages", json={"model": model, "messages": [{"role": "user", "content": "Hi"}]})
     assert bare.status_code == 400
     assert bare.json()["type"] == "error" and bare.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
@@ -313,7 +315,7 @@ def test_agents_sdk_calls_a_function_tool(stack, api):
         seen.append(city)
         return f"Sunny in {city}"
 
-    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="none", max_retries=0)
+    client = stack.async_openai(api_key="none")
     model_class = agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
     agent = agents.Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
                          model=model_class(model=_model(stack), openai_client=client),

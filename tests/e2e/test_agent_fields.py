@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -29,12 +28,12 @@ CITY = {"type": "function", "function": {"name": "capital", "description": "Give
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return stack.openai()
 
 
 @pytest.fixture(scope="module")
 def http(stack):
-    with httpx.Client(base_url=stack.base_url, timeout=120) as c:
+    with stack.http(timeout=120) as c:
         yield c
 
 
@@ -133,7 +132,7 @@ def test_gemma3_tool_choice_none_prompt_has_no_call_format(http):
 
 
 def test_with_api_keys_tokenize_needs_a_key(auth_stack):
-    with httpx.Client(base_url=auth_stack.base_url, verify=auth_stack.ssl_context(), timeout=60) as http:
+    with auth_stack.http(timeout=60) as http:
         for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [2]})):
             bare = http.post(path, json=body)
             assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
@@ -145,15 +144,15 @@ def test_with_api_keys_tokenize_needs_a_key(auth_stack):
 def test_generated_requests_never_fail_the_server(stack, operation):
     """schemathesis from the live OpenAPI document (valid, then invalid bodies): never a 5xx, every error
     OpenAI-shaped, every answer in the documented shape, and some valid bodies answered."""
-    import requests
-    import schemathesis
     from schemathesis import GenerationMode
 
-    schema = schemathesis.openapi.from_url(stack.base_url + "/openapi.json")
+    from tests.e2e.test_fuzz_api import openapi_schema, requests_session
+
+    schema = openapi_schema(stack)
     schema.config.generation.update(deterministic=True)
     ops = {f"{op.method.upper()} {op.path}": op for op in (r.ok() for r in schema.get_all_operations())}
     answered = []
-    with requests.Session() as session:
+    with requests_session(stack) as session:
         for mode, examples in ((GenerationMode.POSITIVE, 15), (GenerationMode.NEGATIVE, 10)):
 
             @settings(max_examples=examples, deadline=None, derandomize=True, database=None,

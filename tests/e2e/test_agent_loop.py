@@ -4,7 +4,6 @@ by two conversations is reused."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -14,7 +13,7 @@ SYSTEM = ("You are a careful agent. You read tool results, decide on the next st
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return stack.openai()
 
 
 def chat(client, messages, max_tokens=12, stream=False):

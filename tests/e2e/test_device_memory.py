@@ -6,7 +6,6 @@ the whole model's."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from protos import model_worker_pb2, model_worker_pb2_grpc
@@ -15,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_info_reports_each_devices_share_and_the_log_has_a_line_per_device(tp_stack):
-    with grpc.insecure_channel(f"127.0.0.1:{tp_stack.ports['worker']}") as channel:
+    with tp_stack.internal_channel("worker") as channel:
         info = model_worker_pb2_grpc.ModelWorkerStub(channel).Info(model_worker_pb2.WorkerInfoRequest(), timeout=30)
     devices = info.device_memory
     assert [(d.device_id, d.device_kind) for d in devices] == [(0, "cpu"), (1, "cpu")]

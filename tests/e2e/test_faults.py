@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 
-import httpx
 import pytest
 
 from tests.e2e.stacks import FAULT_SALT, Stack
@@ -32,7 +31,8 @@ def fault_stack(stack):
 
 @pytest.fixture(scope="module")
 def model(fault_stack) -> str:
-    return httpx.get(fault_stack.base_url + "/v1/models").json()["data"][0]["id"]
+    with fault_stack.http() as http:
+        return http.get("/v1/models").json()["data"][0]["id"]
 
 
 def _served_again(stack: Stack, model: str) -> float:
@@ -42,16 +42,16 @@ def _served_again(stack: Stack, model: str) -> float:
         assert stack.proc.poll() is None, f"gemma-serve up exited:\n{stack.log()[-3000:]}"
         assert time.monotonic() - t0 < RECOVERY_S, f"not serving again:\n{stack.log()[-3000:]}"
         time.sleep(0.25)
-    r = httpx.post(stack.base_url + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2},
-                   timeout=60)
+    with stack.http(timeout=60) as http:
+        r = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200, r.text
     return time.monotonic() - t0
 
 
 def _stream_events(stack: Stack, model: str, body: dict, first: threading.Event, out: list):
     """Run a streamed completion; append (monotonic time, event) for each SSE data line."""
-    with httpx.stream("POST", stack.base_url + "/v1/completions", json={**body, "model": model, "stream": True},
-                      timeout=120) as r:
+    with stack.http(timeout=120) as http, \
+            http.stream("POST", "/v1/completions", json={**body, "model": model, "stream": True}) as r:
         out.append((time.monotonic(), r.status_code))
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -60,7 +60,8 @@ def _stream_events(stack: Stack, model: str, body: dict, first: threading.Event,
 
 
 def _unary(stack: Stack, model: str, body: dict, out: list):
-    r = httpx.post(stack.base_url + "/v1/completions", json={**body, "model": model}, timeout=120)
+    with stack.http(timeout=120) as http:
+        r = http.post("/v1/completions", json={**body, "model": model})
     out.append((time.monotonic(), r.status_code, r.json()))
 
 
@@ -94,16 +95,18 @@ def test_kill_9_the_worker_mid_stream(fault_stack, model):
 def test_kill_9_the_tokenizer(fault_stack, model):
     os.kill(fault_stack.service_pid("tokenizer"), signal.SIGKILL)
     t0 = time.monotonic()
-    r = httpx.post(fault_stack.base_url + "/v1/chat/completions", timeout=60,
-                   json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    with fault_stack.http(timeout=60) as http:
+        r = http.post("/v1/chat/completions",
+                      json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable", r.text
     print(f"after kill -9 of the tokenizer: 503 in {time.monotonic() - t0:.2f} s")
     print(f"serving again {_served_again(fault_stack, model):.1f} s later")
 
 
 def test_a_fault_inside_a_step_restarts_the_worker(fault_stack, model):
-    r = httpx.post(fault_stack.base_url + "/v1/completions", timeout=60,
-                   json={"model": model, "prompt": "Hi", "max_tokens": 2, "cache_salt": FAULT_SALT})
+    with fault_stack.http(timeout=60) as http:
+        r = http.post("/v1/completions",
+                      json={"model": model, "prompt": "Hi", "max_tokens": 2, "cache_salt": FAULT_SALT})
     assert r.status_code == 503 and "restarting" in r.json()["error"]["message"], r.text
     print(f"serving again {_served_again(fault_stack, model):.1f} s after a failed step")
     assert "worker exited (code 3); restarting it" in fault_stack.log()
@@ -123,12 +126,13 @@ def test_sigterm_lets_running_generations_finish(fault_stack, model):
     fault_stack.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 30  # `up` notices the signal on its next poll: wait for the drain, not a fixed time
     while time.monotonic() < deadline:
-        if httpx.get(fault_stack.base_url + "/health", timeout=10).json().get("status") == "draining":
-            break
+        with fault_stack.http(timeout=10) as http:
+            if http.get("/health").json().get("status") == "draining":
+                break
         time.sleep(0.05)
     assert not any(out and out[-1][1] == "[DONE]" for out in outs), "a stream ended before the drain began"
-    late = httpx.post(fault_stack.base_url + "/v1/completions", timeout=30,
-                      json={"model": model, "prompt": "Hi", "max_tokens": 2})
+    with fault_stack.http(timeout=30) as http:
+        late = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2})
     assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
     for t in threads:
         t.join(120)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import collections
 import json
+import socket
 
 import pytest
 import requests
 import schemathesis
+import urllib3
 from hypothesis import HealthCheck, given, settings
+from requests.adapters import HTTPAdapter
 from schemathesis import GenerationMode
 
 pytestmark = pytest.mark.slow
@@ -27,9 +30,70 @@ REASONS: dict[str, collections.Counter] = collections.defaultdict(collections.Co
 PER_OP: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
 
 
+class _UnixConnection(urllib3.connection.HTTPConnection):
+    """urllib3's HTTP connection over a unix socket."""
+
+    def __init__(self, path: str, **kwargs):
+        super().__init__("localhost", **kwargs)
+        self.socket_path = path
+
+    def _new_conn(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if isinstance(self.timeout, (int, float)):
+            sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+
+class _UnixPool(urllib3.HTTPConnectionPool):
+    def __init__(self, path: str):
+        super().__init__("localhost")
+        self.socket_path = path
+
+    def _new_conn(self) -> _UnixConnection:
+        self.num_connections += 1
+        return _UnixConnection(self.socket_path, timeout=self.timeout.connect_timeout)
+
+
+class _UnixAdapter(HTTPAdapter):
+    """A requests transport adapter that sends every request to the HTTP server on one unix socket."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.pool = _UnixPool(path)
+
+    def get_connection_with_tls_context(self, request, verify, proxies=None, cert=None):
+        return self.pool
+
+    def close(self) -> None:
+        self.pool.close()
+        super().close()
+
+
+def requests_session(stack) -> requests.Session:
+    """A `requests` session that reaches the stack's (plain-HTTP) REST API at `stack.base_url`: over its unix
+    socket when it serves on one (schemathesis sends its cases with requests)."""
+    session = requests.Session()
+    if stack.sockets:
+        session.mount(stack.base_url, _UnixAdapter(stack.sockets["api"]))
+    return session
+
+
+def openapi_schema(stack):
+    """schemathesis's view of the stack's live OpenAPI document."""
+    with stack.http(timeout=60) as http:
+        r = http.get("/openapi.json")
+    assert r.status_code == 200, r.text
+    return schemathesis.openapi.from_dict(r.json())
+
+
 @pytest.fixture(scope="module")
 def operations(fuzz_stack):
-    schema = schemathesis.openapi.from_url(fuzz_stack.base_url + "/openapi.json")
+    schema = openapi_schema(fuzz_stack)
     schema.config.generation.update(deterministic=True)
     ops = [result.ok() for result in schema.get_all_operations()]
     return {f"{op.method.upper()} {op.path}": op for op in ops}
@@ -78,7 +142,7 @@ def test_generated_requests_never_fail_the_server(fuzz_stack, operations, operat
     op = operations[operation]
     if mode == GenerationMode.NEGATIVE and op.method.upper() == "GET":
         pytest.skip("an operation without parameters has no invalid request")
-    with requests.Session() as session:
+    with requests_session(fuzz_stack) as session:
 
         @settings(max_examples=EXAMPLES[mode], deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import grpc
 import numpy as np
-import openai
 import pytest
 
 from protos import gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
@@ -46,7 +45,7 @@ def test_chat_tokens_are_the_reference_greedy_choice(gemma4_stack):
 
 def test_openai_chat_and_models(gemma4_stack):
     stack, _ = gemma4_stack
-    client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = stack.openai(timeout=120)
     model_id = client.models.list().data[0].id
     assert model_id.startswith("gemma-4-tiny")
     r = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=10, temperature=0)

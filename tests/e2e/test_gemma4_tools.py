@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -39,7 +37,7 @@ MESSAGES = [{"role": "user", "content": "What's the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def client(gemma4_stack):
     stack, _ = gemma4_stack
-    c = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    c = stack.openai()
     return c, c.models.list().data[0].id
 
 
@@ -185,11 +183,12 @@ def test_thinking_answer_under_a_schema_may_think_first(client):
 ])
 def test_bad_tool_requests_are_400s(gemma4_stack, body, param):
     stack, _ = gemma4_stack
-    r = httpx.post(stack.base_url + "/v1/chat/completions", timeout=60,
-                   json={"messages": MESSAGES, "max_tokens": 5, **body})
+    with stack.http(timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
-    assert httpx.get(stack.base_url + "/health", timeout=10).status_code == 200
+    with stack.http(timeout=10) as http:
+        assert http.get("/health").status_code == 200
 
 
 def test_grpc_generate_tool_calls_match_rest(gemma4_stack, client):

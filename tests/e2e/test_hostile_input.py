@@ -25,7 +25,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def http(fuzz_stack):
-    with httpx.Client(base_url=fuzz_stack.base_url, timeout=300) as client:
+    with fuzz_stack.http(timeout=300) as client:
         yield client
 
 
@@ -49,13 +49,13 @@ class HealthWatch:
     seconds, `count` the answers seen. Entering waits for the first answer, so the poller is running (its
     connection open) before the block's work starts."""
 
-    def __init__(self, base_url: str):
-        self.base_url, self.worst, self.count = base_url, 0.0, 0
+    def __init__(self, stack):
+        self.stack, self.worst, self.count = stack, 0.0, 0
         self._stop = threading.Event()
 
     def __enter__(self):
         def poll():
-            with httpx.Client(base_url=self.base_url, timeout=30) as c:
+            with self.stack.http(timeout=30) as c:
                 while not self._stop.is_set():
                     t0 = time.monotonic()
                     assert c.get("/health").status_code == 200
@@ -103,7 +103,7 @@ def test_catastrophic_regex_in_every_place_is_linear_and_the_loop_stays_responsi
         r = http.post("/v1/chat/completions", json={"messages": sent_back, "tools": [tool], "max_tokens": 2})
         assert r.status_code == 200, r.text
 
-    with HealthWatch(fuzz_stack.base_url) as watch:
+    with HealthWatch(fuzz_stack) as watch:
         start = watch.count
         for _ in range(50):  # a fast stack answers all three before the poller's next probe: repeat them meanwhile
             hostile_round()
@@ -117,7 +117,7 @@ def test_thousands_of_patterns_are_bounded_and_never_a_500(fuzz_stack, http):
     branches = [{"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}x{i}$"}},
                  "required": [f"p{i}"], "additionalProperties": False} for i in range(2500)]
     body = _chat(response_format={"type": "json_schema", "json_schema": {"name": "many", "schema": {"anyOf": branches}}})
-    with HealthWatch(fuzz_stack.base_url) as watch:
+    with HealthWatch(fuzz_stack) as watch:
         r = http.post("/v1/chat/completions", json=body)
     assert r.status_code in (200, 400), r.text
     if r.status_code == 400:
@@ -189,7 +189,7 @@ def test_messages_api_lowers_max_tokens_and_relaxes_odd_tools(fuzz_stack, http):
         # watch, whichever runs first)
         "url": {"type": "string", "format": "uri"}, "a": {"type": "string", "pattern": "^(b+)+$"},
         "meta": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}}}}]
-    with HealthWatch(fuzz_stack.base_url) as watch:
+    with HealthWatch(fuzz_stack) as watch:
         r = http.post("/v1/messages", json={"max_tokens": 32000, "messages": [{"role": "user", "content": "x"}],
                                             "tools": tools, "tool_choice": {"type": "any"}})
     assert r.status_code == 200, r.text
@@ -223,7 +223,7 @@ def test_malformed_http_is_openai_shaped(http):
 
 
 def test_huge_prompts_are_refused_before_tokenizing(fuzz_stack, http):
-    with HealthWatch(fuzz_stack.base_url) as watch:
+    with HealthWatch(fuzz_stack) as watch:
         err = _error(http.post("/v1/completions", json={"prompt": "word " * 1_000_000}), 413)  # 5 MB
         assert err["code"] == "request_too_large"
         err = _error(http.post("/v1/completions", json={"prompt": "word " * 200_000}), 400)  # 1 MB
@@ -303,7 +303,7 @@ def test_concurrent_hostile_requests_leave_the_service_serving(fuzz_stack, http)
 
     def send(body):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        with httpx.Client(base_url=fuzz_stack.base_url, timeout=300) as c:
+        with fuzz_stack.http(timeout=300) as c:
             return c.post(path, content=json.dumps(body), headers={"content-type": "application/json"}).status_code
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -15,7 +14,7 @@ GREEDY = {"temperature": 0.0}
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return stack.openai()
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +28,8 @@ CLEAR_GAP = 0.5
 
 def test_models_and_health(stack, client, model_id):
     assert model_id == "gemma-3-270m"
-    assert httpx.get(stack.base_url + "/health").json()["status"] == "ok"
+    with stack.http() as http:
+        assert http.get("/health").json()["status"] == "ok"
 
 
 def test_completion_is_the_model_greedy_continuation(client, model_id, text_tokenizer, hf_gemma3):
@@ -155,7 +155,8 @@ def test_over_long_prompt_is_a_400_with_the_numbers(client, model_id):
 
 @pytest.mark.parametrize("max_tokens", [0, -3, 1.5, "7"])
 def test_bad_max_tokens_is_a_400(stack, max_tokens):
-    r = httpx.post(stack.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens})
+    with stack.http() as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and "max_tokens" in err["message"]
@@ -165,12 +166,14 @@ def test_bad_requests_keep_the_service_running(stack, client, model_id):
     for body in [{"prompt": "hi", "temperature": 5}, {"messages": []}, {"prompt": "hi", "stop": ["a"] * 5},
                  {"prompt": "hi", "model": "gpt-4"}, {"prompt": [MAX_MODEL_LEN * 1000]}]:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        r = httpx.post(stack.base_url + path, json=body)
+        with stack.http() as http:
+            r = http.post(path, json=body)
         assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
         assert "error" in r.json()
-    r = httpx.post(stack.base_url + "/v1/chat/completions",
-                   json={"messages": [{"role": "assistant", "content": "hi"}]})
+    with stack.http() as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "hi"}]})
     assert r.status_code == 400 and "alternate" in r.json()["error"]["message"]
-    r = httpx.post(stack.base_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    with stack.http() as http:
+        r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
     assert client.completions.create(model=model_id, prompt="Still alive?", max_tokens=2).usage.completion_tokens == 2

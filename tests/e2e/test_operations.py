@@ -6,16 +6,15 @@ from __future__ import annotations
 import time
 
 import httpx
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Prometheus text -> {name{labels}: value}."""
+def scrape(read) -> dict[str, float]:
+    """Prometheus text (what `read()` returns) -> {name{labels}: value}."""
     out = {}
-    for line in httpx.get(url, timeout=10).text.splitlines():
+    for line in read().splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
@@ -27,17 +26,23 @@ def metric(values: dict[str, float], prefix: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def urls(stack):
-    return stack.base_url + "/metrics", f"http://127.0.0.1:{stack.ports['metrics']}/metrics"
+def readers(stack):
+    """Readers of the gateway's and the worker's Prometheus text."""
+
+    def gateway() -> str:
+        with stack.http(timeout=10) as http:
+            return http.get("/metrics").text
+
+    return gateway, lambda: stack.worker_metrics(timeout=10)
 
 
-def test_metrics_move_after_requests(stack, urls):
-    gw0, wk0 = scrape(urls[0]), scrape(urls[1])
-    client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+def test_metrics_move_after_requests(stack, readers):
+    gw0, wk0 = scrape(readers[0]), scrape(readers[1])
+    client = stack.openai()
     prompt = "Metrics check: the quick brown fox jumps over the lazy dog."
     for _ in range(2):
         client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=4, temperature=0)
-    gw1, wk1 = scrape(urls[0]), scrape(urls[1])
+    gw1, wk1 = scrape(readers[0]), scrape(readers[1])
     assert metric(gw1, "gemma_serve:gateway_time_to_first_token_seconds_count") - \
         metric(gw0, "gemma_serve:gateway_time_to_first_token_seconds_count") == 2
     assert metric(gw1, 'gemma_serve:gateway_requests_total{path="/v1/completions",status="200"}') - \
@@ -52,26 +57,25 @@ def test_metrics_move_after_requests(stack, urls):
     assert wk1["gemma_serve:num_requests_running"] == 0
 
 
-def test_client_disconnect_frees_the_slot(stack, urls):
-    with httpx.stream("POST", stack.base_url + "/v1/completions", timeout=300,
-                      json={"prompt": "Write a very long story about the sea.", "max_tokens": 500,
-                            "temperature": 0, "stream": True, "ignore_eos": True}) as response:
+def test_client_disconnect_frees_the_slot(stack, readers):
+    with stack.http(timeout=300) as http, http.stream(
+            "POST", "/v1/completions", json={"prompt": "Write a very long story about the sea.", "max_tokens": 500,
+                                             "temperature": 0, "stream": True, "ignore_eos": True}) as response:
         lines = response.iter_lines()
         chunks = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in chunks)
-        assert scrape(urls[1])["gemma_serve:num_requests_running"] == 1
+        assert scrape(readers[1])["gemma_serve:num_requests_running"] == 1
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and scrape(urls[1])["gemma_serve:num_requests_running"] != 0:
+    while time.monotonic() < deadline and scrape(readers[1])["gemma_serve:num_requests_running"] != 0:
         time.sleep(0.1)
-    assert scrape(urls[1])["gemma_serve:num_requests_running"] == 0, "the disconnected request still holds a slot"
+    assert scrape(readers[1])["gemma_serve:num_requests_running"] == 0, "the disconnected request still holds a slot"
 
 
-def test_non_streamed_disconnect_aborts_too(stack, urls):
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(stack.base_url + "/v1/completions", timeout=1.0,
-                   json={"prompt": "Another long story.", "max_tokens": 500, "temperature": 0,
-                         "ignore_eos": True})
+def test_non_streamed_disconnect_aborts_too(stack, readers):
+    with pytest.raises(httpx.ReadTimeout), stack.http(timeout=1.0) as http:
+        http.post("/v1/completions", json={"prompt": "Another long story.", "max_tokens": 500, "temperature": 0,
+                                           "ignore_eos": True})
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and scrape(urls[1])["gemma_serve:num_requests_running"] != 0:
+    while time.monotonic() < deadline and scrape(readers[1])["gemma_serve:num_requests_running"] != 0:
         time.sleep(0.1)
-    assert scrape(urls[1])["gemma_serve:num_requests_running"] == 0
+    assert scrape(readers[1])["gemma_serve:num_requests_running"] == 0

@@ -27,7 +27,6 @@ import json
 import pathlib
 import uuid
 
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -133,7 +132,7 @@ def check_text_cut_by_length_and_stop(client, chunk, max_tokens, with_stop=True,
 
 @pytest.fixture(scope="module")
 def gemma3(stack):
-    c = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    c = stack.openai()
     c.model = c.models.list().data[0].id
     return c, chunk_of(stack)
 
@@ -170,7 +169,7 @@ def test_gemma3_text_cut_by_length(gemma3):
 @pytest.fixture(scope="module")
 def gemma4(gemma4_stack):
     stack, _ = gemma4_stack
-    c = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    c = stack.openai()
     c.model = c.models.list().data[0].id
     return c, chunk_of(stack)
 

@@ -4,7 +4,6 @@ logprobs and top logprobs, n > 1, logit bias, presence/frequency penalties, allo
 from __future__ import annotations
 
 import numpy as np
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -22,7 +21,7 @@ LOGPROB_TOL = 0.25
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return stack.openai()
 
 
 def ref_logprobs(hf_gemma3, ids: list[int]) -> np.ndarray:

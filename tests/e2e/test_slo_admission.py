@@ -17,9 +17,10 @@ TARGET_MS = 1500
 
 def _ask(stack, i: int) -> tuple[int, float, httpx.Response]:
     started = time.monotonic()
-    r = httpx.post(stack.base_url + "/v1/chat/completions", timeout=300, headers={"x-slo-ttft-ms": str(TARGET_MS)},
-                   json={"messages": [{"role": "user", "content": f"Burst request {i}: count to one hundred."}],
-                         "max_tokens": 160, "temperature": 0, "ignore_eos": True})
+    with stack.http(timeout=300) as http:
+        r = http.post("/v1/chat/completions", headers={"x-slo-ttft-ms": str(TARGET_MS)},
+                      json={"messages": [{"role": "user", "content": f"Burst request {i}: count to one hundred."}],
+                            "max_tokens": 160, "temperature": 0, "ignore_eos": True})
     return r.status_code, time.monotonic() - started, r
 
 
@@ -35,7 +36,7 @@ def test_a_burst_beyond_capacity_is_refused_early_not_served_late(stack):
         assert r.json()["error"]["code"] == "slo_unreachable", r.text
         assert int(r.headers["retry-after"]) >= 1
         assert elapsed < TARGET_MS / 1000 + 1.5, elapsed  # refused once the target was out of reach, not later
-    metrics = httpx.get(f"http://127.0.0.1:{stack.ports['metrics']}/metrics").text
+    metrics = stack.worker_metrics()
     counted = re.search(r'gemma_serve:slo_refusals_total\{reason="ttft_unreachable"\} ([0-9.]+)', metrics)
     assert counted and float(counted.group(1)) >= len(refused), metrics[:200]
     attained = re.findall(r'gemma_serve:slo_requests_total\{met="(true|false)",target="ttft"\} ([0-9.]+)', metrics)
@@ -46,6 +47,7 @@ def test_a_burst_beyond_capacity_is_refused_early_not_served_late(stack):
 
 
 def test_a_malformed_target_is_a_400_naming_the_header(stack):
-    r = httpx.post(stack.base_url + "/v1/chat/completions", headers={"x-slo-tpot-ms": "-5"},
-                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+    with stack.http() as http:
+        r = http.post("/v1/chat/completions", headers={"x-slo-tpot-ms": "-5"},
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-slo-tpot-ms", r.text

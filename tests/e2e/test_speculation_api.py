@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 
 import openai
 import pytest
@@ -22,12 +21,12 @@ MESSAGES = [{"role": "user", "content": "Copy this code exactly:\n\n" + TEXT}]
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return stack.openai()
 
 
 def accepted_drafts(stack) -> float:
     """The worker's `gemma_serve:spec_decode_num_accepted_tokens` now."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{stack.ports['metrics']}/metrics", timeout=30).read().decode()
+    body = stack.worker_metrics(timeout=30)
     match = re.search(r"^gemma_serve:spec_decode_num_accepted_tokens_total (\S+)$", body, re.MULTILINE)
     assert match, "the worker exports the accepted draft tokens"
     return float(match.group(1))
@@ -66,8 +65,10 @@ def test_a_wrong_prediction_and_seeded_sampling_change_nothing(client, stack):
     assert text == plain
     details = chunks[-1].usage.completion_tokens_details
     body = json.dumps({"model": MODEL, "prompt": TEXT[:30] + " unrelated words " * 4, "add_special_tokens": False})
-    request = urllib.request.Request(stack.base_url + "/tokenize", body.encode(), {"Content-Type": "application/json"})
-    tokens = json.loads(urllib.request.urlopen(request, timeout=60).read())["count"]
+    with stack.http(timeout=60) as http:
+        r = http.post("/tokenize", content=body.encode(), headers={"Content-Type": "application/json"})
+    r.raise_for_status()
+    tokens = r.json()["count"]
     assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == tokens
 
 

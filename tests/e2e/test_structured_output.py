@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import jsonschema
-import openai
 import pytest
 
 from tests.gateway.constraint_schemas import CORPUS
@@ -38,7 +36,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return stack.openai()
 
 
 def schemas():
@@ -87,9 +85,10 @@ def test_json_object_and_stream_equals_non_stream(client):
     ({"type": "strin"}, None),
 ])
 def test_unenforceable_or_malformed_schema_is_a_400(stack, schema, keyword):
-    r = httpx.post(stack.base_url + "/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    with stack.http(timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "response_format"
@@ -121,11 +120,12 @@ def test_grpc_generate_response_format(stack):
 
 def test_ignore_eos_still_ends_after_the_value(stack):
     """A complete value allows only stop ids; they end the sequence even with ignore_eos (no hang)."""
-    r = httpx.post(stack.base_url + "/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 80, "temperature": 0,
-        "ignore_eos": True, "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {
-            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-            "additionalProperties": False}}}})
+    with stack.http(timeout=120) as http:
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 80, "temperature": 0,
+            "ignore_eos": True, "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {
+                "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                "additionalProperties": False}}}})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and json.loads(choice["message"]["content"]) in ({"ok": True},

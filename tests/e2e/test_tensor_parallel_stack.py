@@ -10,7 +10,6 @@ one KV head)."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -21,10 +20,11 @@ PROMPTS = ["Name three primary colours.", "Write a haiku about the sea.", "What 
 TIE = 0.25  # logprob gap within which int8's and bfloat16's differences from float32 may pick either token
 
 
-def _chat(base: str, content: str, max_tokens: int = 12) -> dict:
-    r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
-        "model": "gemma-3-270m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-        "temperature": 0, "logprobs": True, "top_logprobs": 5})
+def _chat(stack, content: str, max_tokens: int = 12) -> dict:
+    with stack.http(timeout=300) as http:
+        r = http.post("/v1/chat/completions", json={
+            "model": "gemma-3-270m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "logprobs": True, "top_logprobs": 5})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -35,8 +35,8 @@ def _tokens(answer: dict) -> list[dict]:
 
 def test_a_two_device_stack_answers_like_the_single_device_one_and_reuses_prefixes(tp_stack, stack):
     for prompt in PROMPTS:
-        split = _chat(tp_stack.base_url, prompt)
-        whole = _chat(stack.base_url, prompt)
+        split = _chat(tp_stack, prompt)
+        whole = _chat(stack, prompt)
         a, b = _tokens(split), _tokens(whole)
         same = [x["token"] == y["token"] for x, y in zip(a, b)]
         if all(same):
@@ -46,7 +46,7 @@ def test_a_two_device_stack_answers_like_the_single_device_one_and_reuses_prefix
         at = same.index(False)  # the first token where they part: a near tie in the single-device logits
         best = {t["token"]: t["logprob"] for t in b[at]["top_logprobs"]}
         assert a[at]["token"] in best and max(best.values()) - best[a[at]["token"]] < TIE, (prompt, at, a[at], b[at])
-    again = _chat(tp_stack.base_url, PROMPTS[-1])  # the same conversation: its KV is still in the slot
+    again = _chat(tp_stack, PROMPTS[-1])  # the same conversation: its KV is still in the slot
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 1
     assert again["choices"][0]["message"]["content"] == split["choices"][0]["message"]["content"]
     log = tp_stack.log()

@@ -8,7 +8,6 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -24,7 +23,7 @@ MESSAGES = [{"role": "user", "content": "What does 'chat' mean in French?"}]
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return stack.openai()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -129,10 +128,9 @@ def test_auto_call_after_text_is_parsed_mid_answer(client):
 def test_budget_aware_ending_gives_complete_calls(client, stack):
     """The base model writes one call after another under `required`; with max_tokens 80 the answer ends after
     the last call that fits (finish_reason tool_calls, every call complete), and the ending is counted."""
-    import httpx
-
     def endings() -> float:
-        text = httpx.get(stack.base_url + "/metrics", timeout=10).text
+        with stack.http(timeout=10) as http:
+            text = http.get("/metrics").text
         return sum(float(line.split()[-1]) for line in text.splitlines()
                    if line.startswith('gemma_serve:gateway_budget_endings_total{kind="tool_calls"}'))
 

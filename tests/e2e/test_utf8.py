@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -18,7 +17,7 @@ RARE = "𓀀𓀁"  # no token of its own: the model writes it in byte-fallback t
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return stack.openai()
 
 
 @pytest.fixture(scope="module")

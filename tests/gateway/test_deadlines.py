@@ -12,7 +12,7 @@ from gateway.clients import Backends, ModelFacts, Timeouts
 from gateway.errors import ApiError
 from gateway.generate import GenParams, generate
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
-from tests.e2e.stacks import free_ports
+from tests.transport import grpc_listen
 
 
 class _StalledTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -38,17 +38,15 @@ class _StalledWorker(model_worker_pb2_grpc.ModelWorkerServicer):
 
 
 async def _serve():
-    tok_port, worker_port = free_ports(2)
     server = grpc.aio.server()
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(_StalledTokenizer(), server)
-    server.add_insecure_port(f"127.0.0.1:{tok_port}")
+    tokenizer_addr = grpc_listen(server, name="tokenizer")  # a loopback port, or a unix socket without TCP
     server2 = grpc.aio.server()
     model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(_StalledWorker(), server2)
-    server2.add_insecure_port(f"127.0.0.1:{worker_port}")
+    worker_addr = grpc_listen(server2, name="worker")
     await server.start()
     await server2.start()
-    backends = Backends(f"127.0.0.1:{tok_port}", f"127.0.0.1:{worker_port}",
-                        timeouts=Timeouts(tokenizer=0.5, worker=0.5))
+    backends = Backends(tokenizer_addr, worker_addr, timeouts=Timeouts(tokenizer=0.5, worker=0.5))
     backends.facts = ModelFacts(name="m", max_model_len=100, vocab_size=10, token_bytes=[b"a"] * 10,
                                 special_ids=set(), bos_id=2, stop_ids=[1], architecture="gemma3")
     return backends, (server, server2)

@@ -22,6 +22,7 @@ from protos import tokenizer_pb2
 from tokenizer_svc.chat_template import tokenizer_part
 from tokenizer_svc.main import choose_template, load_tokenizer, run
 from tokenizer_svc.service import TokenizerServicer
+from tests.transport import socket_folder, tcp_available
 
 pytestmark = pytest.mark.slow
 DATA = pathlib.Path(__file__).parent / "data"
@@ -80,8 +81,9 @@ def test_an_unknown_model_type_fails_to_load_naming_the_supported_ones(gemma4_to
         load_tokenizer(str(ckpt), tmp_path / "cache")
     for name in ("'llama'", "LlamaForCausalLM", "gemma3_text", "gemma4_text"):
         assert name in str(err.value)
+    listen = ["--tokenizer-port", "0"] if tcp_available() else ["--uds", str(socket_folder() / "tok.sock")]
     args = build_parser().parse_args(["tokenizer", "--model", str(ckpt), "--cache-dir", str(tmp_path / "cache"),
-                                      "--tokenizer-port", "0"])
+                                      *listen])
     with caplog.at_level(logging.ERROR, logger="gemma_serve.tokenizer"):
         assert run(args) == 1
     assert str(err.value) in caplog.text
