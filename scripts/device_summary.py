@@ -16,9 +16,13 @@ LANES = ("chip", "host", "e2e")  # their order in the table; a chip lane in part
 
 
 def lane_results(path: pathlib.Path) -> dict[str, list]:
-    """{"passed", "failed", "error", "skipped": [(test id, message)]} of one junit XML file."""
-    out: dict[str, list] = {"passed": [], "failed": [], "error": [], "skipped": []}
+    """{"passed", "failed", "error", "skipped": [(test id, message)], "interrupted": one entry when the run was
+    cut short} of one junit XML file."""
+    out: dict[str, list] = {"passed": [], "failed": [], "error": [], "skipped": [], "interrupted": []}
     for case in ET.parse(path).getroot().iter("testcase"):
+        if not case.get("name"):  # the entry pytest writes for a run interrupted (SIGINT at LANE_TIMEOUT)
+            out["interrupted"].append(("", []))
+            continue
         test = f"{case.get('classname', '')}::{case.get('name', '')}"
         for kind, tag in (("failed", "failure"), ("error", "error"), ("skipped", "skipped")):
             node = case.find(tag)
@@ -47,7 +51,8 @@ def summary(folder: pathlib.Path) -> str:
             continue
         counts = {k: len(v) for k, v in r.items()}
         totals.update(counts)
-        lines.append(f"| {lane} | {counts['passed']} | {counts['failed']} | {counts['error']} | {counts['skipped']} |")
+        name = f"{lane} (interrupted: not every test ran)" if counts["interrupted"] else lane
+        lines.append(f"| {name} | {counts['passed']} | {counts['failed']} | {counts['error']} | {counts['skipped']} |")
     lines.append(f"| all | {totals['passed']} | {totals['failed']} | {totals['error']} | {totals['skipped']} |")
     reasons = collections.Counter(
         (lane, msg[0] if msg else "") for lane, r in results.items() for _, msg in r["skipped"])
