@@ -115,6 +115,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "none elsewhere)",
     )
     p.add_argument(
+        "--compile-threads", type=_positive_int, default=None,
+        help="programs the worker compiles (or loads from its executable cache) at once at start-up (default: one "
+        "per core, at most 16; env GEMMA_SERVE_COMPILE_THREADS)",
+    )
+    p.add_argument(
         "--prefill-token-budget",
         type=int,
         default=None,

@@ -68,6 +68,8 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
               "--tensor-parallel", str(getattr(args, "tensor_parallel", 1))]
     if args.prefill_token_budget:
         engine += ["--prefill-token-budget", str(args.prefill_token_budget)]
+    if args.compile_threads:
+        engine += ["--compile-threads", str(args.compile_threads)]
     if args.batch_invariant is not None:
         engine += ["--batch-invariant" if args.batch_invariant else "--no-batch-invariant"]
     if args.max_draft_tokens is not None:

@@ -39,10 +39,13 @@ shardings (docs/architecture.md, "Tensor parallelism").
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -71,6 +74,16 @@ from model_worker.programs import (
 from model_worker.sampling import SampleOutput, SamplingArrays, is_plain_greedy, penalty_state_zeros
 
 log = logging.getLogger(__name__)
+
+
+def compile_threads() -> int:
+    """Programs `Engine.compile_all` compiles at once by default: `GEMMA_SERVE_COMPILE_THREADS`, else one per core
+    this process may run on (`os.sched_getaffinity`), at most 16 (each compile holds its own temporaries)."""
+    env = os.environ.get("GEMMA_SERVE_COMPILE_THREADS")
+    if env:
+        return max(1, int(env))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,21 +323,55 @@ class Engine:
         return result
 
     def compile_all(self, progress: Callable[[int, int, ProgramKey], None] | None = None,
-                    keys: Iterable[ProgramKey] | None = None, cache: ExecutableCache | None = None) -> float:
-        """Compile every program of the grid (or just `keys`, for benchmarks) ahead of time. Returns the seconds.
+                    keys: Iterable[ProgramKey] | None = None, cache: ExecutableCache | None = None,
+                    threads: int | None = None) -> float:
+        """Compile every program of the grid (or just `keys`, for benchmarks) ahead of time, several at once.
+        Returns the seconds.
+
+        Why threads: XLA compiles (and loads a serialized executable) in C++ without the GIL, one program on one
+        core, while the host's other cores idle; a TPU host's 13 cores took ~12 s per program one after another
+        (docs/performance.md, "On a TPU v5e"). Tracing and lowering stay serialized by the GIL, a small share.
 
         Args:
-          progress: optional callable(done, total, key) for start-up progress messages.
+          progress: optional callable(done, total, key) for start-up progress messages, in the order they finish.
           keys: a subset of `grid()` to compile instead of all of it.
           cache: load each program from it when stored there, else compile and store it (a restarted worker then
             skips tracing and lowering: `model_worker.executables`).
+          threads: programs compiled at once (default `compile_threads()`); 1 compiles them one after another.
+        Raises:
+          the first compile's exception (the programs not yet started are cancelled).
         """
         t0 = time.perf_counter()
         keys = self.grid() if keys is None else list(keys)
-        for n, key in enumerate(keys):
-            self._programs[key] = self._compile(key, cache)
-            if progress:
-                progress(n + 1, len(keys), key)
+        threads = max(1, min(threads or compile_threads(), len(keys)))
+        if threads == 1:
+            for n, key in enumerate(keys):
+                self._programs[key] = self._compile(key, cache)
+                if progress:
+                    progress(n + 1, len(keys), key)
+            return time.perf_counter() - t0
+        # The thread that calls sets the device programs default to (`jax.default_device`, thread-local): each
+        # compiling thread takes the caller's.
+        device = jax.config.jax_default_device
+
+        def build(key: ProgramKey) -> jax.stages.Compiled:
+            with jax.default_device(device) if device is not None else contextlib.nullcontext():
+                return self._compile(key, cache)
+
+        compiled: dict[ProgramKey, jax.stages.Compiled] = {}
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
+            pending = {pool.submit(build, key): key for key in keys}
+            try:
+                for n, done in enumerate(concurrent.futures.as_completed(pending)):
+                    compiled[pending[done]] = done.result()
+                    if progress:
+                        progress(n + 1, len(keys), pending[done])
+            except BaseException:
+                for f in pending:
+                    f.cancel()
+                raise
+        for key in keys:  # the grid's order, whatever order they finished in
+            self._programs[key] = compiled[key]
         return time.perf_counter() - t0
 
     def _compile(self, key: ProgramKey, cache: ExecutableCache | None) -> jax.stages.Compiled:

@@ -83,11 +83,21 @@ def _imports(path: pathlib.Path) -> set[str]:
     return out
 
 
-@functools.cache
+_DIGEST_LOCK = threading.Lock()
+
+
 def _source_digest() -> str:
     """sha256 over the sources of the program modules and every repository module they import, transitively
     (name and bytes, sorted): a change to code that can reach a program misses; the scheduler, the servicer and
-    the other host-side modules are not part of it, so editing them keeps the cache."""
+    the other host-side modules are not part of it, so editing them keeps the cache. Computed once per process,
+    under a lock: `Engine.compile_all`'s threads ask at once, and CPython 3.11's `ast.parse` is not safe to run in
+    two threads together (SystemError "AST constructor recursion depth mismatch", seen here)."""
+    with _DIGEST_LOCK:
+        return _digest_sources()
+
+
+@functools.cache
+def _digest_sources() -> str:
     seen: dict[str, pathlib.Path] = {}
     todo = list(_PROGRAM_ROOTS)
     while todo:
@@ -155,7 +165,8 @@ class ExecutableCache:
     """Compiled programs on disk, one file per fingerprint (`<directory>/<fingerprint>.xla`), least recently used
     ones deleted past `max_bytes`.
 
-    Counters `loaded` and `stored` say what a start did (the worker logs them; tests read them).
+    Counters `loaded` and `stored` say what a start did (the worker logs them; tests read them). Safe to use from
+    several threads at once (`Engine.compile_all` compiles in parallel).
     """
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int = MAX_BYTES):
@@ -166,6 +177,7 @@ class ExecutableCache:
         self.loaded = 0
         self.stored = 0
         self.unstorable = 0  # compiled programs JAX's persistent cache served (not stored: module docstring)
+        self._count = threading.Lock()  # the counters, from `Engine.compile_all`'s compiling threads
 
     def get_or_compile(self, fp: str, lower: Callable[[], jax.stages.Lowered],
                        devices: Sequence | None = None) -> jax.stages.Compiled:
@@ -181,7 +193,8 @@ class ExecutableCache:
         hits = getattr(_HITS, "n", 0)
         compiled = lower().compile()
         if getattr(_HITS, "n", 0) != hits:
-            self.unstorable += 1
+            with self._count:
+                self.unstorable += 1
         else:
             self.store(fp, compiled)
         return compiled
@@ -205,7 +218,8 @@ class ExecutableCache:
             log.warning("compiled program %s did not load (%s: %s); compiling it again", path.name,
                         type(err).__name__, err)
             return None
-        self.loaded += 1
+        with self._count:
+            self.loaded += 1
         with contextlib.suppress(OSError):  # a read-only cache, or an entry another worker just evicted
             os.utime(path)  # recently used: kept by `_evict`
         return compiled
@@ -228,7 +242,8 @@ class ExecutableCache:
             if tmp is not None:
                 pathlib.Path(tmp).unlink(missing_ok=True)
             return False
-        self.stored += 1
+        with self._count:
+            self.stored += 1
         self._evict()
         return True
 

@@ -115,7 +115,7 @@ def load_engine(prepared, args: argparse.Namespace):
 
     from model_worker import memory
     from model_worker.config import config_from_dict
-    from model_worker.engine import Engine, EngineConfig
+    from model_worker.engine import Engine, EngineConfig, compile_threads
     from model_worker.executables import ExecutableCache
     from model_worker.params import for_matmul_precision, matmul_mode, to_device
     from model_worker.service import engine_facts
@@ -193,10 +193,11 @@ def load_engine(prepared, args: argparse.Namespace):
     log.info("compiling %d programs (batch buckets %s, KV buckets %s, chunks %s, tail chunks %s)", len(grid),
              engine.batch_buckets, engine.kv_buckets, ecfg.prefill_chunks, ecfg.tail_chunks or "none")
     executables = ExecutableCache(pathlib.Path(args.cache_dir) / "executables")
+    threads = min(args.compile_threads or compile_threads(), len(grid))
     seconds = engine.compile_all(lambda n, total, key: log.info("compiled %d/%d %s", n, total, key),
-                                 cache=executables)
-    log.info("compiled %d programs in %.1f s (%d loaded from %s, %d stored there)", engine.num_programs, seconds,
-             executables.loaded, executables.directory, executables.stored)
+                                 cache=executables, threads=threads)
+    log.info("compiled %d programs in %.1f s, %d at a time (%d loaded from %s, %d stored there)",
+             engine.num_programs, seconds, threads, executables.loaded, executables.directory, executables.stored)
     log.info("ran each forward program once (warm-up) in %.1f s", engine.warm_up())
     usage = memory.device_usage(engine)
     for device in usage:

@@ -175,3 +175,27 @@ def test_the_directory_stays_under_its_bound(tmp_path):
     os.utime(tmp_path / "used.xla", (200, 200))  # as `load` does
     cache._evict()
     assert sorted(p.stem for p in tmp_path.glob("*.xla")) == ["new", "used"]
+
+
+def test_programs_compiled_at_once_compute_what_programs_compiled_in_turn_do(model, tmp_path, monkeypatch):
+    """`compile_all` on several threads (the worker's default: one per core) keeps the grid's order, reports every
+    program once, counts each in the cache once and gives programs that compute the same bits as those compiled
+    one after another (the restart test above compiles its two programs at once too, and loads them back); a
+    failed compile raises its own error."""
+    keys = [*KEYS, ProgramKey("decode", 1, 1, 8), ProgramKey("greedy", 2, 0, 0)]
+    in_turn, at_once = _engine(model), _engine(model)
+    in_turn.compile_all(keys=keys, threads=1)
+    seen: list[ProgramKey] = []
+    cache = ExecutableCache(tmp_path)
+    at_once.compile_all(lambda n, total, key: seen.append(key), keys=keys, cache=cache, threads=3)
+    assert list(at_once._programs) == keys and sorted(seen) == sorted(keys)
+    assert cache.stored + cache.unstorable == len(keys)  # each counted once (JAX's cache served those compiled above)
+    for want, got in zip(run_steps(in_turn), run_steps(at_once)):
+        np.testing.assert_array_equal(want, got)
+
+    def broken(key, cache):
+        raise RuntimeError(f"cannot compile {key.kind}")
+
+    monkeypatch.setattr(at_once, "_compile", broken)
+    with pytest.raises(RuntimeError, match="cannot compile"):
+        at_once.compile_all(keys=keys, threads=2)
