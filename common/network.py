@@ -14,6 +14,7 @@ server does; clients then authenticate with API keys (gateway/auth.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import ipaddress
 import pathlib
@@ -190,7 +191,9 @@ def add_port(server, address: str, credentials: grpc.ServerCredentials | None) -
             path = uds.check_path(uds.path_of(address))
             address = uds.address_of(path)
         try:
-            port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+            with uds.owner_only() if path is not None else contextlib.nullcontext():  # gRPC listens as it binds
+                port = server.add_secure_port(address, credentials) if credentials else \
+                    server.add_insecure_port(address)
         except RuntimeError as err:
             raise NetworkConfigError(f"cannot listen on {address}: {err}") from None
         if port == 0:

@@ -32,6 +32,8 @@ UNIX = "unix:"
 MAX_PATH_BYTES = 107 if os.uname().sysname == "Linux" else 103
 #: Mode of every socket the stack binds: its owner only (the folder's mode is the other guard).
 SOCKET_MODE = 0o600
+#: Listen backlog of the sockets `bind` makes (as uvicorn's default).
+BACKLOG = 2048
 
 
 class SocketPathError(ValueError):
@@ -56,6 +58,8 @@ def path_of(address: str) -> pathlib.Path:
         rest = rest[2:]
     if not rest:
         raise SocketPathError(f"{address!r} names no socket path")
+    if "%" in rest:  # gRPC percent-decodes a unix: address: the checks would look at another file than it binds
+        raise SocketPathError(f"socket path {rest!r} holds a '%': choose a path without one")
     return pathlib.Path(rest)
 
 
@@ -85,7 +89,7 @@ def sibling(path: str | os.PathLike, suffix: str) -> pathlib.Path:
 
 def private_dir(path: str | os.PathLike) -> pathlib.Path:
     """The folder of `up --uds`: created with mode 0700 (its parents as the umask says) when missing; an existing
-    one must be a folder this user may write to and no other user may (else someone could replace a socket with
+    one must be a folder of this user's that no other user may write to (else someone could replace a socket with
     their own). Returns it as an absolute path.
 
     Raises:
@@ -105,6 +109,9 @@ def private_dir(path: str | os.PathLike) -> pathlib.Path:
         raise SocketPathError(f"cannot use the socket folder {d}: {err.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise SocketPathError(f"--uds {d} exists and is not a folder")
+    if st.st_uid != os.geteuid():
+        raise SocketPathError(f"the socket folder {d} belongs to another user (uid {st.st_uid}): they could replace "
+                              "the sockets; use a folder of your own")
     if st.st_mode & 0o022:
         raise SocketPathError(f"the socket folder {d} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): "
                               f"they could replace the sockets; use a private folder (chmod go-w {d})")
@@ -124,30 +131,36 @@ def check_path(path: str | os.PathLike) -> pathlib.Path:
         not a socket, or a server answers on it.
     """
     p = pathlib.Path(os.path.abspath(path))
+    if "%" in str(p):
+        raise SocketPathError(f"socket path {p} holds a '%' (gRPC would read it percent-encoded): choose a path "
+                              "without one")
     size = len(os.fsencode(str(p)))
     if size > MAX_PATH_BYTES:
         raise SocketPathError(f"socket path {p} is {size} bytes; a unix socket path holds at most {MAX_PATH_BYTES}: "
                               "use a shorter folder")
-    if not p.parent.is_dir():
-        raise SocketPathError(f"cannot create socket {p}: its folder does not exist")
-    if not os.access(p.parent, os.W_OK | os.X_OK):
-        raise SocketPathError(f"cannot create socket {p}: its folder is not writable by this user")
     try:
-        st = p.lstat()
-    except FileNotFoundError:
-        return p
-    if not stat.S_ISSOCK(st.st_mode):
-        raise SocketPathError(f"{p} exists and is not a socket: remove it or choose another path")
-    if _answers(p):
-        raise SocketPathError(f"{p} is in use: another server answers on it")
-    log.info("removing the stale socket %s (nothing answers on it)", p)
-    with contextlib.suppress(FileNotFoundError):
-        p.unlink()
+        if not p.parent.is_dir():
+            raise SocketPathError(f"cannot create socket {p}: its folder does not exist")
+        if not os.access(p.parent, os.W_OK | os.X_OK):
+            raise SocketPathError(f"cannot create socket {p}: its folder is not writable by this user")
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            return p
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SocketPathError(f"{p} exists and is not a socket: remove it or choose another path")
+        if _answers(p):
+            raise SocketPathError(f"{p} is in use: another server answers on it")
+        log.info("removing the stale socket %s (nothing answers on it)", p)
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    except OSError as err:  # a folder above it this user cannot enter, another user's stale socket, ...
+        raise SocketPathError(f"cannot use the socket path {p}: {err.strerror or err}") from None
     return p
 
 
 def _answers(path: pathlib.Path) -> bool:
-    """Whether a server accepts connections on the socket at `path`."""
+    """Whether a server listens on the socket at `path` (one with a full queue counts: it is alive)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
         try:
@@ -155,13 +168,27 @@ def _answers(path: pathlib.Path) -> bool:
         except OSError as err:
             if err.errno in (errno.ECONNREFUSED, errno.ENOENT):
                 return False
-            raise SocketPathError(f"cannot check the socket {path}: {err.strerror}") from None
+            if isinstance(err, TimeoutError) or err.errno == errno.EAGAIN:
+                return True
+            raise SocketPathError(f"cannot check the socket {path}: {err.strerror or err}") from None
         return True
 
 
+@contextlib.contextmanager
+def owner_only():
+    """While inside, files and sockets are created owner-only (umask 0177): a socket must not be reachable by
+    others between its bind and a chmod (gRPC listens as it binds). The umask is the process's: other threads
+    creating files meanwhile get owner-only ones too, which is harmless."""
+    old = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
 def bind(path: str | os.PathLike, mode: int = SOCKET_MODE) -> socket.socket:
-    """A stream socket bound at `path` (after `check_path`) with `mode`, not yet listening (uvicorn and
-    socketserver call listen).
+    """A stream socket bound at `path` (after `check_path`) with `mode` (owner-only from the start), listening
+    (uvicorn and socketserver may call listen again).
 
     Raises:
       SocketPathError: as `check_path`, or the bind failed.
@@ -169,8 +196,10 @@ def bind(path: str | os.PathLike, mode: int = SOCKET_MODE) -> socket.socket:
     p = check_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(str(p))
+        with owner_only():
+            sock.bind(str(p))
         os.chmod(p, mode)
+        sock.listen(BACKLOG)  # listening at once: a second check of this path sees it alive, not stale
     except OSError as err:
         sock.close()
         raise SocketPathError(f"cannot bind the socket {p}: {err.strerror}") from None

@@ -79,9 +79,11 @@ log = logging.getLogger(__name__)
 def compile_threads() -> int:
     """Programs `Engine.compile_all` compiles at once by default: `GEMMA_SERVE_COMPILE_THREADS`, else one per core
     this process may run on (`os.sched_getaffinity`), at most 16 (each compile holds its own temporaries)."""
-    env = os.environ.get("GEMMA_SERVE_COMPILE_THREADS")
+    env = os.environ.get("GEMMA_SERVE_COMPILE_THREADS", "")
+    if env.strip().isdecimal() and int(env) > 0:
+        return int(env)
     if env:
-        return max(1, int(env))
+        log.warning("GEMMA_SERVE_COMPILE_THREADS=%r is not a positive integer; using one thread per core", env)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, 16))
 
@@ -350,12 +352,17 @@ class Engine:
                 if progress:
                     progress(n + 1, len(keys), key)
             return time.perf_counter() - t0
-        # The thread that calls sets the device programs default to (`jax.default_device`, thread-local): each
-        # compiling thread takes the caller's.
-        device = jax.config.jax_default_device
+        # The caller's thread-local JAX settings that shape a program (`jax.default_device`, a
+        # `jax.default_matmul_precision` block): each compiling thread takes the caller's, so the programs do not
+        # depend on the number of threads.
+        device, precision = jax.config.jax_default_device, jax.config.jax_default_matmul_precision
 
         def build(key: ProgramKey) -> jax.stages.Compiled:
-            with jax.default_device(device) if device is not None else contextlib.nullcontext():
+            with contextlib.ExitStack() as scope:
+                if device is not None:
+                    scope.enter_context(jax.default_device(device))
+                if precision is not None:
+                    scope.enter_context(jax.default_matmul_precision(precision))
                 return self._compile(key, cache)
 
         compiled: dict[ProgramKey, jax.stages.Compiled] = {}

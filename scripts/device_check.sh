@@ -57,7 +57,8 @@ install() {
 lane() {
   local name=$1; shift
   local limit=() extra=()
-  [ "$LANE_TIMEOUT" != 0 ] && limit=(timeout -s INT -k 30 "$LANE_TIMEOUT")
+  # --foreground: Ctrl-C still reaches pytest (which would otherwise keep the chip after the script ended)
+  [ "$LANE_TIMEOUT" != 0 ] && limit=(timeout --foreground -s INT -k 30 "$LANE_TIMEOUT")
   [ -n "${PYTEST_ARGS:-}" ] && eval "extra=($PYTEST_ARGS)"  # shell words, quotes respected
   log "lane $name: $* ${PYTEST_ARGS:-}"
   "${limit[@]}" "$VENV/bin/python" -m pytest -p no:cacheprovider -o addopts="" -ra --durations=20 \
@@ -76,6 +77,10 @@ CPU_MODULES=(tests/model_worker/test_q8.py tests/model_worker/test_block_attenti
 # whose sessions are shorter than the whole lane (cold compiles on a TPU v5e take minutes: docs/performance.md).
 chip() {
   local part="${1:-}" modules=() m i=0
+  if [ -n "$part" ] && ! [[ "$part" =~ ^[1-9][0-9]*/[1-9][0-9]*$ && ${part%/*} -le ${part#*/} ]]; then
+    log "chip:$part: expected chip:I/N with 1 <= I <= N"
+    return 2
+  fi
   if [ -z "$part" ]; then
     GEMMA_SERVE_DEVICE_LANE=chip lane chip -p no:xdist tests/model_worker "${CPU_MODULES[@]/#/--ignore=}"
     return
@@ -85,6 +90,10 @@ chip() {
     [ $((i % ${part#*/})) -eq $((${part%/*} - 1)) ] && modules+=("$m")
     i=$((i + 1))
   done
+  if [ ${#modules[@]} -eq 0 ]; then
+    log "chip:$part: no module in that part"
+    return 0
+  fi
   GEMMA_SERVE_DEVICE_LANE=chip lane "chip-${part%/*}of${part#*/}" -p no:xdist "${modules[@]}"
 }
 
@@ -102,13 +111,15 @@ e2e() {
     lane e2e -p no:xdist tests/e2e
 }
 
+# Ctrl-C or SIGTERM: end every lane still running (a background lane ignores SIGINT), then exit.
+trap 'trap - INT TERM; kill $(jobs -p) 2>/dev/null; wait; exit 130' INT TERM
 lanes=("$@")
 [ ${#lanes[@]} -eq 0 ] && lanes=(install chip+host e2e)
 status=0
 for what in "${lanes[@]}"; do
   case "$what" in
     install) install || { log "install failed"; exit 2; } ;;
-    chip+host) host & hpid=$!; chip || status=1; wait $hpid || status=1 ;;
+    chip+host) host & hpid=$!; chip || status=1; wait "$hpid" || status=1 ;;
     chip) chip || status=1 ;;
     chip:*/*) chip "${what#chip:}" || status=1 ;;
     host) host || status=1 ;;

@@ -19,11 +19,13 @@ FLEET_ARGS="${FLEET_ARGS:---quick}"
 AGENTS=("$@")
 [ ${#AGENTS[@]} -eq 0 ] && AGENTS=(1 8 32)
 mkdir -p "$OUT"
-SOCKETS="$(mktemp -d /tmp/gs-XXXXXX)/run"  # short: a socket path holds at most 107 bytes
+SOCKETS="$(mktemp -d /tmp/gs-XXXXXX)" || exit 1
+SOCKETS="$SOCKETS/run"  # short: a socket path holds at most 107 bytes
 PY="$VENV/bin/python"
 [ -x "$PY" ] || PY=python3
 
 t0=$SECONDS
+: > "$OUT/serve.log"  # emptied before the start: the wait below must not read an earlier run's "ready"
 # shellcheck disable=SC2086
 "$PY" -m gemma_serve.cli up --uds "$SOCKETS" $SERVE_ARGS > "$OUT/serve.log" 2>&1 &
 up=$!

@@ -37,9 +37,11 @@ def test_addresses_parse_as_grpc_reads_them():
     assert uds.path_of("unix:///run/gs/worker.sock") == pathlib.Path("/run/gs/worker.sock")
     assert uds.path_of("unix:rel/w.sock") == pathlib.Path("rel/w.sock")
     assert uds.address_of("rel/w.sock") == "unix:" + os.path.abspath("rel/w.sock")
-    for bad in ("unix:", "unix://", "127.0.0.1:5"):
+    for bad in ("unix:", "unix://", "127.0.0.1:5", "unix:/tmp/a%41b.sock"):  # gRPC would bind a%41b as aAb
         with pytest.raises(uds.SocketPathError):
             uds.path_of(bad)
+    with pytest.raises(uds.SocketPathError, match="holds a '%'"):
+        uds.check_path("/tmp/a%41b.sock")
     assert uds.sibling("/d/worker.sock", "metrics") == pathlib.Path("/d/worker-metrics.sock")
     assert uds.sibling("/d/api", "grpc") == pathlib.Path("/d/api-grpc.sock")
     assert set(uds.socket_names(2)) == {"api", "generate", "tokenizer", "worker-0", "worker-0-metrics",
@@ -83,9 +85,20 @@ def test_check_path_refuses_a_folder_it_cannot_write():
 
 def test_bind_makes_an_owner_only_socket_and_a_private_folder():
     d = socket_folder()
-    sock = uds.bind(d / "api.sock")
+    old_umask = os.umask(0)  # the most permissive: the socket must still be owner-only from its bind on
+    try:
+        sock = uds.bind(d / "api.sock")
+        with uds.owner_only():
+            raw = socket.socket(socket.AF_UNIX)
+            raw.bind(str(d / "raw.sock"))
+        assert stat.S_IMODE((d / "raw.sock").stat().st_mode) == 0o600  # as gRPC's bind inside `add_port`
+        raw.close()
+    finally:
+        os.umask(old_umask)
     try:
         assert stat.S_IMODE((d / "api.sock").stat().st_mode) == 0o600
+        with pytest.raises(uds.SocketPathError, match="is in use"):  # bound and listening: alive, never stale
+            uds.check_path(d / "api.sock")
     finally:
         sock.close()
     made = uds.private_dir(d / "new" / "run")
@@ -96,6 +109,12 @@ def test_bind_makes_an_owner_only_socket_and_a_private_folder():
     (d / "afile").write_text("")
     with pytest.raises(uds.SocketPathError, match="not a folder"):
         uds.private_dir(d / "afile")
+    if os.geteuid() == 0:  # only root can give a folder away
+        theirs = d / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(uds.SocketPathError, match="belongs to another user"):
+            uds.private_dir(theirs)
 
 
 def test_grpc_port_on_a_socket_refuses_a_live_one_and_serves_owner_only():
@@ -164,6 +183,7 @@ def test_the_shim_refuses_internet_sockets_only():
     assert out.stdout.split() == ["97", "unix"], out.stderr
 
 
+@pytest.mark.slow  # the embedded model's tokenizer, services in processes
 def test_services_serve_on_sockets_where_no_internet_socket_may_be_opened(prepared, tmp_path):
     """The tokenizer service and a gateway started with `--uds` on a host that refuses internet sockets: the
     tokenizer answers its health check on its socket, the gateway its /health (503: no worker) on its REST socket
