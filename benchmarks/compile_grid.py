@@ -27,9 +27,9 @@ from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags  # noqa:
 add_xla_flags(*INVARIANT_CPU_FLAGS)  # the worker's XLA options, before jax starts
 
 import jax  # noqa: E402
+from decode_step import load  # noqa: E402
 
 from common.preparation import default_cache_dir  # noqa: E402
-from decode_step import load  # noqa: E402
 from model_worker.engine import Engine, EngineConfig, compile_threads  # noqa: E402
 from model_worker.executables import ExecutableCache  # noqa: E402
 

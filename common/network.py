@@ -204,6 +204,31 @@ def add_port(server, address: str, credentials: grpc.ServerCredentials | None) -
         raise NetworkConfigError(str(err)) from None
 
 
+async def internal_server(args: argparse.Namespace, port: int, service_name: str, add_servicer):
+    """An internal service's gRPC server (worker, tokenizer), not yet started: `add_servicer(server)` registers
+    the service, a grpc.health.v1 servicer says NOT_SERVING for "" and `service_name` until the caller says
+    otherwise, and it listens on `--uds` or `--host` and `port` with the service's mutual TLS
+    (`internal_server_tls`).
+
+    Returns:
+      (server, health servicer, the address it listens on).
+    Raises:
+      NetworkConfigError: refused TLS flags or host, or an address that cannot be bound (the message says which).
+    """
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    tls = internal_server_tls(args)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    add_servicer(server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = listen_address(args.host, port, getattr(args, "uds", None))
+    add_server_port(server, address, tls)
+    return server, health_servicer, address
+
+
 def listen_address(host: str, port: int, socket_path: str | None) -> str:
     """A service's gRPC listening address: the unix socket `socket_path` when given (`--uds`), else host:port."""
     if socket_path:

@@ -53,9 +53,7 @@ def path_of(address: str) -> pathlib.Path:
     """
     if not is_unix(address):
         raise SocketPathError(f"{address!r} is not a unix socket address (unix:PATH)")
-    rest = address[len(UNIX):]
-    if rest.startswith("//"):  # unix:///abs/path: an empty authority, then the absolute path
-        rest = rest[2:]
+    rest = address[len(UNIX):].removeprefix("//")  # unix:///abs/path: an empty authority, then the absolute path
     if not rest:
         raise SocketPathError(f"{address!r} names no socket path")
     if "%" in rest:  # gRPC percent-decodes a unix: address: the checks would look at another file than it binds

@@ -13,8 +13,7 @@ import pathlib
 import signal
 import time
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from common import network, preparation, uds
 from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
@@ -291,8 +290,8 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("%s", problem)
         return 2
 
-    try:
-        tls = network.internal_server_tls(args)
+    try:  # refused TLS flags or host before anything binds
+        network.internal_server_tls(args)
     except network.NetworkConfigError as err:
         log.error("%s", err)
         return 2
@@ -304,16 +303,11 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("cannot serve metrics: %s", err)
         return 2
 
-    server = grpc.aio.server(options=network.SERVER_OPTIONS)
-    health_servicer = health.aio.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = WorkerServicer(model_worker_pb2.WorkerInfoResponse(), max_session_ttl=args.max_session_ttl)
-    model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = network.listen_address(args.host, args.worker_port, args.uds)
     try:
-        network.add_server_port(server, address, tls)
+        server, health_servicer, address = await network.internal_server(
+            args, args.worker_port, SERVICE_NAME, lambda s: model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(
+                servicer, s))
     except network.NetworkConfigError as err:
         log.error("%s", err)
         return 2

@@ -9,8 +9,7 @@ import logging
 import pathlib
 import signal
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from common import families, network, preparation
 from protos import tokenizer_pb2_grpc
@@ -136,21 +135,11 @@ async def serve(args: argparse.Namespace) -> int:
     """Run the tokenizer service until SIGTERM/SIGINT. Returns the exit code."""
     from tokenizer_svc.service import SERVICE_NAME, TokenizerServicer
 
-    try:
-        tls = network.internal_server_tls(args)
-    except network.NetworkConfigError as err:
-        log.error("%s", err)
-        return 2
-    server = grpc.aio.server(options=network.SERVER_OPTIONS)
-    health_servicer = health.aio.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = TokenizerServicer()
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = network.listen_address(args.host, args.tokenizer_port, args.uds)
     try:
-        network.add_server_port(server, address, tls)
+        server, health_servicer, address = await network.internal_server(
+            args, args.tokenizer_port, SERVICE_NAME, lambda s: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(
+                servicer, s))
     except network.NetworkConfigError as err:
         log.error("%s", err)
         return 2
