@@ -169,7 +169,8 @@ def create_app(backends: Backends, limits: Limits | None = None,
         ok = all(s == "SERVING" for s in statuses.values()) and backends.facts is not None
         ok = ok and not backends.admission.draining
         status = "draining" if backends.admission.draining else "ok" if ok else "unavailable"
-        body = {"status": status, "backends": statuses, "workers": backends.worker_statuses}
+        body = {"status": status, "backends": statuses, "workers": backends.worker_statuses,
+                "programs_compiling": backends.pool.programs_compiling()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")

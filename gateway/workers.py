@@ -97,6 +97,7 @@ class Worker:
     stub: model_worker_pb2_grpc.ModelWorkerStub
     health: health_pb2_grpc.HealthStub
     status: str = "UNREACHABLE"  # the last health status name ("SERVING", "NOT_SERVING", "UNREACHABLE")
+    programs_compiling: int = 0  # programs it still compiles while serving, at the last poll (GetLoad)
 
 
 class WorkerPool:
@@ -188,9 +189,15 @@ class WorkerPool:
                 self.router.set_load(w.addr, float(max(0, reported - inflight)))
                 self.router.set_slots(w.addr, load.num_slots)
                 self.router.set_headroom(w.addr, load.headroom_rows)
+                w.programs_compiling = load.programs_compiling
             except grpc.aio.AioRpcError as err:
                 log.debug("GetLoad of %s failed: %s", w.addr, err)
         self.router.set_healthy(w.addr, status == "SERVING" and w.addr not in self.refused)
+
+    def programs_compiling(self) -> int:
+        """Programs the serving workers still compile in the background, together, at the last poll (0: every
+        worker at full speed)."""
+        return sum(w.programs_compiling for w in self.workers.values() if w.status == "SERVING")
 
     def serving(self) -> list[Worker]:
         """Workers whose last health check said SERVING (refused ones included: for facts and /health)."""

@@ -115,6 +115,13 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "none elsewhere)",
     )
     p.add_argument(
+        "--serve-first", action=argparse.BooleanOptionalAction, default=True,
+        help="the worker serves as soon as the few programs that serve every request are compiled (or loaded from "
+        "its executable cache, with everything else it holds there) and compiles the rest of its grid in the "
+        "background, using each as it arrives: the same tokens, only faster; --no-serve-first: it serves once the "
+        "whole grid is compiled (default: serve first)",
+    )
+    p.add_argument(
         "--compile-threads", type=_positive_int, default=None,
         help="programs the worker compiles (or loads from its executable cache) at once at start-up (default: one "
         "per core, at most 16; env GEMMA_SERVE_COMPILE_THREADS)",

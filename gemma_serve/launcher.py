@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import logging
 import os
 import pathlib
@@ -70,6 +71,8 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
         engine += ["--prefill-token-budget", str(args.prefill_token_budget)]
     if args.compile_threads:
         engine += ["--compile-threads", str(args.compile_threads)]
+    if not args.serve_first:
+        engine += ["--no-serve-first"]
     if args.batch_invariant is not None:
         engine += ["--batch-invariant" if args.batch_invariant else "--no-batch-invariant"]
     if args.max_draft_tokens is not None:
@@ -197,23 +200,28 @@ def _grpc_serving(address: str, tls: network.InternalTls | None = None) -> bool:
         return False
 
 
-def _http_ok(url: str) -> bool:
-    # A local liveness probe of our own child: its certificate may name a public host, so it is not verified.
-    context = ssl._create_unverified_context() if url.startswith("https:") else None
+def gateway_health(args: argparse.Namespace) -> tuple[int, dict]:
+    """The gateway's /health, over its port or its unix socket: (status code, JSON body); (0, {}) when it does not
+    answer. A local liveness probe of our own child: its certificate may name a public host, so it is not
+    verified."""
+    context = ssl._create_unverified_context() if getattr(args, "ssl_certfile", None) else None
+    api = socket_paths(args).get("api")
     try:
-        with urllib.request.urlopen(url, timeout=2, context=context) as resp:
-            return resp.status == 200
+        if api:
+            status, body = uds.http_get(api, "/health", timeout=2, context=context)
+        else:
+            try:
+                with urllib.request.urlopen(f"{public_url(args)}/health", timeout=2, context=context) as resp:
+                    status, body = resp.status, resp.read()
+            except urllib.error.HTTPError as err:  # 503 while starting or draining: an answer all the same
+                status, body = err.code, err.read()
     except (urllib.error.URLError, OSError):
-        return False
-
-
-def _socket_http_ok(path: str, tls: bool) -> bool:
-    # As `_http_ok`, over the gateway's unix socket.
+        return 0, {}
     try:
-        status, _ = uds.http_get(path, "/health", timeout=2, context=ssl._create_unverified_context() if tls else None)
-        return status == 200
-    except OSError:
-        return False
+        data = json.loads(body)
+    except ValueError:
+        data = {}
+    return status, data if isinstance(data, dict) else {}
 
 
 def public_url(args: argparse.Namespace) -> str:
@@ -268,9 +276,7 @@ class Launcher:
     def health(self) -> dict[str, bool]:
         """Whether each service answers healthy."""
         status = {name: _grpc_serving(addr, self.tls) for name, addr in internal_addresses(self.args).items()}
-        api = socket_paths(self.args).get("api")
-        status["gateway"] = _socket_http_ok(api, tls=bool(self.args.ssl_certfile)) if api else \
-            _http_ok(f"{public_url(self.args)}/health")
+        status["gateway"] = gateway_health(self.args)[0] == 200
         return status
 
     def stop(self) -> None:
@@ -339,7 +345,7 @@ def _supervise(launcher: Launcher, args: argparse.Namespace, t0: float) -> int:
     """Wait for health, then keep the services running until a signal: a service that exits is restarted with
     backoff (`Restarts`); one that refuses its flags (exit 2) or crash-loops stops everything. Returns the exit
     code of `up`."""
-    ready, last = False, {}
+    ready, last, full_speed, next_check = False, {}, False, 0.0
     deadline = time.monotonic() + args.ready_timeout
     restarts, pending = Restarts(), {}
     while not launcher.stopping:
@@ -367,6 +373,10 @@ def _supervise(launcher: Launcher, args: argparse.Namespace, t0: float) -> int:
                 last = status
             if all(status.values()):
                 ready = True
+                compiling = gateway_health(args)[1].get("programs_compiling") or 0
+                if compiling:
+                    log.info("serving while %d programs compile in the background (the same answers; full speed "
+                             "once they are done)", compiling)
                 sockets = socket_paths(args)
                 if sockets:
                     scheme = "https" if args.ssl_certfile else "http"
@@ -382,5 +392,11 @@ def _supervise(launcher: Launcher, args: argparse.Namespace, t0: float) -> int:
             elif time.monotonic() > deadline:
                 log.error("services not healthy after %.0f s", args.ready_timeout)
                 return 1
+        elif not full_speed and now >= next_check:  # the workers compile the rest of their grids while serving
+            next_check = now + 2.0
+            status, body = gateway_health(args)
+            if status == 200 and body.get("programs_compiling") == 0:
+                full_speed = True
+                log.info("full speed in %.1f s: every worker has compiled its whole grid", time.perf_counter() - t0)
         time.sleep(0.2)
     return 0

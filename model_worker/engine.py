@@ -46,6 +46,7 @@ import functools
 import itertools
 import logging
 import os
+import queue
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_worker import sharding
+from model_worker.background_compile import BackgroundCompile, background_order, serving_set
 from model_worker.config import ModelConfig
 from model_worker.engine_api import DecodeBatch, HostOutput, PromptChunk, StepShape, VerifyBatch, VerifyOutput
 from model_worker.executables import ExecutableCache, fingerprint
@@ -205,13 +207,12 @@ class Pending:
 @dataclasses.dataclass
 class _DecodeRows:
     """Host arrays of one decode batch padded to its bucket: the program's `Batch`, its slots ([B] int32), the
-    rows' `is_output` ([B, 1] bool), how many rows are real (the first `num_rows`), and the KV bucket."""
+    rows' `is_output` ([B, 1] bool), and how many rows are real (the first `num_rows`)."""
 
     batch: Batch
     slots: np.ndarray
     is_output: np.ndarray
     num_rows: int
-    kv_len: int
 
     def pending(self, logits: jax.Array) -> Pending:
         """The batch's logits [B, V] awaiting sampling."""
@@ -276,6 +277,14 @@ class Engine:
         self.kv_buckets = ecfg.kv_buckets(cfg.sliding_window)
         self.batch_buckets = ecfg.batch_buckets()
         self._programs: dict[ProgramKey, jax.stages.Compiled] = {}
+        # Programs compiled on background threads, waiting for the loop's thread to adopt them (`adopt_programs`):
+        # only that thread runs programs, since a run replaces the donated state.
+        self._arrivals: queue.SimpleQueue[tuple[ProgramKey, jax.stages.Compiled]] = queue.SimpleQueue()
+        # The state's shapes, dtypes and shardings, for lowering on any thread: the arrays themselves are replaced
+        # (donated) by every step the loop's thread runs meanwhile.
+        self._abstract_state = {name: jax.tree_util.tree_map(_abstract, getattr(self, name))
+                                for name in ("params", "cache", "pstate")}
+        self.temp_budget: int | None = None  # bytes a background program's temporaries may take (None: no bound)
         self.calls: collections.Counter = collections.Counter()  # program key -> times run
         self._pad_only_tail = jax.default_backend() == "cpu"  # chunk_size's policy
         self.mixed_chunk = min(ecfg.prefill_chunks)  # the chunk of a mixed step (`dispatch_mixed`)
@@ -292,7 +301,7 @@ class Engine:
         """The program of `key`, lowered for its shapes."""
         kind = PROGRAMS[key.kind]
         fn = functools.partial(kind.fn, cfg=self.cfg, kv_len=key.kv_len) if kind.model else kind.fn
-        state, inputs = self._state(kind), kind.example(key, self.cfg.vocab_size)
+        state, inputs = self._state(kind, abstract=True), kind.example(key, self.cfg.vocab_size)
         if self.layout is None:
             return jax.jit(fn, donate_argnames=kind.donated).lower(*state, *inputs)
         if kind.samples:
@@ -305,8 +314,11 @@ class Engine:
         return jax.jit(fn, donate_argnames=kind.donated, in_shardings=state_sh + self.layout.input_shardings(inputs),
                        out_shardings=(result_sh, *donated_sh)).lower(*state, *inputs)
 
-    def _state(self, kind: ProgramKind) -> tuple:
-        """A program's leading arguments: the engine state it names (params, cache, penalty state)."""
+    def _state(self, kind: ProgramKind, abstract: bool = False) -> tuple:
+        """A program's leading arguments: the engine state it names (params, cache, penalty state); `abstract`:
+        their shapes, dtypes and shardings only (`jax.ShapeDtypeStruct`s, for lowering on any thread)."""
+        if abstract:
+            return tuple(self._abstract_state[name] for name in kind.state)
         return tuple(getattr(self, name) for name in kind.state)
 
     def _run(self, key: ProgramKey, *inputs, count: bool = True):
@@ -346,25 +358,13 @@ class Engine:
         t0 = time.perf_counter()
         keys = self.grid() if keys is None else list(keys)
         threads = max(1, min(threads or compile_threads(), len(keys)))
+        build = self._builder(cache)
         if threads == 1:
             for n, key in enumerate(keys):
-                self._programs[key] = self._compile(key, cache)
+                self._programs[key] = build(key)
                 if progress:
                     progress(n + 1, len(keys), key)
             return time.perf_counter() - t0
-        # The caller's thread-local JAX settings that shape a program (`jax.default_device`, a
-        # `jax.default_matmul_precision` block): each compiling thread takes the caller's, so the programs do not
-        # depend on the number of threads.
-        device, precision = jax.config.jax_default_device, jax.config.jax_default_matmul_precision
-
-        def build(key: ProgramKey) -> jax.stages.Compiled:
-            with contextlib.ExitStack() as scope:
-                if device is not None:
-                    scope.enter_context(jax.default_device(device))
-                if precision is not None:
-                    scope.enter_context(jax.default_matmul_precision(precision))
-                return self._compile(key, cache)
-
         compiled: dict[ProgramKey, jax.stages.Compiled] = {}
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
             pending = {pool.submit(build, key): key for key in keys}
@@ -381,14 +381,80 @@ class Engine:
             self._programs[key] = compiled[key]
         return time.perf_counter() - t0
 
+    def _builder(self, cache: ExecutableCache | None) -> Callable[[ProgramKey], jax.stages.Compiled]:
+        """`_compile` for any thread, under the calling thread's JAX settings that shape a program
+        (`jax.default_device`, a `jax.default_matmul_precision` block: thread-local), so a program does not
+        depend on which thread compiled it."""
+        device, precision = jax.config.jax_default_device, jax.config.jax_default_matmul_precision
+
+        def build(key: ProgramKey) -> jax.stages.Compiled:
+            with contextlib.ExitStack() as scope:
+                if device is not None:
+                    scope.enter_context(jax.default_device(device))
+                if precision is not None:
+                    scope.enter_context(jax.default_matmul_precision(precision))
+                return self._compile(key, cache)
+
+        return build
+
+    def cached(self, keys: Iterable[ProgramKey], cache: ExecutableCache) -> list[ProgramKey]:
+        """Those of `keys` that `cache` holds (a restart loads them in seconds: `compile_all` takes them first)."""
+        return [key for key in keys if cache.has(self._fingerprint(key))]
+
+    def serving_set(self) -> list[ProgramKey]:
+        """The fewest programs that serve every request (`background_compile.serving_set`), in the grid."""
+        grid = set(self.grid())
+        return [k for k in serving_set(self.kv_buckets, self.ecfg.prefill_chunks, self.ecfg.num_slots) if k in grid]
+
+    def compile_in_background(self, keys: Iterable[ProgramKey], cache: ExecutableCache | None = None,
+                              threads: int | None = None,
+                              on_compiled: Callable[[ProgramKey, bool], None] | None = None) -> BackgroundCompile:
+        """Compile `keys` on background threads, most useful first (`background_compile.background_order`), while
+        the loop's thread serves with the programs it has; each compiled program waits for `adopt_programs`.
+
+        Args: as `compile_all`'s; on_compiled: called with (key, succeeded) after each (from a compiling thread).
+        Returns: the running `BackgroundCompile` (its `pending`, `failed`, `done`, `stop`).
+        """
+        order = background_order(keys, self.kv_buckets[-1], self.ecfg.prefill_chunks)
+        deliver = lambda key, compiled: self._arrivals.put((key, compiled))
+        return BackgroundCompile(self._builder(cache), order, threads or compile_threads(), deliver,
+                                 on_compiled).start()
+
+    def adopt_programs(self) -> list[ProgramKey]:
+        """Take in the programs compiled in the background since the last call, each run once on padding first
+        (a program's first run costs more: `warm_up`), so the next steps may use them. Call on the loop's thread,
+        between steps (a run replaces the donated state). A program whose temporaries exceed `temp_budget` is
+        dropped, with a warning (the engine serves with the programs it has). Returns the keys adopted."""
+        adopted = []
+        while True:
+            try:
+                key, compiled = self._arrivals.get_nowait()
+            except queue.Empty:
+                return adopted
+            analysis = compiled.memory_analysis()
+            temp = int(analysis.temp_size_in_bytes) if analysis is not None else 0
+            if self.temp_budget is not None and temp > self.temp_budget:
+                log.warning("program %s needs %d bytes of temporaries, beyond the %d left on the device: not used",
+                            key, temp, self.temp_budget)
+                continue
+            self._programs[key] = compiled
+            kind = PROGRAMS[key.kind]
+            if kind.warm:
+                jax.block_until_ready(self._run(key, *kind.example(key, self.cfg.vocab_size), count=False))
+            adopted.append(key)
+
     def _compile(self, key: ProgramKey, cache: ExecutableCache | None) -> jax.stages.Compiled:
         """The compiled program of `key`: from `cache` when it holds it, else lowered, compiled and stored."""
         if cache is None:
             return self._lower(key).compile()
-        kind = PROGRAMS[key.kind]
-        fp = fingerprint(key, self.cfg, self.ecfg, (*self._state(kind), *kind.example(key, self.cfg.vocab_size)))
         devices = None if self.mesh is None else list(self.mesh.devices.flat)
-        return cache.get_or_compile(fp, lambda: self._lower(key), devices)
+        return cache.get_or_compile(self._fingerprint(key), lambda: self._lower(key), devices)
+
+    def _fingerprint(self, key: ProgramKey) -> str:
+        """The executable cache's key of a program (`executables.fingerprint`)."""
+        kind = PROGRAMS[key.kind]
+        return fingerprint(key, self.cfg, self.ecfg,
+                           (*self._state(kind, abstract=True), *kind.example(key, self.cfg.vocab_size)))
 
     def warm_up(self) -> float:
         """Run every compiled forward program (compute, decode, mixed) once on all-padding inputs. Returns seconds.
@@ -437,6 +503,10 @@ class Engine:
         """Number of compiled programs."""
         return len(self._programs)
 
+    def ready_programs(self) -> set[ProgramKey]:
+        """The keys of the programs compiled (and adopted) so far."""
+        return set(self._programs)
+
     def temp_bytes(self) -> int:
         """The largest step temporaries of the compiled programs, in bytes per device (XLA's
         `memory_analysis().temp_size_in_bytes`: buffers a step needs besides its arguments and results); 0
@@ -445,7 +515,7 @@ class Engine:
         return max((int(a.temp_size_in_bytes) for a in analyses if a is not None), default=0)
 
     def kv_bucket(self, length: int) -> int:
-        """Smallest KV bucket holding `length` positions.
+        """Smallest KV bucket of the grid holding `length` positions.
 
         Raises:
           ValueError: length exceeds max_model_len.
@@ -456,11 +526,48 @@ class Engine:
         raise ValueError(f"{length} positions exceed max_model_len {self.ecfg.max_model_len}")
 
     def batch_bucket(self, rows: int) -> int:
-        """Smallest decode batch bucket holding `rows` sequences."""
+        """Smallest decode batch bucket of the grid holding `rows` sequences."""
         return next(b for b in self.batch_buckets if rows <= b)
 
-    def chunk_size(self, remaining: int) -> int:
-        """Chunk length for `remaining` tokens.
+    # ----- which programs are ready -----------------------------------------------------------------------------
+    # A worker serves once its serving set is compiled and adopts the rest as they arrive (`adopt_programs`), so
+    # every choice below takes the cheapest program that is ready: the smallest batch bucket holding the rows,
+    # then the smallest KV bucket holding the positions, the largest prompt chunk the tokens fill. Which one runs
+    # changes no token (batch-invariant numerics: model_worker/background_compile.py).
+    def _has(self, key: ProgramKey) -> bool:
+        """Whether `key` is ready to run; before anything is compiled every program of the grid counts (a fresh
+        engine plans with what `compile_all` will give it)."""
+        return key in self._programs or (not self._programs and key.kv_len in (0, *self.kv_buckets))
+
+    def _ready_kv(self, kind: str, batch: int, chunk: int, length: int) -> int | None:
+        """The smallest KV bucket >= `length` with a ready (kind, batch, chunk) program, or None."""
+        return next((L for L in self.kv_buckets if L >= length and self._has(ProgramKey(kind, batch, chunk, L))),
+                    None)
+
+    def _ready_batch(self, kind: str, rows: int, chunk: int, length: int) -> tuple[int, int] | None:
+        """(batch bucket, KV bucket) of the cheapest ready (kind, B, chunk, L) program for `rows` rows of up to
+        `length` positions, preferring a batch whose sample program is ready too, or None."""
+        for sampled in (True, False):
+            for b in self.batch_buckets:
+                if b >= rows and (not sampled or self._has(ProgramKey("sample", b, 0, 0))):
+                    L = self._ready_kv(kind, b, chunk, length)
+                    if L is not None:
+                        return b, L
+        return None
+
+    def _verify_bucket(self, rows: int) -> int | None:
+        """The smallest verify batch bucket holding `rows` whose verify and sampling programs are ready, or None."""
+        T, largest = self.ecfg.max_draft_tokens + 1, self.kv_buckets[-1]
+        return next((b for b in self.ecfg.verify_batches() if b >= rows
+                     and self._has(ProgramKey("verify", b, T, largest)) and self._has(ProgramKey("vsample", b, T, 0))),
+                    None)
+
+    def can_verify(self, *, rows: int) -> bool:
+        """Whether a verify step of `rows` rows can run now. Contract: `engine_api.Engine.can_verify`."""
+        return self._verify_bucket(rows) is not None
+
+    def chunk_size(self, remaining: int, start: int = 0) -> int:
+        """Chunk length for `remaining` tokens from position `start`.
 
         CPU: the largest chunk they fill, else (the tail) the smallest that holds them, so only a prompt's last
         chunk is padded, by less than the smallest chunk: 600 tokens with chunks (64, 512) run as 512 + 64 + 64
@@ -469,93 +576,112 @@ class Engine:
         in the cheapest mix of them and the smallest prefill chunk (`_tail_plan`): 130 tokens with (16, 32) and
         (64, 512) as 64 + 64 + 16, not 64 + 64 + 64. Other platforms: the smallest chunk that holds them, else
         the largest (an accelerator reads all weights per chunk and pads nearly for free, so fewer, larger chunks
-        win; not measured here).
+        win; not measured here). Only chunks with a ready program count (a worker still compiling).
         """
-        return self.chunk_plan(remaining)[0]
+        return self.chunk_plan(remaining, start=start)[0]
 
-    def chunk_plan(self, remaining: int, beside_decode: bool = False) -> tuple[int, ...]:
-        """The chunk lengths `remaining` tokens run in from here, one compute step each (`chunk_size` is the
-        first): a prefill chunk they fill, or their tail's plan (`_tail_plan`; one chunk elsewhere than on CPU).
-        `beside_decode`: the step also decodes (`dispatch_mixed`), where a tail that would take more than one
-        step runs as one mixed pass of `mixed_chunk` instead (its decode rows ride on the chunk's products, and the
-        prompt does not wait a step more)."""
-        chunks = sorted(self.ecfg.prefill_chunks)
+    def chunk_plan(self, remaining: int, beside_decode: bool = False, start: int = 0) -> tuple[int, ...]:
+        """The chunk lengths `remaining` tokens from position `start` run in from here, one compute step each
+        (`chunk_size` is the first): a prefill chunk they fill, or their tail's plan (`_tail_plan`; one chunk
+        elsewhere than on CPU), among the chunks with a ready program. `beside_decode`: the step also decodes
+        (`dispatch_mixed`), where a tail that would take more than one step runs as one mixed pass of
+        `mixed_chunk` instead (its decode rows ride on the chunk's products, and the prompt does not wait a step
+        more)."""
+        ready = lambda c: self._ready_kv("compute", 1, c, start + min(c, remaining)) is not None
+        chunks = sorted(c for c in self.ecfg.prefill_chunks if ready(c)) or sorted(self.ecfg.prefill_chunks)
+        tails = tuple(sorted(c for c in self.ecfg.tail_chunks if ready(c)))
         filled = [c for c in chunks if c <= remaining]
         if filled and self._pad_only_tail:
             return (filled[-1],)
-        if self._pad_only_tail and self.ecfg.tail_chunks and remaining > 0:
-            plan = _tail_plan(tuple(sorted(self.ecfg.tail_chunks)) + (chunks[0],), remaining)
+        if self._pad_only_tail and tails and remaining > 0:
+            plan = _tail_plan(tails + (chunks[0],), remaining)
             return (self.mixed_chunk,) if beside_decode and len(plan) > 1 else plan
         return (next((c for c in chunks if c >= remaining), chunks[-1]),)
 
     # ----- running programs -----------------------------------------------------------------------------------
     def dispatch_compute(self, *, chunk: PromptChunk) -> tuple[Pending, int]:
         """Dispatch one chunk of a slot's pending tokens (asynchronously): the largest chunk size the tokens fill
-        (`chunk_size`), in the smallest KV bucket holding them. Arguments, result and errors:
+        (`chunk_size`), in the smallest ready KV bucket holding them. Arguments, result and errors:
         `engine_api.Engine.dispatch_compute`."""
-        inputs, n = ChunkInputs.make(self.chunk_size(len(chunk.token_ids)), chunk.slot, list(chunk.token_ids),
-                                     chunk.start, list(chunk.is_output), chunk.clear_penalties)
-        key = ProgramKey("compute", 1, inputs.batch.tokens.shape[1], self.kv_bucket(chunk.start + n))
+        size = self.chunk_size(len(chunk.token_ids), chunk.start)
+        inputs, n = ChunkInputs.make(size, chunk.slot, list(chunk.token_ids), chunk.start, list(chunk.is_output),
+                                     chunk.clear_penalties)
+        self.kv_bucket(chunk.start + n)  # raises ValueError beyond max_model_len
+        kv_len = self._ready_kv("compute", 1, size, chunk.start + n)
+        if kv_len is None:
+            raise KeyError(f"no compiled compute program of {size} tokens holds {chunk.start + n} positions")
+        key = ProgramKey("compute", 1, size, kv_len)
         return Pending.of_chunk(inputs, chunk.slot, self._run(key, inputs)), n
 
     def dispatch_decode(self, *, batch: DecodeBatch) -> Pending:
-        """Dispatch one decode step for the given slots (one token each), in the smallest batch bucket. Arguments,
-        result and errors: `engine_api.Engine.dispatch_decode`."""
-        d = self._decode_rows(batch)
-        return d.pending(self._run(ProgramKey("decode", d.slots.shape[0], 1, d.kv_len), d.batch))
+        """Dispatch one decode step for the given slots (one token each), in the smallest ready batch bucket.
+        Arguments, result and errors: `engine_api.Engine.dispatch_decode`."""
+        length = max(batch.positions) + 1
+        self.kv_bucket(length)  # raises ValueError beyond max_model_len
+        found = self._ready_batch("decode", len(batch.slots), 1, length)
+        if found is None:
+            raise KeyError(f"no compiled decode program holds {len(batch.slots)} rows of {length} positions")
+        d = self._decode_rows(batch, found[0])
+        return d.pending(self._run(ProgramKey("decode", found[0], 1, found[1]), d.batch))
 
     def dispatch_mixed(self, *, chunk: PromptChunk, batch: DecodeBatch) -> tuple[Pending, int, Pending]:
         """One chunk of a slot's pending tokens (as `dispatch_compute`) and a decode step of other slots (as
-        `dispatch_decode`) in one forward pass when the chunk is `mixed_chunk` long (a "mixed" program: the
-        decode rows ride on the chunk's matrix products, the weights are read once); otherwise the two programs
-        one after the other. Arguments, result and errors: `engine_api.Engine.dispatch_mixed`.
+        `dispatch_decode`) in one forward pass when the chunk is `mixed_chunk` long and its "mixed" program is
+        ready (the decode rows ride on the chunk's matrix products, the weights are read once); otherwise the two
+        programs one after the other. Arguments, result and errors: `engine_api.Engine.dispatch_mixed`.
         """
         if chunk.slot in batch.slots:
             raise ValueError(f"slot {chunk.slot} cannot take a chunk and decode in the same step")
-        size = self.chunk_plan(len(chunk.token_ids), beside_decode=True)[0]
-        if size != self.mixed_chunk:
+        size = self.chunk_plan(len(chunk.token_ids), beside_decode=True, start=chunk.start)[0]
+        largest = self.kv_buckets[-1]
+        found = self._ready_batch("mixed", len(batch.slots), size, largest) if size == self.mixed_chunk else None
+        if found is None:
             pending, n = self.dispatch_compute(chunk=chunk)
             return pending, n, self.dispatch_decode(batch=batch)
         inputs, n = ChunkInputs.make(size, chunk.slot, list(chunk.token_ids), chunk.start, list(chunk.is_output),
                                      chunk.clear_penalties)
-        d = self._decode_rows(batch, exclude=chunk.slot)
-        self.kv_bucket(chunk.start + n)  # raises ValueError beyond max_model_len, as dispatch_compute does
-        key = ProgramKey("mixed", d.slots.shape[0], size, self.kv_buckets[-1])
+        self.kv_bucket(max(batch.positions) + 1)  # raises ValueError beyond max_model_len, as the others do
+        self.kv_bucket(chunk.start + n)
+        d = self._decode_rows(batch, found[0], exclude=chunk.slot)
+        key = ProgramKey("mixed", found[0], size, largest)
         logits, d_logits = self._run(key, inputs, d.batch)
         return Pending.of_chunk(inputs, chunk.slot, logits), n, d.pending(d_logits)
 
     def step_programs(self, *, shape: StepShape) -> tuple[ProgramKey, ...]:
         """The forward programs a step of this shape runs, chosen as `dispatch_compute`, `dispatch_mixed`,
-        `dispatch_decode` and `dispatch_verify` choose them (chunk size, batch and KV buckets); lengths beyond the
-        grid are clamped to its largest bucket; a prompt tail that runs in several tail chunks lists them all.
-        Contract: `engine_api.Engine.step_programs`."""
+        `dispatch_decode` and `dispatch_verify` choose them (chunk size, batch and KV buckets, among the ready
+        programs); lengths beyond the grid are clamped to its largest bucket; a prompt tail that runs in several
+        tail chunks lists them all. Contract: `engine_api.Engine.step_programs`."""
         keys: list[ProgramKey] = []
         largest = self.kv_buckets[-1]
         rows = min(shape.rows, self.ecfg.num_slots)
-        verify = bool(rows and shape.draft_tokens and self.ecfg.verify_batches())
+        buckets = self.ecfg.verify_batches()
+        verify = self._verify_bucket(min(rows, buckets[-1])) if rows and shape.draft_tokens and buckets else None
         if shape.chunk_tokens:
-            plan = self.chunk_plan(shape.chunk_tokens, beside_decode=bool(rows and not verify))
-            if rows and not verify and plan[0] == self.mixed_chunk:
-                keys.append(ProgramKey("mixed", self.batch_bucket(rows), plan[0], largest))
+            start = max(0, shape.chunk_end - shape.chunk_tokens)
+            plan = self.chunk_plan(shape.chunk_tokens, beside_decode=bool(rows and verify is None), start=start)
+            mixed = (self._ready_batch("mixed", rows, plan[0], largest)
+                     if rows and verify is None and plan[0] == self.mixed_chunk else None)
+            if mixed is not None:
+                keys.append(ProgramKey("mixed", mixed[0], plan[0], largest))
                 rows = 0
             else:  # a tail planned as several chunks is priced whole (the latency-target admission plans with it)
                 end = min(max(shape.chunk_end, shape.chunk_tokens), largest)
-                keys += [ProgramKey("compute", 1, size, self.kv_bucket(end)) for size in plan]
-        if rows and verify:
-            buckets = self.ecfg.verify_batches()
-            batch = next((b for b in buckets if rows <= b), buckets[-1])
-            keys.append(ProgramKey("verify", batch, self.ecfg.max_draft_tokens + 1, largest))
+                keys += [ProgramKey("compute", 1, size, self._ready_kv("compute", 1, size, end) or largest)
+                         for size in plan]
+        if rows and verify is not None:
+            keys.append(ProgramKey("verify", verify, self.ecfg.max_draft_tokens + 1, largest))
         elif rows:
-            keys.append(ProgramKey("decode", self.batch_bucket(rows), 1,
-                                   self.kv_bucket(min(max(shape.longest, 1), largest))))
+            length = min(max(shape.longest, 1), largest)
+            found = self._ready_batch("decode", rows, 1, length) or (self.batch_bucket(rows), largest)
+            keys.append(ProgramKey("decode", found[0], 1, found[1]))
         return tuple(keys)
 
-    def _decode_rows(self, decode: DecodeBatch, exclude: int | None = None) -> _DecodeRows:
-        """A decode batch padded to its bucket with idle slots (position -1: they write nothing and their outputs
-        are ignored); `exclude` (a mixed step's chunk slot) only when no other slot is left."""
+    def _decode_rows(self, decode: DecodeBatch, batch: int, exclude: int | None = None) -> _DecodeRows:
+        """A decode batch padded to `batch` rows with idle slots (position -1: they write nothing and their
+        outputs are ignored); `exclude` (a mixed step's chunk slot) only when no other slot is left."""
         slots, tokens, positions, is_output = decode.slots, decode.tokens, decode.positions, decode.is_output
         n = len(slots)
-        batch = self.batch_bucket(n)
         idle = [s for s in range(self.ecfg.num_slots) if s not in set(slots) and s != exclude]
         idle = (idle + ([] if exclude is None else [exclude]))[: batch - n]
         row_slots = np.array(list(slots) + idle, np.int32)
@@ -564,28 +690,30 @@ class Engine:
         rows.positions[:n, 0] = positions
         outs: np.ndarray = np.zeros((batch, 1), bool)
         outs[:n, 0] = is_output
-        return _DecodeRows(rows, row_slots, outs, n, self.kv_bucket(max(positions) + 1))
+        return _DecodeRows(rows, row_slots, outs, n)
 
     def sample(self, pending: Pending, *, sampling: SamplingArrays, clear_penalties: Sequence[bool],
                active: Sequence[bool]) -> HostOutput:
         """Sample the pending logits (blocks until the forward pass and the sampling are done): the `greedy`
-        program when every real row is plain greedy and clears nothing, else the full `sample` program.
-        Arguments and result: `engine_api.Engine.sample`."""
-        n = pending.num_rows
+        program when every real row is plain greedy, clears nothing and that program is ready, else the full
+        `sample` program (which draws the same for such rows). Arguments and result: `engine_api.Engine.sample`."""
+        n, B = pending.num_rows, pending.slots.shape[0]
         greedy = not any(clear_penalties[:n]) and is_plain_greedy(sampling, n)
-        key = ProgramKey("greedy" if greedy else "sample", pending.slots.shape[0], 0, 0)
+        key = ProgramKey("greedy", B, 0, 0) if greedy and self._has(ProgramKey("greedy", B, 0, 0)) else \
+            ProgramKey("sample", B, 0, 0)
         inputs = pending.sample_inputs(clear_penalties, active, sampling, self.cfg.vocab_size)
         return host_output(self._run(key, inputs), n)
 
     def dispatch_verify(self, *, batch: VerifyBatch) -> Pending:
-        """Dispatch a verify step (asynchronously) in the smallest verify batch bucket holding its rows, rows
+        """Dispatch a verify step (asynchronously) in the smallest ready verify batch bucket holding its rows, rows
         padded with idle slots and each row's tokens with position -1. Arguments, result and errors:
         `engine_api.Engine.dispatch_verify`."""
         n, T = len(batch.slots), self.ecfg.max_draft_tokens + 1
-        buckets = self.ecfg.verify_batches()
-        if not buckets or n > buckets[-1] or any(not 1 <= len(t) <= T for t in batch.tokens):
-            raise ValueError(f"a verify step takes 1 to {buckets[-1] if buckets else 0} rows of 1 to {T} tokens")
-        B = next(b for b in buckets if n <= b)
+        B = self._verify_bucket(n)
+        if B is None or any(not 1 <= len(t) <= T for t in batch.tokens):
+            buckets = self.ecfg.verify_batches()
+            raise ValueError(f"a verify step takes 1 to {buckets[-1] if buckets else 0} rows of 1 to {T} tokens "
+                             f"(with its programs compiled)")
         idle = [s for s in range(self.ecfg.num_slots) if s not in set(batch.slots)][: B - n]
         slots = np.array(list(batch.slots) + idle, np.int32)
         rows = dataclasses.replace(idle_batch(B, T, slots), logit_rows=None)
@@ -601,12 +729,12 @@ class Engine:
 
     def sample_verify(self, pending: Pending, *, sampling: SamplingArrays, clear_penalties: Sequence[bool],
                       active: Sequence[bool]) -> VerifyOutput:
-        """Sample a verify step: the `vgreedy` program when every real row is plain greedy and clears nothing,
-        else `vsample`. Arguments and result: `engine_api.Engine.sample_verify`."""
+        """Sample a verify step: the `vgreedy` program when every real row is plain greedy, clears nothing and
+        that program is ready, else `vsample`. Arguments and result: `engine_api.Engine.sample_verify`."""
         n = pending.num_rows
         greedy = not any(clear_penalties[:n]) and is_plain_greedy(sampling, n)
         B, T = pending.tokens.shape
-        key = ProgramKey("vgreedy" if greedy else "vsample", B, T, 0)
+        key = ProgramKey("vgreedy" if greedy and self._has(ProgramKey("vgreedy", B, T, 0)) else "vsample", B, T, 0)
         inputs = pending.sample_inputs(clear_penalties, active, _per_position(sampling, T), self.cfg.vocab_size)
         out = host_output(self._run(key, inputs), n)
         following = np.concatenate([pending.tokens[:n, 1:], np.full((n, 1), -1, np.int32)], axis=1)
@@ -674,6 +802,13 @@ def _tail_plan(sizes: tuple[int, ...], remaining: int) -> tuple[int, ...]:
         cost, _, plan = min(options)
         best[r] = (cost, plan)
     return best[remaining][1]
+
+
+def _abstract(leaf):
+    """A state leaf's shape, dtype and sharding (`jax.ShapeDtypeStruct`); anything but a JAX array as it is."""
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    return leaf
 
 
 def _pad_rows(sampling: SamplingArrays, batch: int, vocab: int) -> SamplingArrays:

@@ -315,3 +315,14 @@ class Engine(Protocol):
         """Copy slot `src`'s KV cache rows and penalty history over slot `dst` (prefix reuse, `n` > 1 forks);
         `src` is left as it was."""
         ...
+
+    def can_verify(self, *, rows: int) -> bool:
+        """Whether a verify step (`dispatch_verify`) of `rows` rows can run now: the engine has verify programs
+        for that many rows and they are compiled (a worker that serves first compiles them in the background)."""
+        ...
+
+    def adopt_programs(self) -> list[ProgramKey]:
+        """Take in the programs compiled in the background since the last call, so later steps may use them
+        (they change no token: only the speed). Called by the loop between steps, on its thread. Returns their
+        keys."""
+        ...

@@ -199,6 +199,10 @@ class ExecutableCache:
             self.store(fp, compiled)
         return compiled
 
+    def has(self, fp: str) -> bool:
+        """Whether an entry is stored under `fp` (it may still fail to load: `load`)."""
+        return self._path(fp).exists()
+
     def _path(self, fp: str) -> pathlib.Path:
         return self.directory / f"{fp}.xla"
 

@@ -285,6 +285,7 @@ class EngineLoop:
             if self._stopped.is_set():
                 break
             try:
+                self.engine.adopt_programs()  # compiled in the background meanwhile (a worker that serves first)
                 self._iterate()
             except Exception as exc:
                 log.exception("engine step failed; the worker cannot continue")
@@ -477,6 +478,10 @@ class EngineLoop:
         is due for a probe (`drafting.Acceptance.probe_due`). Drafts not verified are noted as passed over."""
         drafted = [(s.request_id, len(d)) for s, d in zip(work.decode, work.drafts) if d]
         if not drafted:
+            return False
+        if not self.engine.can_verify(rows=len(work.decode)):  # its programs still compiling
+            for r, _ in drafted:
+                self.scheduler.drafter.passed_over(r)
             return False
         if self.speculation == "always":
             return True

@@ -11,6 +11,7 @@ import logging
 import os
 import pathlib
 import signal
+import threading
 import time
 
 from grpc_health.v1 import health_pb2
@@ -189,11 +190,16 @@ def load_engine(prepared, args: argparse.Namespace):
             log.warning("tensor parallel %d over simulated CPU devices: for testing, no faster than one device",
                         ecfg.tensor_parallel)
     grid = engine.grid()
-    log.info("compiling %d programs (batch buckets %s, KV buckets %s, chunks %s, tail chunks %s)", len(grid),
+    log.info("the grid: %d programs (batch buckets %s, KV buckets %s, chunks %s, tail chunks %s)", len(grid),
              engine.batch_buckets, engine.kv_buckets, ecfg.prefill_chunks, ecfg.tail_chunks or "none")
     executables = ExecutableCache(pathlib.Path(args.cache_dir) / "executables")
     threads = min(args.compile_threads or compile_threads(), len(grid))
-    seconds = engine.compile_all(lambda n, total, key: log.info("compiled %d/%d %s", n, total, key),
+    first = start_programs(engine, executables, args.serve_first)
+    if len(first) < len(grid):
+        log.info("compiling the %d programs that serve every request first (%d more load from the executable cache; "
+                 "the other %d compile while serving)", len(set(first) - set(engine.cached(first, executables))),
+                 len(engine.cached(first, executables)), len(grid) - len(first))
+    seconds = engine.compile_all(lambda n, total, key: log.info("compiled %d/%d %s", n, total, key), keys=first,
                                  cache=executables, threads=threads)
     log.info("compiled %d programs in %.1f s, %d at a time (%d loaded from %s, %d stored there)",
              engine.num_programs, seconds, threads, executables.loaded, executables.directory, executables.stored)
@@ -206,6 +212,9 @@ def load_engine(prepared, args: argparse.Namespace):
                     memory.size_text(usage[0].temporaries), memory.size_text(footprint.temporaries(ecfg.num_slots)))
     for u in usage:  # the measured figures must fit too: an out-of-memory step later would be fatal
         held = u.weights + u.kv + u.penalties + u.temporaries
+        if u.capacity:  # programs compiled in the background get no more temporaries than the device has left
+            left = u.capacity - (u.weights + u.kv + u.penalties)
+            engine.temp_budget = left if engine.temp_budget is None else min(engine.temp_budget, left)
         if u.capacity and held > u.capacity:
             raise FlagsRefused(f"--num-slots {ecfg.num_slots}: device {u.device.id} needs {memory.size_text(held)} "
                                f"(weights, KV, penalty state and the compiled programs' temporaries) but reports "
@@ -231,6 +240,17 @@ def load_engine(prepared, args: argparse.Namespace):
             penalty_bytes=u.penalties, temp_bytes=u.temporaries, capacity_bytes=u.capacity or 0) for u in usage],
     )
     return engine, info
+
+
+def start_programs(engine, executables, serve_first: bool) -> list:
+    """The programs a worker has before it serves: with `serve_first`, every program the executable cache holds
+    (loading takes seconds) and the serving set (`Engine.serving_set`), in the grid's order; else the whole grid.
+    The rest compile in the background (`serve`)."""
+    grid = engine.grid()
+    if not serve_first:
+        return grid
+    first = set(engine.cached(grid, executables)) | set(engine.serving_set())
+    return [key for key in grid if key in first]
 
 
 #: `--tail-chunks` on CPU when not given (an accelerator pads nearly for free: none there).
@@ -340,6 +360,8 @@ async def serve(args: argparse.Namespace) -> int:
         await server.stop(0)
         return 1
     metrics.programs.set(engine.num_programs)
+    later = [key for key in engine.grid() if key not in engine.ready_programs()]
+    metrics.programs_compiling.set(len(later))
     fatal = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
     fault = os.environ.get(FAULT_ENV)
@@ -356,17 +378,23 @@ async def serve(args: argparse.Namespace) -> int:
     servicer.set_ready(loop, info)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("model worker SERVING %s on %s", info.model_name, address)
+    log.info("model worker SERVING %s on %s%s", info.model_name, address,
+             f" ({len(later)} programs compiling in the background)" if later else ", every program compiled")
+    background = start_background(engine, later, args, metrics, servicer) if later else None
     await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(fatal.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if background is not None and not background.done.is_set():
+        background.stop()  # no further compile starts; those running finish (`_exit`)
+        log.info("background compilation stopped with %d programs left", background.total - background.compiled
+                 - len(background.failed))
     if fatal.is_set():
         # The KV buffers may be gone with the failed step: end here so the supervisor starts a fresh worker. The
         # grace lets every stream receive its UNAVAILABLE first.
         log.error("engine failed: exiting for a restart")
         await server.stop(1)
-        return 3
+        return await _exit(background, 3)
     servicer.draining = True
     log.info("draining: new requests refused, running ones may finish (at most %.0f s)", args.drain_timeout)
     if not await asyncio.to_thread(wait_idle, loop, args.drain_timeout):
@@ -374,7 +402,57 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("shutting down")
     await server.stop(2)
     loop.stop()
-    return 0
+    return await _exit(background, 0)
+
+
+#: Seconds an exiting worker waits for the compiles still running on its background threads.
+COMPILE_EXIT_WAIT_S = 30.0
+
+
+async def _exit(background, code: int) -> int:
+    """Return `code` once no background compile runs. A compile in XLA cannot be interrupted, and a process whose
+    interpreter finalizes while one runs aborts (SIGABRT from C++); so wait for it up to `COMPILE_EXIT_WAIT_S`
+    seconds, then end the process at once (`os._exit`, after flushing the log), skipping the finalization."""
+    if background is None or await asyncio.to_thread(background.stop, COMPILE_EXIT_WAIT_S):
+        return code
+    log.warning("a background compile is still running after %.0f s: exiting without waiting for it",
+                COMPILE_EXIT_WAIT_S)
+    logging.shutdown()
+    os._exit(code)
+
+
+def start_background(engine, keys: list, args: argparse.Namespace, metrics, servicer):
+    """Compile `keys` while the worker serves (`Engine.compile_in_background`, from the executable cache where it
+    holds them), each into the metrics and the log as it arrives, and a last line when every program is ready:
+    the worker's full speed. Returns the `BackgroundCompile`."""
+    from model_worker.engine import compile_threads
+    from model_worker.executables import ExecutableCache
+
+    started = time.perf_counter()
+    executables = ExecutableCache(pathlib.Path(args.cache_dir) / "executables")
+    total = len(keys)
+    counts = {"done": 0, "failed": 0}
+    lock = threading.Lock()  # the callback runs on every compiling thread
+
+    def compiled(key, ok: bool) -> None:
+        with lock:
+            counts["done"] += 1
+            counts["failed"] += not ok
+            done, failed = counts["done"], counts["failed"]
+        metrics.programs_compiling.set(total - done)
+        servicer.programs_compiling = total - done
+        if ok:
+            metrics.programs.inc()
+        log.info("compiled in the background %d/%d %s%s", done, total, key,
+                 "" if ok else " (FAILED: serving without it)")
+        if done == total:
+            log.info("full speed: every program of the grid compiled, %.1f s after serving began (%d failed)",
+                     time.perf_counter() - started, failed)
+
+    servicer.programs_compiling = total
+    threads = min(args.compile_threads or compile_threads(), total)
+    job = engine.compile_in_background(keys, cache=executables, threads=threads, on_compiled=compiled)
+    return job
 
 
 def run(args: argparse.Namespace) -> int:

@@ -77,7 +77,9 @@ class WorkerMetrics:
                                                                            1.0, 2.0), registry=r)
         self.compilations = Counter(p + "compilations", "XLA compilations (after warm-up this must stay flat).",
                                     registry=r)
-        self.programs = Gauge(p + "compiled_programs", "Programs in the compiled grid.", registry=r)
+        self.programs = Gauge(p + "compiled_programs", "Programs of the grid compiled so far.", registry=r)
+        self.programs_compiling = Gauge(p + "programs_compiling", "Programs of the grid still compiling in the "
+                                        "background (0: full speed; the worker serves meanwhile).", registry=r)
         self.leased_slots = Gauge(p + "leased_slots", "Slots whose KV is leased to a session (kept after its "
                                   "request, exempt from LRU eviction).", registry=r)
         self.lease_preemptions = Counter(p + "lease_preemptions", "Session leases ended early because a request "

@@ -164,6 +164,7 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         self.attach_timeout = attach_timeout
         self._live: dict[str, _Live] = {}
         self.draining = False  # set on SIGTERM: new requests are refused, running ones finish
+        self.programs_compiling = 0  # programs of the grid still compiling while the worker serves (GetLoad)
 
     def set_ready(self, loop: EngineLoop, info: model_worker_pb2.WorkerInfoResponse) -> None:
         """Start accepting requests (called once the engine is compiled)."""
@@ -176,14 +177,15 @@ class WorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
 
     async def GetLoad(self, request, context):
         """Waiting and running requests now, the KV usage of the engine loop's latest iteration
-        (`EngineLoop.load`: a router's load signal) and the headroom within latency targets
-        (`EngineLoop.headroom`); UNAVAILABLE until the engine is ready."""
+        (`EngineLoop.load`: a router's load signal), the headroom within latency targets
+        (`EngineLoop.headroom`) and the programs still compiling; UNAVAILABLE until the engine is ready."""
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model worker is still loading")
         running, waiting, kv_usage = self.loop.load()
         return model_worker_pb2.GetLoadResponse(num_requests_waiting=waiting, num_requests_running=running,
                                                 kv_cache_usage_perc=kv_usage, num_slots=self.loop.engine.ecfg.num_slots,
-                                                headroom_rows=self.loop.headroom())
+                                                headroom_rows=self.loop.headroom(),
+                                                programs_compiling=self.programs_compiling)
 
     async def Prefill(self, request: model_worker_pb2.PrefillRequest, context):
         events: asyncio.Queue = asyncio.Queue()

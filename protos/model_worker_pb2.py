@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protos/model_worker.proto\x12\x0egemma_serve.v1\x1a\x13protos/common.proto\"\x10\n\x0eGetLoadRequest\"\x94\x01\n\x0fGetLoadResponse\x12\x1c\n\x14num_requests_waiting\x18\x01 \x01(\x05\x12\x1c\n\x14num_requests_running\x18\x02 \x01(\x05\x12\x1b\n\x13kv_cache_usage_perc\x18\x03 \x01(\x02\x12\x11\n\tnum_slots\x18\x04 \x01(\x05\x12\x15\n\rheadroom_rows\x18\x05 \x01(\x05\"\x13\n\x11WorkerInfoRequest\"\xf7\x03\n\x12WorkerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x11\n\tnum_slots\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\x08 \x01(\x03\x12\x1d\n\x15kv_bytes_per_sequence\x18\t \x01(\x03\x12\x1e\n\x16\x64\x65\x66\x61ult_stop_token_ids\x18\n \x03(\x05\x12\x1d\n\x15num_compiled_programs\x18\x0b \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x0c \x01(\t\x12\x13\n\x0bmax_waiting\x18\r \x01(\x05\x12\x16\n\x0esliding_window\x18\x0e \x01(\x05\x12\x16\n\x0eprefix_caching\x18\x0f \x01(\x08\x12\x1f\n\x17max_position_embeddings\x18\x10 \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\x11 \x01(\t\x12\x16\n\x0eprefill_chunks\x18\x12 \x03(\x05\x12\x33\n\rdevice_memory\x18\x13 \x03(\x0b\x32\x1c.gemma_serve.v1.DeviceMemory\"\xa1\x01\n\x0c\x44\x65viceMemory\x12\x11\n\tdevice_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x64\x65vice_kind\x18\x02 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x03 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x15\n\rpenalty_bytes\x18\x05 \x01(\x03\x12\x12\n\ntemp_bytes\x18\x06 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x07 \x01(\x03\"\x96\x04\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.gemma_serve.v1.SamplingParams\x12\x30\n\x08stopping\x18\x04 \x01(\x0b\x32\x1e.gemma_serve.v1.StoppingParams\x12/\n\x0cinitial_mask\x18\x05 \x01(\x0b\x32\x19.gemma_serve.v1.TokenMask\x12\x13\n\x0b\x63onstrained\x18\x06 \x01(\x08\x12\x19\n\x11share_prompt_with\x18\x07 \x01(\t\x12\x31\n\x0e\x61llowed_tokens\x18\x08 \x01(\x0b\x32\x19.gemma_serve.v1.TokenMask\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x12\n\nsession_id\x18\n \x01(\t\x12\x15\n\rsession_ttl_s\x18\x0b \x01(\x02\x12\x17\n\x0fsession_release\x18\x0c \x01(\x08\x12\x1c\n\x14prediction_token_ids\x18\r \x03(\x05\x12\x13\n\x0b\x64raft_scope\x18\x0e \x01(\t\x12\x19\n\x11\x64rafts_with_masks\x18\x0f \x01(\x08\x12\x12\n\nslo_ttft_s\x18\x10 \x01(\x02\x12\x12\n\nslo_tpot_s\x18\x11 \x01(\x02\x12\x10\n\x08priority\x18\x12 \x01(\x05\"\xcf\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x1e.gemma_serve.v1.GeneratedToken\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.gemma_serve.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.gemma_serve.v1.Usage\x12\x18\n\x10max_draft_tokens\x18\x05 \x01(\x05\"\xcb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12)\n\x04mask\x18\x03 \x01(\x0b\x32\x19.gemma_serve.v1.TokenMaskH\x00\x12.\n\x06\x66orced\x18\x04 \x01(\x0b\x32\x1c.gemma_serve.v1.ForcedTokensH\x00\x12/\n\x05\x64raft\x18\x05 \x01(\x0b\x32 .gemma_serve.v1.ConstrainedDraftB\x0c\n\nconstraint\"O\n\x10\x43onstrainedDraft\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12(\n\x05masks\x18\x02 \x03(\x0b\x32\x19.gemma_serve.v1.TokenMask\"!\n\x0c\x46orcedTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xb5\x01\n\x0e\x44\x65\x63odeResponse\x12.\n\x06tokens\x18\x01 \x03(\x0b\x32\x1e.gemma_serve.v1.GeneratedToken\x12\x33\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1c.gemma_serve.v1.FinishReason\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.gemma_serve.v1.Usage\x12\x18\n\x10max_draft_tokens\x18\x04 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x87\x03\n\x0bModelWorker\x12M\n\x04Info\x12!.gemma_serve.v1.WorkerInfoRequest\x1a\".gemma_serve.v1.WorkerInfoResponse\x12J\n\x07Prefill\x12\x1e.gemma_serve.v1.PrefillRequest\x1a\x1f.gemma_serve.v1.PrefillResponse\x12K\n\x06\x44\x65\x63ode\x12\x1d.gemma_serve.v1.DecodeRequest\x1a\x1e.gemma_serve.v1.DecodeResponse(\x01\x30\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.gemma_serve.v1.AbortRequest\x1a\x1d.gemma_serve.v1.AbortResponse\x12J\n\x07GetLoad\x12\x1e.gemma_serve.v1.GetLoadRequest\x1a\x1f.gemma_serve.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protos/model_worker.proto\x12\x0egemma_serve.v1\x1a\x13protos/common.proto\"\x10\n\x0eGetLoadRequest\"\xb0\x01\n\x0fGetLoadResponse\x12\x1c\n\x14num_requests_waiting\x18\x01 \x01(\x05\x12\x1c\n\x14num_requests_running\x18\x02 \x01(\x05\x12\x1b\n\x13kv_cache_usage_perc\x18\x03 \x01(\x02\x12\x11\n\tnum_slots\x18\x04 \x01(\x05\x12\x15\n\rheadroom_rows\x18\x05 \x01(\x05\x12\x1a\n\x12programs_compiling\x18\x06 \x01(\x05\"\x13\n\x11WorkerInfoRequest\"\xf7\x03\n\x12WorkerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x11\n\tnum_slots\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\x08 \x01(\x03\x12\x1d\n\x15kv_bytes_per_sequence\x18\t \x01(\x03\x12\x1e\n\x16\x64\x65\x66\x61ult_stop_token_ids\x18\n \x03(\x05\x12\x1d\n\x15num_compiled_programs\x18\x0b \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x0c \x01(\t\x12\x13\n\x0bmax_waiting\x18\r \x01(\x05\x12\x16\n\x0esliding_window\x18\x0e \x01(\x05\x12\x16\n\x0eprefix_caching\x18\x0f \x01(\x08\x12\x1f\n\x17max_position_embeddings\x18\x10 \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\x11 \x01(\t\x12\x16\n\x0eprefill_chunks\x18\x12 \x03(\x05\x12\x33\n\rdevice_memory\x18\x13 \x03(\x0b\x32\x1c.gemma_serve.v1.DeviceMemory\"\xa1\x01\n\x0c\x44\x65viceMemory\x12\x11\n\tdevice_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x64\x65vice_kind\x18\x02 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x03 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x15\n\rpenalty_bytes\x18\x05 \x01(\x03\x12\x12\n\ntemp_bytes\x18\x06 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x07 \x01(\x03\"\x96\x04\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.gemma_serve.v1.SamplingParams\x12\x30\n\x08stopping\x18\x04 \x01(\x0b\x32\x1e.gemma_serve.v1.StoppingParams\x12/\n\x0cinitial_mask\x18\x05 \x01(\x0b\x32\x19.gemma_serve.v1.TokenMask\x12\x13\n\x0b\x63onstrained\x18\x06 \x01(\x08\x12\x19\n\x11share_prompt_with\x18\x07 \x01(\t\x12\x31\n\x0e\x61llowed_tokens\x18\x08 \x01(\x0b\x32\x19.gemma_serve.v1.TokenMask\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x12\n\nsession_id\x18\n \x01(\t\x12\x15\n\rsession_ttl_s\x18\x0b \x01(\x02\x12\x17\n\x0fsession_release\x18\x0c \x01(\x08\x12\x1c\n\x14prediction_token_ids\x18\r \x03(\x05\x12\x13\n\x0b\x64raft_scope\x18\x0e \x01(\t\x12\x19\n\x11\x64rafts_with_masks\x18\x0f \x01(\x08\x12\x12\n\nslo_ttft_s\x18\x10 \x01(\x02\x12\x12\n\nslo_tpot_s\x18\x11 \x01(\x02\x12\x10\n\x08priority\x18\x12 \x01(\x05\"\xcf\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x1e.gemma_serve.v1.GeneratedToken\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.gemma_serve.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.gemma_serve.v1.Usage\x12\x18\n\x10max_draft_tokens\x18\x05 \x01(\x05\"\xcb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12)\n\x04mask\x18\x03 \x01(\x0b\x32\x19.gemma_serve.v1.TokenMaskH\x00\x12.\n\x06\x66orced\x18\x04 \x01(\x0b\x32\x1c.gemma_serve.v1.ForcedTokensH\x00\x12/\n\x05\x64raft\x18\x05 \x01(\x0b\x32 .gemma_serve.v1.ConstrainedDraftB\x0c\n\nconstraint\"O\n\x10\x43onstrainedDraft\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12(\n\x05masks\x18\x02 \x03(\x0b\x32\x19.gemma_serve.v1.TokenMask\"!\n\x0c\x46orcedTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xb5\x01\n\x0e\x44\x65\x63odeResponse\x12.\n\x06tokens\x18\x01 \x03(\x0b\x32\x1e.gemma_serve.v1.GeneratedToken\x12\x33\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1c.gemma_serve.v1.FinishReason\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.gemma_serve.v1.Usage\x12\x18\n\x10max_draft_tokens\x18\x04 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x87\x03\n\x0bModelWorker\x12M\n\x04Info\x12!.gemma_serve.v1.WorkerInfoRequest\x1a\".gemma_serve.v1.WorkerInfoResponse\x12J\n\x07Prefill\x12\x1e.gemma_serve.v1.PrefillRequest\x1a\x1f.gemma_serve.v1.PrefillResponse\x12K\n\x06\x44\x65\x63ode\x12\x1d.gemma_serve.v1.DecodeRequest\x1a\x1e.gemma_serve.v1.DecodeResponse(\x01\x30\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.gemma_serve.v1.AbortRequest\x1a\x1d.gemma_serve.v1.AbortResponse\x12J\n\x07GetLoad\x12\x1e.gemma_serve.v1.GetLoadRequest\x1a\x1f.gemma_serve.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=66
   _globals['_GETLOADREQUEST']._serialized_end=82
   _globals['_GETLOADRESPONSE']._serialized_start=85
-  _globals['_GETLOADRESPONSE']._serialized_end=233
-  _globals['_WORKERINFOREQUEST']._serialized_start=235
-  _globals['_WORKERINFOREQUEST']._serialized_end=254
-  _globals['_WORKERINFORESPONSE']._serialized_start=257
-  _globals['_WORKERINFORESPONSE']._serialized_end=760
-  _globals['_DEVICEMEMORY']._serialized_start=763
-  _globals['_DEVICEMEMORY']._serialized_end=924
-  _globals['_PREFILLREQUEST']._serialized_start=927
-  _globals['_PREFILLREQUEST']._serialized_end=1461
-  _globals['_PREFILLRESPONSE']._serialized_start=1464
-  _globals['_PREFILLRESPONSE']._serialized_end=1671
-  _globals['_DECODEREQUEST']._serialized_start=1674
-  _globals['_DECODEREQUEST']._serialized_end=1877
-  _globals['_CONSTRAINEDDRAFT']._serialized_start=1879
-  _globals['_CONSTRAINEDDRAFT']._serialized_end=1958
-  _globals['_FORCEDTOKENS']._serialized_start=1960
-  _globals['_FORCEDTOKENS']._serialized_end=1993
-  _globals['_DECODERESPONSE']._serialized_start=1996
-  _globals['_DECODERESPONSE']._serialized_end=2177
-  _globals['_ABORTREQUEST']._serialized_start=2179
-  _globals['_ABORTREQUEST']._serialized_end=2213
-  _globals['_ABORTRESPONSE']._serialized_start=2215
-  _globals['_ABORTRESPONSE']._serialized_end=2245
-  _globals['_MODELWORKER']._serialized_start=2248
-  _globals['_MODELWORKER']._serialized_end=2639
+  _globals['_GETLOADRESPONSE']._serialized_end=261
+  _globals['_WORKERINFOREQUEST']._serialized_start=263
+  _globals['_WORKERINFOREQUEST']._serialized_end=282
+  _globals['_WORKERINFORESPONSE']._serialized_start=285
+  _globals['_WORKERINFORESPONSE']._serialized_end=788
+  _globals['_DEVICEMEMORY']._serialized_start=791
+  _globals['_DEVICEMEMORY']._serialized_end=952
+  _globals['_PREFILLREQUEST']._serialized_start=955
+  _globals['_PREFILLREQUEST']._serialized_end=1489
+  _globals['_PREFILLRESPONSE']._serialized_start=1492
+  _globals['_PREFILLRESPONSE']._serialized_end=1699
+  _globals['_DECODEREQUEST']._serialized_start=1702
+  _globals['_DECODEREQUEST']._serialized_end=1905
+  _globals['_CONSTRAINEDDRAFT']._serialized_start=1907
+  _globals['_CONSTRAINEDDRAFT']._serialized_end=1986
+  _globals['_FORCEDTOKENS']._serialized_start=1988
+  _globals['_FORCEDTOKENS']._serialized_end=2021
+  _globals['_DECODERESPONSE']._serialized_start=2024
+  _globals['_DECODERESPONSE']._serialized_end=2205
+  _globals['_ABORTREQUEST']._serialized_start=2207
+  _globals['_ABORTREQUEST']._serialized_end=2241
+  _globals['_ABORTRESPONSE']._serialized_start=2243
+  _globals['_ABORTRESPONSE']._serialized_end=2273
+  _globals['_MODELWORKER']._serialized_start=2276
+  _globals['_MODELWORKER']._serialized_end=2667
 # @@protoc_insertion_point(module_scope)

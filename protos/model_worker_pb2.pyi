@@ -12,18 +12,20 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "num_slots", "headroom_rows")
+    __slots__ = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "num_slots", "headroom_rows", "programs_compiling")
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_PERC_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMS_COMPILING_FIELD_NUMBER: _ClassVar[int]
     num_requests_waiting: int
     num_requests_running: int
     kv_cache_usage_perc: float
     num_slots: int
     headroom_rows: int
-    def __init__(self, num_requests_waiting: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., kv_cache_usage_perc: _Optional[float] = ..., num_slots: _Optional[int] = ..., headroom_rows: _Optional[int] = ...) -> None: ...
+    programs_compiling: int
+    def __init__(self, num_requests_waiting: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., kv_cache_usage_perc: _Optional[float] = ..., num_slots: _Optional[int] = ..., headroom_rows: _Optional[int] = ..., programs_compiling: _Optional[int] = ...) -> None: ...
 
 class WorkerInfoRequest(_message.Message):
     __slots__ = ()

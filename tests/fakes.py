@@ -161,3 +161,11 @@ class FakeEngine:
     def copy_slot(self, *, src: int, dst: int) -> None:
         """Count the copy (the fake keeps no per-slot state)."""
         self.calls["copy"] += 1
+
+    def can_verify(self, *, rows: int) -> bool:
+        """Verify steps of up to `max_verify_batch` rows when drafting is on (no programs to wait for)."""
+        return bool(self.ecfg.max_draft_tokens) and rows <= self.ecfg.max_verify_batch
+
+    def adopt_programs(self) -> list[ProgramKey]:
+        """Nothing compiles in the background here."""
+        return []

@@ -10,6 +10,7 @@ session's first test in a serial run), one after another in the background while
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -253,12 +254,15 @@ class Stack:
         return self
 
     def poll_healthy(self, timeout: float = 900) -> bool:
-        """Wait until /health is 200 (True), the process exits or `timeout` seconds pass (False)."""
+        """Wait until /health is 200 with every program of the workers' grids compiled (True: the tests see a
+        worker at full speed, whose step counters and compilations do not move with its background compiles),
+        the process exits or `timeout` seconds pass (False)."""
         deadline = time.monotonic() + timeout
         while not self.healthy:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 return False
-            if self.health_status() == 200:
+            status, body = self.health()
+            if status == 200 and body.get("programs_compiling", 0) == 0:
                 self.healthy, self.startup_s = True, time.monotonic() - self.started
                 break
             time.sleep(0.5)
@@ -276,20 +280,28 @@ class Stack:
 
     def health_status(self) -> int:
         """The gateway's /health status code (0 when it does not answer)."""
-        if self.sockets:
-            from common.uds import http_get
+        return self.health()[0]
 
-            try:
-                return http_get(self.sockets["api"], "/health", timeout=2, context=self.ssl_context())[0]
-            except OSError:
-                return 0
+    def health(self) -> tuple[int, dict]:
+        """The gateway's /health: (status code, JSON body); (0, {}) when it does not answer."""
         try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2, context=self.ssl_context()) as resp:
-                return resp.status
-        except urllib.error.HTTPError as err:
-            return err.code
+            if self.sockets:
+                from common.uds import http_get
+
+                status, body = http_get(self.sockets["api"], "/health", timeout=2, context=self.ssl_context())
+            else:
+                try:
+                    with urllib.request.urlopen(self.base_url + "/health", timeout=2,
+                                                context=self.ssl_context()) as resp:
+                        status, body = resp.status, resp.read()
+                except urllib.error.HTTPError as err:
+                    status, body = err.code, err.read()
         except OSError:
-            return 0
+            return 0, {}
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            return status, {}
 
     def stop(self) -> None:
         """SIGTERM and wait; a stack that does not stop within 60 s fails the session."""
