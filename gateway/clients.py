@@ -132,7 +132,12 @@ class Backends:
         self.admission = Admission()
         self.metrics = GatewayMetrics()
         self._lltokenizer = None
+        self._lltokenizer_key: tuple | None = None  # (tokenizer JSON, vocabulary size, eos) it was built for
         self._lltokenizer_lock = asyncio.Lock()
+        # The tokenizer service's Info and vocabulary, fetched while the worker still compiles (`wait_ready`), for
+        # the next facts fetch to use once: the vocabulary and the grammar tokenizer then leave the critical path
+        # of the first start.
+        self._prefetched: tuple | None = None
         self._channel: grpc.aio.Channel | None = None
         self.worker_statuses: dict[str, str] = {}  # each worker's health at the last poll, by address
 
@@ -150,12 +155,17 @@ class Backends:
         return self._lltokenizer
 
     async def _build_grammar_tokenizer(self, facts: ModelFacts) -> None:
+        await self._build_grammar_tokenizer_for(facts.tokenizer_json, facts.vocab_size, facts.eos_id)
+
+    async def _build_grammar_tokenizer_for(self, tokenizer_json: str, vocab_size: int, eos_id: int) -> None:
+        """Build the llguidance tokenizer unless the one held was built for the same inputs."""
         from gateway.constraints import build_tokenizer
 
+        key = (tokenizer_json, vocab_size, eos_id)
         async with self._lltokenizer_lock:
-            if self._lltokenizer is None:
-                self._lltokenizer = await asyncio.to_thread(
-                    build_tokenizer, facts.tokenizer_json, facts.vocab_size, [facts.eos_id])
+            if self._lltokenizer is None or self._lltokenizer_key != key:
+                self._lltokenizer = await asyncio.to_thread(build_tokenizer, tokenizer_json, vocab_size, [eos_id])
+                self._lltokenizer_key = key
 
     def _connect(self) -> grpc.aio.Channel:
         """Create the tokenizer channel on first use, inside the running event loop (grpc.aio binds it to it)."""
@@ -219,8 +229,11 @@ class Backends:
     async def wait_ready(self, poll: float = 0.5) -> None:
         """Poll health until both backends serve, then fetch the model facts."""
         while self.facts is None:
-            if all(s == "SERVING" for s in (await self.health()).values()):
+            statuses = await self.health()
+            if all(s == "SERVING" for s in statuses.values()):
                 await self._refresh_facts()
+            elif statuses["tokenizer service"] == "SERVING" and self._prefetched is None:
+                await self._prefetch_vocabulary()
             if self.facts is None:  # an unsupported model is not retried at the polling rate (a whole vocabulary)
                 await asyncio.sleep(poll if self.facts_error is None else max(poll, 10.0))
 
@@ -250,6 +263,18 @@ class Backends:
                     await self._check_worker(addr)
                 joined = set(self._serving_workers())
 
+    async def _prefetch_vocabulary(self) -> None:
+        """While the worker compiles: the tokenizer service's Info and vocabulary, and the grammar tokenizer for a
+        model whose vocabulary is the tokenizer's (the usual case; the facts fetch rebuilds it otherwise). A failure
+        is left to the facts fetch, which reports it."""
+        try:
+            tinfo = await self.tokenizer.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=10)
+            vocab = await self.tokenizer.GetVocab(tokenizer_pb2.GetVocabRequest(), timeout=60)
+            self._prefetched = (tinfo, vocab)
+            await self._build_grammar_tokenizer_for(vocab.tokenizer_json, len(vocab.token_bytes), tinfo.eos_token_id)
+        except Exception as err:  # noqa: BLE001 - an optimisation only; `_fetch_facts` reports real failures
+            log.debug("prefetching the vocabulary failed: %s", err)
+
     def _serving_workers(self) -> list[str]:
         return [w.addr for w in self.pool.serving()]
 
@@ -273,11 +298,10 @@ class Backends:
         """Fetch the model facts; rebuild the grammar tokenizer when the vocabulary changed. Returns success."""
         try:
             facts = await self._fetch_facts()
-            if self.facts is None or facts.tokenizer_json != self.facts.tokenizer_json:
-                # Built before the facts are published: llguidance holds the GIL for the whole build, which would
-                # stall the event loop inside the first constrained request (figures: docs/performance.md).
-                self._lltokenizer = None
-                await self._build_grammar_tokenizer(facts)
+            # Built before the facts are published (kept when built for the same vocabulary): llguidance holds the
+            # GIL for the whole build, which would stall the event loop inside the first constrained request
+            # (figures: docs/performance.md).
+            await self._build_grammar_tokenizer(facts)
             self.facts, self.facts_error = facts, None
             for addr in self._serving_workers():  # one model behind the gateway: every worker serves the same
                 await self._check_worker(addr)
@@ -310,11 +334,15 @@ class Backends:
             raise ApiError(503, "no model worker serves yet", code="model_loading")
         worker = serving[0]
         info = await worker.stub.Info(model_worker_pb2.WorkerInfoRequest(), timeout=10)
-        tinfo = await self.tokenizer.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=10)
+        prefetched, self._prefetched = self._prefetched, None  # used once: a later fetch asks again
+        if prefetched is not None:
+            tinfo, vocab = prefetched
+        else:
+            tinfo = await self.tokenizer.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=10)
+            vocab = await self.tokenizer.GetVocab(tokenizer_pb2.GetVocabRequest(), timeout=60)
         if tinfo.family and tinfo.family != info.architecture:
             raise FamilyMismatchError(f"the tokenizer service serves the model family {tinfo.family!r} and the worker "
                                       f"{info.architecture!r}: start both on the same model")
-        vocab = await self.tokenizer.GetVocab(tokenizer_pb2.GetVocabRequest(), timeout=60)
         if len(vocab.token_bytes) > info.vocab_size:
             raise ApiError(500, f"tokenizer vocabulary ({len(vocab.token_bytes)}) exceeds the model's ({info.vocab_size})")
         facts = ModelFacts(

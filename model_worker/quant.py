@@ -523,7 +523,10 @@ def bf16_linear(x: jax.Array, w: Bf16Weight, out_dtype=None) -> jax.Array:
         y = gemm(jnp.pad(xb, ((0, gemm_row_pad(rows)), (0, 0))), w.w)[:rows]
     elif rows == 1:
         one_row = lambda xb, wb: _matmul_t(xb.astype(jnp.float32), wb.astype(jnp.float32))
-        y = lax.platform_dependent(xb, w.w, cpu=one_row, default=gemm)
+        # Off CPU the one row rides in a GEMM of `GEMM_ROW_MULTIPLE` rows: a v5e's 1-row product missed the float32
+        # summation bound 8-200 times where 2+ rows met it (tests/model_worker/test_bf16_matmul.py, device lane).
+        padded = lambda xb, wb: gemm(jnp.pad(xb, ((0, GEMM_ROW_MULTIPLE - 1), (0, 0))), wb)[:1]
+        y = lax.platform_dependent(xb, w.w, cpu=one_row, default=padded)
     else:
         y = gemm(xb, w.w)
     return y.astype(out_dtype or x.dtype).reshape(*lead, n)

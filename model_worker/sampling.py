@@ -69,6 +69,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+from model_worker.fixed_order import fixed_order_sum
 
 # Largest top_k accepted (lax.top_k needs a static k; validated at the API boundary).
 MAX_TOP_K = 1024
@@ -507,10 +510,16 @@ def _log_probs(x: jax.Array, values: jax.Array) -> jax.Array:
     `jax.nn.log_softmax` computes it ((value - row max) - log(sum(exp(x - row max)))) without writing the [B, V]
     result: XLA CPU fused that and a gather of its row into a program that took 19 ms at 16 rows, against 4 ms for
     the row sums alone (docs/performance.md, "Sampling"). The chosen token and the top logprobs both use it, so a
-    chosen token that is also a top alternative has bit-identical log-probabilities."""
+    chosen token that is also a top alternative has bit-identical log-probabilities.
+
+    The row sum: XLA CPU's sums a row alike in every batch shape (tests/model_worker/test_sampling.py); a TPU's
+    ordered its terms by the batch's shape (a row's log-probability moved by one ulp with its neighbours, seen on
+    a v5e), so off CPU it is `fixed_order.fixed_order_sum`, one order for every shape."""
     best = jnp.max(x, axis=-1, keepdims=True)
-    log_sum = jnp.log(jnp.sum(jnp.exp(x - best), axis=-1, keepdims=True))
-    return (values - best) - log_sum
+    terms = jnp.exp(x - best)
+    total = lax.platform_dependent(terms, cpu=lambda t: jnp.sum(t, axis=-1),
+                                   default=lambda t: fixed_order_sum(t))[..., None]
+    return (values - best) - jnp.log(total)
 
 
 def _chosen_logprobs(x: jax.Array, tokens: jax.Array) -> jax.Array:

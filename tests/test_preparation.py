@@ -83,3 +83,33 @@ def test_up_hands_every_service_the_prepared_directory():
     cmds = service_commands(args, "/cache/prepared/model-123")
     assert all(cmd[cmd.index("--model") + 1] == "/cache/prepared/model-123" for cmd in cmds.values())
     assert all(cmd[cmd.index("--model") + 1] == "embedded" for cmd in service_commands(args).values())
+
+
+def test_the_fast_gguf_reader_reads_what_the_librarys_reads(tmp_path):
+    """`open_gguf` (plain ndarray views of the memory map, for speed) gives gguf's own reader's fields, their parts
+    and types, and tensors, bit for bit: a string array (a vocabulary), numbers, a quantized-shaped tensor."""
+    from common.preparation import open_gguf
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" if i % 7 else "▁é\u00a0" for i in range(3000)])
+    writer.add_array("tokenizer.ggml.scores", [float(-i) for i in range(3000)])
+    writer.add_uint32("gemma3.block_count", 2)
+    writer.add_float32("gemma3.rope.freq_base", 1e4)
+    writer.add_string("general.name", "tiny")
+    writer.add_tensor("token_embd.weight", np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32))
+    writer.add_tensor("blk.0.ffn.weight", np.arange(96, dtype=np.float16).reshape(12, 8))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fast, library = open_gguf(path), gguf.GGUFReader(str(path))
+    assert list(fast.fields) == list(library.fields)
+    for key, field in library.fields.items():
+        mine = fast.fields[key]
+        assert mine.types == field.types and mine.data == field.data, key
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True)), key
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape)) for t in library.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, library.tensors, strict=True))
+    assert type(fast.tensors[0].data) is np.ndarray and not isinstance(fast.data, np.memmap)

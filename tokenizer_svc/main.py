@@ -115,8 +115,6 @@ def _recorded_architecture(prepared: preparation.PreparedModel, cache_dir: pathl
         return gguf_tokenizer.load_architecture(prepared.dir)
     except FileNotFoundError:
         pass
-    import gguf
-
     source = json.loads((prepared.dir / preparation.MANIFEST).read_text()).get("source", "")
     if source == preparation.EMBEDDED:
         path = preparation.embedded_gguf(pathlib.Path(cache_dir or preparation.default_cache_dir()))
@@ -126,7 +124,7 @@ def _recorded_architecture(prepared: preparation.PreparedModel, cache_dir: pathl
         raise FileNotFoundError(f"{prepared.dir} was prepared by an earlier release without its model family, and "
                                 f"its source GGUF {source!r} is gone; prepare it again")
     log.info("reading the model family of %s from %s", prepared.dir, path)
-    meta = gguf_tokenizer.read_architecture(gguf.GGUFReader(str(path)))
+    meta = gguf_tokenizer.read_architecture(preparation.open_gguf(path))
     gguf_tokenizer.write_architecture(meta, prepared.dir)
     return meta
 

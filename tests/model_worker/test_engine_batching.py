@@ -318,10 +318,12 @@ def test_long_prompt_is_chunked_while_running_streams_keep_decoding(engine):
     assert_same(sink, run_fresh(engine, "cold", long_prompt, 5))
 
 
-def test_a_lone_prompt_pads_only_its_last_chunk(engine):
+def test_a_lone_prompt_pads_only_its_last_chunk(engine, monkeypatch):
     """Chunks (8, 32): a prompt runs in the largest chunks it fills and only its tail is padded (< 8 pads) - 84
     tokens as 32 + 32 + 8 + 8 + 8, not 32 + 32 + 32; its logits equal those of the same prompt in 8-token
-    chunks."""
+    chunks. The CPU's chunk policy, set here so that the test holds on an accelerator too (whose own policy takes
+    the fewest chunks: `Engine.chunk_size`)."""
+    monkeypatch.setattr(engine, "_pad_only_tail", True)
     assert [engine.chunk_size(n) for n in (84, 38, 32, 31, 20, 9, 8, 3)] == [32, 32, 32, 8, 8, 8, 8, 8]
     prompt = np.random.default_rng(14).integers(0, 512, 84).tolist()
     before = {k: v for k, v in engine.calls.items() if k[0] == "compute"}
@@ -338,7 +340,7 @@ def test_a_lone_prompt_pads_only_its_last_chunk(engine):
     assert abs(sink.logprobs[0] - float(logprobs[sink.tokens[0]])) < TOL
 
 
-def test_a_prompt_tail_runs_in_the_cheapest_tail_chunks(engine, tmp_path):
+def test_a_prompt_tail_runs_in_the_cheapest_tail_chunks(engine, tmp_path, monkeypatch):
     """Tail chunks (2, 4) beside chunks (8, 32): once no prefill chunk fills, the tail runs in the cheapest mix
     (`engine._tail_plan`: each chunk costs its length + 8) - 84 tokens as 32 + 32 + 8 + 8 + 4, 23 as 8 + 8 + 8 (a
     tail of 7: one 8 beats 4 + 2 + 2) - and the last token's logits equal the same prompt's without tail chunks;
@@ -353,6 +355,8 @@ def test_a_prompt_tail_runs_in_the_cheapest_tail_chunks(engine, tmp_path):
     ecfg = EngineConfig(num_slots=4, max_model_len=128, prefill_chunks=(8, 32), tail_chunks=(2, 4),
                         kv_bucket_factor=16, prefix_slack=4)
     tails = Engine(cfg, to_device(cfg, flat, jnp.float32), ecfg)
+    monkeypatch.setattr(tails, "_pad_only_tail", True)  # the CPU's chunk policy (tail chunks are a CPU feature)
+    monkeypatch.setattr(engine, "_pad_only_tail", True)
     assert {k.chunk for k in tails.grid() if k.kind == "compute"} == {2, 4, 8, 32}
     assert {k.chunk for k in tails.grid() if k.kind == "mixed"} == {8}
     tails.compile_all(keys=[k for k in tails.grid() if k.kind == "compute"])

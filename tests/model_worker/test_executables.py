@@ -78,7 +78,9 @@ def run_steps(engine: Engine) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _process(checkpoint, cache_dir) -> dict:
-    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "PYTHONPATH": str(REPO)}
+    # the repository first, the inherited path after it (a TPU host finds its JAX through PYTHONPATH)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "PYTHONPATH": path}
     out = subprocess.run([sys.executable, "-c", _PROCESS, str(checkpoint), str(cache_dir)], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]

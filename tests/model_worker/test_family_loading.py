@@ -20,7 +20,8 @@ from families.gemma3.worker import GEMMA3_270M
 from model_worker.config import config_from_dict, config_to_dict, worker_part
 from model_worker.hf_loader import load_checkpoint
 from model_worker.main import PREPARE_PARTS
-from tests.e2e.stacks import REPO, free_ports
+from tests.e2e.stacks import REPO
+from tests.transport import socket_folder
 
 
 @pytest.mark.parametrize("family", families.families(), ids=lambda f: f.name)
@@ -89,10 +90,10 @@ def test_a_prepared_config_of_an_unknown_family_is_refused():
 
 def test_a_worker_given_a_gguf_of_an_unknown_family_fails_to_start_naming_the_supported_ones(tmp_path):
     path = _gguf(tmp_path / "llama-tiny.gguf", "llama", {})
-    port, metrics_port = free_ports(2)
+    sockets = socket_folder()  # unix sockets: the test runs where no TCP socket may be opened too (a TPU host)
     proc = subprocess.run(
         [sys.executable, "-m", "gemma_serve.cli", "worker", "--model", str(path), "--cache-dir", str(tmp_path / "c"),
-         "--worker-port", str(port), "--worker-metrics-port", str(metrics_port)],
+         "--uds", str(sockets / "w.sock"), "--metrics-uds", str(sockets / "m.sock")],
         check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "UnknownFamilyError" in proc.stderr and "general.architecture is 'llama'" in proc.stderr

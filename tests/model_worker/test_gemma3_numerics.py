@@ -7,10 +7,16 @@ logits up to ~115 in magnitude, i.e. a relative error ≈ 3e-6 (~25 float32 ulps
 leaves ~6x headroom for BLAS/XLA version changes while still catching any real math error (a wrong RoPE base,
 norm offset or mask changes logits by O(1)). Greedy tokens are compared only where the reference's top-2 gap
 exceeds 2·TOL, since below that either choice is within numerical noise.
+
+Off CPU (the device lane on a TPU, float32 at 'highest' precision): TOL = 4e-3. A TPU multiplies float32 operands
+in several bfloat16 passes and computes exp, log and rsqrt by approximations a few ulps looser than the CPU's;
+a v5e measured max |Δlogit| 2.05e-3 on the long prompt (6x the CPU's), still three orders of magnitude below
+what a real math error changes.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +26,7 @@ from model_worker.model import forward_jit
 from model_worker.params import for_matmul_precision
 
 pytestmark = pytest.mark.slow
-TOL = 2e-3
+TOL = 2e-3 if jax.default_backend() == "cpu" else 4e-3
 CHUNK = 256
 MAX_LEN = 1024
 FULL_LEN = 768  # the padded shape of the from-scratch re-forward of sequences longer than a chunk (> 700 + 8)
