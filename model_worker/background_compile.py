@@ -3,8 +3,8 @@ compile it.
 
 A fresh worker compiling its whole grid before it answers made a new user wait minutes (37 programs, ~12 s each on
 two CPU cores: docs/performance.md, "The first minute"). The engine needs far fewer programs to serve every
-request, only slower: `serving_set` is one prompt chunk and one decode step at the largest KV bucket (every
-position fits it) for a lone sequence and for a full batch, their sampling, and the slot copy. The worker reports
+request, only slower: `serving_set` is one prompt chunk and one decode step of a full batch at the largest KV bucket
+(every position and every batch fits them), their sampling, and the slot copy. The worker reports
 SERVING once those are compiled (or loaded from the executable cache, with everything else it holds), and
 `BackgroundCompile` compiles the rest on threads, most useful first (`background_order`), handing each program to
 the engine, whose dispatch picks among the programs it has (`engine.Engine` "which programs are ready").
@@ -31,15 +31,17 @@ log = logging.getLogger(__name__)
 
 def serving_set(kv_buckets: Sequence[int], prefill_chunks: Sequence[int], num_slots: int) -> list[ProgramKey]:
     """The fewest programs with which an engine serves every request: a compute chunk of the smallest prefill
-    size and a decode step for one row and for `num_slots` rows, all at the largest KV bucket; the sample program
-    of both batches (it also serves greedy rows: `sampling.sample_greedy` equals it bit for bit); the slot copy.
+    size and a decode step of `num_slots` rows, both at the largest KV bucket; the sample program of one row (a
+    chunk's last token) and of the full batch (it also serves greedy rows: `sampling.sample_greedy` equals it bit
+    for bit); the slot copy.
 
-    A lone agent then decodes in the B=1 program, a batch of any size in the full one (padded), and a prompt runs
-    in chunks of the smallest size. Mixed steps, speculation and the other buckets wait for the background."""
+    Every decode step then runs in the full batch (padded; a lone agent's step costs a little more until the
+    B=1 programs arrive, first of the background's), every prompt in chunks of the smallest size. Mixed steps,
+    speculation and the other buckets wait for the background. Why not B=1 decode too: it was a sixth of the
+    serving set's compile time, ~5 s of the first answer on two cores (docs/performance.md, "The first minute")."""
     largest, chunk = kv_buckets[-1], min(prefill_chunks)
-    batches = sorted({1, num_slots})
-    return ([ProgramKey("compute", 1, chunk, largest)] + [ProgramKey("decode", b, 1, largest) for b in batches]
-            + [ProgramKey("sample", b, 0, 0) for b in batches] + [ProgramKey("copy", 1, 0, 0)])
+    return [ProgramKey("compute", 1, chunk, largest), ProgramKey("decode", num_slots, 1, largest)] + \
+        [ProgramKey("sample", b, 0, 0) for b in sorted({1, num_slots})] + [ProgramKey("copy", 1, 0, 0)]
 
 
 def background_order(keys: Iterable[ProgramKey], largest_kv: int, prefill_chunks: Sequence[int]) -> list[ProgramKey]:

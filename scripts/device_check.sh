@@ -24,7 +24,8 @@
 # .device/wheels), VENV (default .device/venv), GEMMA_SERVE_CACHE (default .device/cache: the prepared model and
 # compiled programs, kept for the next run), LANE_TIMEOUT (seconds per lane, default none: at the limit pytest gets
 # SIGINT and still writes its report), PYTEST_ARGS (added to every lane), HOST_WORKERS (xdist workers of the host
-# lane, default 4).
+# lane, default 4), SKIP_PASSED (junit XML files of earlier runs, space-separated: the tests that passed in them are
+# deselected, so a lane cut short at LANE_TIMEOUT goes on in a later session; `device_summary.py --passed`).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
@@ -60,6 +61,11 @@ lane() {
   # --foreground: Ctrl-C still reaches pytest (which would otherwise keep the chip after the script ended)
   [ "$LANE_TIMEOUT" != 0 ] && limit=(timeout --foreground -s INT -k 30 "$LANE_TIMEOUT")
   [ -n "${PYTEST_ARGS:-}" ] && eval "extra=($PYTEST_ARGS)"  # shell words, quotes respected
+  if [ -n "${SKIP_PASSED:-}" ]; then  # tests that passed in earlier runs' XML (one argument per line, pytest's @file)
+    # shellcheck disable=SC2086
+    "$VENV/bin/python" "$REPO/scripts/device_summary.py" --passed $SKIP_PASSED > "$OUT/$name.skip-passed"
+    extra+=("@$OUT/$name.skip-passed")
+  fi
   log "lane $name: $* ${PYTEST_ARGS:-}"
   "${limit[@]}" "$VENV/bin/python" -m pytest -p no:cacheprovider -o addopts="" -ra --durations=20 \
     --timeout=600 --junitxml="$OUT/$name.xml" "$@" "${extra[@]}" > "$OUT/$name.log" 2>&1

@@ -3,6 +3,9 @@ passed / failed / errors / skipped per lane, the skips grouped by reason, and ea
 line of its message.
 
     python scripts/device_summary.py OUT      (prints the Markdown; device_check.sh writes it to OUT/summary.md)
+    python scripts/device_summary.py --passed A.xml [B.xml ...]
+                                              (prints `--deselect NODEID` for each test that passed in them: a lane
+                                              cut short in one session goes on in the next without repeating them)
 """
 
 from __future__ import annotations
@@ -67,5 +70,36 @@ def summary(folder: pathlib.Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def node_id(classname: str, name: str, root: pathlib.Path) -> str | None:
+    """pytest's node id of a junit test case ("tests.model_worker.test_x" [".TestClass"], "test_y[p]" ->
+    "tests/model_worker/test_x.py[::TestClass]::test_y[p]"), or None when no module file under `root` matches."""
+    parts = classname.split(".")
+    for i in range(len(parts), 0, -1):
+        path = root.joinpath(*parts[:i]).with_suffix(".py")
+        if path.is_file():
+            return "::".join([path.relative_to(root).as_posix(), *parts[i:], name])
+    return None
+
+
+def passed_deselections(paths: list[pathlib.Path], root: pathlib.Path) -> list[str]:
+    """`--deselect NODEID` arguments for the tests that passed in the junit XML files `paths` (unreadable files
+    are skipped)."""
+    args: list[str] = []
+    for path in paths:
+        try:
+            cases = ET.parse(path).getroot().iter("testcase")
+        except (ET.ParseError, OSError):
+            continue
+        for case in cases:
+            if case.get("name") and not any(case.find(t) is not None for t in ("failure", "error", "skipped")):
+                node = node_id(case.get("classname", ""), case.get("name", ""), root)
+                if node is not None and node not in args:
+                    args += ["--deselect", node]
+    return args
+
+
 if __name__ == "__main__":
-    print(summary(pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".device/results")), end="")
+    if sys.argv[1:2] == ["--passed"]:
+        print("\n".join(passed_deselections([pathlib.Path(p) for p in sys.argv[2:]], pathlib.Path.cwd())))
+    else:
+        print(summary(pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".device/results")), end="")

@@ -61,3 +61,25 @@ def test_an_interrupted_lane_is_marked_and_a_missing_one_said(tmp_path):
     text = _summary_module().summary(tmp_path)
     assert "| chip (interrupted: not every test ran) | 1 | 0 | 0 | 0 |" in text
     assert _summary_module().summary(tmp_path / "nothing").startswith("no lane results")
+
+
+def test_a_lane_goes_on_without_the_tests_that_passed_before(tmp_path):
+    """`device_summary.py --passed XML` deselects exactly the tests that passed (a parametrized one included) in a
+    later pytest run (`@file` arguments, as device_check.sh's SKIP_PASSED hands them over); the failed, erroring
+    and skipped ones run again."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_sample.py").write_text(SAMPLE + "\n@pytest.mark.parametrize('k', ['a', 'b'])\n"
+                                                   "def test_passes_too(k):\n    assert k\n")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=",
+                                        "-q", "-rA", *args], cwd=tmp_path, capture_output=True, text=True,
+                                       timeout=120)
+    run(f"--junitxml={tmp_path / 'first.xml'}", "tests/test_sample.py")
+    args = _summary_module().passed_deselections([tmp_path / "first.xml", tmp_path / "missing.xml"], tmp_path)
+    assert args == ["--deselect", "tests/test_sample.py::test_passes",
+                    "--deselect", "tests/test_sample.py::test_passes_too[a]",
+                    "--deselect", "tests/test_sample.py::test_passes_too[b]"]
+    (tmp_path / "skip.txt").write_text("\n".join(args) + "\n")
+    again = run("@skip.txt", "tests/test_sample.py")
+    assert "3 deselected" in again.stdout and "PASSED" not in again.stdout, again.stdout[-2000:]
+    assert "FAILED tests/test_sample.py::test_fails" in again.stdout
