@@ -14,8 +14,9 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Literal
 
+from gateway.choice_runner import ChoiceRunner
 from gateway.clients import Backends
-from gateway.completions import remember_answer, run_choices
+from gateway.completions import run_choices
 from gateway.generate import Delta
 
 BlockKind = Literal["reasoning", "text", "call"]
@@ -141,25 +142,20 @@ async def answer_events(backends: Backends,
     Raises:
       ApiError: from planning's leftovers or the backends (before or during the stream).
     """
-    route, job = plan.routes[0], plan.jobs[0]
+    route = plan.routes[0]
+    runner = ChoiceRunner(backends, plan)
     splitter = BlockSplitter()
-    tokens: list = []
     started = False
     async for _, delta in run_choices(backends, plan.jobs):
         if not started:
             started = True
             yield AnswerStart(delta.cached_tokens)
-        tokens.extend(delta.tokens)
-        deltas = route.feed(delta)
-        if delta.finish_reason:
-            deltas += route.finish()
-        for event in splitter.feed(deltas):
+        for event in splitter.feed(runner.feed(0, delta)):
             yield event
         if delta.finish_reason:
             for event in splitter.close(incomplete=delta.finish_reason == "length"):
                 yield event
-            remember_answer(backends, plan.scope, route, delta, tokens, job.params.stop_token_ids)
-            yield _end(route, delta, tokens, plan.prompt_tokens)
+            yield _end(route, delta, runner.tokens[0], plan.prompt_tokens)
 
 
 def _end(route, delta: Delta, tokens: list, prompt_tokens: int) -> AnswerEnd:

@@ -25,8 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import messages_api, responses_api
 from gateway.auth import ApiKeys
+from gateway.choice_runner import ChoiceRunner
 from gateway.clients import Backends
-from gateway.completions import ResponseIds, remember_answer, run_choices, usage_dict
+from gateway.completions import ResponseIds, run_choices, usage_dict
 from gateway.detokenizer import dangling, prompt_tail
 from gateway.errors import ApiError, error_body
 from gateway.http_guard import RequestGuard
@@ -345,18 +346,14 @@ class _Gathered:
         return (sum(u.accepted_prediction_tokens for u in done), sum(u.rejected_prediction_tokens for u in done))
 
 
-async def _collect(stream, count: int, routes: list | None = None) -> _Gathered:
-    """Gather every choice; with `routes` (chat), each delta also goes through its choice's ChatRoute exactly as
-    the stream would send it."""
+async def _collect(stream, count: int) -> _Gathered:
+    """Gather every choice of a completion (its text and tokens as generated; chat answers go through the
+    `ChoiceRunner` instead)."""
     out = _Gathered(count)
     async for index, delta in stream:
         out.texts[index] += delta.text
         out.tokens[index] += delta.tokens
-        if routes is not None:
-            routes[index].feed(delta)
         if delta.finish_reason:
-            if routes is not None:
-                routes[index].finish()
             out.finishes[index] = delta.finish_reason
             out.last[index] = delta
     return out
@@ -403,19 +400,20 @@ async def _chat(backends: Backends, limits: Limits, req: ChatCompletionRequest, 
     if req.stream:
         stream = await _primed(run_choices(backends, plan.jobs))
         return StreamingResponse(_chat_chunks(backends, ids, stream, req, plan), media_type="text/event-stream")
-    got = await _collect(run_choices(backends, plan.jobs), len(plan.jobs), plan.routes)
+    runner = ChoiceRunner(backends, plan)
+    async for index, delta in run_choices(backends, plan.jobs):
+        runner.feed(index, delta)
     facts = backends.ready_facts()
     choices = []
     for i, route in enumerate(plan.routes):
         lp = None
         if req.logprobs:
-            lp = {"content": chat_content(facts, visible(facts, got.tokens[i], req.skip_special_tokens),
+            lp = {"content": chat_content(facts, visible(facts, runner.tokens[i], req.skip_special_tokens),
                                           req.top_logprobs or 0)}
-        remember_answer(backends, plan.scope, route, got.last[i], got.tokens[i], plan.jobs[i].params.stop_token_ids)
         choices.append({"index": i, "message": route.message(), "logprobs": lp,
-                        "finish_reason": route.finish_reason(got.finishes[i])})
-    usage = usage_dict(plan.prompt_tokens, got.completion_tokens, got.cached(0),
-                       got.predicted() if req.prediction is not None else None)
+                        "finish_reason": runner.finish_reason(i)})
+    usage = usage_dict(plan.prompt_tokens, runner.usage.completion_tokens, runner.usage.cached_tokens,
+                       runner.predicted() if req.prediction is not None else None)
     return {**ids.head("chat.completion"), "choices": choices, "usage": usage}
 
 
@@ -424,9 +422,8 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
     extra = {"usage": None} if include_usage else {}
     head = ids.head("chat.completion.chunk")
     facts = backends.ready_facts()
-    completion_tokens = cached = accepted = rejected = 0
+    runner = ChoiceRunner(backends, plan)
     started = set()
-    tokens: dict[int, list] = {}
     strings: dict[int, TokenStrings] = {}  # logprob token strings continue across a choice's chunks
 
     def chunk(index, delta, finish=None, logprobs=None):
@@ -435,35 +432,25 @@ async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCo
 
     try:
         async for index, delta in stream:
-            route = plan.routes[index]
             if index not in started:
                 started.add(index)
                 strings[index] = TokenStrings(facts, plan.jobs[index].prompt)
                 yield chunk(index, {"role": "assistant", "content": ""})
-            tokens.setdefault(index, []).extend(delta.tokens)
             lp = None
             if req.logprobs:
                 lp = {"content": chat_content(facts, visible(facts, delta.tokens, req.skip_special_tokens),
                                               req.top_logprobs or 0, strings[index])}
-            out = route.feed(delta)
-            if delta.finish_reason:
-                out += route.finish()
+            out = runner.feed(index, delta)
             for n, d in enumerate(out):
                 yield chunk(index, d, logprobs=lp if n == 0 else None)
             if not out and lp and lp["content"]:
                 yield chunk(index, {"content": ""}, logprobs=lp)
             if delta.finish_reason:
-                completion_tokens += delta.usage.completion_tokens
-                cached += delta.usage.cached_tokens if index == 0 else 0
-                accepted += delta.usage.accepted_prediction_tokens
-                rejected += delta.usage.rejected_prediction_tokens
-                remember_answer(backends, plan.scope, route, delta, tokens[index],
-                                plan.jobs[index].params.stop_token_ids)
-                yield chunk(index, {}, route.finish_reason(delta.finish_reason))
+                yield chunk(index, {}, runner.finish_reason(index))
         if include_usage:
-            predicted = (accepted, rejected) if req.prediction is not None else None
-            yield _sse({**head, "choices": [], "usage": usage_dict(plan.prompt_tokens, completion_tokens, cached,
-                                                                   predicted)})
+            predicted = runner.predicted() if req.prediction is not None else None
+            yield _sse({**head, "choices": [], "usage": usage_dict(plan.prompt_tokens, runner.usage.completion_tokens,
+                                                                   runner.usage.cached_tokens, predicted)})
     except ApiError as err:
         yield _sse(err.body())
     yield "data: [DONE]\n\n"

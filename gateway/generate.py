@@ -57,7 +57,7 @@ class GenParams:
 
     Attributes:
       sampling: worker sampling settings.
-      max_tokens: limit, or None for "up to max_model_len".
+      max_tokens: the answer's limit in tokens, decided once by the planner (`planner.answer_budget`).
       stop: stop strings (the match is not returned).
       stop_token_ids: extra stop ids.
       ignore_eos: do not stop on the model's default stop ids.
@@ -86,7 +86,7 @@ class GenParams:
     """
 
     sampling: common_pb2.SamplingParams
-    max_tokens: int | None = None
+    max_tokens: int
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
@@ -130,34 +130,6 @@ class Delta:
     whole: bool = False
     stop_string: str | None = None
     cached_tokens: int = 0
-
-
-def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> int:
-    """Check the prompt and max_tokens against max_model_len; default max_tokens to what fits.
-
-    Raises:
-      ApiError: 400 with the real numbers.
-    """
-    if prompt_len >= max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has {prompt_len} "
-            f"tokens, which leaves no room for a completion. Please shorten the prompt.",
-            param="messages" if param == "max_completion_tokens" else "prompt",
-            code="context_length_exceeded",
-        )
-    if max_tokens is None:
-        return max_model_len - prompt_len
-    if prompt_len + max_tokens > max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
-            f"Please reduce the prompt or {param}.",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return max_tokens
 
 
 class _AnswerText:
@@ -239,7 +211,7 @@ async def generate(
         (504), worker failure (500).
     """
     facts = backends.ready_facts()
-    max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, facts.max_model_len)
+    max_tokens = params.max_tokens  # decided by the planner (`planner.answer_budget`); the worker checks it again
     rid = request_id or f"gen-{uuid.uuid4().hex}"
     stream = _AnswerText(backends, params, prompt_ids)
     clock = _Clock(backends, constrained=params.constraint is not None)

@@ -17,7 +17,7 @@ import pydantic
 
 from gateway import workers
 from gateway.auth import ApiKeys
-from gateway.chat_output import ChatRoute
+from gateway.choice_runner import ChoiceRunner
 from gateway.clients import Backends
 from gateway.completions import run_choices
 from gateway.errors import ApiError
@@ -161,8 +161,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 else:
                     plan = await plan_completion(self.backends, req, self.limits, call_prefix=prefix,
                                                  request_id=rid, tenant=tenant, session=session)
+                # chat answers are remembered, as the REST doors' are (a raw completion's text is no message)
+                runner = ChoiceRunner(self.backends, plan, remember=isinstance(req, ChatCompletionRequest))
                 async for index, delta in run_choices(self.backends, plan.jobs):
-                    yield _reply(plan.routes[index], index, delta)
+                    yield _reply(runner, index, delta)
         except ApiError as err:
             await context.abort(err.grpc_code(), err.message)
         except grpc.aio.AbortError:
@@ -195,12 +197,14 @@ def _metadata(context, key: str) -> str | None:
     return None
 
 
-def _reply(route: ChatRoute, index: int, delta) -> gateway_pb2.GenerateResponse:
-    """One GenerateResponse from a Delta routed like the REST chat deltas (text = content)."""
+def _reply(runner: ChoiceRunner, index: int, delta) -> gateway_pb2.GenerateResponse:
+    """One GenerateResponse from a Delta routed like the REST chat deltas (text = content), through the request's
+    choice runner (which also remembers a chat answer at its end)."""
+    route = runner.plan.routes[index]
     reply = gateway_pb2.GenerateResponse(tokens=delta.tokens, index=index)
     if not route.tokens_path:
         reply.text = delta.text
-    out = route.feed(delta) + (route.finish() if delta.finish_reason else [])
+    out = runner.feed(index, delta)
     for d in out:
         reply.text += d.get("content", "") if route.tokens_path else ""
         reply.reasoning_text += d.get("reasoning_content", "")

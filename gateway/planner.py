@@ -26,7 +26,7 @@ from gateway.chat_plan import ChatPlan, constraint_factory, plan_chat
 from gateway.clients import Backends, ModelFacts
 from gateway.constraints import ConstraintError
 from gateway.errors import ApiError
-from gateway.generate import GenParams, resolve_max_tokens
+from gateway.generate import GenParams
 from gateway.history import answer_key, history_scope, prefix_salt
 from gateway.limits import (
     MAX_JSON_DEPTH,
@@ -79,6 +79,9 @@ class Plan:
       chat: the chat plan (grammar, tool format, thinking), also for a completion with `response_format`.
       routes: one ChatRoute per job (chat answers; gRPC routes every input through them).
       scope: the answer-history scope (the tenant and `cache_salt`: gateway/history.py `history_scope`).
+      asked_limit: the first prompt's answer limit when the request or the server's `--max-tokens-cap` set one,
+        None when only the context bounds it (what the Responses API echoes as `max_output_tokens`); each job's
+        `params.max_tokens` holds the limit decided (`answer_budget`).
     """
 
     model: str
@@ -88,6 +91,7 @@ class Plan:
     chat: ChatPlan
     routes: list[ChatRoute]
     scope: str
+    asked_limit: int | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -549,9 +553,8 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
     every job's GenParams in one piece."""
     facts = backends.ready_facts()
     salt = prefix_salt(ask.scope, limits.share_prefix_cache_across_keys)
-    answer_limits = [_answer_limit(len(ids), ask, limits, facts) for ids, _ in prompts]
-    budgets = [facts.max_model_len - len(ids) if n is None else n for n, (ids, _) in zip(answer_limits, prompts)]
-    constraints = await _constraints(backends, ask.chat, [n for n in budgets for _ in range(req.n)])
+    answer_limits = [answer_budget(len(ids), ask, limits, facts) for ids, _ in prompts]
+    constraints = await _constraints(backends, ask.chat, [n for n in answer_limits for _ in range(req.n)])
     session = _session(ask.session, req)
     worker = backends.route(session.key, prompts[0][0], salt, _tiebreak(req, prompts))
     reservation = backends.pool.reserve(worker, len(prompts) * req.n)
@@ -575,23 +578,37 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
                 slo_tpot_s=session.tpot_s, priority=req.priority)
             jobs.append(Job(index, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
     routes = [ask.chat.route(facts, req.stop_list(), f"{ask.call_prefix}{job.index}_") for job in jobs]
-    return Plan(ask.model, prompts, req.n, jobs, ask.chat, routes, ask.scope)
+    asked = answer_limits[0] if ask.max_tokens is not None or limits.max_tokens_cap is not None else None
+    return Plan(ask.model, prompts, req.n, jobs, ask.chat, routes, ask.scope, asked)
 
 
-def _answer_limit(prompt_len: int, ask: Ask, limits: Limits, facts: ModelFacts) -> int | None:
-    """A prompt's answer limit: max_tokens as sent; when absent, at most `--max-tokens-cap` of what fits, or
-    without a cap None (the worker stops at the context's end).
+def answer_budget(prompt_len: int, ask: Ask, limits: Limits, facts: ModelFacts) -> int:
+    """A prompt's answer limit in tokens, decided here once for every front door and carried in `GenParams` to
+    the worker (which checks it again at its own boundary; nothing between re-derives it): `max_tokens` (or the
+    field `ask.limit_param` names) as sent, clamped to the context's room when `ask.clamp`; when absent, what
+    fits in the context, at most `--max-tokens-cap`.
 
     Raises:
-      ApiError: 400 when the prompt and max_tokens exceed max_model_len.
+      ApiError: 400 (`context_length_exceeded`, naming the field) when the prompt leaves no room, or the prompt and
+        the limit asked exceed max_model_len.
     """
-    asked = ask.max_tokens
-    if ask.clamp and asked is not None:
-        asked = min(asked, max(facts.max_model_len - prompt_len, 1))  # a prompt that leaves no room stays a 400
-    fits = resolve_max_tokens(prompt_len, asked, facts.max_model_len, ask.limit_param)
+    asked, room = ask.max_tokens, facts.max_model_len - prompt_len
+    if room <= 0:
+        raise ApiError(
+            400, f"This model's maximum context length is {facts.max_model_len} tokens. However, your prompt has "
+                 f"{prompt_len} tokens, which leaves no room for a completion. Please shorten the prompt.",
+            param="messages" if ask.limit_param == "max_completion_tokens" else "prompt",
+            code="context_length_exceeded")
     if asked is None:
-        return None if limits.max_tokens_cap is None else min(limits.max_tokens_cap, fits)
-    return fits
+        return room if limits.max_tokens_cap is None else min(limits.max_tokens_cap, room)
+    if ask.clamp:
+        asked = min(asked, room)
+    if asked > room:
+        raise ApiError(
+            400, f"This model's maximum context length is {facts.max_model_len} tokens. However, you requested "
+                 f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} for the completion). Please "
+                 f"reduce the prompt or {ask.limit_param}.", param=ask.limit_param, code="context_length_exceeded")
+    return asked
 
 
 def _session(session: Session, req: SamplingFields) -> Session:

@@ -302,7 +302,7 @@ class _Builder:
             "id": self.turn.id, "object": "response", "created_at": self.turn.created_at, "status": status,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.instructions, "max_output_tokens": chat.jobs[0].params.max_tokens, "model": chat.model,
+            "instructions": req.instructions, "max_output_tokens": chat.asked_limit, "model": chat.model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},

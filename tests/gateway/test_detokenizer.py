@@ -202,7 +202,7 @@ def test_stream_primes_from_the_prompt_and_drops_a_cut_tail(vocab, text_tokenize
             return facts
 
     prompt = text_tokenizer.encode("Hi") + as_bytes(byte_ids, EMOJI[:2])
-    stream = _AnswerText(Backends(), GenParams(sampling=common_pb2.SamplingParams()), prompt)
+    stream = _AnswerText(Backends(), GenParams(sampling=common_pb2.SamplingParams(), max_tokens=16), prompt)
     first = stream.feed([token(i) for i in as_bytes(byte_ids, EMOJI[2:] + CJK[:2])])
     last = stream.close(stream.feed([]), common_pb2.FINISH_REASON_LENGTH, len(prompt))
     assert (first.text, last.text, last.finish_reason, last.whole) == ("😀", "", "length", True)

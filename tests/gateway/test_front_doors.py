@@ -91,3 +91,101 @@ def test_messages_usage_counts_cache_reads_as_asked(accounting):
     usage = messages_api._usage(turn, cached=3, output_tokens=2)
     assert usage["cache_read_input_tokens"] == 3 and usage["output_tokens"] == 2
     assert usage["input_tokens"] == (prompt if accounting == "inclusive" else prompt - 3)
+
+
+class _RecordingWorker:
+    """A real gRPC model worker that records each Prefill's `max_tokens` and ends the answer at its first token."""
+
+    def __init__(self):
+        self.max_tokens: list[int] = []
+
+    def servicer(self):
+        from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
+
+        seen = self.max_tokens
+
+        class Worker(model_worker_pb2_grpc.ModelWorkerServicer):
+            async def Prefill(self, request, context):
+                seen.append(request.stopping.max_tokens)
+                return model_worker_pb2.PrefillResponse(
+                    request_id=request.request_id, first_token=common_pb2.GeneratedToken(token_id=5),
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=common_pb2.Usage(prompt_tokens=1))
+
+            async def Abort(self, request, context):
+                return model_worker_pb2.AbortResponse()
+
+        return Worker()
+
+
+@pytest.mark.parametrize("cap", [None, 8], ids=["no-cap", "cap-8"])
+@pytest.mark.parametrize("sent", [None, 5, 500], ids=["no-limit", "limit-5", "limit-500"])
+def test_the_answer_budget_is_decided_once_and_the_worker_receives_it(cap, sent):
+    """Each front door's limit field (or none), with and without `--max-tokens-cap`: the planner decides one int
+    per choice (`planner.answer_budget`: as sent, the cap or the context's room when absent, a 400 past them; the
+    Messages API lowers instead of refusing), and `generate` hands the worker exactly that number: nothing between
+    the planner and the worker derives it again."""
+    import grpc
+
+    from gateway.clients import Backends
+    from gateway.generate import generate
+    from protos import model_worker_pb2_grpc
+    from tests.gateway.test_planner import _complete
+    from tests.transport import grpc_listen
+
+    limits = Limits(max_tokens_cap=cap)
+    user = [{"role": "user", "content": "Weather?"}]
+    doors = {
+        "chat": lambda: _chat(_Backends(), {"messages": user} | ({} if sent is None else {"max_tokens": sent}),
+                              limits),
+        "chat-max-completion-tokens": lambda: _chat(
+            _Backends(), {"messages": user} | ({} if sent is None else {"max_completion_tokens": sent}), limits),
+        "completions": lambda: _complete(_Backends(), {"prompt": "Weather?"} | (
+            {} if sent is None else {"max_tokens": sent}), limits),
+        "responses": lambda: _responses(_Backends(), {"input": "Weather?"} | (
+            {} if sent is None else {"max_output_tokens": sent}), limits),
+        "messages": lambda: _messages(_Backends(), {"messages": user, "max_tokens": sent or 32_000}, limits),
+    }
+    planned: dict[str, int] = {}
+    jobs = {}
+    for door, plan in doors.items():
+        try:
+            p = plan()
+        except ApiError as err:  # past the cap, or past the context: refused before any worker call
+            assert door != "messages" and sent is not None and err.status == 400, (door, err.message)
+            assert (cap is not None and sent > cap) or sent >= 128 - 8, door  # max_model_len 128, a short prompt
+            continue
+        job = p.jobs[0]
+        budget = job.params.max_tokens
+        assert type(budget) is int and budget >= 1, (door, budget)
+        room = 128 - len(job.prompt)
+        if door == "messages":
+            expected = min(sent or 32_000, room, cap or room)
+        elif sent is None:
+            expected = 16 if door == "completions" else min(room, cap or room)  # OpenAI's completions default
+            if door == "completions" and cap is not None:
+                expected = min(16, cap)
+        else:
+            expected = sent
+        assert budget == expected, (door, budget, expected)
+        planned[door], jobs[door] = budget, job
+    assert "chat" in planned or sent == 500
+
+    async def send_all() -> list[int]:
+        worker = _RecordingWorker()
+        server = grpc.aio.server()
+        model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(worker.servicer(), server)
+        addr = grpc_listen(server, name="worker")
+        await server.start()
+        backends = Backends("localhost:1", addr)
+        backends.facts = _Backends().facts
+        try:
+            for job in jobs.values():
+                async for _ in generate(backends, job.prompt, dataclasses.replace(job.params, worker="",
+                                                                                   reservation=None)):
+                    pass
+        finally:
+            await backends.close()
+            await server.stop(0)
+        return worker.max_tokens
+
+    assert asyncio.run(send_all()) == list(planned.values())
