@@ -25,7 +25,7 @@ token), decode, inter-token and end-to-end times the worker measured; and the lo
 Whether identical requests reach the worker in the same engine iteration depends on the machine: on 2 cores the
 gateway and the tokenizer service get little CPU while the worker computes the first prompt, so the others often
 arrive after it. --in-process takes arrival timing out: it builds the worker's engine in this process
-(`model_worker.main.load_engine`, the worker's flags and defaults plus --up-args) and submits --requests
+(`model_worker.server.main.load_engine`, the worker's flags and defaults plus --up-args) and submits --requests
 sequences of --prompt-tokens identical token ids to one `EngineLoop` at the same instant (greedy, ignore_eos);
 e2e is then measured from submission to each sequence's last token.
 """
@@ -206,9 +206,9 @@ def in_process(args) -> dict:
     sys.path.insert(0, str(REPO))  # this checkout's worker, whichever one the environment installed
     from gemma_serve.cli import build_parser
     from gemma_serve.models import prepare
-    from model_worker.loop import EngineLoop, wait_idle
-    from model_worker.main import load_engine
-    from model_worker.sequence import Finish, SamplingSpec, Sequence
+    from model_worker.server.main import load_engine
+    from model_worker.serving.loop import EngineLoop, wait_idle
+    from model_worker.serving.sequence import Finish, SamplingSpec, Sequence
 
     flags = ["worker", "--model", args.model, *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
              *args.up_args.split()]

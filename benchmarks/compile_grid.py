@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags  # noqa: E402
+from model_worker.numerics.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags  # noqa: E402
 
 add_xla_flags(*INVARIANT_CPU_FLAGS)  # the worker's XLA options, before jax starts
 
@@ -30,8 +30,8 @@ import jax  # noqa: E402
 from decode_step import load  # noqa: E402
 
 from common.preparation import default_cache_dir  # noqa: E402
-from model_worker.engine import Engine, EngineConfig, compile_threads  # noqa: E402
-from model_worker.executables import ExecutableCache  # noqa: E402
+from model_worker.engine.engine import Engine, EngineConfig, compile_threads  # noqa: E402
+from model_worker.engine.executables import ExecutableCache  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

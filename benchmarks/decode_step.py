@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags  # noqa: E402
+from model_worker.numerics.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags  # noqa: E402
 
 add_xla_flags(*INVARIANT_CPU_FLAGS)  # the worker's XLA options, before jax starts
 
@@ -45,10 +45,10 @@ import numpy as np  # noqa: E402
 
 from common.preparation import default_cache_dir  # noqa: E402
 from model_worker import sharding  # noqa: E402
-from model_worker.engine import Engine, EngineConfig, enable_compilation_cache  # noqa: E402
-from model_worker.engine_api import VerifyBatch  # noqa: E402
-from model_worker.programs import ProgramKey  # noqa: E402
-from model_worker.sampling import SamplingArrays  # noqa: E402
+from model_worker.engine.engine import Engine, EngineConfig, enable_compilation_cache  # noqa: E402
+from model_worker.engine.programs import ProgramKey  # noqa: E402
+from model_worker.modeling.sampling import SamplingArrays  # noqa: E402
+from model_worker.serving.engine_api import VerifyBatch  # noqa: E402
 
 
 def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "float32", invariant: bool = False):
@@ -57,22 +57,22 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "floa
     `params.for_matmul_precision`). A directory (checkpoint or prepared) is read as it is; a GGUF gets the worker's
     prepared weights (built once in `cache_dir`)."""
     from common import preparation
-    from model_worker.params import for_matmul_precision, to_device
+    from model_worker.modeling.params import for_matmul_precision, to_device
 
     if pathlib.Path(model).expanduser().is_dir():
         prepared = preparation.prepare(model, cache_dir, {})
     else:
-        from model_worker.main import PREPARE_PARTS
+        from model_worker.server.main import PREPARE_PARTS
 
         prepared = preparation.prepare(model, cache_dir, PREPARE_PARTS)
     if prepared.kind == "checkpoint":
-        from model_worker.hf_loader import load_checkpoint
+        from model_worker.checkpoints.hf_loader import load_checkpoint
 
         cfg, flat = load_checkpoint(prepared.dir, jnp.dtype(dtype))
     else:
         from safetensors.numpy import load_file
 
-        from model_worker.config import config_from_dict
+        from model_worker.modeling.config import config_from_dict
 
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))

@@ -35,9 +35,9 @@ from decode_step import (  # noqa: E402
     step_bytes,
 )
 
-from model_worker.engine import Engine, EngineConfig, enable_compilation_cache  # noqa: E402
-from model_worker.engine_api import DecodeBatch, PromptChunk  # noqa: E402
-from model_worker.programs import ProgramKey  # noqa: E402
+from model_worker.engine.engine import Engine, EngineConfig, enable_compilation_cache  # noqa: E402
+from model_worker.engine.programs import ProgramKey  # noqa: E402
+from model_worker.serving.engine_api import DecodeBatch, PromptChunk  # noqa: E402
 
 
 def variants(engine: Engine, batch: int, chunk: int, position: int) -> dict:

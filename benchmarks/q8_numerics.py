@@ -22,7 +22,7 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags  # noqa: E402
+from model_worker.numerics.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags  # noqa: E402
 
 add_xla_flags(*INVARIANT_CPU_FLAGS)
 
@@ -66,9 +66,9 @@ def main() -> None:
     from safetensors.numpy import load_file
 
     from common import families, preparation
-    from model_worker.config import config_from_dict
-    from model_worker.main import PREPARE_PARTS
-    from model_worker.params import for_matmul_precision, to_device
+    from model_worker.modeling.config import config_from_dict
+    from model_worker.modeling.params import for_matmul_precision, to_device
+    from model_worker.server.main import PREPARE_PARTS
     from tests.conftest import hf_gemma3_float32_dir
     from tests.model_worker import test_gemma3_numerics as t
     from tokenizer_svc.chat_template import tokenizer_part

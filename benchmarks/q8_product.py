@@ -1,4 +1,4 @@
-"""The block-int8 product (model_worker/q8.py) against the bfloat16 GEMM of the batch-invariant path, on the
+"""The block-int8 product (model_worker/numerics/q8.py) against the bfloat16 GEMM of the batch-invariant path, on the
 shapes of the embedded Gemma 3's LM head and MLP, at 1-16 rows: ms per product and the bytes of weights read per
 second (the kernel reads int8 values + one float32 scale per 32; the GEMM bfloat16 values). Prints ratios from
 one run; not a test.
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from model_worker import q8
+from model_worker.numerics import q8
 
 SHAPES = {"lm_head": (262144, 640), "mlp_down": (640, 2048), "mlp_up": (2048, 640)}
 

@@ -19,14 +19,14 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
+from model_worker.numerics.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
 
 add_xla_flags(*INVARIANT_CPU_FLAGS)  # the worker's XLA options, before jax starts
 
 import jax
 import numpy as np
 
-from model_worker import sampling
+from model_worker.modeling import sampling
 
 
 def settings(batch: int, vocab: int, temperature: float, top_p: float) -> sampling.SamplingArrays:

@@ -38,10 +38,10 @@ import jax.numpy as jnp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from families.gemma4.worker import GEMMA4_E2B, GEMMA4_E4B, gemma4_layers
-from model_worker import memory, sharding
-from model_worker.config import ModelConfig
-from model_worker.engine import EngineConfig
-from model_worker.params import param_shapes
+from model_worker.engine import memory, sharding
+from model_worker.engine.engine import EngineConfig
+from model_worker.modeling.config import ModelConfig
+from model_worker.modeling.params import param_shapes
 from scripts.make_synthetic_gemma4 import GROUP, scaled_config
 
 CONTEXT = 8192

@@ -1,6 +1,6 @@
 """The n-gram index behind draft tokens without a draft model (speculative decoding; docs/architecture.md,
 "Speculative decoding"): the model worker drafts from a sequence's own tokens, its prediction and recent answers
-(model_worker/drafting.py); the gateway drafts for constrained requests, whose grammar it holds
+(model_worker/serving/drafting.py); the gateway drafts for constrained requests, whose grammar it holds
 (gateway/generate.py, `ConstraintDriver`). Plain Python.
 
 A sequence's next tokens are guessed as the continuation of the most recent earlier occurrence of its last few

@@ -287,7 +287,7 @@ class Session:
       ttft_s, tpot_s: the request's latency targets, `x-slo-ttft-ms` and `x-slo-tpot-ms` in seconds (None: the
         worker's defaults): a request whose time-to-first-token target cannot be met is refused at once (429
         with Retry-After), and running requests' time per output token is kept within target
-        (model_worker/slo.py).
+        (model_worker/serving/slo.py).
     """
 
     key: str | None = None

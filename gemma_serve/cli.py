@@ -248,7 +248,7 @@ def _positive_int(text: str) -> int:
 
 
 def _num_slots(text: str) -> int | str:
-    """`--num-slots`: "auto" (sized to the device's memory: `model_worker.memory.fit_slots`) or a positive int."""
+    """`--num-slots`: "auto" (sized to the device's memory: `model_worker.engine.memory.fit_slots`) or a positive int."""
     if text == "auto":
         return text
     try:
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         if argv is None:
             _with_huge_pages()
-        from model_worker.main import run
+        from model_worker.server.main import run
 
         return run(args)
     if args.command == "tokenizer":

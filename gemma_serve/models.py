@@ -24,7 +24,7 @@ def prepare(spec: str, cache_dir: pathlib.Path | None = None) -> PreparedModel:
       ValueError: the path is not a model spec, or is a prepared directory lacking a part
         (`common.preparation.prepare`).
     """
-    from model_worker.main import PREPARE_PARTS as WORKER_PARTS
+    from model_worker.server.main import PREPARE_PARTS as WORKER_PARTS
     from tokenizer_svc.main import PREPARE_PARTS as TOKENIZER_PARTS
 
     return prepare_parts(spec, cache_dir, {**WORKER_PARTS, **TOKENIZER_PARTS})

@@ -29,7 +29,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from families.gemma4.worker import GEMMA4_E2B, GEMMA4_E4B, gemma4_layers
-from model_worker.config import ModelConfig
+from model_worker.modeling.config import ModelConfig
 
 BF16 = ml_dtypes.bfloat16
 PREFIX = "model.language_model."

@@ -18,10 +18,10 @@ import pathlib
 import pytest
 
 from common.preparation import default_cache_dir
-from model_worker.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
+from model_worker.numerics.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
 
 # References load from local files only; never reach for the Hugging Face Hub.
-# The worker's XLA options (model_worker/xla_options.py), for the programs the tests run in process: set before
+# The worker's XLA options (model_worker/numerics/xla_options.py), for the programs the tests run in process: set before
 # jax is imported.
 add_xla_flags(*INVARIANT_CPU_FLAGS)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CACHE = pathlib.Path(os.environ.get("GEMMA_SERVE_TEST_CACHE") or default_cache_dir() / "test")
-# JAX's persistent compilation cache from a process's first compile (`model_worker.engine.enable_compilation_cache`
+# JAX's persistent compilation cache from a process's first compile (`model_worker.engine.engine.enable_compilation_cache`
 # through JAX's environment variables, read when jax is imported), not only once a test asks for `cache_dir`: a
 # program another module, process or run compiled then loads in a fraction of its compile time, whatever order
 # the modules run in. The stacks the e2e tests start inherit it; they use this directory anyway (`--cache-dir`).
@@ -46,7 +46,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # then pins every process a test starts (services, subprocess checks) to the host's CPU through JAX_PLATFORMS, which
 # they inherit. Its numerics compare float32 values at float32 precision: a TPU multiplies float32 operands in one
 # bfloat16 pass by default (relative error ~4e-3), so the session states "highest", as the worker does for
-# `--matmul-precision float32` (model_worker/main.py). The "host" and "e2e" lanes run with JAX_PLATFORMS=cpu.
+# `--matmul-precision float32` (model_worker/server/main.py). The "host" and "e2e" lanes run with JAX_PLATFORMS=cpu.
 DEVICE_LANE = os.environ.get("GEMMA_SERVE_DEVICE_LANE", "")
 if DEVICE_LANE == "chip":
     import jax
@@ -88,7 +88,7 @@ def pytest_report_header(config) -> list[str]:
 def cache_dir() -> pathlib.Path:
     """The test cache directory (created)."""
     CACHE.mkdir(parents=True, exist_ok=True)
-    from model_worker.engine import enable_compilation_cache
+    from model_worker.engine.engine import enable_compilation_cache
 
     enable_compilation_cache(str(CACHE / "jax"))
     return CACHE
@@ -116,8 +116,8 @@ def gemma3(prepared):
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
-    from model_worker.config import config_from_dict
-    from model_worker.params import to_device
+    from model_worker.modeling.config import config_from_dict
+    from model_worker.modeling.params import to_device
 
     cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
     params = to_device(cfg, load_file(str(prepared.dir / "model.safetensors")), jnp.float32)

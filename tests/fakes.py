@@ -2,7 +2,7 @@
 
 FakeEngine: the next token is always (previous token + 1) % vocab, so a prompt ending in t generates t+1, t+2, ...
 (or, with a mask, the smallest allowed token >= that). It implements the engine contract the EngineLoop drives,
-`model_worker.engine_api.Engine` (a type checker holds it to the contract: tests/model_worker/engine_conformance.py), counts its calls and the
+`model_worker.serving.engine_api.Engine` (a type checker holds it to the contract: tests/model_worker/engine_conformance.py), counts its calls and the
 prompt tokens it was asked to compute (from the `is_output` flags the loop passes, independently of the loop's
 own counters), and logs every chunk as (slot, start, tokens consumed).
 """
@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from model_worker.engine_api import (
+from model_worker.modeling.sampling import SamplingArrays, unpack_mask
+from model_worker.serving.engine_api import (
     DecodeBatch,
     HostOutput,
     ProgramKey,
@@ -25,7 +26,6 @@ from model_worker.engine_api import (
     VerifyBatch,
     VerifyOutput,
 )
-from model_worker.sampling import SamplingArrays, unpack_mask
 
 
 @dataclasses.dataclass(frozen=True)

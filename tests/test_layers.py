@@ -103,6 +103,45 @@ def test_no_import_cycle_between_modules(graph):
     assert module_cycles(graph) == []
 
 
+#: The model worker's rooms from the top down (model_worker/__init__.py says what each holds): an import points only
+#: down; the engine and the checkpoints are independent of each other.
+WORKER_ROOMS = (
+    Layer("server"),
+    Layer("engine", "checkpoints", independent=True),
+    Layer("modeling"),
+    Layer("numerics"),
+    Layer("serving"),  # no JAX: the contract, the scheduler, the loop, the records
+)
+
+
+def upward_room_imports(graph: grimp.ImportGraph) -> list[str]:
+    """Every import between the model worker's rooms that breaks `WORKER_ROOMS`, as "importer -> imported"."""
+    found = []
+    for dependency in graph.find_illegal_dependencies_for_layers(layers=WORKER_ROOMS, containers={"model_worker"}):
+        for route in dependency.routes:
+            found += [f"{head} -> {tail}" for head in route.heads for tail in route.tails]
+    return sorted(found)
+
+
+def test_the_workers_rooms_import_only_downward_and_serving_never_imports_jax(graph):
+    rooms = {module.split(".")[1] for module in graph.modules if module.count(".") >= 2
+             and module.startswith("model_worker.")}
+    assert rooms == {"server", "engine", "checkpoints", "modeling", "numerics", "serving"}, rooms
+    assert not upward_room_imports(graph)
+    chains = graph.find_shortest_chains(importer="model_worker.serving", imported="jax", as_packages=True)
+    assert not chains, f"model_worker.serving reaches jax: {sorted(chains)}"
+    for importer, imported in [("model_worker.server", "model_worker.engine"),
+                               ("model_worker.engine", "model_worker.modeling"),
+                               ("model_worker.modeling", "model_worker.numerics"),
+                               ("model_worker.engine", "model_worker.serving")]:
+        assert graph.chain_exists(importer=importer, imported=imported, as_packages=True), (importer, imported)
+    # not vacuous: an upward import between rooms is found, and serving importing the engine reaches jax
+    graph = build()
+    graph.add_import(importer="model_worker.serving.loop", imported="model_worker.engine.engine")
+    assert "model_worker.serving.loop -> model_worker.engine.engine" in upward_room_imports(graph)
+    assert graph.find_shortest_chains(importer="model_worker.serving", imported="jax", as_packages=True)
+
+
 def no_jax_importers() -> list[str]:
     """The gateway, the tokenizer service and every registered family's gateway and tokenizer parts."""
     return ["gateway", "tokenizer_svc"] + [f"{package}.{part}" for package in REGISTERED
@@ -123,10 +162,10 @@ def test_the_checks_catch_an_upward_import_a_cycle_and_jax():
     graph = build()
     graph.add_import(importer="tokenizer_svc.service", imported="gemma_serve.models")
     graph.add_import(importer="common.families", imported="families.gemma3")
-    graph.add_import(importer="gateway.planner", imported="model_worker.scheduler")
+    graph.add_import(importer="gateway.planner", imported="model_worker.serving.scheduler")
     found = upward_imports(graph)
     for head in ("tokenizer_svc.service -> gemma_serve.models", "common.families -> families.gemma3",
-                 "gateway.planner -> model_worker.scheduler"):
+                 "gateway.planner -> model_worker.serving.scheduler"):
         assert any(line.startswith(head) for line in found), (head, found)
     assert graph.find_shortest_chains(importer="tokenizer_svc", imported="jax", as_packages=True)
     graph = build()

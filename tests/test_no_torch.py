@@ -18,13 +18,13 @@ def test_services_and_model_load_without_torch(prepared):
         import gemma_serve.cli, gemma_serve.launcher, gemma_serve.models
         import gateway.app, gateway.main, gateway.grpc_service
         import tokenizer_svc.main, tokenizer_svc.service
-        import model_worker.main, model_worker.service, model_worker.engine
+        import model_worker.server.main, model_worker.server.service, model_worker.engine.engine
         from gemma_serve.models import PreparedModel
         from tokenizer_svc.tokenizer import TextTokenizer
         import jax.numpy as jnp
         from safetensors.numpy import load_file
-        from model_worker.config import config_from_dict
-        from model_worker.params import to_device
+        from model_worker.modeling.config import config_from_dict
+        from model_worker.modeling.params import to_device
         d = pathlib.Path({str(prepared.dir)!r})
         TextTokenizer.from_prepared(d, ("<end_of_turn>",))
         cfg = config_from_dict(json.loads((d / "config.json").read_text()))

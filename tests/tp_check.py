@@ -15,7 +15,7 @@ What it runs (the engine's own programs, `Engine.compile_all(keys=...)`, one KV 
     through the engine's sample programs, at TP 1 and 2;
   * a slot copy on the split cache ("int4", TP 2): the copied slot decodes as the original;
   * a control: `sharding.hidden_gathers` reports the weight gather a row-block loop over a split axis makes;
-  * memory (`model_worker.memory`): every engine's per-device bytes of weights, KV cache and penalty state as
+  * memory (`model_worker.engine.memory`): every engine's per-device bytes of weights, KV cache and penalty state as
     placed against those computed from abstract shapes (the "ple" weights from its config alone), and the
     compiled programs' temporaries against the estimate; a scaled-down synthetic E2B in the qat-w4a16-ct format
     loaded at TP 1 and 2 against its config's abstract int4 weights;
@@ -50,13 +50,14 @@ import ml_dtypes
 import numpy as np
 
 from families.gemma4.worker import config_from_hf
-from model_worker import memory, quant, sharding
-from model_worker.engine import Engine, EngineConfig
-from model_worker.engine_api import DecodeBatch, PromptChunk
-from model_worker.params import Params, param_shapes, random_flat, to_device, with_bf16_matmuls
-from model_worker.programs import ProgramKey
-from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight
-from model_worker.sampling import SamplingArrays, pack_mask
+from model_worker.engine import memory, sharding
+from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.engine.programs import ProgramKey
+from model_worker.modeling.params import Params, param_shapes, random_flat, to_device, with_bf16_matmuls
+from model_worker.modeling.sampling import SamplingArrays, pack_mask
+from model_worker.numerics import quant
+from model_worker.numerics.quant import Bf16Weight, Int4Weight, Int8Weight
+from model_worker.serving.engine_api import DecodeBatch, PromptChunk
 from tests.gemma4_tiny import K_EQ_V, SHARED
 
 S, F = "sliding_attention", "full_attention"
@@ -331,7 +332,7 @@ def checkpoint_memory(tmp: pathlib.Path) -> dict:
     worker loads it (bfloat16, int8 KV) into engines at tensor parallel 1 and 2 (placed, not compiled): per-device
     bytes against those computed from its config alone (`memory.abstract_params` with int4 groups of 32)."""
     from families.gemma4.worker import GEMMA4_E2B
-    from model_worker.hf_loader import load_checkpoint
+    from model_worker.checkpoints.hf_loader import load_checkpoint
     from scripts.make_synthetic_gemma4 import GROUP, scaled_config, write
 
     write(tmp, scaled_config(GEMMA4_E2B, layers=10, hidden=64, vocab=512), "qat-w4a16-ct")
@@ -386,7 +387,7 @@ def gemma3_checks(directory: pathlib.Path) -> dict:
     """The embedded Gemma 3 (prepared in `directory`) at TP 1 and 2: logits, shards and gathers."""
     from safetensors.numpy import load_file
 
-    from model_worker.config import config_from_dict
+    from model_worker.modeling.config import config_from_dict
 
     cfg = config_from_dict(json.loads((directory / "config.json").read_text()))
     params = to_device(cfg, load_file(str(directory / "model.safetensors")), jnp.float32)

@@ -7,9 +7,9 @@ Sources for the values:
     `src/llama-model.cpp` (LLM_ARCH_GEMMA3), which hard-codes the values the GGUF omits: sliding-window pattern 6,
     local RoPE base 1e4, attention scale 1/sqrt(key_length), embedding scale sqrt(embedding_length).
 
-Formats: GGUF (`config_from_gguf`; the tensors are read by `model_worker.gguf_convert`, whose llama.cpp names are
+Formats: GGUF (`config_from_gguf`; the tensors are read by `model_worker.checkpoints.gguf_convert`, whose llama.cpp names are
 shared by Gemma-style GGUFs). Hugging Face checkpoints are not supported yet (`config_from_hf` says so): their
-norm weights are stored as w with the multiplier 1 + w, which `model_worker.hf_loader` does not convert.
+norm weights are stored as w with the multiplier 1 + w, which `model_worker.checkpoints.hf_loader` does not convert.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from families.gemma3 import FAMILY
-from model_worker.config import LayerSpec, ModelConfig, WorkerPart
+from model_worker.modeling.config import LayerSpec, ModelConfig, WorkerPart
 
 
 def gemma3_layers(

@@ -3,7 +3,7 @@
 
 Sources for the values: docs/gemma4-architecture.md (transformers `Gemma4TextConfig`, `convert_gemma4_weights.py`).
 
-Formats: Hugging Face checkpoints (`config_from_hf`, tensors read by `model_worker.hf_loader` with the
+Formats: Hugging Face checkpoints (`config_from_hf`, tensors read by `model_worker.checkpoints.hf_loader` with the
 `HF_TOP_NAMES` / `HF_LAYER_NAMES` / `HF_SKIP_PREFIXES` hook below). GGUF is not supported (`config_from_gguf` says
 so; the family registers no GGUF architecture).
 """
@@ -14,7 +14,7 @@ import math
 
 from common import families
 from families.gemma4 import FAMILY
-from model_worker.config import LayerSpec, ModelConfig, WorkerPart
+from model_worker.modeling.config import LayerSpec, ModelConfig, WorkerPart
 
 _S, _F = "sliding_attention", "full_attention"
 
@@ -103,7 +103,7 @@ GEMMA4_E4B = _gemma4("gemma-4-e4b", hidden=2560, num_layers=42, pattern=[_S] * 5
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in (GEMMA4_E2B, GEMMA4_E4B)}
 """Gemma 4's spelled-out configs by name."""
 
-# The `model_worker.hf_loader` hook: Gemma 4's module names beyond the Gemma-style decoder's (docs/gemma4-
+# The `model_worker.checkpoints.hf_loader` hook: Gemma 4's module names beyond the Gemma-style decoder's (docs/gemma4-
 # architecture.md §8), as (our flat name, is_linear): the per-layer embeddings (PLE) and the layer scalar.
 HF_TOP_NAMES: dict[str, tuple[str, bool]] = {
     "embed_tokens_per_layer": ("ple_embed", False),

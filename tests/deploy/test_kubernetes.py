@@ -109,8 +109,8 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def worker_gauges() -> set[str]:
-    """The names of the model worker's Prometheus gauges (model_worker/metrics.py)."""
-    from model_worker.metrics import WorkerMetrics
+    """The names of the model worker's Prometheus gauges (model_worker/server/metrics.py)."""
+    from model_worker.server.metrics import WorkerMetrics
 
     return {family.name for family in WorkerMetrics().registry.collect() if family.type == "gauge"}
 

@@ -360,7 +360,7 @@ def _embedded(cache_dir, prepared, tmp, factory) -> Stack:
     conversations beyond the window, are the worker's unit tests' business; no tail chunks either). Its internal
     links use mutual TLS with the test CA, so every e2e test through it crosses them; requests with `FAULT_SALT`
     make its worker fail (tests/e2e/test_faults.py, which runs last, breaks and finally stops this stack)."""
-    from model_worker.loop import FAULT_ENV
+    from model_worker.serving.loop import FAULT_ENV
 
     s = start_stack(cache_dir, tmp("stack") / "stack.log",
                     ["--max-model-len", str(MAX_MODEL_LEN), "--num-slots", "4", "--prefill-chunks", "64",

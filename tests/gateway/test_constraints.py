@@ -30,8 +30,7 @@ import numpy as np
 import pytest
 
 from gateway import constraints as C
-from gateway import grammar_cache
-from gateway import schema_check
+from gateway import grammar_cache, schema_check
 from tests.gateway.constraint_schemas import CORPUS
 
 STOP = [1, 106]  # <eos>, <end_of_turn>

@@ -119,7 +119,7 @@ def test_tail_chunks_reach_the_worker_and_default_to_16_32_on_cpu_only():
     alone turns them off; a tail chunk not below the smallest prefill chunk is refused with the numbers."""
     from gemma_serve.cli import build_parser
     from gemma_serve.launcher import service_commands
-    from model_worker.main import FlagsRefused, tail_chunks
+    from model_worker.server.main import FlagsRefused, tail_chunks
 
     parser = build_parser()
     for given, expected in ((["--tail-chunks", "8", "16"], [8, 16]), (["--tail-chunks"], []), ([], None)):
@@ -210,7 +210,7 @@ def test_flags_the_model_cannot_honour_exit_2_from_the_loading_thread(tmp_path, 
     quantization groups, a context the model does not have) ends the worker with exit code 2, which `up` does not
     restart, not as a crash (exit 1, restarted)."""
     from gemma_serve.cli import build_parser
-    from model_worker import main
+    from model_worker.server import main
     from tests.e2e.stacks import free_ports
 
     def refuse(prepared, args):

@@ -8,8 +8,8 @@ and shows that it catches drift).
 
 from __future__ import annotations
 
-from model_worker import engine_api
-from model_worker.engine import Engine
+from model_worker.engine.engine import Engine
+from model_worker.serving import engine_api
 from tests.fakes import FakeEngine
 
 

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker import attention, model
-from model_worker.attention import attend
-from model_worker.kv_cache import KVCache, dequantize_kv, quantize_kv
+from model_worker.modeling import attention, model
+from model_worker.modeling.attention import attend
+from model_worker.modeling.kv_cache import KVCache, dequantize_kv, quantize_kv
 
 pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
 
@@ -105,8 +105,8 @@ def test_blocked_loop_reads_only_the_blocks_a_row_needs():
 def test_forward_with_many_key_blocks_equals_one_block(monkeypatch, tmp_path):
     """The tiny Gemma 4 model (full and sliding layers, shared KV) prefilled in chunks and decoded: blocks of 16
     keys give the same logits as one block of the whole cache."""
-    from model_worker.hf_loader import load_checkpoint
-    from model_worker.params import to_device
+    from model_worker.checkpoints.hf_loader import load_checkpoint
+    from model_worker.modeling.params import to_device
     from tests.gemma4_tiny import SHARED, write_checkpoint
 
     write_checkpoint(SHARED, tmp_path)

@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 from jax import lax
 
-from model_worker import model, q8
-from model_worker.hf_loader import load_checkpoint
-from model_worker.kv_cache import KVCache
-from model_worker.layers import fixed_order_sum
-from model_worker.params import for_matmul_precision, matmul_mode, to_device
-from model_worker.quant import GEMM_ROW_MULTIPLE, Bf16Weight, bf16_linear
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.modeling import model
+from model_worker.modeling.kv_cache import KVCache
+from model_worker.modeling.layers import fixed_order_sum
+from model_worker.modeling.params import for_matmul_precision, matmul_mode, to_device
+from model_worker.numerics import q8
+from model_worker.numerics.quant import GEMM_ROW_MULTIPLE, Bf16Weight, bf16_linear
 from tests.gemma4_tiny import CONFIGS, write_checkpoint
 
 pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`

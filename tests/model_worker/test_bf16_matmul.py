@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from families.gemma3.worker import GEMMA3_270M, gemma3_layers
-from model_worker.params import random_flat, to_device, with_bf16_matmuls
-from model_worker.quant import Bf16Weight, Int4Weight, Int8Weight, bf16_linear, linear
+from model_worker.modeling.params import random_flat, to_device, with_bf16_matmuls
+from model_worker.numerics.quant import Bf16Weight, Int4Weight, Int8Weight, bf16_linear, linear
 
 pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
 
@@ -125,9 +125,9 @@ def test_with_bf16_matmuls_converts_the_projections_and_adds_a_head_copy():
 def test_gemma4_projections_convert_and_the_forward_stays_close(tmp_path):
     """A tiny Gemma 4 (KV-shared layers without k/v, PLE gate and projection): every projection it has becomes a
     Bf16Weight, absent ones stay None, and its logits stay within bfloat16 rounding of the float32 forward."""
-    from model_worker.hf_loader import load_checkpoint
-    from model_worker.kv_cache import KVCache
-    from model_worker.model import forward_jit
+    from model_worker.checkpoints.hf_loader import load_checkpoint
+    from model_worker.modeling.kv_cache import KVCache
+    from model_worker.modeling.model import forward_jit
     from tests.gemma4_tiny import SHARED, write_checkpoint
 
     write_checkpoint(SHARED, tmp_path)
@@ -158,7 +158,7 @@ def test_the_flags_reach_the_worker_and_resolve_to_the_default_mode():
     devices, to nothing to choose with bfloat16 activations, and an impossible combination is refused."""
     from gemma_serve.cli import build_parser
     from gemma_serve.launcher import service_commands
-    from model_worker.params import matmul_mode
+    from model_worker.modeling.params import matmul_mode
 
     parser = build_parser()
 

@@ -1,4 +1,4 @@
-"""The batch-invariant block attention (model_worker/block_attention.py): the CPU kernel equals its pure-JAX twin
+"""The batch-invariant block attention (model_worker/modeling/block_attention.py): the CPU kernel equals its pure-JAX twin
 bit for bit on every path and key mode, a query's result does not depend on the rows or queries beside it, the
 normalized output stays within bfloat16 probabilities' error of a numpy float64 softmax attention over the
 visible keys, the fixed exp is within a few ulp of numpy's, bad operands are refused, and programs lowered for
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker import block_attention as ba
-from model_worker import q8
+from model_worker.modeling import block_attention as ba
+from model_worker.numerics import q8
 
 pytestmark = [pytest.mark.skipif(q8.compiler() is None, reason="no C++ compiler: the kernel cannot be built here"),
               pytest.mark.cpu_backend]  # the CPU kernel: on an accelerator host, on its CPU backend
@@ -205,9 +205,9 @@ def test_bad_operands_are_refused():
 def test_programs_for_tpu_and_gpu_contain_no_custom_call():
     """The model's batch-invariant attention calls the kernel when lowered for CPU and only XLA ops for TPU/CUDA
     (`attention.attend_invariant` chooses by platform)."""
-    from model_worker import attention
-    from model_worker.attention import BatchKV
-    from model_worker.kv_cache import BF16_BITS
+    from model_worker.modeling import attention
+    from model_worker.modeling.attention import BatchKV
+    from model_worker.modeling.kv_cache import BF16_BITS
 
     B, C, N, K, D, T = 1, 1, 4, 1, 64, 32
 
@@ -238,12 +238,12 @@ def test_a_library_without_the_attention_still_has_the_block_int8_product(tmp_pa
     code = f"""
 import logging, pathlib
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-from model_worker import q8
+from model_worker.numerics import q8
 q8._units = lambda: [(q8.SOURCE, []), (pathlib.Path({str(broken)!r}), [])]
 q8.default_cache_dir = lambda: pathlib.Path({str(tmp_path)!r})
 assert q8.kernel_available() and not q8.attention_kernel_available()
 import jax, jax.numpy as jnp, numpy as np
-from model_worker import block_attention as ba
+from model_worker.modeling import block_attention as ba
 x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 64)), jnp.float32)
 w = q8.q8_weight(np.ones((16, 64), np.int8), np.full((16, 2), 0.5, np.float16), tile=True)
 text = jax.jit(q8.q8_linear).lower(x, w).as_text()

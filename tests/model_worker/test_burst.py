@@ -10,9 +10,9 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
-from model_worker.loop import EngineLoop, wait_idle
-from model_worker.metrics import WorkerMetrics
-from model_worker.sequence import Finish, SamplingSpec, Sequence
+from model_worker.server.metrics import WorkerMetrics
+from model_worker.serving.loop import EngineLoop, wait_idle
+from model_worker.serving.sequence import Finish, SamplingSpec, Sequence
 from tests.fakes import FakeEngine, FakeEngineConfig
 
 

@@ -1,4 +1,4 @@
-"""Drafts (model_worker/drafting.py) and the loop's speculation around them, on the FakeEngine (next = last + 1, so
+"""Drafts (model_worker/serving/drafting.py) and the loop's speculation around them, on the FakeEngine (next = last + 1, so
 which drafts are right is known by hand): the n-gram index, predictions, answers scoped by cache salt, the
 acceptance estimate and step costs, and a loop that verifies drafts giving exactly what it gives without them.
 Exactness on a real model: tests/model_worker/test_speculation.py."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from common.ngram import NgramIndex
-from model_worker.drafting import ANSWERS_PER_SCOPE, Acceptance, Drafter, StepCosts
-from model_worker.loop import EngineLoop
-from model_worker.sequence import Finish
+from model_worker.serving.drafting import ANSWERS_PER_SCOPE, Acceptance, Drafter, StepCosts
+from model_worker.serving.loop import EngineLoop
+from model_worker.serving.sequence import Finish
 from tests.fakes import FakeEngine, FakeEngineConfig
 from tests.model_worker.test_loop import VOCAB, make
 
@@ -177,7 +177,7 @@ def test_bad_speculation_flags_are_refused_with_the_numbers(drafts, slack, fragm
     """`--max-draft-tokens` that no verify program can take is refused at start, naming the flag."""
     import argparse
 
-    from model_worker.main import FlagsRefused, speculation_drafts
+    from model_worker.server.main import FlagsRefused, speculation_drafts
 
     args = argparse.Namespace(max_draft_tokens=drafts, prefix_slack=slack, speculation="auto")
     with pytest.raises(FlagsRefused, match=fragment):
@@ -187,7 +187,7 @@ def test_bad_speculation_flags_are_refused_with_the_numbers(drafts, slack, fragm
 def test_speculation_is_off_where_the_numerics_are_not_batch_invariant(caplog):
     import argparse
 
-    from model_worker.main import speculation_drafts
+    from model_worker.server.main import speculation_drafts
 
     args = argparse.Namespace(max_draft_tokens=7, prefix_slack=256, speculation="auto")
     assert speculation_drafts(args, invariant=True) == 7
@@ -201,7 +201,7 @@ def test_a_new_sequence_starts_from_its_scopes_recent_acceptance():
     """After a scope's drafts were accepted, its next sequence expects them to be (so a short constrained answer
     gets verified from its first draft); another scope still starts from one-in-two, and a sequence's own
     verified drafts soon outweigh the prior."""
-    from model_worker.drafting import Acceptance, Drafter
+    from model_worker.serving.drafting import Acceptance, Drafter
 
     d = Drafter()
     d.start("a", [1, 2, 3], scope="tenant-1")
@@ -225,7 +225,7 @@ def test_default_draft_length_follows_the_matmul_precision():
 
     from gemma_serve.cli import build_parser
     from gemma_serve.launcher import service_commands
-    from model_worker.main import speculation_drafts
+    from model_worker.server.main import speculation_drafts
 
     args = argparse.Namespace(max_draft_tokens=None, prefix_slack=256, speculation="auto")
     assert speculation_drafts(args, invariant=True, precision="int8") == 3

@@ -1,4 +1,4 @@
-"""The engine contract (`model_worker.engine_api.Engine`): a type checker (mypy) holds the real engine and the test
+"""The engine contract (`model_worker.serving.engine_api.Engine`): a type checker (mypy) holds the real engine and the test
 double to the Protocol's exact signatures, and the Protocol declares exactly what the loop's side of the worker
 uses of an engine."""
 
@@ -11,13 +11,13 @@ import subprocess
 import sys
 import typing
 
-from model_worker import engine_api
+from model_worker.serving import engine_api
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
-#: The modules that drive an engine after start-up (model_worker/main.py builds the concrete one).
-USERS = ("loop.py", "scheduler.py", "service.py", "metrics.py")
-MODEL_WORKER = pathlib.Path(engine_api.__file__).parent
+#: The modules that drive an engine after start-up (model_worker/server/main.py builds the concrete one).
+USERS = ("serving/loop.py", "serving/scheduler.py", "server/service.py", "server/metrics.py")
+MODEL_WORKER = pathlib.Path(engine_api.__file__).parents[1]
 
 
 def members(proto: type) -> dict[str, object]:
@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from model_worker import engine_api
-from model_worker.engine_api import PromptChunk
+from model_worker.serving import engine_api
+from model_worker.serving.engine_api import PromptChunk
 from tests.fakes import FakeEngine
 
 

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker.engine import Engine, EngineConfig
-from model_worker.engine_api import PromptChunk
-from model_worker.hf_loader import load_checkpoint
-from model_worker.loop import EngineLoop, wait_idle
-from model_worker.params import to_device
-from model_worker.sequence import Finish, SamplingSpec, Sequence
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.modeling.params import to_device
+from model_worker.serving.engine_api import PromptChunk
+from model_worker.serving.loop import EngineLoop, wait_idle
+from model_worker.serving.sequence import Finish, SamplingSpec, Sequence
 from tests.gemma4_tiny import SHARED, write_checkpoint
 
 pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
@@ -345,8 +345,8 @@ def test_a_prompt_tail_runs_in_the_cheapest_tail_chunks(engine, tmp_path, monkey
     (`engine._tail_plan`: each chunk costs its length + 8) - 84 tokens as 32 + 32 + 8 + 8 + 4, 23 as 8 + 8 + 8 (a
     tail of 7: one 8 beats 4 + 2 + 2) - and the last token's logits equal the same prompt's without tail chunks;
     tail chunks must lie below the smallest prefill chunk."""
-    from model_worker.engine import _tail_plan
-    from model_worker.engine_api import StepShape
+    from model_worker.engine.engine import _tail_plan
+    from model_worker.serving.engine_api import StepShape
 
     assert _tail_plan((16, 32, 64), 20) == (32,) and _tail_plan((16, 32, 64), 40) == (32, 16)
     assert _tail_plan((16, 32, 64), 60) == (64,) and _tail_plan((2, 4, 8), 4) == (4,)
@@ -394,8 +394,8 @@ def test_a_prompt_tail_runs_in_the_cheapest_tail_chunks(engine, tmp_path, monkey
 def test_greedy_sampler_keeps_the_penalty_history_like_the_full_one():
     """The greedy program records input tokens by point updates; the history it leaves equals the full
     program's (active rows record their input token, generated ones also count; inactive rows and padding none)."""
-    from model_worker.programs import SampleInputs, greedy_program, sample_program
-    from model_worker.sampling import PenaltyState, SamplingArrays
+    from model_worker.engine.programs import SampleInputs, greedy_program, sample_program
+    from model_worker.modeling.sampling import PenaltyState, SamplingArrays
 
     rng = np.random.default_rng(3)
     S_, V_ = 6, 300
@@ -424,7 +424,7 @@ def test_a_burst_of_identical_prompts_costs_one_prefill(engine):
     ceil(R / S) x T, and every answer equals the prompt run alone."""
     from prometheus_client import CollectorRegistry
 
-    from model_worker.metrics import WorkerMetrics
+    from model_worker.server.metrics import WorkerMetrics
 
     prompt, requests, tokens = [(7 * i) % 50 + 3 for i in range(20)], 8, 4
     alone = EngineLoop(engine)

@@ -1,4 +1,4 @@
-"""The executable cache (`model_worker.executables`): a restarted process loads its programs instead of compiling
+"""The executable cache (`model_worker.engine.executables`): a restarted process loads its programs instead of compiling
 them, and they compute exactly what the compiled ones do (the donated KV cache included); anything a program
 depends on changes its fingerprint; a damaged entry is compiled again; a program JAX's own cache served is not
 stored; the directory stays bounded.
@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker import executables
-from model_worker.engine import Engine, EngineConfig
-from model_worker.engine_api import DecodeBatch, PromptChunk
-from model_worker.executables import ExecutableCache, fingerprint
-from model_worker.hf_loader import load_checkpoint
-from model_worker.params import to_device
-from model_worker.programs import PROGRAMS, ProgramKey
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.engine import executables
+from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.engine.executables import ExecutableCache, fingerprint
+from model_worker.engine.programs import PROGRAMS, ProgramKey
+from model_worker.modeling.params import to_device
+from model_worker.serving.engine_api import DecodeBatch, PromptChunk
 from tests.conftest import REPO
 from tests.gemma4_tiny import SHARED, write_checkpoint
 
@@ -40,10 +40,10 @@ KEYS = [ProgramKey("compute", 1, 8, 8), ProgramKey("decode", 2, 1, 8)]  # a 7-to
 _PROCESS = """
 import json, sys
 import jax.numpy as jnp, numpy as np
-from model_worker.engine import Engine
-from model_worker.executables import ExecutableCache
-from model_worker.hf_loader import load_checkpoint
-from model_worker.params import to_device
+from model_worker.engine.engine import Engine
+from model_worker.engine.executables import ExecutableCache
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.modeling.params import to_device
 from tests.model_worker.test_executables import ECFG, KEYS, run_steps
 cfg, flat = load_checkpoint(sys.argv[1], jnp.float32)
 engine = Engine(cfg, to_device(cfg, flat, jnp.float32), ECFG)
@@ -139,9 +139,9 @@ def test_the_program_code_digest_covers_the_model_and_not_the_scheduler():
         if name not in names and executables._module_file(name) is not None:
             names.add(name)
             todo.extend(executables._imports(executables._module_file(name)))
-    assert {"model_worker.model", "model_worker.attention", "model_worker.quant", "model_worker.sampling",
-            "model_worker.kv_cache"} <= names
-    assert not names & {"model_worker.scheduler", "model_worker.service", "model_worker.loop"}
+    assert {"model_worker.modeling.model", "model_worker.modeling.attention", "model_worker.numerics.quant", "model_worker.modeling.sampling",
+            "model_worker.modeling.kv_cache"} <= names
+    assert not names & {"model_worker.serving.scheduler", "model_worker.server.service", "model_worker.serving.loop"}
 
 
 def test_a_damaged_entry_is_a_miss_and_is_replaced(model, tmp_path, caplog):

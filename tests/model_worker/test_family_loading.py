@@ -17,9 +17,9 @@ from common import families
 from common.families import UnknownFamilyError
 from common.preparation import prepare
 from families.gemma3.worker import GEMMA3_270M
-from model_worker.config import config_from_dict, config_to_dict, worker_part
-from model_worker.hf_loader import load_checkpoint
-from model_worker.main import PREPARE_PARTS
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.modeling.config import config_from_dict, config_to_dict, worker_part
+from model_worker.server.main import PREPARE_PARTS
 from tests.e2e.stacks import REPO
 from tests.transport import socket_folder
 

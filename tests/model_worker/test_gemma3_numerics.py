@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker.kv_cache import KVCache
-from model_worker.model import forward_jit
-from model_worker.params import for_matmul_precision
+from model_worker.modeling.kv_cache import KVCache
+from model_worker.modeling.model import forward_jit
+from model_worker.modeling.params import for_matmul_precision
 
 pytestmark = pytest.mark.slow
 TOL = 2e-3 if jax.default_backend() == "cpu" else 4e-3

@@ -20,11 +20,11 @@ torch = pytest.importorskip("torch")
 
 from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 
-from model_worker.hf_loader import load_checkpoint  # noqa: E402
-from model_worker.kv_cache import KVCache  # noqa: E402
-from model_worker.model import forward_jit  # noqa: E402
-from model_worker.params import to_device  # noqa: E402
-from model_worker.quant import Int4Weight  # noqa: E402
+from model_worker.checkpoints.hf_loader import load_checkpoint  # noqa: E402
+from model_worker.modeling.kv_cache import KVCache  # noqa: E402
+from model_worker.modeling.model import forward_jit  # noqa: E402
+from model_worker.modeling.params import to_device  # noqa: E402
+from model_worker.numerics.quant import Int4Weight  # noqa: E402
 from tests.ct_checkpoint import compress_checkpoint, decompress_weight  # noqa: E402
 from tests.gemma4_tiny import SHARED, write_checkpoint  # noqa: E402
 

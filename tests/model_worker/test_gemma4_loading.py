@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from families.gemma4.worker import GEMMA4_E2B, GEMMA4_E4B, config_from_hf
-from model_worker.hf_loader import load_checkpoint
+from model_worker.checkpoints.hf_loader import load_checkpoint
 from scripts.make_synthetic_gemma4 import scaled_config, write
 
 S, F = "sliding_attention", "full_attention"

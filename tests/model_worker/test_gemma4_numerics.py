@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker.hf_loader import load_checkpoint
-from model_worker.kv_cache import KVCache
-from model_worker.model import forward_jit
-from model_worker.params import to_device
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.modeling.kv_cache import KVCache
+from model_worker.modeling.model import forward_jit
+from model_worker.modeling.params import to_device
 from tests.gemma4_tiny import CONFIGS, Reference, write_checkpoint
 
 pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
@@ -188,7 +188,7 @@ def test_bf16_matmul_precision_stays_close_to_transformers(tiny):
     """Mean |Δlogit| relative to the mean |logit| and the mean KL divergence of the next-token distributions stay
     within bfloat16 rounding of transformers' float64 logits, and the argmax agrees wherever the reference's top-2
     gap is clear."""
-    from model_worker.params import for_matmul_precision
+    from model_worker.modeling.params import for_matmul_precision
 
     _, ref_model, cfg, params = tiny
     cfg, params = for_matmul_precision(cfg, params, "bfloat16", batch_invariant=True)

@@ -27,7 +27,7 @@ from compressed_tensors.quantization import QuantizationConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model_worker.ct_loader import (
+from model_worker.checkpoints.ct_loader import (
     CTQuantConfig,
     UnsupportedQuantizationError,
     WeightScheme,
@@ -37,7 +37,7 @@ from model_worker.ct_loader import (
     parse_quantization_config,
     read_tensor_raw,
 )
-from model_worker.quant import Int4Weight, dequantize, int4_linear, linear, unpack_int4
+from model_worker.numerics.quant import Int4Weight, dequantize, int4_linear, linear, unpack_int4
 from tests.ct_checkpoint import (
     compress_checkpoint,
     compress_weight,

@@ -19,12 +19,12 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from families.gemma3.worker import GEMMA3_270M, gemma3_layers
-from model_worker import q8
-from model_worker.gguf_int8 import SUPPORTED, int8_from_gguf
-from model_worker.kv_cache import KVCache
-from model_worker.model import forward_jit
-from model_worker.params import Params, random_flat, to_device, with_q8_matmuls
-from model_worker.quant import Int8Weight, _dequant_int8, int8_from_flat, int8_linear, int8_to_flat
+from model_worker.checkpoints.gguf_int8 import SUPPORTED, int8_from_gguf
+from model_worker.modeling.kv_cache import KVCache
+from model_worker.modeling.model import forward_jit
+from model_worker.modeling.params import Params, random_flat, to_device, with_q8_matmuls
+from model_worker.numerics import q8
+from model_worker.numerics.quant import Int8Weight, _dequant_int8, int8_from_flat, int8_linear, int8_to_flat
 
 BLOCK = {T.Q8_0: (34, 32, [0]), T.Q5_0: (22, 32, [0]), T.Q6_K: (210, 256, [208]), T.Q4_K: (144, 256, [0, 2])}
 

@@ -1,4 +1,4 @@
-"""`EngineLoop` on its own (model_worker/loop.py), driving the hand-computable FakeEngine (next token =
+"""`EngineLoop` on its own (model_worker/serving/loop.py), driving the hand-computable FakeEngine (next token =
 previous + 1): the typed inbox commands, tokens and step counters exactly as the arithmetic says (compute,
 decode, mixed and copy steps; prompt tokens against the engine's own count), a duplicate id and a full queue
 ended at once, abort, `sampling_rows`, late masks computed again, forced tokens, a failed step (or the fault
@@ -13,7 +13,8 @@ import threading
 import numpy as np
 import pytest
 
-from model_worker.loop import (
+from model_worker.modeling.sampling import MAX_LOGIT_BIAS, SamplingArrays, mask_words, pack_mask
+from model_worker.serving.loop import (
     ENGINE_FAILED,
     FAULT_ENV,
     ROW_SETTINGS,
@@ -25,8 +26,7 @@ from model_worker.loop import (
     sampling_rows,
     wait_idle,
 )
-from model_worker.sampling import MAX_LOGIT_BIAS, SamplingArrays, mask_words, pack_mask
-from model_worker.sequence import Failure, Finish, SamplingSpec, Sequence, TokenEvent
+from model_worker.serving.sequence import Failure, Finish, SamplingSpec, Sequence, TokenEvent
 from tests.fakes import FakeEngine, FakeEngineConfig
 
 WAIT = 10.0  # seconds: far beyond what any wait below normally takes (milliseconds)

@@ -1,4 +1,4 @@
-"""Per-device memory accounting and slot sizing (`model_worker/memory.py`): the pure sizing functions with
+"""Per-device memory accounting and slot sizing (`model_worker/engine/memory.py`): the pure sizing functions with
 hand-computed numbers, `--num-slots` parsing, sizing against a device that reports a limit (a stand-in object:
 XLA's CPU reports none), and a running engine's report against its arrays' own byte counts. Abstract figures
 against placed arrays under tensor parallelism: tests/model_worker/test_tensor_parallel.py."""
@@ -14,10 +14,10 @@ import pytest
 
 from families.gemma4.worker import config_from_hf
 from gemma_serve.cli import build_parser
-from model_worker import memory
-from model_worker.engine import Engine, EngineConfig
-from model_worker.params import random_flat, to_device
-from model_worker.programs import ProgramKey
+from model_worker.engine import memory
+from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.engine.programs import ProgramKey
+from model_worker.modeling.params import random_flat, to_device
 from tests.gemma4_tiny import SHARED
 
 GiB = 2**30

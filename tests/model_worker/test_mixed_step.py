@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker import model
-from model_worker.engine_api import DecodeBatch, PromptChunk
-from model_worker.hf_loader import load_checkpoint
-from model_worker.kv_cache import KVCache
-from model_worker.params import to_device
-from model_worker.programs import ProgramKey
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.engine.programs import ProgramKey
+from model_worker.modeling import model
+from model_worker.modeling.kv_cache import KVCache
+from model_worker.modeling.params import to_device
+from model_worker.serving.engine_api import DecodeBatch, PromptChunk
 from tests.gemma4_tiny import CONFIGS, write_checkpoint
 
 pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
@@ -130,8 +130,8 @@ def test_programs_update_the_cache_in_place(tiny, other, request):
     the donated cache in place (in another order it copied every cache array of the model, each step), and
     bfloat16 K/V (the batch-invariant mode's store) are written as their uint16 bit patterns (XLA CPU converted a
     bfloat16 cache array to float32 and back to write one token into it)."""
-    from model_worker.engine import Engine, EngineConfig
-    from model_worker.params import for_matmul_precision
+    from model_worker.engine.engine import Engine, EngineConfig
+    from model_worker.modeling.params import for_matmul_precision
 
     cfg, params = tiny
     store = ("f32" if request.node.callspec.params["tiny"] == "k-eq-v" else "int8") if other else "bf16"
@@ -167,7 +167,7 @@ def test_warm_up_runs_every_forward_program_and_changes_no_state(tiny):
     """`Engine.warm_up` (run at start-up so that no request pays a program's slow first call) runs the compute,
     decode and mixed programs on padding only: the KV cache and the penalty history that real tokens left are
     bit-identical afterwards, and `calls` still counts only real runs."""
-    from model_worker.engine import Engine, EngineConfig
+    from model_worker.engine.engine import Engine, EngineConfig
 
     cfg, params = tiny
     engine = Engine(cfg, params, EngineConfig(num_slots=4, max_model_len=LEN, prefill_chunks=(8, 32),

@@ -1,4 +1,4 @@
-"""`PrefixCache` on its own (model_worker/prefix_cache.py), with the `LiveSlot`s a scheduler would pass:
+"""`PrefixCache` on its own (model_worker/serving/prefix_cache.py), with the `LiveSlot`s a scheduler would pass:
 which slot a new prompt gets and how many of its tokens are reused (the longest exact prefix of its own
 `cache_salt`, under the sliding rings' slack rule), free slots before LRU eviction, what `release` records,
 pinned snapshots, prompts in flight (leaders), session leases (bounded, expiring, preempted), `best_source`,
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_worker.prefix_cache import LiveSlot, PrefixCache, common_prefix
+from model_worker.serving.prefix_cache import LiveSlot, PrefixCache, common_prefix
 
 H = list(range(100, 120))  # a finished request's history: 20 tokens none of the other prompts below contain
 

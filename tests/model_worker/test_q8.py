@@ -1,4 +1,4 @@
-"""The block-int8 product (model_worker/q8.py): the CPU kernel built on first use equals its pure-JAX twin bit for
+"""The block-int8 product (model_worker/numerics/q8.py): the CPU kernel built on first use equals its pure-JAX twin bit for
 bit on every CPU path, a row's result never depends on the rows beside it, both stay within Q8_0's error of the
 float product (an independent numpy float64 reference), a machine without a compiler runs the twin, and programs
 lowered for TPU/GPU contain no custom call."""
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker import q8
+from model_worker.numerics import q8
 
 # Skipped only without a compiler: where one exists, a kernel that fails to build fails these tests.
 pytestmark = [pytest.mark.skipif(q8.compiler() is None, reason="no C++ compiler: the kernel cannot be built here"),
@@ -108,7 +108,7 @@ def test_without_a_compiler_the_twin_serves(monkeypatch, tmp_path, caplog):
     """A failed build (the compiler missing) is one warning and no library; `GEMMA_SERVE_Q8_KERNEL=off` makes
     `q8_matmul` the twin, with the same bits as the kernel."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="model_worker.q8"):
+    with caplog.at_level(logging.WARNING, logger="model_worker.numerics.q8"):
         assert q8._build(tmp_path) is None
     assert [r.levelno for r in caplog.records] == [logging.WARNING] and "twin" in caplog.text
     _, xq, xs, wq, ws = operands(4, 96, 640)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from families.gemma4.worker import GEMMA4_E2B
-from model_worker.engine import Engine, EngineConfig
-from model_worker.hf_loader import load_checkpoint
-from model_worker.params import param_shapes, to_device
-from model_worker.programs import ProgramKey
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.engine.programs import ProgramKey
+from model_worker.modeling.params import param_shapes, to_device
 from scripts.make_synthetic_gemma4 import GROUP, scaled_config, write
 
 pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`

@@ -1,4 +1,4 @@
-"""Batched sampling (model_worker.sampling) against a numpy reference of the documented processing order.
+"""Batched sampling (model_worker.modeling.sampling) against a numpy reference of the documented processing order.
 
 Synthetic logits only (fast). The reference follows the module docstring: logit bias, repetition /
 frequency / presence penalties, mask -> processed logits; log_softmax of those -> logprobs; temperature,
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker import sampling as S
+from model_worker.modeling import sampling as S
 
 V = 5000  # > MAX_TOP_K, and not a multiple of 32 (the last mask word is partial)
 # Log-probabilities against numpy's float64 reference: XLA CPU's exp and log stay within 1e-5 relative; a TPU's are
@@ -540,8 +540,8 @@ def test_every_sampling_setting_reaches_its_row():
     """`loop.sampling_rows` copies each of a sequence's settings into its own row: a non-default value of every
     `SamplingSpec` field lands in row 1 and row 0 keeps the defaults (a setting added to both dataclasses needs
     no copying code, and one missing from SamplingArrays fails here)."""
-    from model_worker.loop import ROW_SETTINGS, sampling_rows
-    from model_worker.sequence import SamplingSpec, Sequence
+    from model_worker.serving.loop import ROW_SETTINGS, sampling_rows
+    from model_worker.serving.sequence import SamplingSpec, Sequence
 
     spec = SamplingSpec(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=(7 << 32) + 9, presence_penalty=0.5,
                         frequency_penalty=-0.5, repetition_penalty=1.3, bias_ids=(3,), bias_vals=(2.0,),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model_worker.scheduler import Scheduler
-from model_worker.sequence import Finish, SamplingSpec, Sequence
+from model_worker.serving.scheduler import Scheduler
+from model_worker.serving.sequence import Finish, SamplingSpec, Sequence
 
 
 def seq(rid, prompt_len=3, max_tokens=4, stop=(), first=1):

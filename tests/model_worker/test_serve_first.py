@@ -1,4 +1,4 @@
-"""Serve first, compile the rest while serving (model_worker/background_compile.py): a worker that has only its
+"""Serve first, compile the rest while serving (model_worker/engine/background_compile.py): a worker that has only its
 serving set, or that is still compiling the rest, gives every request exactly the tokens, log-probabilities and top
 log-probabilities of a fully compiled one; a program that fails to compile in the background is left out and the
 worker keeps serving; SIGTERM during the background compilation drains and exits cleanly.
@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker.engine import Engine, EngineConfig
-from model_worker.hf_loader import load_checkpoint
-from model_worker.loop import EngineLoop
-from model_worker.params import for_matmul_precision, to_device
-from model_worker.sequence import Finish, SamplingSpec, Sequence
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.modeling.params import for_matmul_precision, to_device
+from model_worker.serving.loop import EngineLoop
+from model_worker.serving.sequence import Finish, SamplingSpec, Sequence
 from tests.gemma4_tiny import SHARED, write_checkpoint
 
 pytestmark = pytest.mark.slow  # compiles model programs: outside `make test-fast`

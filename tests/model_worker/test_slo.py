@@ -1,4 +1,4 @@
-"""Latency-target admission (model_worker/slo.py) in the plain-Python scheduler, with a scripted step-time model
+"""Latency-target admission (model_worker/serving/slo.py) in the plain-Python scheduler, with a scripted step-time model
 (`StepTimeModel(coefficients)`: t = c0 + c1*rows + c2*kv + c3*chunk + c4*drafts seconds): admission least slack
 first, early refusal exactly when the TTFT target is out of reach (and none without targets or under
 best-effort), prompt chunks sized under the tightest TPOT target, admissions held back when one more row would
@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from model_worker.engine_api import ProgramKey
-from model_worker.scheduler import Scheduler
-from model_worker.sequence import Failure, Finish, SamplingSpec, Sequence
-from model_worker.slo import MIN_CHUNK, SloAdmission, SloSettings
-from model_worker.step_model import (
+from model_worker.serving.engine_api import ProgramKey
+from model_worker.serving.scheduler import Scheduler
+from model_worker.serving.sequence import Failure, Finish, SamplingSpec, Sequence
+from model_worker.serving.slo import MIN_CHUNK, SloAdmission, SloSettings
+from model_worker.serving.step_model import (
     MIN_SAMPLES,
     StepShape,
     StepTimeModel,

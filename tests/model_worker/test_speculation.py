@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_worker.engine import Engine, EngineConfig
-from model_worker.hf_loader import load_checkpoint
-from model_worker.loop import EngineLoop
-from model_worker.params import for_matmul_precision, to_device
-from model_worker.sampling import pack_mask
-from model_worker.sequence import Finish, GrammarDraft, SamplingSpec, Sequence, TokenEvent
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.modeling.params import for_matmul_precision, to_device
+from model_worker.modeling.sampling import pack_mask
+from model_worker.serving.loop import EngineLoop
+from model_worker.serving.sequence import Finish, GrammarDraft, SamplingSpec, Sequence, TokenEvent
 from tests.gemma4_tiny import SHARED, write_checkpoint
 
 pytestmark = pytest.mark.slow  # compiles model programs: outside `make test-fast`
@@ -272,7 +272,7 @@ def test_tiny_chunk_and_decode_agree_at_every_position(engine):
     for this token sequence on the tiny config, with no draft involved. They differed (in the last bits of
     attention) while the batch-invariant GEMMs took row counts as they came: 5 chunk rows against 1 decode row
     times the heads per KV head; every count is now padded to a multiple of `quant.GEMM_ROW_MULTIPLE`."""
-    from model_worker.engine_api import DecodeBatch, PromptChunk
+    from model_worker.serving.engine_api import DecodeBatch, PromptChunk
 
     tokens = prompt(3, 24) + [150, 482, 299, 118, 323]
     for slot, upto in ((0, 29), (1, 24)):
@@ -295,9 +295,9 @@ def test_verify_steps_equal_decode_steps_on_the_embedded_model(gemma3, precision
     of 8 decode steps (seeded sampling with repetition, frequency and presence penalties), and after a verify
     step whose 4th draft is rejected, decoding on from the accepted tokens gives the decode-only path's logits
     (the rejected positions' KV and ring entries left no trace)."""
-    from model_worker.engine_api import DecodeBatch, PromptChunk, VerifyBatch
-    from model_worker.programs import ProgramKey
-    from model_worker.sampling import SamplingArrays
+    from model_worker.engine.programs import ProgramKey
+    from model_worker.modeling.sampling import SamplingArrays
+    from model_worker.serving.engine_api import DecodeBatch, PromptChunk, VerifyBatch
 
     cfg, params = for_matmul_precision(*gemma3, precision, batch_invariant=True)
     eng = Engine(cfg, params, EngineConfig(num_slots=2, max_model_len=1024, prefill_chunks=(64,), prefix_slack=8,

@@ -10,8 +10,8 @@ import pathlib
 import grimp
 import pytest
 
-from model_worker import scheduler
-from model_worker.sequence import SamplingSpec, Sequence
+from model_worker.serving import scheduler
+from model_worker.serving.sequence import SamplingSpec, Sequence
 
 MODEL_WORKER = pathlib.Path(scheduler.__file__).parent
 FIELDS = frozenset(f.name for f in dataclasses.fields(Sequence))
@@ -79,10 +79,10 @@ def graph() -> grimp.ImportGraph:
 
 def test_only_the_scheduler_changes_sequences(graph):
     """No module that can hold a Sequence writes one of its fields, except scheduler.py: the modules that import
-    model_worker.sequence (directly or through the scheduler or the loop), sequence.py itself and the prefix cache.
+    model_worker.serving.sequence (directly or through the scheduler or the loop), sequence.py itself and the prefix cache.
     (The engine's modules never see a sequence, only slots and token lists; their own arrays may share a field's
     name.)"""
-    holders = {m.split(".")[-1] for m in graph.find_downstream_modules("model_worker.sequence")}
+    holders = {m.split(".")[-1] for m in graph.find_downstream_modules("model_worker.serving.sequence")}
     holders |= {"sequence", "prefix_cache"}
     assert {"scheduler", "loop", "service", "sequence", "prefix_cache"} <= holders
     holders.discard("scheduler")
@@ -118,6 +118,6 @@ def test_a_sequence_takes_no_undeclared_attribute():
 def test_the_prefix_cache_does_not_import_the_scheduler(graph):
     """The cycle scheduler -> prefix_cache -> scheduler is gone, on every code path (grimp reads every import,
     TYPE_CHECKING ones included)."""
-    assert "model_worker.prefix_cache" in graph.find_modules_directly_imported_by("model_worker.scheduler")
-    chains = graph.find_shortest_chains(importer="model_worker.prefix_cache", imported="model_worker.scheduler")
+    assert "model_worker.serving.prefix_cache" in graph.find_modules_directly_imported_by("model_worker.serving.scheduler")
+    chains = graph.find_shortest_chains(importer="model_worker.serving.prefix_cache", imported="model_worker.serving.scheduler")
     assert chains == set(), chains

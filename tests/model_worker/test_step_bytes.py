@@ -19,10 +19,10 @@ import pytest
 
 from benchmarks.decode_step import decode_bytes, step_bytes
 from families.gemma4.worker import GEMMA4_E2B
-from model_worker.engine import Engine, EngineConfig
-from model_worker.hf_loader import load_checkpoint
-from model_worker.params import to_device
-from model_worker.quant import Int4Weight
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.modeling.params import to_device
+from model_worker.numerics.quant import Int4Weight
 from scripts.make_synthetic_gemma4 import scaled_config, write
 
 pytestmark = pytest.mark.slow  # compiles model programs or reads a reference: outside `make test-fast`
@@ -89,10 +89,10 @@ TP_SCRIPT = """
 import json, pathlib, sys
 import jax, jax.numpy as jnp
 from benchmarks.decode_step import decode_bytes
-from model_worker import sharding
-from model_worker.engine import Engine, EngineConfig
-from model_worker.hf_loader import load_checkpoint
-from model_worker.params import to_device
+from model_worker.engine import sharding
+from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.checkpoints.hf_loader import load_checkpoint
+from model_worker.modeling.params import to_device
 cfg, flat = load_checkpoint(pathlib.Path(sys.argv[1]), jnp.float32)
 params = to_device(cfg, flat, jnp.float32)
 out = {"one": decode_bytes(Engine(cfg, params, EngineConfig(**json.loads(sys.argv[2]))), 2, 1024).__dict__}

@@ -1,4 +1,4 @@
-"""Tensor parallelism (`model_worker/sharding.py`, `EngineConfig.tensor_parallel`) on 4 simulated CPU devices.
+"""Tensor parallelism (`model_worker/engine/sharding.py`, `EngineConfig.tensor_parallel`) on 4 simulated CPU devices.
 
 The device count is an XLA flag read when jax is imported, so the work runs in subprocesses (tests/tp_check.py,
 one for the tiny random Gemma 4s, one for the embedded Gemma 3) that print their measurements as JSON; the tests
@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 from families.gemma4.worker import config_from_hf
-from model_worker.engine import Engine, EngineConfig
-from model_worker.params import random_flat, to_device
-from model_worker.programs import ProgramKey
+from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.engine.programs import ProgramKey
+from model_worker.modeling.params import random_flat, to_device
 from tests.gemma4_tiny import SHARED
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_no_step_gathers_a_split_weight(tiny):
 
 
 def test_per_device_bytes_from_abstract_shapes_equal_the_placed_arrays(tiny):
-    """`model_worker.memory` computes per-device bytes from shapes and shardings alone (the figures of
+    """`model_worker.engine.memory` computes per-device bytes from shapes and shardings alone (the figures of
     benchmarks/tp_memory.py for models too big to load here); every engine's placed weights, KV cache and
     penalty state measure the same on every device, at TP 1, 2 and 4, from a config alone for the dense "ple"
     model and the qat-w4a16-ct checkpoint (its int4 weights packed, int8 KV)."""

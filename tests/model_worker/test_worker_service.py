@@ -8,13 +8,12 @@ import queue
 import threading
 import time
 
-import numpy as np
-
 import grpc
+import numpy as np
 import pytest
 
-from model_worker.loop import EngineLoop, wait_idle
-from model_worker.service import WorkerServicer
+from model_worker.server.service import WorkerServicer
+from model_worker.serving.loop import EngineLoop, wait_idle
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc
 from tests.fakes import FakeEngine, FakeEngineConfig
 from tests.transport import grpc_listen
@@ -368,8 +367,8 @@ def test_info_reports_the_engine_facts(engine):
     512-token window and 32768-token context (its Hugging Face config.json), int8 KV, prefix caching, the chunks
     ascending; a model without sliding layers reports window 0, and float KV its dtype."""
     from families.gemma3.worker import GEMMA3_270M
-    from model_worker.engine import EngineConfig
-    from model_worker.service import engine_facts
+    from model_worker.engine.engine import EngineConfig
+    from model_worker.server.service import engine_facts
 
     ecfg = EngineConfig(num_slots=2, max_model_len=MAX_LEN, prefill_chunks=(32, 8), kv_int8=True)
     s = Server(engine, **engine_facts(GEMMA3_270M, ecfg))

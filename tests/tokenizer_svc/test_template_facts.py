@@ -19,10 +19,10 @@ from common import families, preparation
 from common.families import UnknownFamilyError
 from gemma_serve.cli import build_parser
 from protos import tokenizer_pb2
+from tests.transport import socket_folder, tcp_available
 from tokenizer_svc.chat_template import tokenizer_part
 from tokenizer_svc.main import choose_template, load_tokenizer, run
 from tokenizer_svc.service import TokenizerServicer
-from tests.transport import socket_folder, tcp_available
 
 pytestmark = pytest.mark.slow
 DATA = pathlib.Path(__file__).parent / "data"

@@ -1,0 +1,156 @@
+"""Serve first, compile the rest while serving: the serving set, the order of the rest, and the threads that
+compile it.
+
+A fresh worker compiling its whole grid before it answers made a new user wait minutes (37 programs, ~12 s each on
+two CPU cores: docs/performance.md, "The first minute"). The engine needs far fewer programs to serve every
+request, only slower: `serving_set` is one prompt chunk and one decode step of a full batch at the largest KV bucket
+(every position and every batch fits them), their sampling, and the slot copy. The worker reports
+SERVING once those are compiled (or loaded from the executable cache, with everything else it holds), and
+`BackgroundCompile` compiles the rest on threads, most useful first (`background_order`), handing each program to
+the engine, whose dispatch picks among the programs it has (`engine.Engine` "which programs are ready").
+
+Why the answers cannot depend on which programs are ready: a row's logits are the same in every batch bucket, KV
+bucket and chunking (batch-invariant numerics: the guarantees that prefix reuse and speculation already rest on),
+and the full sampler draws what the greedy one does (`tests/model_worker/test_serve_first.py` holds the tokens of a
+worker that is still compiling to those of a fully compiled one).
+
+Imports the program keys only: no JAX here (the engine hands in its compile function).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from model_worker.serving.engine_api import ProgramKey
+
+log = logging.getLogger(__name__)
+
+
+def serving_set(kv_buckets: Sequence[int], prefill_chunks: Sequence[int], num_slots: int) -> list[ProgramKey]:
+    """The fewest programs with which an engine serves every request: a compute chunk of the smallest prefill
+    size and a decode step of `num_slots` rows, both at the largest KV bucket; the sample program of one row (a
+    chunk's last token) and of the full batch (it also serves greedy rows: `sampling.sample_greedy` equals it bit
+    for bit); the slot copy.
+
+    Every decode step then runs in the full batch (padded; a lone agent's step costs a little more until the
+    B=1 programs arrive, first of the background's), every prompt in chunks of the smallest size. Mixed steps,
+    speculation and the other buckets wait for the background. Why not B=1 decode too: it was a sixth of the
+    serving set's compile time, ~5 s of the first answer on two cores (docs/performance.md, "The first minute")."""
+    largest, chunk = kv_buckets[-1], min(prefill_chunks)
+    return [ProgramKey("compute", 1, chunk, largest), ProgramKey("decode", num_slots, 1, largest)] + \
+        [ProgramKey("sample", b, 0, 0) for b in sorted({1, num_slots})] + [ProgramKey("copy", 1, 0, 0)]
+
+
+def background_order(keys: Iterable[ProgramKey], largest_kv: int, prefill_chunks: Sequence[int]) -> list[ProgramKey]:
+    """`keys` most useful first: the greedy sampling programs (cheap; most agent steps of a greedy client), a lone
+    sequence's decode at every KV bucket (the one-agent case, shortest contexts first), the larger prompt chunks
+    at the largest KV bucket (long prompts in fewer steps), the other batches' sampling, decode and mixed steps,
+    speculation's programs, then the rest (chunks at shorter KV buckets, tail chunks); within a tier, the cheaper
+    first (batch x tokens x KV length)."""
+    def tier(k: ProgramKey) -> int:
+        if k.kind == "greedy":
+            return 0
+        if k.kind == "decode" and k.batch == 1:
+            return 1
+        if k.kind == "compute" and k.kv_len == largest_kv and k.chunk in prefill_chunks:
+            return 2
+        if k.kind in ("sample", "decode", "mixed"):
+            return 3
+        if k.kind in ("verify", "vsample", "vgreedy"):
+            return 4
+        return 5
+
+    return sorted(keys, key=lambda k: (tier(k), k.batch * max(k.chunk, 1) * max(k.kv_len, 1)))
+
+
+class BackgroundCompile:
+    """Compiles programs on daemon threads, in the order given, handing each to `deliver(key, compiled)`.
+
+    A program that fails to compile is logged and left out (`failed`): the engine keeps serving with the others.
+    `stop` lets no further compile start (a compile already running in C++ cannot be interrupted; the threads are
+    daemons, so a process that exits does not wait for them). Counters are read from any thread.
+    """
+
+    def __init__(self, build: Callable[[ProgramKey], object], keys: Iterable[ProgramKey], threads: int,
+                 deliver: Callable[[ProgramKey, object], None],
+                 on_compiled: Callable[[ProgramKey, bool], None] | None = None):
+        """Args: build: compiles one program (raises on failure); keys: the programs, most useful first; threads:
+        compiles at once (at least 1); deliver: receives each compiled program (from a compiling thread);
+        on_compiled: called after each program with (key, succeeded), from a compiling thread (progress, metrics).
+        """
+        self._build, self._deliver, self._on_compiled = build, deliver, on_compiled
+        self._queue = list(keys)
+        self.total = len(self._queue)
+        self.failed: list[ProgramKey] = []
+        self.compiled = 0
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.done = threading.Event()  # set when every program is compiled or failed, or after `stop`
+        self._running = 0
+        self._started = time.perf_counter()
+        self.seconds: float | None = None  # from `start` to the last program (None until then)
+        self._threads = [threading.Thread(target=self._work, name=f"compile-bg-{i}", daemon=True)
+                         for i in range(max(1, min(threads, self.total)))]
+
+    def start(self) -> BackgroundCompile:
+        """Start the threads (returns self); with nothing to compile, `done` is set at once."""
+        self._started = time.perf_counter()
+        if not self._queue:
+            self.seconds = 0.0
+            self.done.set()
+        for t in self._threads if self._queue else ():
+            t.start()
+        return self
+
+    @property
+    def pending(self) -> int:
+        """Programs not yet compiled (waiting or compiling; none once stopped and idle)."""
+        with self._lock:
+            return len(self._queue) + self._running
+
+    def stop(self, wait: float = 0.0) -> bool:
+        """Start no further compile; wait up to `wait` seconds for those running. Returns whether none is left
+        running."""
+        self._stopped.set()
+        with self._lock:
+            self._queue.clear()
+        deadline = time.monotonic() + wait
+        for t in self._threads:
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))
+        idle = not any(t.is_alive() for t in self._threads)
+        if idle:
+            self.done.set()
+        return idle
+
+    def _work(self) -> None:
+        while not self._stopped.is_set():
+            with self._lock:
+                if not self._queue:
+                    break
+                key = self._queue.pop(0)
+                self._running += 1
+            ok = False
+            try:
+                compiled = self._build(key)
+                if not self._stopped.is_set():
+                    self._deliver(key, compiled)
+                ok = True
+            except Exception:  # a program that does not compile: serve without it
+                log.exception("compiling %s in the background failed; serving without it", key)
+            with self._lock:
+                self._running -= 1
+                if ok:
+                    self.compiled += 1
+                else:
+                    self.failed.append(key)
+                finished = not self._queue and self._running == 0
+                if finished and self.seconds is None:
+                    self.seconds = time.perf_counter() - self._started
+            if self._on_compiled is not None:
+                self._on_compiled(key, ok)
+            if finished:
+                self.done.set()

@@ -1,0 +1,4 @@
+"""Products and sums with stated guarantees: bf16, int8 and int4 linear layers (`quant`), the block-int8 product
+and its CPU kernel through `jax.ffi` (`q8`, sources in `kernels/`, a bit-identical JAX twin beside it), sums in one
+fixed order (`fixed_order`), the XLA flags that keep CPU numerics batch-invariant (`xla_options`). Imports no other
+room but serving's records."""
