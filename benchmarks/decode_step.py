@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common.preparation import default_cache_dir  # noqa: E402
-from model_worker import sharding  # noqa: E402
+from model_worker.engine import sharding  # noqa: E402
 from model_worker.engine.engine import Engine, EngineConfig, enable_compilation_cache  # noqa: E402
 from model_worker.engine.programs import ProgramKey  # noqa: E402
 from model_worker.modeling.sampling import SamplingArrays  # noqa: E402

@@ -200,15 +200,15 @@ def test_a_completion_without_max_tokens_gets_16_at_most_the_cap(cap, want):
 
 
 def test_max_tokens_null_is_whatever_fits_under_the_cap():
-    """`max_tokens: null` on a completion, and an absent one on a chat, means "what fits": left to the worker
-    (None) without a cap, else the cap or the room left in max_model_len, whichever is smaller."""
+    """`max_tokens: null` on a completion, and an absent one on a chat, means "what fits": the room left in
+    max_model_len, decided by the planner (`answer_budget`: the worker receives that number), at most the cap."""
     body = {"prompt": [7] * (MAX_LEN - 14), "max_tokens": None}
-    assert _complete(_Backends(), body).jobs[0].params.max_tokens is None
+    assert _complete(_Backends(), body).jobs[0].params.max_tokens == 14
     assert _complete(_Backends(), body, Limits(max_tokens_cap=20)).jobs[0].params.max_tokens == 14
     assert _complete(_Backends(), body, Limits(max_tokens_cap=10)).jobs[0].params.max_tokens == 10
     chat = _chat(_Backends(), {"messages": [USER]}, Limits(max_tokens_cap=1000))
     assert chat.jobs[0].params.max_tokens == MAX_LEN - len(chat.prompts[0][0])
-    assert _chat(_Backends(), {"messages": [USER]}).jobs[0].params.max_tokens is None
+    assert _chat(_Backends(), {"messages": [USER]}).jobs[0].params.max_tokens == MAX_LEN - len(chat.prompts[0][0])
 
 
 @pytest.mark.parametrize("body, message", [

@@ -13,7 +13,8 @@ from gateway.responses_request import ResponsesRequest
 
 
 def _turn(**body) -> _Turn:
-    plan = types.SimpleNamespace(model="m", jobs=[types.SimpleNamespace(params=types.SimpleNamespace(max_tokens=9))])
+    plan = types.SimpleNamespace(model="m", jobs=[types.SimpleNamespace(params=types.SimpleNamespace(max_tokens=9))],
+                                 asked_limit=9)
     return _Turn("resp_" + "0" * 32, ResponsesRequest.model_validate({"input": "x", **body}), plan, [], "", 0, [])
 
 

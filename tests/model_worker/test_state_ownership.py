@@ -13,7 +13,7 @@ import pytest
 from model_worker.serving import scheduler
 from model_worker.serving.sequence import SamplingSpec, Sequence
 
-MODEL_WORKER = pathlib.Path(scheduler.__file__).parent
+MODEL_WORKER = pathlib.Path(scheduler.__file__).parents[1]  # model_worker/
 FIELDS = frozenset(f.name for f in dataclasses.fields(Sequence))
 #: Methods that change a list, dict or set in place (`seq.output.append(t)` changes the sequence).
 MUTATORS = frozenset({"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault",
@@ -82,13 +82,15 @@ def test_only_the_scheduler_changes_sequences(graph):
     model_worker.serving.sequence (directly or through the scheduler or the loop), sequence.py itself and the prefix cache.
     (The engine's modules never see a sequence, only slots and token lists; their own arrays may share a field's
     name.)"""
-    holders = {m.split(".")[-1] for m in graph.find_downstream_modules("model_worker.serving.sequence")}
-    holders |= {"sequence", "prefix_cache"}
-    assert {"scheduler", "loop", "service", "sequence", "prefix_cache"} <= holders
-    holders.discard("scheduler")
-    writes = {name: field_writes((MODEL_WORKER / f"{name}.py").read_text()) for name in sorted(holders)}
+    holders = set(graph.find_downstream_modules("model_worker.serving.sequence"))
+    holders |= {"model_worker.serving.sequence", "model_worker.serving.prefix_cache"}
+    short = {m.split(".")[-1] for m in holders}
+    assert {"scheduler", "loop", "service", "sequence", "prefix_cache"} <= short
+    holders.discard("model_worker.serving.scheduler")
+    source = lambda module: (MODEL_WORKER.parent.joinpath(*module.split(".")).with_suffix(".py")).read_text()
+    writes = {name: field_writes(source(name)) for name in sorted(holders) if name.count(".") >= 2}
     assert {name: found for name, found in writes.items() if found} == {}
-    assert field_writes((MODEL_WORKER / "scheduler.py").read_text()), "the scan sees the scheduler's own writes"
+    assert field_writes(source("model_worker.serving.scheduler")), "the scan sees the scheduler's own writes"
 
 
 def test_the_scan_catches_each_kind_of_write():
