@@ -256,7 +256,8 @@ class Launcher:
         self.worker_env = worker_devices(args)  # each worker's own devices
 
     def start(self, model: str | None = None) -> None:
-        """Start every service, serving `model` (a prepared directory; default: the `--model` flag)."""
+        """Start every service, serving `model` (a model spec or a prepared directory; default: the `--model`
+        flag, which each service prepares for itself, waiting for whoever prepares it first)."""
         self.cmds = service_commands(self.args, model)
         for name in self.cmds:
             self.spawn(name)
@@ -324,8 +325,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         log.error("%s", err)
         return 2
-    log.info("checking the prepared files of model %r (built on the first start only)", args.model)
-    prepared = prepare(args.model, pathlib.Path(args.cache_dir))
+    # The services start at once, on the model spec itself: each imports its libraries (JAX alone takes seconds on
+    # a new machine) and then prepares the parts it reads, which waits on the prepared directory's lock while this
+    # process builds them — so a first start's preparation overlaps the services' own start (docs/performance.md,
+    # "The first minute").
+    launcher.start()
+    try:
+        log.info("checking the prepared files of model %r (built on the first start only)", args.model)
+        prepared = prepare(args.model, pathlib.Path(args.cache_dir))
+    except BaseException:
+        launcher.stop()
+        raise
     log.info("model files ready in %s (%.1f s)", prepared.dir, time.perf_counter() - t0)
 
     def on_signal(signum, frame):
@@ -333,7 +343,6 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    launcher.start(str(prepared.dir))
     code = _supervise(launcher, args, t0)
     log.info("stopping services")
     launcher.stop()
