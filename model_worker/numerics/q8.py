@@ -41,6 +41,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -370,10 +371,20 @@ def _build(cache: pathlib.Path, units: list[tuple[pathlib.Path, list[str]]] | No
     return lib
 
 
-@functools.cache
+_KERNEL_LOCK = threading.Lock()  # one build and one registration, whichever thread asks first
+
+
 def kernel_available() -> bool:
     """Whether the CPU kernel is built and registered with XLA (built on the first call; False with
-    `GEMMA_SERVE_Q8_KERNEL=off`, without a compiler or after a failed build)."""
+    `GEMMA_SERVE_Q8_KERNEL=off`, without a compiler or after a failed build). Safe from any thread: the worker
+    builds it on a thread of its own while the model files are prepared (a new machine's build takes seconds)."""
+    with _KERNEL_LOCK:
+        return _kernel_available()
+
+
+
+@functools.cache
+def _kernel_available() -> bool:
     if os.environ.get("GEMMA_SERVE_Q8_KERNEL", "").lower() in ("off", "0", "false"):
         return False
     cache = default_cache_dir() / "kernels"

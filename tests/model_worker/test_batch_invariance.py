@@ -202,7 +202,7 @@ def test_int8_without_the_kernel_gives_the_same_logits(tmp_path, monkeypatch):
     results = []
     for kernel in ("on", "off"):
         monkeypatch.setenv("GEMMA_SERVE_Q8_KERNEL", kernel)
-        q8.kernel_available.cache_clear()
+        q8._kernel_available.cache_clear()
         cfg8, params = for_matmul_precision(cfg, dense, "int8", batch_invariant=True)
         assert params.layers[0].q.tiled == (kernel == "on") and q8.kernel_available() == (kernel == "on")
         runner = Runner(cfg8, params, max_len=64, chunk=16, slack=4)
@@ -210,7 +210,7 @@ def test_int8_without_the_kernel_gives_the_same_logits(tmp_path, monkeypatch):
         (step,), _ = runner.run(cache, runner.decode_batch([ids[20]], [20], [0]))
         results.append((last, step[0]))
     monkeypatch.undo()
-    q8.kernel_available.cache_clear()
+    q8._kernel_available.cache_clear()
     for a, b in zip(*results):
         assert np.array_equal(a, b), float(np.abs(a - b).max())
 

@@ -113,7 +113,7 @@ def test_without_a_compiler_the_twin_serves(monkeypatch, tmp_path, caplog):
     assert [r.levelno for r in caplog.records] == [logging.WARNING] and "twin" in caplog.text
     _, xq, xs, wq, ws = operands(4, 96, 640)
     monkeypatch.setenv("GEMMA_SERVE_Q8_KERNEL", "off")
-    q8.kernel_available.cache_clear()
+    q8._kernel_available.cache_clear()
     try:
         assert not q8.kernel_available()
         w = q8.q8_weight(wq, ws, tile=True)
@@ -123,7 +123,7 @@ def test_without_a_compiler_the_twin_serves(monkeypatch, tmp_path, caplog):
         assert not q8.q8_weight(wq, ws).tiled  # without the kernel, weights stay in rows
     finally:
         monkeypatch.undo()
-        q8.kernel_available.cache_clear()
+        q8._kernel_available.cache_clear()
         assert q8.kernel_available()
 
 
