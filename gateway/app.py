@@ -191,12 +191,12 @@ def create_app(backends: Backends, limits: Limits | None = None,
 
     @app.post("/v1/completions", responses=_STREAM_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
-        work = _completions(backends, limits, body, request.state.tenant, _session(request))
+        work = _completions(backends.for_request(), limits, body, request.state.tenant, _session(request))
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     @app.post("/v1/chat/completions", responses=_STREAM_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        work = _chat(backends, limits, body, request.state.tenant, _session(request))
+        work = _chat(backends.for_request(), limits, body, request.state.tenant, _session(request))
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     store = ResponseStore(limits.responses_store_bytes, limits.responses_store_ttl)
@@ -204,13 +204,15 @@ def create_app(backends: Backends, limits: Limits | None = None,
     @app.post("/v1/responses", responses=_STREAM_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request):
         """The OpenAI Responses API (gateway/responses_api.py)."""
-        work = responses_api.create(backends, limits, store, body, request.state.tenant, _session(request))
+        work = responses_api.create(backends.for_request(), limits, store, body, request.state.tenant,
+                                    _session(request))
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     @app.post("/v1/responses/input_tokens")
     async def responses_input_tokens(body: ResponsesRequest, request: Request):
         """The prompt tokens `POST /v1/responses` would use for the same body."""
-        return await responses_api.count_input_tokens(backends, limits, store, body, request.state.tenant)
+        return await responses_api.count_input_tokens(backends.for_request(), limits, store, body,
+                                                      request.state.tenant)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request):
@@ -233,13 +235,14 @@ def create_app(backends: Backends, limits: Limits | None = None,
     @app.post("/v1/messages", responses=_STREAM_RESPONSES)
     async def messages(body: MessagesRequest, request: Request):
         """The Anthropic Messages API (gateway/messages_api.py)."""
-        work = messages_api.create(backends, limits, calls, body, request.state.tenant, _session(request))
+        work = messages_api.create(backends.for_request(), limits, calls, body, request.state.tenant,
+                                   _session(request))
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(body: CountTokensRequest, request: Request):
         """The prompt tokens `POST /v1/messages` would use for the same body."""
-        return await messages_api.count_tokens(backends, limits, calls, body, request.state.tenant)
+        return await messages_api.count_tokens(backends.for_request(), limits, calls, body, request.state.tenant)
 
     async def tenant_of(request: Request) -> str:
         """The caller's tenant on /tokenize and /detokenize. They sit at the root, as vLLM serves them, outside
@@ -252,14 +255,15 @@ def create_app(backends: Backends, limits: Limits | None = None,
         """The prompt ids a request would use (vLLM's /tokenize): `prompt` as /v1/completions encodes it, or
         `messages` (with tools, tool_choice, chat_template_kwargs, add_generation_prompt, continue_final_message)
         exactly as /v1/chat/completions renders them, so `count` is its `usage.prompt_tokens`."""
-        ids, strs = await tokenize(backends, body, limits, tenant=tenant)
-        return {"count": len(ids), "max_model_len": backends.ready_facts().max_model_len, "tokens": ids,
+        view = backends.for_request()
+        ids, strs = await tokenize(view, body, limits, tenant=tenant)
+        return {"count": len(ids), "max_model_len": view.ready_facts().max_model_len, "tokens": ids,
                 "token_strs": strs}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=[Depends(tenant_of)])
     async def detokenize_route(body: DetokenizeRequest):
         """The text of token ids, control tokens spelled out (vLLM's /detokenize)."""
-        return {"prompt": await detokenize(backends, body)}
+        return {"prompt": await detokenize(backends.for_request(), body)}
 
     app.openapi = lambda: openapi_schema(app, backends, limits, keyed=bool(keys),
                                          keyed_paths=("/tokenize", "/detokenize"))

@@ -107,6 +107,30 @@ class ModelFacts:
         return family_format(self.architecture)
 
 
+class RequestBackends:
+    """The backends as one request sees them: `Backends` with the model facts pinned at the request's first
+    `ready_facts()`, so its planning, generation and rendering read one `ModelFacts` snapshot even when the facts
+    are refreshed meanwhile (a backend restarted). Everything else is the shared `Backends`' (channels, pool,
+    history, admission, metrics). Made by each front door per request (`Backends.for_request`)."""
+
+    def __init__(self, backends: Backends):
+        self._backends = backends
+        self._facts: ModelFacts | None = None
+
+    def ready_facts(self) -> ModelFacts:
+        """The request's snapshot of the model facts (taken on the first call; `Backends.ready_facts`' errors)."""
+        if self._facts is None:
+            self._facts = self._backends.ready_facts()
+        return self._facts
+
+    def for_request(self) -> RequestBackends:
+        """Itself: a request's view is already one."""
+        return self
+
+    def __getattr__(self, name: str):
+        return getattr(self._backends, name)
+
+
 class Backends:
     """Channels and stubs for both backends; `facts` is None until they are ready."""
 
@@ -364,6 +388,11 @@ class Backends:
         except UnknownTokenError as err:
             raise UnknownTokenError(f"model family {facts.architecture!r}: {err}") from None
         return facts
+
+    def for_request(self) -> RequestBackends:
+        """A request's view of the backends: the model facts pinned at its first `ready_facts()`
+        (`RequestBackends`)."""
+        return RequestBackends(self)
 
     def ready_facts(self) -> ModelFacts:
         """The model facts.

@@ -154,16 +154,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             req = request_model(request)
             prefix = f"call_{rid[-12:]}_"
             session = _with_targets(Session.from_headers(lambda name: _metadata(context, name)), request)
-            with self.backends.admission.serving():
+            backends = self.backends.for_request()  # one ModelFacts snapshot for the whole request
+            with backends.admission.serving():
                 if isinstance(req, ChatCompletionRequest):
-                    plan = await plan_chat_completion(self.backends, req, self.limits, call_prefix=prefix,
+                    plan = await plan_chat_completion(backends, req, self.limits, call_prefix=prefix,
                                                       request_id=rid, tenant=tenant, session=session)
                 else:
-                    plan = await plan_completion(self.backends, req, self.limits, call_prefix=prefix,
+                    plan = await plan_completion(backends, req, self.limits, call_prefix=prefix,
                                                  request_id=rid, tenant=tenant, session=session)
                 # chat answers are remembered, as the REST doors' are (a raw completion's text is no message)
-                runner = ChoiceRunner(self.backends, plan, remember=isinstance(req, ChatCompletionRequest))
-                async for index, delta in run_choices(self.backends, plan.jobs):
+                runner = ChoiceRunner(backends, plan, remember=isinstance(req, ChatCompletionRequest))
+                async for index, delta in run_choices(backends, plan.jobs):
                     yield _reply(runner, index, delta)
         except ApiError as err:
             await context.abort(err.grpc_code(), err.message)

@@ -337,11 +337,7 @@ async def serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    threading.Thread(target=_build_cpu_kernel, name="cpu-kernel", daemon=True).start()
-    loader = asyncio.ensure_future(
-        asyncio.to_thread(lambda: load_engine(
-            preparation.prepare(args.model, pathlib.Path(args.cache_dir), PREPARE_PARTS), args))
-    )
+    loader = asyncio.ensure_future(asyncio.to_thread(_prepare_and_load, args))
     await asyncio.wait([loader, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         log.info("stopping before the engine was ready")
@@ -422,16 +418,19 @@ async def _exit(background, code: int) -> int:
     os._exit(code)
 
 
-def _build_cpu_kernel() -> None:
-    """Build (or load) the CPU's block-int8 kernel while the model files are prepared and loaded: on a new machine
-    the C++ build took ~7 s of the first answer's critical path (docs/performance.md, "The first minute"). Loading
-    the weights waits for it (`q8.kernel_available` holds a lock); nothing to do off CPU."""
+def _prepare_and_load(args: argparse.Namespace):
+    """The loader thread's work: the CPU kernel, the model files, the engine (`load_engine`'s result and errors).
+
+    The CPU's block-int8 kernel is built (or loaded) first: under `gemma-serve up` the launcher is preparing the
+    model files meanwhile and `preparation.prepare` would only wait for them, so a new machine's C++ build (~7 s)
+    leaves the first answer's critical path (docs/performance.md, "The first minute"); nothing to do off CPU."""
     import jax
 
     from model_worker.numerics import q8
 
     if jax.default_backend() == "cpu":
         q8.kernel_available()
+    return load_engine(preparation.prepare(args.model, pathlib.Path(args.cache_dir), PREPARE_PARTS), args)
 
 
 def start_background(engine, keys: list, args: argparse.Namespace, metrics, servicer):

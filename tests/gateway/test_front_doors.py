@@ -189,3 +189,19 @@ def test_the_answer_budget_is_decided_once_and_the_worker_receives_it(cap, sent)
         return worker.max_tokens
 
     assert asyncio.run(send_all()) == list(planned.values())
+
+
+def test_a_request_sees_one_model_facts_snapshot():
+    """`Backends.for_request()`: the facts a request read first stay its facts when the shared ones are refreshed
+    mid-request (a backend restarted with another context size); the next request sees the new ones; everything
+    else is the shared backends'."""
+    from gateway.clients import Backends
+
+    shared = Backends("localhost:1", "localhost:2")
+    shared.facts = _Backends().facts
+    first = shared.for_request()
+    seen = first.ready_facts()
+    shared.facts = dataclasses.replace(seen, max_model_len=64)
+    assert first.ready_facts() is seen and first.ready_facts().max_model_len == 128
+    assert shared.for_request().ready_facts().max_model_len == 64
+    assert first.answers is shared.answers and first.pool is shared.pool and first.for_request() is first
