@@ -164,7 +164,7 @@ async def constraint_factory(backends: Backends, plan: ChatPlan):
     tokenizer = await backends.grammar_tokenizer()
     facts = backends.ready_facts()
     fmt, ids = facts.output_format(), facts.special_tokens
-    stops = sorted(set(facts.stop_ids) | set(plan.stop_ids))
+    stops = plan.request_stop_ids(facts)  # under a grammar: the plan's and the model's own, as the request's
     banned_in_thought = [ids[s] for s in fmt.call_markers] if plan.tool_format else []
 
     def build(max_units: int | None = None):
