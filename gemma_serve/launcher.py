@@ -318,7 +318,8 @@ class Restarts:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `gemma-serve up`. Returns 0 after a clean stop, 1 if a service failed, 2 for refused
-    flags (checked before the model is prepared)."""
+    flags (checked before the model is prepared) or a model spec that is no model (a missing path, a directory
+    that is not one)."""
     t0 = time.perf_counter()
     try:
         launcher = Launcher(args)
@@ -333,6 +334,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         log.info("checking the prepared files of model %r (built on the first start only)", args.model)
         prepared = prepare(args.model, pathlib.Path(args.cache_dir))
+    except (FileNotFoundError, ValueError) as err:  # a model spec this command cannot serve: one line, exit 2
+        launcher.stop()
+        log.error("%s", err)
+        return 2
     except BaseException:
         launcher.stop()
         raise

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -155,3 +157,32 @@ def test_the_worker_command_re_executes_itself_with_huge_pages(monkeypatch, tmp_
     monkeypatch.delenv("GLIBC_TUNABLES")
     cli._with_huge_pages()
     assert calls == []
+
+
+def test_up_on_a_model_that_does_not_exist_says_so_and_leaves_no_service(tmp_path):
+    """`up` starts its services before it prepares the model (their start overlaps the preparation), so a model
+    path that does not exist must still end in one line and exit 2, with every service it started stopped."""
+    import psutil
+
+    from tests.transport import socket_folder
+
+    missing = tmp_path / "nowhere" / "model.gguf"
+    proc = subprocess.Popen([sys.executable, "-m", "gemma_serve.cli", "up", "--uds", str(socket_folder()),
+                             "--cache-dir", str(tmp_path / "cache"), "--model", str(missing)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children = []
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                children += [c for c in psutil.Process(proc.pid).children() if c not in children]
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2 and f"model path {missing} does not exist" in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
