@@ -36,7 +36,7 @@ from fleet_compare import REPO, _free_port, _free_run, _wait_ready
 
 CITIES = ["Reykjavik", "Ouagadougou", "Thiruvananthapuram", "Valparaiso", "Ulaanbaatar", "Antananarivo"]
 PATHS = ["src/gemma_serve/model_worker/serving/scheduler.py", "tests/e2e/test_speculation_api.py",
-         "benchmarks/agent_fleet.py", "docs/architecture.md", "gateway/generate.py", "common/ngram.py"]
+         "benchmarks/agent_fleet.py", "docs/architecture.md", "gateway/generation/generate.py", "common/ngram.py"]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                      "units": {"enum": ["metric", "imperial"]}},

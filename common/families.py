@@ -12,7 +12,7 @@ family that misses a field fails with a TypeError naming it, never with an Attri
   chat template (`render`), the template's facts (whether it declares tools and has a thinking mode, advertised in
   the tokenizer's `Info`) and the answer format (how its tool calls are spelled inside a checkpoint's own Jinja
   template, for splicing remembered answers; None when the family has no native call syntax).
-- `gateway.py` (gateway; no JAX): `PART = gateway.tool_format.FamilyFormat(...)`: the tool grammar builder and
+- `gateway.py` (gateway; no JAX): `PART = gateway.core.tool_format.FamilyFormat(...)`: the tool grammar builder and
   incremental parser, the grammar's end tokens, the call markers, budget-aware endings, the thought channel.
   Control tokens are named by spelling; the gateway looks their ids up in the vocabulary the tokenizer service
   sends and passes them in, and refuses (503) a vocabulary that lacks one.

@@ -8,7 +8,7 @@ non-loopback internal address is refused unless the internal links use mutual TL
 certificate the CA signed) or `--insecure-internal` says the network itself is trusted.
 
 The public ports (the gateway's HTTP API and gRPC `Generate`) take `--ssl-certfile` / `--ssl-keyfile`, as vLLM's
-server does; clients then authenticate with API keys (gateway/auth.py).
+server does; clients then authenticate with API keys (gateway/api/auth.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The n-gram index behind draft tokens without a draft model (speculative decoding; docs/architecture.md,
 "Speculative decoding"): the model worker drafts from a sequence's own tokens, its prediction and recent answers
 (model_worker/serving/drafting.py); the gateway drafts for constrained requests, whose grammar it holds
-(gateway/generate.py, `ConstraintDriver`). Plain Python.
+(gateway/generation/generate.py, `ConstraintDriver`). Plain Python.
 
 A sequence's next tokens are guessed as the continuation of the most recent earlier occurrence of its last few
 tokens (prompt lookup / n-gram speculation, as vLLM's `ngram` proposer and llama.cpp's lookup decoding do).

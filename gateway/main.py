@@ -12,12 +12,12 @@ import grpc
 import uvicorn
 
 from common import network, uds
-from gateway.app import create_app
-from gateway.auth import ApiKeys
-from gateway.clients import Backends, Timeouts
-from gateway.grpc_service import GatewayServicer, add_to_server
-from gateway.http_protocol import GuardedH11Protocol
-from gateway.limits import Limits
+from gateway.api.app import create_app
+from gateway.api.auth import ApiKeys
+from gateway.api.grpc_service import GatewayServicer, add_to_server
+from gateway.api.http_protocol import GuardedH11Protocol
+from gateway.backends.clients import Backends, Timeouts
+from gateway.core.limits import Limits
 
 log = logging.getLogger("gemma_serve.gateway")
 
@@ -64,7 +64,7 @@ async def serve(args: argparse.Namespace) -> int:
     holder: list[_Server] = []
     app = create_app(backends, limits, open_connections=lambda: len(holder[0].server_state.connections), keys=keys)
     # uvicorn's own connection limit answers plain text; it is only a backstop far above ours (RequestGuard). Its
-    # graceful shutdown is short: the drain (gateway/admission.py) has already finished or cut every request.
+    # graceful shutdown is short: the drain (gateway/backends/admission.py) has already finished or cut every request.
     config = uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
                             timeout_graceful_shutdown=2, limit_concurrency=2 * limits.max_connections + 64,
                             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, http=GuardedH11Protocol)

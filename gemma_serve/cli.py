@@ -233,7 +233,8 @@ def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:
                    help="deadline in seconds of each model-worker call (a Prefill's includes its wait for a slot) "
                    "and the longest silence tolerated on a token stream; beyond it 504 (default: %(default)s)")
     from common import network
-    from gateway import auth, limits
+    from gateway.api import auth
+    from gateway.core import limits
 
     auth.add_flags(p)
     network.add_public_tls_flags(p)

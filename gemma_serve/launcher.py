@@ -28,8 +28,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import network, uds
-from gateway.auth import ApiKeys, child_env
-from gateway.limits import limit_args
+from gateway.api.auth import ApiKeys, child_env
+from gateway.core.limits import limit_args
 from gemma_serve.models import prepare
 
 log = logging.getLogger("gemma_serve.up")

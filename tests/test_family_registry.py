@@ -51,7 +51,7 @@ def test_an_unknown_family_is_a_clear_error_naming_the_supported_ones(lookup, ar
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma4"])
 def test_a_family_part_is_imported_by_name_and_checked_for_its_type(name):
-    from gateway.tool_format import FamilyFormat
+    from gateway.core.tool_format import FamilyFormat
     from tokenizer_svc.chat_template import TokenizerPart
 
     family = families.by_name(name)

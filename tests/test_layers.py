@@ -114,10 +114,24 @@ WORKER_ROOMS = (
 )
 
 
-def upward_room_imports(graph: grimp.ImportGraph) -> list[str]:
-    """Every import between the model worker's rooms that breaks `WORKER_ROOMS`, as "importer -> imported"."""
+#: The gateway's rooms from the top down (gateway/__init__.py says what each holds); `main` sits above them all.
+GATEWAY_ROOMS = (
+    Layer("main"),
+    Layer("api"),
+    Layer("planning"),
+    Layer("generation"),
+    Layer("backends"),  # holds the grammar tokenizer it builds from the model facts (structured)
+    Layer("structured"),
+    Layer("core"),  # the vocabulary every room shares
+)
+
+
+def upward_room_imports(graph: grimp.ImportGraph, service: str = "model_worker") -> list[str]:
+    """Every import between one service's rooms (`WORKER_ROOMS` or `GATEWAY_ROOMS`) that breaks their order, as
+    "importer -> imported" strings (empty when none does)."""
+    rooms = WORKER_ROOMS if service == "model_worker" else GATEWAY_ROOMS
     found = []
-    for dependency in graph.find_illegal_dependencies_for_layers(layers=WORKER_ROOMS, containers={"model_worker"}):
+    for dependency in graph.find_illegal_dependencies_for_layers(layers=rooms, containers={service}):
         for route in dependency.routes:
             found += [f"{head} -> {tail}" for head in route.heads for tail in route.tails]
     return sorted(found)
@@ -142,6 +156,20 @@ def test_the_workers_rooms_import_only_downward_and_serving_never_imports_jax(gr
     assert graph.find_shortest_chains(importer="model_worker.serving", imported="jax", as_packages=True)
 
 
+def test_the_gateways_rooms_import_only_downward(graph):
+    rooms = {module.split(".")[1] for module in graph.modules if module.startswith("gateway.")}
+    assert rooms == {"main", "api", "planning", "generation", "structured", "backends", "core"}, rooms
+    assert not upward_room_imports(graph, "gateway")
+    for importer, imported in [("gateway.api", "gateway.planning"), ("gateway.planning", "gateway.generation"),
+                               ("gateway.generation", "gateway.backends"),
+                               ("gateway.backends", "gateway.structured"), ("gateway.structured", "gateway.core")]:
+        assert graph.chain_exists(importer=importer, imported=imported, as_packages=True), (importer, imported)
+    # not vacuous: a room reaching up is found
+    graph = build()
+    graph.add_import(importer="gateway.structured.constraints", imported="gateway.backends.clients")
+    assert "gateway.structured.constraints -> gateway.backends.clients" in upward_room_imports(graph, "gateway")
+
+
 def no_jax_importers() -> list[str]:
     """The gateway, the tokenizer service and every registered family's gateway and tokenizer parts."""
     return ["gateway", "tokenizer_svc"] + [f"{package}.{part}" for package in REGISTERED
@@ -162,10 +190,10 @@ def test_the_checks_catch_an_upward_import_a_cycle_and_jax():
     graph = build()
     graph.add_import(importer="tokenizer_svc.service", imported="gemma_serve.models")
     graph.add_import(importer="common.families", imported="families.gemma3")
-    graph.add_import(importer="gateway.planner", imported="model_worker.serving.scheduler")
+    graph.add_import(importer="gateway.planning.planner", imported="model_worker.serving.scheduler")
     found = upward_imports(graph)
     for head in ("tokenizer_svc.service -> gemma_serve.models", "common.families -> families.gemma3",
-                 "gateway.planner -> model_worker.serving.scheduler"):
+                 "gateway.planning.planner -> model_worker.serving.scheduler"):
         assert any(line.startswith(head) for line in found), (head, found)
     assert graph.find_shortest_chains(importer="tokenizer_svc", imported="jax", as_packages=True)
     graph = build()

@@ -16,7 +16,7 @@ def test_services_and_model_load_without_torch(prepared):
         f"""
         import json, pathlib, sys
         import gemma_serve.cli, gemma_serve.launcher, gemma_serve.models
-        import gateway.app, gateway.main, gateway.grpc_service
+        import gateway.api.app, gateway.main, gateway.api.grpc_service
         import tokenizer_svc.main, tokenizer_svc.service
         import model_worker.server.main, model_worker.server.service, model_worker.engine.engine
         from gemma_serve.models import PreparedModel

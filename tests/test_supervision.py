@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from gateway.admission import Admission
-from gateway.errors import ApiError
+from gateway.backends.admission import Admission
+from gateway.core.errors import ApiError
 from gemma_serve.cli import build_parser
 from gemma_serve.launcher import Restarts, connect_host, service_commands
 
@@ -68,8 +68,8 @@ def test_up_keeps_internal_services_on_loopback_and_passes_keys_by_environment()
 def test_a_drain_that_times_out_ends_running_streams_with_an_error_event():
     """RequestGuard + Admission: a stream still running when the drain times out is cut at once and ends with an
     SSE error event and [DONE] (not a silently truncated stream); a request arriving meanwhile gets a 503."""
-    from gateway.http_guard import RequestGuard
-    from gateway.limits import Limits
+    from gateway.api.http_guard import RequestGuard
+    from gateway.core.limits import Limits
 
     async def slow_stream(scope, receive, send):
         await send({"type": "http.response.start", "status": 200,

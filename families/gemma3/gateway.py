@@ -1,5 +1,5 @@
 """Gemma 3's gateway part: this project's JSON tool-call format (grammar and incremental parser), as the `PART`
-the gateway uses (gateway/tool_format.py; interface in common/families.py). Gemma 3 has no thought channel and
+the gateway uses (gateway/core/tool_format.py; interface in common/families.py). Gemma 3 has no thought channel and
 no thinking mode.
 
 Tool calls: this project's JSON format (Gemma 3 has no native one)
@@ -49,10 +49,10 @@ grammars define a plain-text JSON convention:
 Grammars per tool_choice (CALLS_JSON = the object of point 2; `<[106]>` = `<end_of_turn>`, by the id the served
 vocabulary gives it): `"none"` -> None (no call markers to ban: the call is text); `"auto"` ->
 `start: TEXT <[106]> | head CALLS_REST <[106]>` with `head[lazy]: TEXT "{\"tool_calls\""`, the lazy trigger
-(gateway/tool_calls.py) being the text `GEMMA3_CALL_TRIGGER`, so a `{"tool_calls"` written as an example in an
+(gateway/structured/tools/tool_calls.py) being the text `GEMMA3_CALL_TRIGGER`, so a `{"tool_calls"` written as an example in an
 answer is the start of a call and must be completed as one; `"required"` -> `start: CALLS_JSON <[106]>`; named
 -> the same with exactly one call of tool X. Arguments are constrained by llguidance's JSON Schema support
-(`%json`), after the same schema checks as Gemma 4's (gateway/tool_schema.check_parameters).
+(`%json`), after the same schema checks as Gemma 4's (gateway/structured/tools/tool_schema.check_parameters).
 """
 
 from __future__ import annotations
@@ -61,11 +61,12 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from gateway.json_schema import FORMAT_REGEXES, format_as_pattern, rewrite
-from gateway.tool_calls import (
+from gateway.core.tool_format import FamilyFormat, ParsedOutput
+from gateway.generation.tool_parsers import TokenParser, parse_marked
+from gateway.structured.json_schema import FORMAT_REGEXES, format_as_pattern, rewrite
+from gateway.structured.tools.tool_calls import (
     MAX_PARALLEL_CALLS,
     TOOL_SUBSCHEMA_KEYWORDS,
-    ParsedOutput,
     ToolCallParseError,
     cached_grammar,
     callable_tools,
@@ -73,9 +74,7 @@ from gateway.tool_calls import (
     escaped_at,
     validation_schema,
 )
-from gateway.tool_format import FamilyFormat
-from gateway.tool_parsers import TokenParser, parse_marked
-from gateway.tool_schema import check_parameters
+from gateway.structured.tools.tool_schema import check_parameters
 
 # Control tokens, by spelling (docs/formats.md §4.1).
 END_OF_TURN = "<end_of_turn>"
@@ -111,7 +110,7 @@ def gemma3_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: 
     Raises:
       ToolSchemaError: a tool or its schema cannot be enforced.
       ToolChoiceError: tool_choice is malformed or names an unknown tool.
-      gateway.tool_format.UnknownTokenError: `ids` lacks `<end_of_turn>`.
+      gateway.core.tool_format.UnknownTokenError: `ids` lacks `<end_of_turn>`.
     """
     used = {END_OF_TURN: ids[END_OF_TURN]}
     return cached_grammar("gemma3", used, tools, tool_choice, parallel, max_calls,

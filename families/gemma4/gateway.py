@@ -1,5 +1,5 @@
 """Gemma 4's gateway part: its native tool-call format (grammar and incremental parser) and its thought channel,
-as the `PART` the gateway uses (gateway/tool_format.py; interface in common/families.py).
+as the `PART` the gateway uses (gateway/core/tool_format.py; interface in common/families.py).
 
 Tool calls (native format, docs/formats.md §4.2-4.4)
 ----------------------------------------------------
@@ -11,7 +11,7 @@ The model writes calls in its trained syntax, then stops on `<|tool_response>`::
 control tokens (ids 48, 49, 50, 52 and 106 in the published vocabulary; the gateway passes the served
 vocabulary's as `ids`): the grammar references them by id (`<[48]>`), so they are matched as tokens and never as
 text, and no text in the grammar (call names, keys, strings, free text) can contain a control token. Arguments are
-the tool's `parameters` schema written in Gemma syntax (gateway/tool_schema.py builds the rules):
+the tool's `parameters` schema written in Gemma syntax (gateway/structured/tools/tool_schema.py builds the rules):
 
 - objects `{key:value,...}` with bare keys, **in the chat template's order** (keys sorted case-insensitively,
   Jinja `dictsort`): the order Gemma 4's template writes calls in, so the model sees its own calls in history exactly
@@ -28,7 +28,7 @@ Grammars per tool_choice (CALL_i = `<[48]> "call:NAME_i" ARGS_i <[49]>`; CALLS =
 - `"none"` (or no tools): None; the gateway bans `<|tool_call>` and `<tool_call|>` (`PART.call_markers`).
 - `"auto"`: `start: TEXT? <[106]> | TEXT? CALLS <[50]>` - an answer, or optional text then calls (Gemma 4's
   template renders such leading text after the tool results when the message comes back in history); the lazy
-  trigger (gateway/tool_calls.py) is the `<|tool_call>` token.
+  trigger (gateway/structured/tools/tool_calls.py) is the `<|tool_call>` token.
 - `"required"`: `start: CALLS <[50]>`.
 - named `{"type": "function", "function": {"name": X}}`: `start: CALL_X <[50]>` — exactly one call.
 
@@ -38,7 +38,7 @@ with quotes, backslashes and control characters escaped, numbers/literals as the
 Thinking
 --------
 Gemma 4 writes its reasoning in a channel before the answer (docs/formats.md §4.3 point 5): `<|channel>`, the
-label `thought\n`, the reasoning, `<channel|>`, then the answer (gateway/reasoning.py routes it); the template
+label `thought\n`, the reasoning, `<channel|>`, then the answer (gateway/generation/reasoning.py routes it); the template
 turns it on with `enable_thinking`.
 """
 
@@ -49,17 +49,16 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from gateway.tool_calls import (
+from gateway.core.tool_format import FamilyFormat, ParsedOutput, ReasoningFormat
+from gateway.generation.tool_parsers import OpenCall, TokenParser, parse_marked
+from gateway.structured.tools.tool_calls import (
     MAX_PARALLEL_CALLS,
-    ParsedOutput,
     ToolCallParseError,
     cached_grammar,
     callable_tools,
     checked_grammar,
 )
-from gateway.tool_format import FamilyFormat, ReasoningFormat
-from gateway.tool_parsers import OpenCall, TokenParser, parse_marked
-from gateway.tool_schema import SchemaRules, ValueGrammar
+from gateway.structured.tools.tool_schema import SchemaRules, ValueGrammar
 
 # Control tokens, by spelling (docs/formats.md §4.2).
 TOOL_CALL = "<|tool_call>"
@@ -92,14 +91,14 @@ def gemma4_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: 
                         max_calls: int = MAX_PARALLEL_CALLS, *, ids: Mapping[str, int]) -> str | None:
     """The llguidance Lark grammar of a Gemma 4 answer under `tool_choice` (see the module docstring), or None
     for "none" (then the gateway bans `CALL_MARKERS`). At most `max_calls` calls (1..MAX_PARALLEL_CALLS; 1 without
-    `parallel`): a budget-aware ending lowers it (gateway/budget.py). Control tokens are referenced by their ids in
+    `parallel`): a budget-aware ending lowers it (gateway/structured/budget.py). Control tokens are referenced by their ids in
     `ids` (spelling -> id; required: the vocabulary served, or `PUBLISHED_IDS` for the published one). Cached
     by a hash of the arguments.
 
     Raises:
       ToolSchemaError: a tool or its schema cannot be enforced (the error names the keyword and path).
       ToolChoiceError: tool_choice is malformed or names an unknown tool.
-      gateway.tool_format.UnknownTokenError: `ids` lacks one of the grammar's control tokens.
+      gateway.core.tool_format.UnknownTokenError: `ids` lacks one of the grammar's control tokens.
     """
     used = {s: ids[s] for s in _GRAMMAR_TOKENS}
     return cached_grammar("gemma4", used, tools, tool_choice, parallel, max_calls,

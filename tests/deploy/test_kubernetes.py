@@ -34,7 +34,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway import auth
+from gateway.api import auth
 from gemma_serve import cli
 from tests.transport import needs_tcp
 

@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 
-from gateway.routing import rendezvous_order
+from gateway.backends.worker_choice import rendezvous_order
 from tests.e2e.stacks import MAX_MODEL_LEN, REPO, free_ports, front_gateway, pki
 from tests.transport import socket_folder, tcp_available
 
@@ -164,7 +164,7 @@ def test_a_killed_worker_ends_its_requests_and_its_sessions_move(two_workers):
     request of its session is served by the other worker, and the restarted worker rejoins the ring."""
     gateway, extra = two_workers
     workers = sorted(_workers(gateway))
-    # a session key whose rendezvous choice is the extra worker (gateway/routing.py is deterministic)
+    # a session key whose rendezvous choice is the extra worker (gateway/backends/worker_choice.py is deterministic)
     key = next(k for k in (f"doomed-{i}" for i in range(100)) if rendezvous_order(k, workers)[0] == extra.addr)
     before = _routed(gateway)
     events: list[tuple[float, str]] = []

@@ -18,7 +18,7 @@ official Jinja chat template as a checkpoint template):
 
 Each answer is generated under its own `cache_salt`, so its prompt is computed cold and a request repeated with
 a smaller `max_tokens` reproduces the same tokens: the cut cases cut a known answer inside its first call's string
-(a later call would not be started when it could not fit: gateway/budget.py).
+(a later call would not be started when it could not fit: gateway/structured/budget.py).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def fresh() -> str:
 def cut_inside_a_string(tokens: list[str], gemma4: bool) -> int:
     """The largest token count that ends inside a string of the first call's arguments (`tokens`: the answer's
     token texts, control tokens spelled out). The first call: `max_tokens` then cuts it exactly there, whereas a
-    later call is not started when the budget left could not fit it (gateway/budget.py)."""
+    later call is not started when the budget left could not fit it (gateway/structured/budget.py)."""
     for k in range(len(tokens) - 1, 0, -1):
         if gemma4:
             calls = [n for n in range(k) if tokens[n] == "<|tool_call>"]
@@ -139,7 +139,7 @@ def gemma3(stack):
 
 def test_gemma3_calls_whole_and_cut(gemma3):
     """The greedy model would repeat calls; within 50 tokens the budget ends the answer after two
-    (gateway/budget.py)."""
+    (gateway/structured/budget.py)."""
     check_calls_whole_and_cut(*gemma3, [WEATHER], gemma4=False, max_tokens=50,
                               messages=[{"role": "user", "content": "What's the weather in Paris and in Lagos?"}])
 

@@ -1,4 +1,4 @@
-"""Corpus of JSON schemas that gateway.constraints must accept AND enforce
+"""Corpus of JSON schemas that gateway.structured.constraints must accept AND enforce
 (tests/gateway/test_constraints.py).
 
 Each entry is (name, schema). Every schema is sampled by a model-free sampler; every finished sample must

@@ -1,9 +1,9 @@
-"""`BlockSplitter` (gateway/answer_blocks.py): chat deltas regrouped into blocks that open, grow and close one
+"""`BlockSplitter` (gateway/generation/answer_blocks.py): chat deltas regrouped into blocks that open, grow and close one
 after another — the shape both the Responses and the Messages API render."""
 
 from __future__ import annotations
 
-from gateway.answer_blocks import BlockSplitter
+from gateway.generation.answer_blocks import BlockSplitter
 
 
 def _call(index, fragment, call_id=None, name=None):

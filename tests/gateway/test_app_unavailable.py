@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from gateway.app import create_app
-from gateway.clients import Backends
+from gateway.api.app import create_app
+from gateway.backends.clients import Backends
 from tests.e2e.stacks import free_ports
 
 

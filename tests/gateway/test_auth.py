@@ -1,4 +1,4 @@
-"""API keys (gateway/auth.py): where they come from, what a request without a valid one gets on REST and gRPC, and
+"""API keys (gateway/api/auth.py): where they come from, what a request without a valid one gets on REST and gRPC, and
 that the caller's tenant scopes the answer history."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway import app as app_module
-from gateway import grpc_service
-from gateway.app import create_app
-from gateway.auth import ENV_VAR, ApiKeys, add_flags, child_env
-from gateway.errors import ApiError
-from gateway.history import AnswerHistory, answer_key, history_scope
+from gateway.api import app as app_module
+from gateway.api import grpc_service
+from gateway.api.app import create_app
+from gateway.api.auth import ENV_VAR, ApiKeys, add_flags, child_env
+from gateway.backends.history import AnswerHistory, answer_key, history_scope
+from gateway.core.errors import ApiError
 from protos import gateway_pb2
 from tests.gateway.test_http_guard import _backends, _error
 

@@ -1,4 +1,4 @@
-"""Budget-aware endings (gateway/budget.py) on scripted token streams, model-free, with the real vocabularies.
+"""Budget-aware endings (gateway/structured/budget.py) on scripted token streams, model-free, with the real vocabularies.
 
 A scripted "model" wants to write a fixed answer (calls of known sizes); each step it takes its next token if the
 constraint's mask allows it, else the grammar's forced token, else the only allowed stop token. The budget is
@@ -16,11 +16,11 @@ from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
 from families.gemma3.gateway import Gemma3ToolCallParser, gemma3_tool_grammar
 from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.gateway import Gemma4ToolCallParser, gemma4_tool_grammar
-from gateway.budget import BudgetedUnits, JsonArrayProgress
-from gateway.chat_plan import _array_units
-from gateway.constraints import Constraint
-from gateway.grammar_cache import grammar_for_json_schema
-from gateway.reasoning import ThoughtFirst
+from gateway.generation.reasoning import ThoughtFirst
+from gateway.planning.chat_plan import _array_units
+from gateway.structured.budget import BudgetedUnits, JsonArrayProgress
+from gateway.structured.constraints import Constraint
+from gateway.structured.grammar_cache import grammar_for_json_schema
 from tests.gateway.conftest import N_VOCAB
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -1,4 +1,4 @@
-"""Chat output routing (gateway/chat_output.py), the chat plan (gateway/chat_plan.py) and the constraints a plan
+"""Chat output routing (gateway/generation/chat_output.py), the chat plan (gateway/planning/chat_plan.py) and the constraints a plan
 builds: thought channels to reasoning_content, tool calls to OpenAI deltas, streamed == merged, the first argument
 fragment before the call's closing marker, stop strings on the token path; ThoughtFirst and grammar-ended tool
 constraints on the Gemma 4 test vocabulary; plan errors as 400s."""
@@ -13,15 +13,15 @@ import pytest
 from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
 from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.gateway import gemma4_tool_grammar
-from gateway.chat_output import ChatRoute
-from gateway.chat_plan import plan_chat
-from gateway.clients import ModelFacts
-from gateway.constraints import Constraint
-from gateway.errors import ApiError
-from gateway.generate import Delta
-from gateway.grammar_cache import grammar_for_json_schema
-from gateway.openai_types import ChatCompletionRequest
-from gateway.reasoning import ThoughtFirst
+from gateway.backends.clients import ModelFacts
+from gateway.core.errors import ApiError
+from gateway.core.openai_types import ChatCompletionRequest
+from gateway.generation.chat_output import ChatRoute
+from gateway.generation.generate import Delta
+from gateway.generation.reasoning import ThoughtFirst
+from gateway.planning.chat_plan import plan_chat
+from gateway.structured.constraints import Constraint
+from gateway.structured.grammar_cache import grammar_for_json_schema
 from protos import common_pb2
 from tests.gemma4_tokenizer import GEMMA4_CONTROL_IDS
 

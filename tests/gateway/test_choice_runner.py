@@ -1,13 +1,13 @@
-"""The choice runner behind every chat front door (gateway/choice_runner.py): a choice's deltas go through its
+"""The choice runner behind every chat front door (gateway/generation/choice_runner.py): a choice's deltas go through its
 output route; at its end the usage is summed (cached prompt tokens of choice 0 only) and the answer is remembered in
 the answer history under the message returned, unless the door asks not to (a raw completion). Against
 test_planner's fake backends and a planned two-choice chat request."""
 
 from __future__ import annotations
 
-from gateway.choice_runner import ChoiceRunner
-from gateway.generate import Delta
-from gateway.history import answer_key
+from gateway.backends.history import answer_key
+from gateway.generation.choice_runner import ChoiceRunner
+from gateway.generation.generate import Delta
 from protos import common_pb2
 from tests.gateway.test_planner import _Backends, _chat
 

@@ -9,10 +9,10 @@ import pytest
 
 from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
 from families.gemma3.gateway import Gemma3ToolCallParser, gemma3_tool_grammar
-from gateway.budget import BudgetedUnits
-from gateway.constraints import Constraint
-from gateway.generate import ConstraintDriver
-from gateway.grammar_cache import grammar_for_json_schema
+from gateway.generation.generate import ConstraintDriver
+from gateway.structured.budget import BudgetedUnits
+from gateway.structured.constraints import Constraint
+from gateway.structured.grammar_cache import grammar_for_json_schema
 from protos import common_pb2
 from tests.gateway.conftest import N_VOCAB, TokenBytes
 

@@ -1,4 +1,4 @@
-"""gateway.constraints (with gateway/schema_check.py and gateway/grammar_cache.py): JSON answers that always
+"""gateway.structured.constraints (with gateway/structured/schema_check.py and gateway/structured/grammar_cache.py): JSON answers that always
 parse and validate.
 
 The core check is model-free: for every schema of the corpus (tests/gateway/constraint_schemas.py) a sampler
@@ -29,8 +29,8 @@ import llguidance
 import numpy as np
 import pytest
 
-from gateway import constraints as C
-from gateway import grammar_cache, schema_check
+from gateway.structured import constraints as C
+from gateway.structured import grammar_cache, schema_check
 from tests.gateway.constraint_schemas import CORPUS
 
 STOP = [1, 106]  # <eos>, <end_of_turn>

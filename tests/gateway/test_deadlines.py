@@ -1,4 +1,4 @@
-"""Deadlines on backend calls (gateway/clients.py `Timeouts`): a tokenizer service or model worker that never
+"""Deadlines on backend calls (gateway/backends/clients.py `Timeouts`): a tokenizer service or model worker that never
 answers costs a request a 504 after the deadline, not a hang; real gRPC servers here stall on purpose."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.clients import Backends, ModelFacts, Timeouts
-from gateway.errors import ApiError
-from gateway.generate import GenParams, generate
+from gateway.backends.clients import Backends, ModelFacts, Timeouts
+from gateway.core.errors import ApiError
+from gateway.generation.generate import GenParams, generate
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.transport import grpc_listen
 

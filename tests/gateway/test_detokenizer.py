@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from gateway.clients import ModelFacts
-from gateway.detokenizer import IncrementalDetokenizer, StopMatcher, Utf8Decoder
-from gateway.generate import GenParams, _AnswerText
-from gateway.logprobs import CompletionLogprobs, TokenStrings, chat_content
-from gateway.reasoning import ReasoningRouter
-from gateway.tool_parsers import _TokenText
+from gateway.backends.clients import ModelFacts
+from gateway.generation.detokenizer import IncrementalDetokenizer, StopMatcher, Utf8Decoder
+from gateway.generation.generate import GenParams, _AnswerText
+from gateway.generation.logprobs import CompletionLogprobs, TokenStrings, chat_content
+from gateway.generation.reasoning import ReasoningRouter
+from gateway.generation.tool_parsers import _TokenText
 from protos import common_pb2
 
 # Token i's bytes; 0 is a control token. "é" = C3 A9, "😀" = F0 9F 98 80, split across byte tokens.

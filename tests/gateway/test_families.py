@@ -1,4 +1,4 @@
-"""The gateway part of the model-family registry (gateway/tool_format.py, families/<name>/gateway.py): every
+"""The gateway part of the model-family registry (gateway/core/tool_format.py, families/<name>/gateway.py): every
 registered family's part provides the `FamilyFormat` interface, its control-token spellings resolve against the
 real vocabularies to the ids the gateway used to hard-code, an unknown family or a vocabulary without a needed
 token is a clear error (the facts fetch refuses it, requests get a 503 naming it), and resolving the parts never
@@ -18,10 +18,16 @@ import pytest
 
 from common import families
 from common.families import UnknownFamilyError
-from gateway.clients import Backends, ModelFacts
-from gateway.errors import ApiError
-from gateway.tool_calls import ParsedOutput
-from gateway.tool_format import FamilyFormat, SpecialTokens, ToolCallParser, UnknownTokenError, family_format
+from gateway.backends.clients import Backends, ModelFacts
+from gateway.core.errors import ApiError
+from gateway.core.tool_format import (
+    FamilyFormat,
+    ParsedOutput,
+    SpecialTokens,
+    ToolCallParser,
+    UnknownTokenError,
+    family_format,
+)
 from protos import model_worker_pb2, tokenizer_pb2
 from tests.e2e.stacks import free_ports
 
@@ -127,8 +133,8 @@ def test_resolving_every_gateway_part_leaves_jax_out():
     script = textwrap.dedent("""
         import sys
         from common import families
-        import gateway.app
-        from gateway.tool_format import family_format
+        import gateway.api.app
+        from gateway.core.tool_format import family_format
         for family in families.families():
             family_format(family.name)
         print(sorted(m for m in sys.modules if m == "jax" or m.startswith("jax.")))

@@ -10,13 +10,14 @@ import dataclasses
 
 import pytest
 
-from gateway import messages_api, responses_api
-from gateway.errors import ApiError
-from gateway.limits import Limits
-from gateway.messages_request import CallArguments, MessagesRequest
-from gateway.response_store import ResponseStore
-from gateway.responses_request import ResponsesRequest
-from gateway.workers import Session
+from gateway.api.messages import messages_api
+from gateway.api.messages.messages_request import CallArguments, MessagesRequest
+from gateway.api.responses import responses_api
+from gateway.api.responses.response_store import ResponseStore
+from gateway.api.responses.responses_request import ResponsesRequest
+from gateway.backends.workers import Session
+from gateway.core.errors import ApiError
+from gateway.core.limits import Limits
 from tests.gateway.test_planner import _Backends, _chat
 
 TOOL = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -126,8 +127,8 @@ def test_the_answer_budget_is_decided_once_and_the_worker_receives_it(cap, sent)
     the planner and the worker derives it again."""
     import grpc
 
-    from gateway.clients import Backends
-    from gateway.generate import generate
+    from gateway.backends.clients import Backends
+    from gateway.generation.generate import generate
     from protos import model_worker_pb2_grpc
     from tests.gateway.test_planner import _complete
     from tests.transport import grpc_listen
@@ -195,7 +196,7 @@ def test_a_request_sees_one_model_facts_snapshot():
     """`Backends.for_request()`: the facts a request read first stay its facts when the shared ones are refreshed
     mid-request (a backend restarted with another context size); the next request sees the new ones; everything
     else is the shared backends'."""
-    from gateway.clients import Backends
+    from gateway.backends.clients import Backends
 
     shared = Backends("localhost:1", "localhost:2")
     shared.facts = _Backends().facts

@@ -1,4 +1,4 @@
-"""gRPC `Generate` requests become the REST request models (gateway/grpc_service.py `request_model`), so every
+"""gRPC `Generate` requests become the REST request models (gateway/api/grpc_service.py `request_model`), so every
 check is REST's: the same fields, bounds and 400s (INVALID_ARGUMENT), and bytes that do not parse are an
 INVALID_ARGUMENT too, not gRPC's own INTERNAL."""
 
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from gateway.errors import ApiError
-from gateway.grpc_service import _UNDECODABLE, _deserialize, request_model
-from gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.api.grpc_service import _UNDECODABLE, _deserialize, request_model
+from gateway.core.errors import ApiError
+from gateway.core.openai_types import ChatCompletionRequest, CompletionRequest
 from protos import common_pb2, gateway_pb2, tokenizer_pb2
 
 
@@ -91,8 +91,8 @@ def test_request_models_refuse_values_outside_their_literals():
 
 
 def test_latency_targets_and_priority_are_fields_that_win_over_metadata():
-    from gateway.grpc_service import _with_targets
-    from gateway.workers import Session
+    from gateway.api.grpc_service import _with_targets
+    from gateway.backends.workers import Session
 
     assert request_model(_text(priority=-3)).priority == -3 and request_model(_text()).priority == 0
     metadata = Session(key="s", ttft_s=9.0, tpot_s=0.5)

@@ -1,4 +1,4 @@
-"""The answer history (gateway/history.py): answers remembered under their content, tool calls and reasoning, as
+"""The answer history (gateway/backends/history.py): answers remembered under their content, tool calls and reasoning, as
 the client received them (cut answers too), scoped by cache_salt, bounded by bytes, and found again when a client
 sends the answer back (planner.message_to_pb); what can be sent back (planner._check_tool_call_arguments)."""
 
@@ -8,11 +8,11 @@ import types
 
 import pytest
 
-from gateway.completions import remember_answer
-from gateway.errors import ApiError
-from gateway.history import AnswerHistory, answer_key
-from gateway.openai_types import ChatCompletionRequest, ChatMessage
-from gateway.planner import _check_tool_call_arguments, message_to_pb
+from gateway.backends.history import AnswerHistory, answer_key
+from gateway.core.errors import ApiError
+from gateway.core.openai_types import ChatCompletionRequest, ChatMessage
+from gateway.generation.choices import remember_answer
+from gateway.planning.planner import _check_tool_call_arguments, message_to_pb
 from protos import common_pb2
 
 

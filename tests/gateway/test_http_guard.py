@@ -1,5 +1,5 @@
 """The REST gateway under bad and hostile requests, without backends: every answer is a bounded, OpenAI-shaped
-error (gateway/http_guard.py, gateway/openai_types.py, gateway/planner.py), the connection stays usable, and a
+error (gateway/api/http_guard.py, gateway/core/openai_types.py, gateway/planning/planner.py), the connection stays usable, and a
 good request still works afterwards. Keep-alive and connection limits are checked on a real uvicorn server."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import uvicorn
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
-from gateway import http_guard
-from gateway.app import create_app
-from gateway.clients import Backends, ModelFacts
-from gateway.errors import from_rpc_error
-from gateway.http_protocol import GuardedH11Protocol
-from gateway.limits import Limits
+from gateway.api import http_guard
+from gateway.api.app import create_app
+from gateway.api.http_protocol import GuardedH11Protocol
+from gateway.backends.clients import Backends, ModelFacts
+from gateway.core.errors import from_rpc_error
+from gateway.core.limits import Limits
 from tests.e2e.stacks import free_ports
 from tests.transport import HttpEndpoint
 

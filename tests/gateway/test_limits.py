@@ -1,4 +1,4 @@
-"""Client JSON checks (gateway/limits.py) and the byte-budget LRU (gateway/lru.py), against Python's own json
+"""Client JSON checks (gateway/core/limits.py) and the byte-budget LRU (gateway/core/lru.py), against Python's own json
 module as the reference where one exists, with generated inputs (hypothesis)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.errors import ApiError
-from gateway.limits import MAX_JSON_DEPTH, JsonError, check_field, json_depth, json_field, parse_json
-from gateway.lru import ENTRY_OVERHEAD, ByteLRU
+from gateway.core.errors import ApiError
+from gateway.core.limits import MAX_JSON_DEPTH, JsonError, check_field, json_depth, json_field, parse_json
+from gateway.core.lru import ENTRY_OVERHEAD, ByteLRU
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)

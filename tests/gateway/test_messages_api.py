@@ -1,11 +1,11 @@
-"""The Messages API's rendering (gateway/messages_api.py): content blocks from an answer's blocks, stop reasons,
+"""The Messages API's rendering (gateway/api/messages/messages_api.py): content blocks from an answer's blocks, stop reasons,
 stream deltas, and the Anthropic error shape."""
 
 from __future__ import annotations
 
-from gateway.answer_blocks import AnswerEnd, Block, BlockEvent
-from gateway.errors import ApiError, anthropic_body, error_body
-from gateway.messages_api import _content, _delta, _start_block, _stop_reason
+from gateway.api.messages.messages_api import _content, _delta, _start_block, _stop_reason
+from gateway.core.errors import ApiError, anthropic_body, error_body
+from gateway.generation.answer_blocks import AnswerEnd, Block, BlockEvent
 
 
 def test_blocks_become_content_blocks():

@@ -1,4 +1,4 @@
-"""The Anthropic Messages request translated into the chat request (gateway/messages_request.py): system
+"""The Anthropic Messages request translated into the chat request (gateway/api/messages/messages_request.py): system
 blocks (the billing header left out), tool_use / tool_result / thinking blocks, tools, tool_choice, limits,
 and 400s naming the Messages fields."""
 
@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import ApiError
-from gateway.limits import DEFAULT_DROP_SYSTEM_PATTERN
-from gateway.messages_request import CallArguments, CountTokensRequest, MessagesRequest, chat_request
+from gateway.api.messages.messages_request import (
+    CallArguments,
+    CountTokensRequest,
+    MessagesRequest,
+    chat_request,
+)
+from gateway.core.errors import ApiError
+from gateway.core.limits import DEFAULT_DROP_SYSTEM_PATTERN
 
 
 def _chat(body: dict, thinking=False, calls=None):

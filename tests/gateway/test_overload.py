@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 from fastapi.testclient import TestClient
 
-from gateway.app import create_app
-from gateway.clients import Backends, ModelFacts
-from gateway.errors import from_rpc_error
+from gateway.api.app import create_app
+from gateway.backends.clients import Backends, ModelFacts
+from gateway.core.errors import from_rpc_error
 from tests.e2e.stacks import free_ports
 
 

@@ -1,4 +1,4 @@
-"""Client regexes in llguidance's linear-time dialect (gateway/patterns.py): JSON Schema `pattern` semantics
+"""Client regexes in llguidance's linear-time dialect (gateway/structured/patterns.py): JSON Schema `pattern` semantics
 against Python's `re` (the independent reference, on generated regexes simple enough to be safe there), the
 Gemma 4 tool grammar's pattern terminals against the same checker, and proof that a catastrophic regex never
 reaches Python's `re` on any path a client can drive (schema checks, enum/const value filters, tool grammars,
@@ -18,7 +18,8 @@ from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
 from families.gemma3.gateway import gemma3_tool_grammar
 from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.gateway import gemma4_tool_grammar
-from gateway import grammar_cache, patterns, schema_check, tool_calls, tool_schema
+from gateway.structured import grammar_cache, patterns, schema_check
+from gateway.structured.tools import tool_calls, tool_schema
 
 HOSTILE = "^(a+)+$"
 

@@ -1,11 +1,11 @@
-"""gateway/planner.py, the one request planner of the REST API and gRPC `Generate`, tested directly against a
+"""gateway/planning/planner.py, the one request planner of the REST API and gRPC `Generate`, tested directly against a
 fake backend: limit and field checks (each a 400 naming the field and the numbers), the model-name check
 (404), the choices against the worker's waiting queue, the prompts (text refused by its size before it is
 tokenized, ids checked against the vocabulary, the context length), the chat prompt as rendered by the
 tokenizer service's `ApplyChatTemplate`, jobs with their parameters, constraints and first masks, and the
 route to one worker.
 
-The fake (`_Backends`) implements exactly what the planner calls on `gateway.clients.Backends`: `ready_facts`,
+The fake (`_Backends`) implements exactly what the planner calls on `gateway.backends.clients.Backends`: `ready_facts`,
 `call`, `tokenizer.Encode`/`ApplyChatTemplate`/`Decode`, `answers`, `grammar_tokenizer`, `route` and
 `pool.reserve`. Its vocabulary is tiny and byte-level (ids 0-255 are the bytes, then `<eos>`, `<end_of_turn>`,
 `<bos>`), so the ids of a text are its bytes and llguidance (the grammar engine the constraints use) runs on a
@@ -23,19 +23,19 @@ import llguidance
 import numpy as np
 import pytest
 
-from gateway.clients import ModelFacts
-from gateway.errors import ApiError
-from gateway.history import AnswerHistory, answer_key, history_scope
-from gateway.limits import Limits
-from gateway.openai_types import (
+from gateway.backends.clients import ModelFacts
+from gateway.backends.history import AnswerHistory, answer_key, history_scope
+from gateway.backends.workers import Session
+from gateway.core.errors import ApiError
+from gateway.core.limits import Limits
+from gateway.core.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from gateway.planner import detokenize, plan_chat_completion, plan_completion, tokenize
-from gateway.workers import Session
+from gateway.planning.planner import detokenize, plan_chat_completion, plan_completion, tokenize
 from protos import tokenizer_pb2
 
 EOS, END_OF_TURN, BOS = 256, 257, 258
@@ -109,7 +109,7 @@ class _Pool:
 
 
 class _Backends:
-    """What the planner calls on `gateway.clients.Backends` (module docstring); `facts = None`: a backend is
+    """What the planner calls on `gateway.backends.clients.Backends` (module docstring); `facts = None`: a backend is
     away."""
 
     def __init__(self, facts: ModelFacts | None = None):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.reasoning import ReasoningRouter
+from gateway.generation.reasoning import ReasoningRouter
 
 # id: bytes; 100 = <|channel>, 101 = <channel|>, 106 = <turn|> (control tokens)
 VOCAB = {100: b"<|channel>", 101: b"<channel|>", 106: b"<turn|>", 1: b"thought", 2: b"\n", 3: b"Let me think.",

@@ -1,8 +1,8 @@
-"""`ResponseStore` (gateway/response_store.py): per tenant, bounded by bytes, expiring."""
+"""`ResponseStore` (gateway/api/responses/response_store.py): per tenant, bounded by bytes, expiring."""
 
 from __future__ import annotations
 
-from gateway.response_store import ResponseStore
+from gateway.api.responses.response_store import ResponseStore
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The Responses API's rendering (gateway/responses_api.py) of an answer's blocks: the documented event order
+"""The Responses API's rendering (gateway/api/responses/responses_api.py) of an answer's blocks: the documented event order
 with consecutive sequence numbers, output items as they grow and finish, a call cut by the limit left
 incomplete and never announced done, the final object (status, usage details), and the warning header."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import types
 
-from gateway.answer_blocks import AnswerEnd, BlockSplitter
-from gateway.responses_api import _Builder, _Turn
-from gateway.responses_request import ResponsesRequest
+from gateway.api.responses.responses_api import _Builder, _Turn
+from gateway.api.responses.responses_request import ResponsesRequest
+from gateway.generation.answer_blocks import AnswerEnd, BlockSplitter
 
 
 def _turn(**body) -> _Turn:

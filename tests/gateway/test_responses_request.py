@@ -1,12 +1,12 @@
-"""The Responses API request translated into the chat request (gateway/responses_request.py): items to
+"""The Responses API request translated into the chat request (gateway/api/responses/responses_request.py): items to
 messages, tools, tool_choice, text.format, limits, and 400s naming the Responses fields."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.errors import ApiError
-from gateway.responses_request import ResponsesRequest, chat_request
+from gateway.api.responses.responses_request import ResponsesRequest, chat_request
+from gateway.core.errors import ApiError
 
 
 def _chat(body: dict, history=(), thinking=False):
@@ -81,7 +81,7 @@ def test_bad_requests_name_the_responses_field(body, param):
 
 
 def test_the_warning_header_is_bounded_printable_ascii():
-    from gateway.responses_api import WARNING_HEADER, warning_headers
+    from gateway.api.responses.responses_api import WARNING_HEADER, warning_headers
 
     assert warning_headers([]) == {}
     value = warning_headers(["tools left out: wëb\n" + "x" * 2000])[WARNING_HEADER]

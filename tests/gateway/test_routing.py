@@ -1,4 +1,4 @@
-"""The gateway's worker routing policy (gateway/routing.py): rendezvous session affinity that replicas agree on
+"""The gateway's worker routing policy (gateway/backends/worker_choice.py): rendezvous session affinity that replicas agree on
 and that moves few keys, the bounded-load capacity (checked against its formula with loads tracked here), health,
 the prefix index and its LRU (against a list model kept here), and chained block hashes."""
 
@@ -14,7 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.routing import REASONS, Choice, NoWorkerError, Router, block_hashes, rendezvous_order
+from gateway.backends.worker_choice import (
+    REASONS,
+    Choice,
+    NoWorkerError,
+    Router,
+    block_hashes,
+    rendezvous_order,
+)
 
 WORKERS = [f"10.0.0.{i}:50052" for i in range(5)]
 BLOCK = 4  # tokens per block in these tests
@@ -63,7 +70,7 @@ def test_replicas_agree_whatever_the_order_workers_joined():
 
 def test_the_hash_is_stable_across_processes():
     """Python's `hash()` of a str changes with PYTHONHASHSEED; the routing hash must not."""
-    code = ("import sys; from gateway.routing import Router; r = Router(); r.set_workers(sys.argv[1:]); "
+    code = ("import sys; from gateway.backends.worker_choice import Router; r = Router(); r.set_workers(sys.argv[1:]); "
             "print([r.pick(f'k{i}', None, '').addr for i in range(50)])")
     outs = {subprocess.run([sys.executable, "-c", code, *WORKERS], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}

@@ -10,13 +10,13 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.app import create_app
-from gateway.auth import ApiKeys
-from gateway.clients import Backends, ModelFacts
-from gateway.history import answer_key, history_scope
-from gateway.limits import Limits
-from gateway.openai_types import ChatCompletionRequest, TokenizeChatRequest
-from gateway.planner import plan_chat_completion, tokenize
+from gateway.api.app import create_app
+from gateway.api.auth import ApiKeys
+from gateway.backends.clients import Backends, ModelFacts
+from gateway.backends.history import answer_key, history_scope
+from gateway.core.limits import Limits
+from gateway.core.openai_types import ChatCompletionRequest, TokenizeChatRequest
+from gateway.planning.planner import plan_chat_completion, tokenize
 from protos import tokenizer_pb2
 from tests.e2e.stacks import free_ports
 from tests.gateway.test_http_guard import _error

@@ -37,11 +37,11 @@ from families.gemma4.gateway import (
 )
 from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.tokenizer import render as render_gemma4
-from gateway.tool_calls import (
+from gateway.core.tool_format import ToolCall
+from gateway.structured.tools.tool_calls import (
     INTEGER_REGEX,
     MAX_PARALLEL_CALLS,
     NUMBER_REPR_REGEX,
-    ToolCall,
     ToolCallParseError,
     ToolChoiceError,
     ToolSchemaError,
@@ -464,7 +464,7 @@ def test_gemma4_grammar_numbers_order_and_enums(g4_lltok, args, ok):
     ('filters:{lang:Q东京 "q"Q},query:QxQ,tags:[QaQ,QbQ,QcQ]', True),
     ("filters:{lang:QenQ},query:QxQ,tags:[QaQ,QbQ,QcQ,QdQ]", False), ("filters:{lang:QenQ},query:QxQ,tags:[]", False),
     ("filters:{lang:QenQ},query:QQ", False), ("filters:{lang:QenQ,since:Q2023-02-29Q},query:QxQ", False),
-    # Feb 29 of a leap year is a date, as for response_format (gateway/json_schema.py)
+    # Feb 29 of a leap year is a date, as for response_format (gateway/structured/json_schema.py)
     ("filters:{lang:QenQ,since:Q2024-02-29Q},query:QxQ", True),
     ("filters:{lang:QenQ,since:Q2024-12-31Q},query:QxQ", True),
     ("filters:{lang:QenQ,since:Q0000-01-01Q},query:QxQ", False), ("filters:{lang:QenQ,since:null},query:QxQ", True),

@@ -1,15 +1,15 @@
-"""gateway/tool_schema.py: a tool's `parameters` JSON Schema checked against the supported subset and
+"""gateway/structured/tools/tool_schema.py: a tool's `parameters` JSON Schema checked against the supported subset and
 translated into Lark rules (`SchemaRules`, `ValueGrammar`, `check_parameters`).
 
 References, independent of the module: `jsonschema` (Draft 2020-12 with its format checker) says which values
 a schema allows; llguidance (the grammar engine the gateway masks with) says which values a produced grammar
-accepts, first checking that the grammar compiles (`LLMatcher.validate_grammar`, as gateway/tool_calls.py
+accepts, first checking that the grammar compiles (`LLMatcher.validate_grammar`, as gateway/structured/tools/tool_calls.py
 `checked_grammar` does). Values are written in Gemma 4's call syntax by a small writer here (`_gemma`: bare
 keys in Jinja `dictsort` order, strings between the `<|"|>` control token, numbers as Python prints them), and
 fed to a matcher over a byte-level vocabulary (ids 0-255 the bytes, 256 an end token, 257 the string
 delimiter), so no model tokenizer is needed. The documented departures from JSON Schema
-(gateway/tool_calls.py, "JSON Schema support") are tested as such: only declared keys are produced, free-form
-keys are identifiers, `format`s are generated as `gateway.json_schema.FORMAT_REGEXES` spells them.
+(gateway/structured/tools/tool_calls.py, "JSON Schema support") are tested as such: only declared keys are produced, free-form
+keys are identifiers, `format`s are generated as `gateway.structured.json_schema.FORMAT_REGEXES` spells them.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.json_schema import FORMAT_REGEXES
-from gateway.tool_calls import ToolSchemaError
-from gateway.tool_schema import SchemaRules, ValueGrammar, check_parameters
+from gateway.structured.json_schema import FORMAT_REGEXES
+from gateway.structured.tools.tool_calls import ToolSchemaError
+from gateway.structured.tools.tool_schema import SchemaRules, ValueGrammar, check_parameters
 
 END, STRING = 256, 257
 

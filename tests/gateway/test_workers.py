@@ -1,4 +1,4 @@
-"""The gateway's worker pool (gateway/workers.py): which workers a `--worker-addr` stands for, workers joining and
+"""The gateway's worker pool (gateway/backends/workers.py): which workers a `--worker-addr` stands for, workers joining and
 leaving when a name's addresses change, and a failed worker leaving the routing ring until its health check
 passes. DNS is replaced by a table (`socket.getaddrinfo` monkeypatched); no worker process runs."""
 
@@ -9,9 +9,9 @@ import socket
 
 import pytest
 
-from gateway import workers
-from gateway.routing import NoWorkerError
-from gateway.workers import WorkerPool, resolve_target, split_target
+from gateway.backends import workers
+from gateway.backends.worker_choice import NoWorkerError
+from gateway.backends.workers import WorkerPool, resolve_target, split_target
 
 
 def _fake_dns(monkeypatch, table: dict[str, list[str]]) -> None:
@@ -97,8 +97,8 @@ def test_no_worker_address_is_refused():
 
 
 def test_session_headers_parse_and_bad_values_are_a_400_naming_the_header():
-    from gateway.errors import ApiError
-    from gateway.workers import Session
+    from gateway.backends.workers import Session
+    from gateway.core.errors import ApiError
 
     def parse(**headers):
         return Session.from_headers(lambda name: headers.get(name.replace("-", "_")))

@@ -26,10 +26,10 @@ from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.gateway import Gemma4ToolCallParser
 from families.gemma4.tokenizer import gemma4_arguments_prefix
 from families.gemma4.tokenizer import render as render_gemma4
-from gateway.chat_output import ChatRoute
-from gateway.completions import remember_answer
-from gateway.generate import Delta
-from gateway.history import AnswerHistory, answer_key
+from gateway.backends.history import AnswerHistory, answer_key
+from gateway.generation.chat_output import ChatRoute
+from gateway.generation.choices import remember_answer
+from gateway.generation.generate import Delta
 from protos import common_pb2
 from tokenizer_svc.chat_template import Message, TemplateError, tokenize_segments
 from tokenizer_svc.jinja_template import JinjaTemplate
