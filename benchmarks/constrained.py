@@ -11,8 +11,8 @@ the length of the matching constrained answer (same token counts, same batch-siz
 alternate the two kinds so machine drift hits both. Aggregate output tok/s = completion tokens / wall time of the
 round; the ratio constrained / unconstrained is over the sums of all rounds (target >= 0.9). The gateway's
 /metrics give the forced-token share of the constrained tokens (tokens the grammar determined: runs of at least
-gateway.generation.generate.FORCED_RUN_MIN tokens are appended in one compute step each, shorter ones go as one-token masks
-in the batched decode step) and the number of runs.
+gateway.generation.generate.FORCED_RUN_MIN tokens are appended in one compute step each, shorter ones go as one-token
+masks in the batched decode step) and the number of runs.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ lazily by the service that needs it, so the gateway and the tokenizer service ne
 defines `PART`, an instance of the type its service declares, and the service loads it typed (`load_part`), so a
 family that misses a field fails with a TypeError naming it, never with an AttributeError mid-request:
 
-- `worker.py` (model worker; may import JAX): `PART = model_worker.modeling.config.WorkerPart(...)`: config parsing from a
-  Hugging Face config.json and from GGUF metadata, the family's presets, and the tensor names its checkpoints add
+- `worker.py` (model worker; may import JAX): `PART = model_worker.modeling.config.WorkerPart(...)`: config parsing from
+  a Hugging Face config.json and from GGUF metadata, the family's presets, and the tensor names its checkpoints add
   to the Gemma-style ones of model_worker/checkpoints/hf_loader.py.
 - `tokenizer.py` (tokenizer service; no JAX): `PART = tokenizer_svc.chat_template.TokenizerPart(...)`: the built-in
   chat template (`render`), the template's facts (whether it declares tools and has a thinking mode, advertised in

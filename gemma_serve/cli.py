@@ -249,7 +249,8 @@ def _positive_int(text: str) -> int:
 
 
 def _num_slots(text: str) -> int | str:
-    """`--num-slots`: "auto" (sized to the device's memory: `model_worker.engine.memory.fit_slots`) or a positive int."""
+    """`--num-slots`: "auto" (sized to the device's memory: `model_worker.engine.memory.fit_slots`) or a positive
+    int."""
     if text == "auto":
         return text
     try:

@@ -23,8 +23,8 @@ grammars define a plain-text JSON convention:
    OpenAI does, but nothing invites a call (the instructions and their `{"tool_calls"` example are left out, so
    the model has no call syntax to copy into its text)::
 
-       These tools exist but cannot be called in this answer. Each line is one tool's name, description and JSON Schema parameters:
-       {"name": "get_weather", "description": "Get the weather.", "parameters": {...}}
+       These tools exist but cannot be called in this answer. Each line is one tool's name, description and JSON Schema
+       parameters: {"name": "get_weather", "description": "Get the weather.", "parameters": {...}}
        ...
 
    The gateway passes the resolved mode to the template (`ChatTemplateRequest.tool_choice`).
@@ -49,9 +49,9 @@ grammars define a plain-text JSON convention:
 Grammars per tool_choice (CALLS_JSON = the object of point 2; `<[106]>` = `<end_of_turn>`, by the id the served
 vocabulary gives it): `"none"` -> None (no call markers to ban: the call is text); `"auto"` ->
 `start: TEXT <[106]> | head CALLS_REST <[106]>` with `head[lazy]: TEXT "{\"tool_calls\""`, the lazy trigger
-(gateway/structured/tools/tool_calls.py) being the text `GEMMA3_CALL_TRIGGER`, so a `{"tool_calls"` written as an example in an
-answer is the start of a call and must be completed as one; `"required"` -> `start: CALLS_JSON <[106]>`; named
--> the same with exactly one call of tool X. Arguments are constrained by llguidance's JSON Schema support
+(gateway/structured/tools/tool_calls.py) being the text `GEMMA3_CALL_TRIGGER`, so a `{"tool_calls"` written as an
+example in an answer is the start of a call and must be completed as one; `"required"` -> `start: CALLS_JSON <[106]>`;
+named -> the same with exactly one call of tool X. Arguments are constrained by llguidance's JSON Schema support
 (`%json`), after the same schema checks as Gemma 4's (gateway/structured/tools/tool_schema.check_parameters).
 """
 

@@ -38,8 +38,8 @@ with quotes, backslashes and control characters escaped, numbers/literals as the
 Thinking
 --------
 Gemma 4 writes its reasoning in a channel before the answer (docs/formats.md §4.3 point 5): `<|channel>`, the
-label `thought\n`, the reasoning, `<channel|>`, then the answer (gateway/generation/reasoning.py routes it); the template
-turns it on with `enable_thinking`.
+label `thought\n`, the reasoning, `<channel|>`, then the answer (gateway/generation/reasoning.py routes it); the
+template turns it on with `enable_thinking`.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def gemma4_tool_grammar(tools: list[dict], tool_choice: Any = "auto", parallel: 
                         max_calls: int = MAX_PARALLEL_CALLS, *, ids: Mapping[str, int]) -> str | None:
     """The llguidance Lark grammar of a Gemma 4 answer under `tool_choice` (see the module docstring), or None
     for "none" (then the gateway bans `CALL_MARKERS`). At most `max_calls` calls (1..MAX_PARALLEL_CALLS; 1 without
-    `parallel`): a budget-aware ending lowers it (gateway/structured/budget.py). Control tokens are referenced by their ids in
-    `ids` (spelling -> id; required: the vocabulary served, or `PUBLISHED_IDS` for the published one). Cached
+    `parallel`): a budget-aware ending lowers it (gateway/structured/budget.py). Control tokens are referenced by their
+    ids in `ids` (spelling -> id; required: the vocabulary served, or `PUBLISHED_IDS` for the published one). Cached
     by a hash of the arguments.
 
     Raises:

@@ -1,6 +1,6 @@
 """The gateway's gRPC `Generate`: the request becomes the same pydantic request model the REST routes validate
-(`request_model`), then goes through the same planner (gateway/planning/planner.py) — so every check and limit, template,
-stop string, constraint (response_format, tools) and output route (reasoning, tool calls) is REST's by
+(`request_model`), then goes through the same planner (gateway/planning/planner.py) — so every check and limit,
+template, stop string, constraint (response_format, tools) and output route (reasoning, tool calls) is REST's by
 construction. Errors are gRPC statuses: INVALID_ARGUMENT for what REST answers 400, NOT_FOUND, RESOURCE_EXHAUSTED
 (the worker's queue, or a message over the size limit), UNAVAILABLE, DEADLINE_EXCEEDED, and INTERNAL with a generic
 message (never internals) for our own bugs.

@@ -4,14 +4,15 @@
   128 characters of `[A-Za-z0-9._:-]`), else a new one; logs of that request name it.
 - **API keys.** With keys set (gateway/api/auth.py), every `/v1/...` request needs one (401 before its body is read);
   the request's tenant goes to the routes as `request.state.tenant`.
-- **Drain.** While the gateway drains (gateway/backends/admission.py) a `/v1` request gets a 503; admitted ones are counted
-  until their response ends.
+- **Drain.** While the gateway drains (gateway/backends/admission.py) a `/v1` request gets a 503; admitted ones are
+  counted until their response ends.
 - **Connections.** Beyond `Limits.max_connections` open connections a request gets an OpenAI-shaped 503 with
   `Connection: close` (uvicorn's own limit, kept far above as a backstop, would answer plain text).
 - **Body.** At most `Limits.max_body_bytes`, counted on the bytes as they stream in, so a chunked body without a
   Content-Length cannot bypass it (413), and in time: a body that stalls for `BODY_IDLE_TIMEOUT` seconds or takes
-  longer than `BODY_TIMEOUT` in all is a 408 (a client cannot hold a connection by dripping bytes). A non-empty body must be JSON that `limits.parse_json` accepts (400):
-  UTF-8, no NaN, no overflowing number, nesting and surrogates checked, before any route parses it.
+  longer than `BODY_TIMEOUT` in all is a 408 (a client cannot hold a connection by dripping bytes). A non-empty body
+  must be JSON that `limits.parse_json` accepts (400): UTF-8, no NaN, no overflowing number, nesting and surrogates
+  checked, before any route parses it.
 - **Errors.** An exception escaping a route is our bug: it is logged with the request id and answered with a
   generic OpenAI-shaped 500 (an SSE error event when a stream had started) and the connection stays usable —
   nothing is re-raised to the server, which would close the connection.

@@ -11,10 +11,10 @@ its `content`, its `tool_calls` (name and arguments text, a cut-off call's JSON 
 (`ChatMessage.generated_token_ids`).
 
 Safety. Entries are scoped: a request finds only answers remembered under its own scope (its API key's tenant and
-its `cache_salt`: `history_scope`), so one tenant can never plant token ids under a text another tenant later sends. The tokenizer service uses the ids
-only when their control tokens are exactly those the template itself renders for that message (tokenizer_svc
-`chat_template.Segment.fallback`), so ids with a control token forced by `logit_bias` never forge a turn.
-Memory is bounded by bytes (`ByteLRU`), not entries.
+its `cache_salt`: `history_scope`), so one tenant can never plant token ids under a text another tenant later sends. The
+tokenizer service uses the ids only when their control tokens are exactly those the template itself renders for that
+message (tokenizer_svc `chat_template.Segment.fallback`), so ids with a control token forced by `logit_bias` never forge
+a turn. Memory is bounded by bytes (`ByteLRU`), not entries.
 """
 
 from __future__ import annotations

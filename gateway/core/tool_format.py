@@ -95,8 +95,8 @@ class SpecialTokens(Mapping):
 
 @runtime_checkable
 class ToolCallParser(Protocol):
-    """An incremental parser of one answer in a family's tool-call format (gateway/generation/tool_parsers.py has the shared
-    machinery): tokens in, OpenAI chat deltas out."""
+    """An incremental parser of one answer in a family's tool-call format (gateway/generation/tool_parsers.py has the
+    shared machinery): tokens in, OpenAI chat deltas out."""
 
     def feed(self, token_id: int, text: str | bytes = "") -> list[dict]:
         """Consume one generated token (its text or bytes; a control token is recognised by id); its deltas."""
@@ -108,7 +108,8 @@ class ToolCallParser(Protocol):
         """The content and the complete calls so far."""
 
     def progress(self) -> tuple[int, bool]:
-        """(complete calls so far, whether a call is open now), for budget-aware endings (gateway/structured/budget.py)."""
+        """(complete calls so far, whether a call is open now), for budget-aware endings
+        (gateway/structured/budget.py)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,9 +8,9 @@ Two paths:
 - text (no tools, a model without a thought channel): `content` is the generated text as `generate` produced it
   (detokenized, stop strings cut).
 - tokens (tools requested, or a model with a thought channel): every token is routed by id — the family's thought
-  channel (Gemma 4's `<|channel>`...`<channel|>`) to `reasoning_content` (gateway/generation/reasoning.py), the rest through
-  the family's tool-call parser (its gateway part's `PART.tool_parser`, gateway/core/tool_format.py), which emits
-  content and tool-call deltas as the grammar's structure arrives (the first argument fragment leaves before the
+  channel (Gemma 4's `<|channel>`...`<channel|>`) to `reasoning_content` (gateway/generation/reasoning.py), the rest
+  through the family's tool-call parser (its gateway part's `PART.tool_parser`, gateway/core/tool_format.py), which
+  emits content and tool-call deltas as the grammar's structure arrives (the first argument fragment leaves before the
   call's closing marker is generated). Control tokens never reach content. Stop strings cut `content` only (they
   end generation either way).
 """

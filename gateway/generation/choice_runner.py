@@ -1,7 +1,7 @@
 """One choice runner behind every chat front door: it feeds each choice's deltas through its output route, gathers
 its tokens, and at the choice's end closes the route, adds its usage to the request's and remembers the answer in
-the answer history (gateway/backends/history.py: every answer returned is remembered, so a conversation sent back renders
-as generated). The doors (`app` streamed and whole chat completions, `answer_blocks` under the Responses and
+the answer history (gateway/backends/history.py: every answer returned is remembered, so a conversation sent back
+renders as generated). The doors (`app` streamed and whole chat completions, `answer_blocks` under the Responses and
 Messages APIs, gRPC `Generate`) then only render their own shapes.
 
 Plain Python over `planner.Plan` and `generate.Delta`: no I/O but the history's.

@@ -73,8 +73,8 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 def remember_answer(backends: Backends, scope: str, route, delta: Delta, tokens: list, stop_ids: list[int]) -> None:
     """Remember an answer's exact ids under the message returned for it (content, tool calls, reasoning_content),
-    within `scope`, so that message sent back renders as generated (gateway/backends/history.py) — every shape we return:
-    text, calls (parallel ones too), text and calls, a thought, content null, and answers cut by `max_tokens`
+    within `scope`, so that message sent back renders as generated (gateway/backends/history.py) — every shape we
+    return: text, calls (parallel ones too), text and calls, a thought, content null, and answers cut by `max_tokens`
     (a call cut off inside its arguments included).
 
     The ids are all generated tokens but a final stop token (the template writes the end of the turn), cut to

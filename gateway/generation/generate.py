@@ -36,8 +36,8 @@ FINISH_NAMES = {
 
 
 class Matcher(Protocol):
-    """A generation's grammar state as `ConstraintDriver` uses it (gateway/structured/constraints.py `Constraint`, and its
-    wrappers reasoning.ThoughtFirst and budget.BudgetedUnits)."""
+    """A generation's grammar state as `ConstraintDriver` uses it (gateway/structured/constraints.py `Constraint`, and
+    its wrappers reasoning.ThoughtFirst and budget.BudgetedUnits)."""
 
     vocab_size: int
 
@@ -64,8 +64,8 @@ class GenParams:
       skip_special_tokens: leave control tokens out of the text.
       allowed_token_ids: restrict every step to these ids (vLLM's `allowed_token_ids`), or None.
       share_prompt_with: request id of a sibling choice with the same prompt whose KV to reuse (n > 1).
-      constraint: a grammar matcher for this generation (gateway/structured/constraints.py `Constraint`: mask(), advance(),
-        forced(), done()), or None.
+      constraint: a grammar matcher for this generation (gateway/structured/constraints.py `Constraint`: mask(),
+        advance(), forced(), done()), or None.
       initial_mask: the constraint's mask of token 0, computed when the request was planned (None: compute it
         here).
       constraint_param: the request field the grammar comes from ("response_format" or "tools"), named in errors.

@@ -1,8 +1,8 @@
 """OpenAI logprobs objects from the worker's per-token log-probabilities.
 
 Values are the worker's `log_softmax` of the processed logits (after logit bias, penalties and masks, before
-temperature: model_worker/modeling/sampling.py). Control tokens left out of the text (skip_special_tokens) are left out of
-the logprobs too.
+temperature: model_worker/modeling/sampling.py). Control tokens left out of the text (skip_special_tokens) are left out
+of the logprobs too.
 
 Token strings. Each token's `token` is the text that token completes, decoded exactly as the answer's text is
 (gateway/generation/detokenizer.py): a token that is a piece of a character split across tokens (Gemma's byte-fallback

@@ -1,5 +1,5 @@
-"""End to end, UTF-8 at our boundaries (gateway/generation/detokenizer.py): a character cut by `max_tokens` is dropped, never
-U+FFFD; a `/v1/completions` prompt given as token ids that ends inside a character is completed by the answer (or
+"""End to end, UTF-8 at our boundaries (gateway/generation/detokenizer.py): a character cut by `max_tokens` is dropped,
+never U+FFFD; a `/v1/completions` prompt given as token ids that ends inside a character is completed by the answer (or
 its dangling bytes dropped); logprob token strings follow the text; streamed equals non-streamed. The cuts are
 made deterministic with byte-fallback tokens: `logit_bias` forces them, or a grammar forces a rare character that
 the embedded vocabulary spells with byte tokens (𓀀 = <0xF0><0x93><0x80><0x80>)."""

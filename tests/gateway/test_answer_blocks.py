@@ -1,5 +1,5 @@
-"""`BlockSplitter` (gateway/generation/answer_blocks.py): chat deltas regrouped into blocks that open, grow and close one
-after another — the shape both the Responses and the Messages API render."""
+"""`BlockSplitter` (gateway/generation/answer_blocks.py): chat deltas regrouped into blocks that open, grow and close
+one after another — the shape both the Responses and the Messages API render."""
 
 from __future__ import annotations
 

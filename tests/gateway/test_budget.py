@@ -1,4 +1,5 @@
-"""Budget-aware endings (gateway/structured/budget.py) on scripted token streams, model-free, with the real vocabularies.
+"""Budget-aware endings (gateway/structured/budget.py) on scripted token streams, model-free, with the real
+vocabularies.
 
 A scripted "model" wants to write a fixed answer (calls of known sizes); each step it takes its next token if the
 constraint's mask allows it, else the grammar's forced token, else the only allowed stop token. The budget is

@@ -1,7 +1,7 @@
-"""Chat output routing (gateway/generation/chat_output.py), the chat plan (gateway/planning/chat_plan.py) and the constraints a plan
-builds: thought channels to reasoning_content, tool calls to OpenAI deltas, streamed == merged, the first argument
-fragment before the call's closing marker, stop strings on the token path; ThoughtFirst and grammar-ended tool
-constraints on the Gemma 4 test vocabulary; plan errors as 400s."""
+"""Chat output routing (gateway/generation/chat_output.py), the chat plan (gateway/planning/chat_plan.py) and the
+constraints a plan builds: thought channels to reasoning_content, tool calls to OpenAI deltas, streamed == merged, the
+first argument fragment before the call's closing marker, stop strings on the token path; ThoughtFirst and grammar-ended
+tool constraints on the Gemma 4 test vocabulary; plan errors as 400s."""
 
 from __future__ import annotations
 

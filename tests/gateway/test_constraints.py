@@ -1,5 +1,5 @@
-"""gateway.structured.constraints (with gateway/structured/schema_check.py and gateway/structured/grammar_cache.py): JSON answers that always
-parse and validate.
+"""gateway.structured.constraints (with gateway/structured/schema_check.py and gateway/structured/grammar_cache.py):
+JSON answers that always parse and validate.
 
 The core check is model-free: for every schema of the corpus (tests/gateway/constraint_schemas.py) a sampler
 picks tokens at random among those the mask allows, feeds them back with advance(), and every finished output

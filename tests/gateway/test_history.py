@@ -1,5 +1,5 @@
-"""The answer history (gateway/backends/history.py): answers remembered under their content, tool calls and reasoning, as
-the client received them (cut answers too), scoped by cache_salt, bounded by bytes, and found again when a client
+"""The answer history (gateway/backends/history.py): answers remembered under their content, tool calls and reasoning,
+as the client received them (cut answers too), scoped by cache_salt, bounded by bytes, and found again when a client
 sends the answer back (planner.message_to_pb); what can be sent back (planner._check_tool_call_arguments)."""
 
 from __future__ import annotations

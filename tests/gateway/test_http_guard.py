@@ -1,6 +1,7 @@
 """The REST gateway under bad and hostile requests, without backends: every answer is a bounded, OpenAI-shaped
-error (gateway/api/http_guard.py, gateway/core/openai_types.py, gateway/planning/planner.py), the connection stays usable, and a
-good request still works afterwards. Keep-alive and connection limits are checked on a real uvicorn server."""
+error (gateway/api/http_guard.py, gateway/core/openai_types.py, gateway/planning/planner.py), the connection stays
+usable, and a good request still works afterwards. Keep-alive and connection limits are checked on a real uvicorn
+server."""
 
 from __future__ import annotations
 

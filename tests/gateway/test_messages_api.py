@@ -1,5 +1,5 @@
-"""The Messages API's rendering (gateway/api/messages/messages_api.py): content blocks from an answer's blocks, stop reasons,
-stream deltas, and the Anthropic error shape."""
+"""The Messages API's rendering (gateway/api/messages/messages_api.py): content blocks from an answer's blocks, stop
+reasons, stream deltas, and the Anthropic error shape."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The Responses API's rendering (gateway/api/responses/responses_api.py) of an answer's blocks: the documented event order
-with consecutive sequence numbers, output items as they grow and finish, a call cut by the limit left
+"""The Responses API's rendering (gateway/api/responses/responses_api.py) of an answer's blocks: the documented event
+order with consecutive sequence numbers, output items as they grow and finish, a call cut by the limit left
 incomplete and never announced done, the final object (status, usage details), and the warning header."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The gateway's worker routing policy (gateway/backends/worker_choice.py): rendezvous session affinity that replicas agree on
-and that moves few keys, the bounded-load capacity (checked against its formula with loads tracked here), health,
-the prefix index and its LRU (against a list model kept here), and chained block hashes."""
+"""The gateway's worker routing policy (gateway/backends/worker_choice.py): rendezvous session affinity that replicas
+agree on and that moves few keys, the bounded-load capacity (checked against its formula with loads tracked here),
+health, the prefix index and its LRU (against a list model kept here), and chained block hashes."""
 
 from __future__ import annotations
 

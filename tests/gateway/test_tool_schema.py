@@ -3,13 +3,13 @@ translated into Lark rules (`SchemaRules`, `ValueGrammar`, `check_parameters`).
 
 References, independent of the module: `jsonschema` (Draft 2020-12 with its format checker) says which values
 a schema allows; llguidance (the grammar engine the gateway masks with) says which values a produced grammar
-accepts, first checking that the grammar compiles (`LLMatcher.validate_grammar`, as gateway/structured/tools/tool_calls.py
-`checked_grammar` does). Values are written in Gemma 4's call syntax by a small writer here (`_gemma`: bare
-keys in Jinja `dictsort` order, strings between the `<|"|>` control token, numbers as Python prints them), and
-fed to a matcher over a byte-level vocabulary (ids 0-255 the bytes, 256 an end token, 257 the string
+accepts, first checking that the grammar compiles (`LLMatcher.validate_grammar`, as
+gateway/structured/tools/tool_calls.py `checked_grammar` does). Values are written in Gemma 4's call syntax by a small
+writer here (`_gemma`: bare keys in Jinja `dictsort` order, strings between the `<|"|>` control token, numbers as Python
+prints them), and fed to a matcher over a byte-level vocabulary (ids 0-255 the bytes, 256 an end token, 257 the string
 delimiter), so no model tokenizer is needed. The documented departures from JSON Schema
-(gateway/structured/tools/tool_calls.py, "JSON Schema support") are tested as such: only declared keys are produced, free-form
-keys are identifiers, `format`s are generated as `gateway.structured.json_schema.FORMAT_REGEXES` spells them.
+(gateway/structured/tools/tool_calls.py, "JSON Schema support") are tested as such: only declared keys are produced,
+free-form keys are identifiers, `format`s are generated as `gateway.structured.json_schema.FORMAT_REGEXES` spells them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The gateway's worker pool (gateway/backends/workers.py): which workers a `--worker-addr` stands for, workers joining and
-leaving when a name's addresses change, and a failed worker leaving the routing ring until its health check
+"""The gateway's worker pool (gateway/backends/workers.py): which workers a `--worker-addr` stands for, workers joining
+and leaving when a name's addresses change, and a failed worker leaving the routing ring until its health check
 passes. DNS is replaced by a table (`socket.getaddrinfo` monkeypatched); no worker process runs."""
 
 from __future__ import annotations
