@@ -48,6 +48,7 @@ from gateway.generation.choice_runner import ChoiceRunner
 from gateway.generation.choices import ResponseIds, run_choices, usage_dict
 from gateway.generation.detokenizer import dangling, prompt_tail
 from gateway.generation.logprobs import CompletionLogprobs, TokenStrings, chat_content, visible
+from gateway.planning.context import RequestContext
 from gateway.planning.planner import Plan, detokenize, plan_chat_completion, plan_completion, tokenize
 from protos import tokenizer_pb2
 
@@ -192,12 +193,12 @@ def create_app(backends: Backends, limits: Limits | None = None,
 
     @app.post("/v1/completions", responses=_STREAM_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
-        work = _completions(backends.for_request(), limits, body, request.state.tenant, _session(request))
+        work = _completions(_context(request, backends, limits), body)
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     @app.post("/v1/chat/completions", responses=_STREAM_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        work = _chat(backends.for_request(), limits, body, request.state.tenant, _session(request))
+        work = _chat(_context(request, backends, limits), body)
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     store = ResponseStore(limits.responses_store_bytes, limits.responses_store_ttl)
@@ -205,15 +206,14 @@ def create_app(backends: Backends, limits: Limits | None = None,
     @app.post("/v1/responses", responses=_STREAM_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request):
         """The OpenAI Responses API (gateway/api/responses/responses_api.py)."""
-        work = responses_api.create(backends.for_request(), limits, store, body, request.state.tenant,
-                                    _session(request))
+        work = responses_api.create(_context(request, backends, limits), store, body)
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     @app.post("/v1/responses/input_tokens")
     async def responses_input_tokens(body: ResponsesRequest, request: Request):
         """The prompt tokens `POST /v1/responses` would use for the same body."""
-        return await responses_api.count_input_tokens(backends.for_request(), limits, store, body,
-                                                      request.state.tenant)
+        return await responses_api.count_input_tokens(_context(request, backends, limits, session=False), store,
+                                                      body)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request):
@@ -236,14 +236,13 @@ def create_app(backends: Backends, limits: Limits | None = None,
     @app.post("/v1/messages", responses=_STREAM_RESPONSES)
     async def messages(body: MessagesRequest, request: Request):
         """The Anthropic Messages API (gateway/api/messages/messages_api.py)."""
-        work = messages_api.create(backends.for_request(), limits, calls, body, request.state.tenant,
-                                   _session(request))
+        work = messages_api.create(_context(request, backends, limits), calls, body)
         return await (work if body.stream else _cancel_on_disconnect(request, work))
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(body: CountTokensRequest, request: Request):
         """The prompt tokens `POST /v1/messages` would use for the same body."""
-        return await messages_api.count_tokens(backends.for_request(), limits, calls, body, request.state.tenant)
+        return await messages_api.count_tokens(_context(request, backends, limits, session=False), calls, body)
 
     async def tenant_of(request: Request) -> str:
         """The caller's tenant on /tokenize and /detokenize. They sit at the root, as vLLM serves them, outside
@@ -256,9 +255,9 @@ def create_app(backends: Backends, limits: Limits | None = None,
         """The prompt ids a request would use (vLLM's /tokenize): `prompt` as /v1/completions encodes it, or
         `messages` (with tools, tool_choice, chat_template_kwargs, add_generation_prompt, continue_final_message)
         exactly as /v1/chat/completions renders them, so `count` is its `usage.prompt_tokens`."""
-        view = backends.for_request()
-        ids, strs = await tokenize(view, body, limits, tenant=tenant)
-        return {"count": len(ids), "max_model_len": view.ready_facts().max_model_len, "tokens": ids,
+        ctx = RequestContext(backends.for_request(), limits, tenant)
+        ids, strs = await tokenize(ctx, body)
+        return {"count": len(ids), "max_model_len": ctx.backends.ready_facts().max_model_len, "tokens": ids,
                 "token_strs": strs}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=[Depends(tenant_of)])
@@ -280,21 +279,24 @@ def create_app(backends: Backends, limits: Limits | None = None,
 
 
 # ----- /v1/completions -----------------------------------------------------------------------------------------
-def _session(request: Request) -> Session:
-    """The request's session headers (`x-session-id`, `-ttl`, `-release`; gateway/backends/workers.py `Session`): its
-    conversation's turns go to one worker (gateway/backends/worker_choice.py), which may keep its KV between turns.
+def _context(request: Request, backends: Backends, limits: Limits, session: bool = True) -> RequestContext:
+    """The request's context (gateway/planning/context.py): the backends' view for it, the limits, the tenant
+    RequestGuard found for its key and, unless `session` is False (the token-counting routes, which place
+    nothing), its session headers (`x-session-id`, `-ttl`, `-release`, `x-slo-*`: gateway/backends/workers.py
+    `Session`): its conversation's turns go to one worker (gateway/backends/worker_choice.py), which may keep its
+    KV between turns.
 
     Raises:
-      ApiError: 400 for a malformed header.
+      ApiError: 400 for a malformed session header.
     """
-    return Session.from_headers(request.headers.get)
+    sessions = Session.from_headers(request.headers.get) if session else Session()
+    return RequestContext(backends.for_request(), limits, request.state.tenant, sessions)
 
 
-async def _completions(backends: Backends, limits: Limits, req: CompletionRequest, tenant: str,
-                       session: Session | None = None):
+async def _completions(ctx: RequestContext, req: CompletionRequest):
+    backends = ctx.backends
     ids = ResponseIds("cmpl", "")
-    plan = await plan_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_", tenant=tenant,
-                                 session=session)
+    plan = await plan_completion(ctx, req, call_prefix=f"call_{ids.id[-12:]}_")
     ids.model = plan.model
     echoes = [await _echo_text(backends, p_ids, text) if req.echo else "" for p_ids, text in plan.prompts]
     if req.stream:
@@ -396,11 +398,10 @@ async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: 
 
 
 # ----- /v1/chat/completions ------------------------------------------------------------------------------------
-async def _chat(backends: Backends, limits: Limits, req: ChatCompletionRequest, tenant: str,
-                session: Session | None = None):
+async def _chat(ctx: RequestContext, req: ChatCompletionRequest):
+    backends = ctx.backends
     ids = ResponseIds("chatcmpl", "")
-    plan = await plan_chat_completion(backends, req, limits, call_prefix=f"call_{ids.id[-12:]}_", tenant=tenant,
-                                      session=session)
+    plan = await plan_chat_completion(ctx, req, call_prefix=f"call_{ids.id[-12:]}_")
     ids.model = plan.model
     if req.stream:
         stream = await _primed(run_choices(backends, plan.jobs))

@@ -24,6 +24,7 @@ from gateway.core.limits import Limits, json_field
 from gateway.core.openai_types import ChatCompletionRequest, CompletionRequest, error_param
 from gateway.generation.choice_runner import ChoiceRunner
 from gateway.generation.choices import run_choices
+from gateway.planning.context import RequestContext
 from gateway.planning.planner import plan_chat_completion, plan_completion
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -155,13 +156,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prefix = f"call_{rid[-12:]}_"
             session = _with_targets(Session.from_headers(lambda name: _metadata(context, name)), request)
             backends = self.backends.for_request()  # one ModelFacts snapshot for the whole request
+            ctx = RequestContext(backends, self.limits, tenant, session, rid)
             with backends.admission.serving():
                 if isinstance(req, ChatCompletionRequest):
-                    plan = await plan_chat_completion(backends, req, self.limits, call_prefix=prefix,
-                                                      request_id=rid, tenant=tenant, session=session)
+                    plan = await plan_chat_completion(ctx, req, call_prefix=prefix)
                 else:
-                    plan = await plan_completion(backends, req, self.limits, call_prefix=prefix,
-                                                 request_id=rid, tenant=tenant, session=session)
+                    plan = await plan_completion(ctx, req, call_prefix=prefix)
                 # chat answers are remembered, as the REST doors' are (a raw completion's text is no message)
                 runner = ChoiceRunner(backends, plan, remember=isinstance(req, ChatCompletionRequest))
                 async for index, delta in run_choices(backends, plan.jobs):

@@ -46,6 +46,7 @@ from gateway.core.openai_types import (
 from gateway.generation.chat_output import ChatRoute
 from gateway.generation.generate import GenParams
 from gateway.planning.chat_plan import ChatPlan, constraint_factory, plan_chat
+from gateway.planning.context import RequestContext
 from gateway.structured.constraints import ConstraintError
 from gateway.structured.tools.tool_calls import resolve_tool_choice
 from protos import common_pb2, tokenizer_pb2
@@ -136,17 +137,16 @@ class Ask:
 # ----------------------------------------------------------------------------------------------- entry points
 
 
-async def plan_completion(backends: Backends, req: CompletionRequest, limits: Limits, *, call_prefix: str,
-                          request_id: str | None = None, tenant: str = "", session: Session | None = None) -> Plan:
+async def plan_completion(ctx: RequestContext, req: CompletionRequest, *, call_prefix: str) -> Plan:
     """Plan a `/v1/completions` request (or a gRPC `text`/`tokens` input).
 
     Args:
+      ctx: the request's context (gateway/planning/context.py): its backends' view, limits, tenant (part of the
+        answer-history scope), session (its key, else the request's `user` field, decides which worker serves it
+        and names the KV lease it may ask the worker for) and worker request id.
       call_prefix: prefix of tool-call ids (unused without tools; routes are still made for gRPC).
-      request_id: the worker request id of choice 0 of the first prompt (default: a new one).
-      tenant: the caller's tenant (gateway/api/auth.py; "" when the API is open): part of the answer-history scope.
-      session: the request's session headers (`workers.Session`): its key (else the request's `user` field)
-        decides which worker serves it (`Backends.route`) and names the KV lease it may ask the worker for.
     """
+    backends, limits = ctx.backends, ctx.limits
     max_tokens = req.completion_limit(limits.max_tokens_cap)
     check_request(req, max_tokens, "max_tokens", limits)
     if req.suffix:
@@ -162,16 +162,16 @@ async def plan_completion(backends: Backends, req: CompletionRequest, limits: Li
     chat = await _chat_plan(backends, fields)
     chat.channels = False  # raw prompts: the text as generated
     prompts = [await _completion_prompt(backends, item) for item in texts]
-    ask = Ask(model, max_tokens, "max_tokens", req.logprobs or 0, chat, call_prefix, request_id,
-              history_scope(tenant, req.cache_salt), session or Session())
+    ask = Ask(model, max_tokens, "max_tokens", req.logprobs or 0, chat, call_prefix, ctx.request_id,
+              history_scope(ctx.tenant, req.cache_salt), ctx.session)
     return await _finish(backends, req, limits, prompts, ask)
 
 
-async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, limits: Limits, *,
-                               call_prefix: str, request_id: str | None = None, tenant: str = "",
-                               session: Session | None = None, clamp: bool = False) -> Plan:
+async def plan_chat_completion(ctx: RequestContext, req: ChatCompletionRequest, *, call_prefix: str,
+                               clamp: bool = False) -> Plan:
     """Plan a `/v1/chat/completions` request (or a gRPC `chat` input, or a translated Responses or Messages
     request); arguments as `plan_completion`'s, and `clamp` as `Ask.clamp`."""
+    backends, limits = ctx.backends, ctx.limits
     max_tokens, param = req.completion_limit()
     if clamp and max_tokens is not None and limits.max_tokens_cap is not None:
         max_tokens = min(max_tokens, limits.max_tokens_cap)
@@ -183,10 +183,10 @@ async def plan_chat_completion(backends: Backends, req: ChatCompletionRequest, l
     _check_token_ids(req, backends.ready_facts())
     model = check_model(backends, req.model)
     chat = await _chat_plan(backends, req)
-    scope = history_scope(tenant, req.cache_salt)
+    scope = history_scope(ctx.tenant, req.cache_salt)
     prompt = await _chat_prompt(backends, req, chat.template_kwargs, scope)
-    ask = Ask(model, max_tokens, param, req.top_logprobs or 0, chat, call_prefix, request_id, scope,
-              session or Session(), await _prediction(backends, req), clamp)
+    ask = Ask(model, max_tokens, param, req.top_logprobs or 0, chat, call_prefix, ctx.request_id, scope,
+              ctx.session, await _prediction(backends, req), clamp)
     return await _finish(backends, req, limits, [(prompt, "")], ask)
 
 
@@ -209,8 +209,8 @@ async def _prediction(backends: Backends, req: ChatCompletionRequest) -> list[in
     return ids
 
 
-async def tokenize(backends: Backends, req: TokenizeCompletionRequest | TokenizeChatRequest, limits: Limits,
-                   tenant: str = "") -> tuple[list[int], list[str] | None]:
+async def tokenize(ctx: RequestContext, req: TokenizeCompletionRequest | TokenizeChatRequest
+                   ) -> tuple[list[int], list[str] | None]:
     """`POST /tokenize`: the prompt ids the matching endpoint would use — a raw prompt's as `/v1/completions`
     encodes it (control tokens parsed; BOS with `add_special_tokens`), chat messages' as `/v1/chat/completions`
     renders them (the same checks, chat plan and `_chat_prompt`, so `usage.prompt_tokens` equals the count).
@@ -222,6 +222,7 @@ async def tokenize(backends: Backends, req: TokenizeCompletionRequest | Tokenize
       ApiError: 400 for bad fields (as chat completions name them) or both `prompt` and `messages`; 404 for
         another model; 503 while a backend is away.
     """
+    backends, limits = ctx.backends, ctx.limits
     if isinstance(req, TokenizeChatRequest):
         if "prompt" in (req.model_extra or {}):
             raise ApiError(400, "give either prompt or messages, not both", param="prompt")
@@ -231,7 +232,7 @@ async def tokenize(backends: Backends, req: TokenizeCompletionRequest | Tokenize
                                        parallel_tool_calls=None, chat_template_kwargs=req.chat_template_kwargs,
                                        reasoning_effort=req.reasoning_effort)
         chat = await _chat_plan(backends, fields)
-        ids = await _chat_prompt(backends, req, chat.template_kwargs, history_scope(tenant, req.cache_salt),
+        ids = await _chat_prompt(backends, req, chat.template_kwargs, history_scope(ctx.tenant, req.cache_salt),
                                  check_size=False)
     else:
         check_model(backends, req.model)

@@ -94,8 +94,8 @@ def _tenant_seen(monkeypatch, target, name: str) -> list[str]:
     """Make `target.<name>` (the planner entry point a route calls) record its tenant and refuse the request."""
     seen: list[str] = []
 
-    async def plan(*args, tenant="", **kwargs):
-        seen.append(tenant)
+    async def plan(ctx, *args, **kwargs):
+        seen.append(ctx.tenant)
         raise ApiError(400, "planned")
 
     monkeypatch.setattr(target, name, plan)

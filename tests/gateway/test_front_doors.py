@@ -15,9 +15,9 @@ from gateway.api.messages.messages_request import CallArguments, MessagesRequest
 from gateway.api.responses import responses_api
 from gateway.api.responses.response_store import ResponseStore
 from gateway.api.responses.responses_request import ResponsesRequest
-from gateway.backends.workers import Session
 from gateway.core.errors import ApiError
 from gateway.core.limits import Limits
+from gateway.planning.context import RequestContext
 from tests.gateway.test_planner import _Backends, _chat
 
 TOOL = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -27,12 +27,12 @@ TOOL = {"name": "get_weather", "parameters": {"type": "object", "properties": {"
 def _responses(backends, body, limits=None):
     req = ResponsesRequest.model_validate(body)
     store = ResponseStore(1 << 20, 60)
-    return asyncio.run(responses_api._plan(backends, limits or Limits(), store, req, "", Session())).plan
+    return asyncio.run(responses_api._plan(RequestContext(backends, limits or Limits()), store, req)).plan
 
 
 def _messages(backends, body, limits=None):
     req = MessagesRequest.model_validate(body)
-    return asyncio.run(messages_api._plan(backends, limits or Limits(), CallArguments(), req, "", Session())).plan
+    return asyncio.run(messages_api._plan(RequestContext(backends, limits or Limits()), CallArguments(), req)).plan
 
 
 def _comparable(plan) -> tuple:
@@ -86,8 +86,8 @@ def test_each_door_names_its_own_fields():
 @pytest.mark.parametrize("accounting", ["inclusive", "exclusive"])
 def test_messages_usage_counts_cache_reads_as_asked(accounting):
     req = MessagesRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
-    turn = asyncio.run(messages_api._plan(_Backends(), Limits(anthropic_usage=accounting), CallArguments(), req,
-                                          "", Session()))
+    turn = asyncio.run(messages_api._plan(RequestContext(_Backends(), Limits(anthropic_usage=accounting)),
+                                          CallArguments(), req))
     prompt = turn.plan.prompt_tokens
     usage = messages_api._usage(turn, cached=3, output_tokens=2)
     assert usage["cache_read_input_tokens"] == 3 and usage["output_tokens"] == 2

@@ -35,6 +35,7 @@ from gateway.core.openai_types import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from gateway.planning.context import RequestContext
 from gateway.planning.planner import detokenize, plan_chat_completion, plan_completion, tokenize
 from protos import tokenizer_pb2
 
@@ -136,14 +137,20 @@ class _Backends:
         return WORKER
 
 
-def _complete(backends: _Backends, body: dict, limits: Limits | None = None, **kwargs):
-    return asyncio.run(plan_completion(backends, CompletionRequest.model_validate(body), limits or Limits(),
-                                       call_prefix="call_", **kwargs))
+def _context(backends: _Backends, limits: Limits | None = None, **context) -> RequestContext:
+    """A request context over the fake backends (`context`: tenant, session, request_id)."""
+    return RequestContext(backends, limits or Limits(), **context)
 
 
-def _chat(backends: _Backends, body: dict, limits: Limits | None = None, **kwargs):
+def _complete(backends: _Backends, body: dict, limits: Limits | None = None, **context):
+    req = CompletionRequest.model_validate(body)
+    return asyncio.run(plan_completion(_context(backends, limits, **context), req, call_prefix="call_"))
+
+
+def _chat(backends: _Backends, body: dict, limits: Limits | None = None, clamp: bool = False, **context):
     req = ChatCompletionRequest.model_validate(body)
-    return asyncio.run(plan_chat_completion(backends, req, limits or Limits(), call_prefix="call_", **kwargs))
+    return asyncio.run(plan_chat_completion(_context(backends, limits, **context), req, call_prefix="call_",
+                                            clamp=clamp))
 
 
 def _refused(plan, backends: _Backends, body: dict, limits: Limits | None = None, **kwargs) -> ApiError:
@@ -363,11 +370,11 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized():
 
 def test_tokenize_counts_a_prompt_longer_than_the_context_instead_of_refusing_it():
     backends = _Backends()
-    ids, strs = asyncio.run(tokenize(backends, TokenizeCompletionRequest(prompt="a" * 2000), Limits()))
+    ids, strs = asyncio.run(tokenize(_context(backends), TokenizeCompletionRequest(prompt="a" * 2000)))
     assert ids == [BOS] + [ord("a")] * 2000 and strs is None
     chat = TokenizeChatRequest.model_validate({"messages": [{"role": "user", "content": "b" * 2000}],
                                                "return_token_strs": True})
-    ids, strs = asyncio.run(tokenize(backends, chat, Limits()))
+    ids, strs = asyncio.run(tokenize(_context(backends), chat))
     assert len(ids) > 2000 and strs == [TOKEN_BYTES[i].decode("latin-1") for i in ids]
 
 

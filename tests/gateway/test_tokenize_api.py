@@ -16,6 +16,7 @@ from gateway.backends.clients import Backends, ModelFacts
 from gateway.backends.history import answer_key, history_scope
 from gateway.core.limits import Limits
 from gateway.core.openai_types import ChatCompletionRequest, TokenizeChatRequest
+from gateway.planning.context import RequestContext
 from gateway.planning.planner import plan_chat_completion, tokenize
 from protos import tokenizer_pb2
 from tests.e2e.stacks import free_ports
@@ -73,10 +74,10 @@ def client():
 def _chat_template_request(backends, body: dict, tokenize_it: bool) -> tokenizer_pb2.ChatTemplateRequest:
     backends.tokenizer.requests.clear()
     if tokenize_it:
-        asyncio.run(tokenize(backends, TokenizeChatRequest.model_validate(body), Limits(), tenant="t"))
+        asyncio.run(tokenize(RequestContext(backends, Limits(), "t"), TokenizeChatRequest.model_validate(body)))
     else:
-        asyncio.run(plan_chat_completion(backends, ChatCompletionRequest.model_validate(body), Limits(),
-                                         call_prefix="call_", tenant="t"))
+        asyncio.run(plan_chat_completion(RequestContext(backends, Limits(), "t"),
+                                         ChatCompletionRequest.model_validate(body), call_prefix="call_"))
     [request] = backends.tokenizer.requests
     return request
 

@@ -33,11 +33,10 @@ from gateway.api.messages.messages_request import (
 from gateway.api.responses.responses_api import has_thinking, warning_headers
 from gateway.backends.clients import Backends
 from gateway.backends.history import history_scope
-from gateway.backends.workers import Session
 from gateway.core.errors import ApiError, anthropic_body, renamed_params
-from gateway.core.limits import Limits
 from gateway.core.openai_types import TokenizeChatRequest
 from gateway.generation.answer_blocks import AnswerEnd, AnswerStart, Block, BlockEvent, answer_events
+from gateway.planning.context import RequestContext
 from gateway.planning.planner import Plan, plan_chat_completion, tokenize
 
 
@@ -50,15 +49,15 @@ class _Turn:
     exclusive: bool = False  # Anthropic's usage accounting (`Limits.anthropic_usage`)
 
 
-async def create(backends: Backends, limits: Limits, calls: CallArguments, req: MessagesRequest, tenant: str,
-                 session: Session):
+async def create(ctx: RequestContext, calls: CallArguments, req: MessagesRequest):
     """Answer `POST /v1/messages` (a JSONResponse, or a StreamingResponse of events).
 
     Raises:
       ApiError: 400 for bad fields (named as the Messages API names them) and the chat path's errors; the
         routes answer them in Anthropic's shape.
     """
-    turn = await _plan(backends, limits, calls, req, tenant, session)
+    backends = ctx.backends
+    turn = await _plan(ctx, calls, req)
     headers = warning_headers(turn.warnings)
     if req.stream:
         return StreamingResponse(_stream(backends, calls, turn), media_type="text/event-stream", headers=headers)
@@ -74,27 +73,26 @@ async def create(backends: Backends, limits: Limits, calls: CallArguments, req: 
     return JSONResponse(message, headers=headers)
 
 
-async def count_tokens(backends: Backends, limits: Limits, calls: CallArguments, req: CountTokensRequest,
-                       tenant: str) -> dict:
+async def count_tokens(ctx: RequestContext, calls: CallArguments, req: CountTokensRequest) -> dict:
     """`POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt `POST /v1/messages` would use."""
-    scope = history_scope(tenant, None)
-    chat = chat_request(req, has_thinking(backends), limits.drop_system_patterns, calls, scope, [])
+    scope = history_scope(ctx.tenant, None)
+    chat = chat_request(req, has_thinking(ctx.backends), ctx.limits.drop_system_patterns, calls, scope, [])
     fields = {k: getattr(chat, k) for k in ("messages", "tools", "tool_choice", "chat_template_kwargs", "model")}
     with renamed_params(CHAT_PARAM):
-        ids, _ = await tokenize(backends, TokenizeChatRequest(**fields), limits, tenant=tenant)
+        ids, _ = await tokenize(ctx, TokenizeChatRequest(**fields))
     return {"input_tokens": len(ids)}
 
 
-async def _plan(backends: Backends, limits: Limits, calls: CallArguments, req: MessagesRequest, tenant: str,
-                session: Session) -> _Turn:
+async def _plan(ctx: RequestContext, calls: CallArguments, req: MessagesRequest) -> _Turn:
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     warnings: list[str] = []
-    scope = history_scope(tenant, None)
-    chat = chat_request(req, has_thinking(backends), limits.drop_system_patterns, calls, scope, warnings)
-    key = session.key or req.session_key()
+    limits = ctx.limits
+    scope = history_scope(ctx.tenant, None)
+    chat = chat_request(req, has_thinking(ctx.backends), limits.drop_system_patterns, calls, scope, warnings)
+    session = dataclasses.replace(ctx.session, key=ctx.session.key or req.session_key())
     with renamed_params(CHAT_PARAM):
-        plan = await plan_chat_completion(backends, chat, limits, call_prefix=f"toolu_{mid[4:16]}_", tenant=tenant,
-                                          session=dataclasses.replace(session, key=key), clamp=True)
+        plan = await plan_chat_completion(dataclasses.replace(ctx, session=session), chat,
+                                          call_prefix=f"toolu_{mid[4:16]}_", clamp=True)
     applied = plan.jobs[0].params.max_tokens
     if applied is not None and applied < req.max_tokens:
         warnings.append(f"max_tokens lowered from {req.max_tokens} to {applied} (the context's room, "

@@ -25,11 +25,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway.api.responses.response_store import ResponseStore
 from gateway.api.responses.responses_request import CHAT_PARAM, ResponsesRequest, chat_request
 from gateway.backends.clients import Backends
-from gateway.backends.workers import Session
 from gateway.core.errors import ApiError, renamed_params
-from gateway.core.limits import Limits
 from gateway.core.openai_types import TokenizeChatRequest
 from gateway.generation.answer_blocks import AnswerEnd, Block, BlockEvent, answer_events
+from gateway.planning.context import RequestContext
 from gateway.planning.planner import Plan, plan_chat_completion, tokenize
 
 #: Response header naming what a request asked for that was left out (hosted tools, reasoning on a model
@@ -66,15 +65,15 @@ class _Turn:
     warnings: list[str]
 
 
-async def create(backends: Backends, limits: Limits, store: ResponseStore, req: ResponsesRequest, tenant: str,
-                 session: Session):
+async def create(ctx: RequestContext, store: ResponseStore, req: ResponsesRequest):
     """Answer `POST /v1/responses` (a dict, or a StreamingResponse of events).
 
     Raises:
       ApiError: 400 for bad fields (named as the Responses API names them), 404 for an unknown or expired
         `previous_response_id`, and the chat path's errors.
     """
-    turn = await _plan(backends, limits, store, req, tenant, session)
+    backends, tenant = ctx.backends, ctx.tenant
+    turn = await _plan(ctx, store, req)
     headers = warning_headers(turn.warnings)
     if req.stream:
         events = _stream(backends, store, tenant, turn)
@@ -98,15 +97,14 @@ async def create(backends: Backends, limits: Limits, store: ResponseStore, req: 
     return JSONResponse(response, headers=headers)
 
 
-async def count_input_tokens(backends: Backends, limits: Limits, store: ResponseStore, req: ResponsesRequest,
-                             tenant: str) -> dict:
+async def count_input_tokens(ctx: RequestContext, store: ResponseStore, req: ResponsesRequest) -> dict:
     """`POST /v1/responses/input_tokens`: the prompt tokens `POST /v1/responses` would use for the same body."""
     warnings: list[str] = []
-    history = _history(store, tenant, req)
-    chat, _ = chat_request(req, history.messages if history else [], has_thinking(backends), warnings)
+    history = _history(store, ctx.tenant, req)
+    chat, _ = chat_request(req, history.messages if history else [], has_thinking(ctx.backends), warnings)
     fields = {k: getattr(chat, k) for k in ("messages", "tools", "tool_choice", "reasoning_effort", "model")}
     with renamed_params(CHAT_PARAM):
-        ids, _ = await tokenize(backends, TokenizeChatRequest(**fields), limits, tenant=tenant)
+        ids, _ = await tokenize(ctx, TokenizeChatRequest(**fields))
     return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
 
@@ -154,18 +152,18 @@ def has_thinking(backends: Backends) -> bool:
     return bool(backends.ready_facts().output_format().thinking)
 
 
-async def _plan(backends: Backends, limits: Limits, store: ResponseStore, req: ResponsesRequest, tenant: str,
-                session: Session) -> _Turn:
+async def _plan(ctx: RequestContext, store: ResponseStore, req: ResponsesRequest) -> _Turn:
     rid = f"resp_{uuid.uuid4().hex}"
     warnings: list[str] = []
-    history = _history(store, tenant, req)
-    chat, conversation = chat_request(req, history.messages if history else [], has_thinking(backends), warnings)
+    session = ctx.session
+    history = _history(store, ctx.tenant, req)
+    chat, conversation = chat_request(req, history.messages if history else [], has_thinking(ctx.backends), warnings)
     key = session.key or req.prompt_cache_key or (history.session_key if history else None) or \
         (rid if req.store else None)
     ttl = session.ttl or (STORED_LEASE_S if req.store and key else 0.0)
     with renamed_params(CHAT_PARAM):
-        plan = await plan_chat_completion(backends, chat, limits, call_prefix=f"call_{rid[-12:]}_", tenant=tenant,
-                                          session=dataclasses.replace(session, key=key, ttl=ttl))
+        turn_ctx = dataclasses.replace(ctx, session=dataclasses.replace(session, key=key, ttl=ttl))
+        plan = await plan_chat_completion(turn_ctx, chat, call_prefix=f"call_{rid[-12:]}_")
     return _Turn(rid, req, plan, conversation, key or "", int(time.time()), warnings)
 
 
