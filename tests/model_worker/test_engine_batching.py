@@ -381,6 +381,7 @@ def test_a_prompt_tail_runs_in_the_cheapest_tail_chunks(engine, tmp_path, monkey
     # beside decode rows, a tail of several chunks is one mixed pass; the step-time model prices a tail's plan
     wide = Engine(cfg, to_device(cfg, flat, jnp.float32), EngineConfig(
         num_slots=2, max_model_len=128, prefill_chunks=(64,), tail_chunks=(16, 32)))  # (plans only: no programs)
+    monkeypatch.setattr(wide, "_pad_only_tail", True)  # the CPU's chunk policy, on every backend
     assert wide.chunk_plan(40) == (32, 16) and wide.chunk_plan(40, beside_decode=True) == (64,)
     assert wide.chunk_plan(20, beside_decode=True) == (32,)
     assert [(k.kind, k.chunk) for k in wide.step_programs(shape=StepShape(chunk_tokens=40))] == [

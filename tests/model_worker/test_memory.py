@@ -107,7 +107,11 @@ def test_a_running_engine_reports_its_arrays_and_compiled_temporaries(tiny):
     assert usage.device == jax.devices()[0] and (usage.capacity is None) == on_cpu  # XLA's CPU reports no limit
     assert usage.weights == params.nbytes() and usage.kv == engine.cache.nbytes()
     assert usage.penalties == 2 * cfg.vocab_size * 5
-    assert usage.temporaries == engine._lower(key).compile().memory_analysis().temp_size_in_bytes > 0
+    temporaries = engine._lower(key).compile().memory_analysis().temp_size_in_bytes
+    assert usage.temporaries == temporaries
+    # XLA's CPU program of this tiny greedy step keeps a scratch buffer; the TPU compiler fuses it into no device
+    # temporaries at all (0 bytes on a v5e), so only the CPU's figure is known to be positive.
+    assert temporaries > 0 or not on_cpu
     assert re.fullmatch(rf"device 0 \({re.escape(usage.device.device_kind)}\): weights [\d.]+ MiB, KV [\d.]+ KiB, "
                         r"penalty state [\d.]+ KiB, temporaries [\d.]+ KiB" + ("" if on_cpu else
                                                                                r" \(of a [\d.]+ GiB limit\)"),
