@@ -70,6 +70,9 @@ ZONE = 12
 SEARCHES_PER_STEP = 24
 #: Representatives of a large allowed set's plain tokens checked inside the zone.
 _REPRESENTATIVES = 6
+#: The search spells text one character a token; the tokenizer's own spelling takes at most 1/_SPELLING as many
+#: (a bound on how far a search under a limit must look).
+_SPELLING = 4
 #: Above this many alphabet tokens allowed, a search expands only the preferred ones (a string's content).
 _WIDE = 12
 
@@ -90,10 +93,12 @@ class EndingTables:
     """Per-tokenizer tables of the ending search and filter, built once per tokenizer (`ending_tables`).
 
     Attributes:
-      alphabet: token ids of the printable ASCII characters that are one token each, in order of preference.
+      alphabet: token ids of the printable ASCII characters that are one token each, in order of preference, then
+        of the UTF-8 continuation bytes (byte tokens).
       preferred: the subset expanded when many are allowed.
-      checked: packed bitset (np.uint8, ceil(vocab/8) bytes, LSB first) of the tokens whose text holds `"` or `\\`,
-        or that are control tokens: those checked one by one inside the zone.
+      alphabet_bytes: the indices of the mask bytes that hold the alphabet's bits (where the grammar is, cheaply).
+      checked: packed bitset (np.uint8, ceil(vocab/8) bytes, LSB first) of the tokens whose text holds `"` or `\\`
+        or ends inside a UTF-8 character, or that are control tokens: those checked one by one inside the zone.
       tok: the llguidance tokenizer.
     """
 
@@ -104,8 +109,13 @@ class EndingTables:
             t = tok.tokenize_bytes(bytes([c]))
             if len(t) == 1 and t[0] not in ids:
                 ids.append(int(t[0]))
-        self.alphabet = tuple(ids)
         self.preferred = frozenset(ids[: len(_PREFERRED)])
+        for c in range(0x80, 0xC0):  # UTF-8 continuation bytes: to finish a character a token left incomplete
+            t = tok.tokenize_bytes(bytes([c]))
+            if len(t) == 1 and t[0] not in ids:
+                ids.append(int(t[0]))
+        self.alphabet = tuple(ids)
+        self.alphabet_bytes = np.array(sorted({t >> 3 for t in ids}), np.int64)  # mask bytes that hold them
         n = tok.vocab_size
         checked = np.zeros(((n + 7) // 8) * 8, bool)
         for i in range(n):
@@ -113,8 +123,20 @@ class EndingTables:
                 checked[i] = True
             else:
                 b = tok.decode_bytes([i])
-                checked[i] = b'"' in b or b"\\" in b
+                checked[i] = b'"' in b or b"\\" in b or _incomplete(b) > 0
         self.checked = np.packbits(checked, bitorder="little")
+
+
+def _incomplete(text: bytes) -> int:
+    """How many bytes the last UTF-8 character of `text` still lacks (0: complete, or not UTF-8 at all)."""
+    for back in range(1, min(4, len(text)) + 1):
+        c = text[-back]
+        if c < 0x80:
+            return 0
+        if c >= 0xC0:
+            size = 2 if c < 0xE0 else 3 if c < 0xF0 else 4
+            return max(size - back, 0)
+    return 0
 
 
 _tables: dict[int, tuple[llguidance.LLTokenizer, EndingTables]] = {}
@@ -155,7 +177,7 @@ def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, special
       matcher: the grammar state to end from; not changed (the search works on copies).
       tables: `ending_tables` of the matcher's tokenizer.
       specials: control tokens the grammar uses (`grammar_specials`), added to the alphabet.
-      limit: give up on endings longer than this many tokens (None: no limit).
+      limit: give up on endings longer than this many tokens once spelled (None: no limit).
       node_budget: states expanded at most.
 
     Returns:
@@ -168,26 +190,24 @@ def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, special
     words = np.zeros((tables.tok.vocab_size + 31) // 32, np.uint32)
     start = matcher.deep_copy()
     path = _take_forced(start)
-    if limit is not None and len(path) > limit:
-        return None
     heap = [(len(path), 0, start, path, _allowed_of(start, ids, words))]
     seen: set[tuple[int, bool, tuple[int, ...]]] = set()
     serial = 0
     while heap and serial < node_budget:
         cost, _, m, path, allowed = heapq.heappop(heap)
         if m.is_accepting():
-            return _respell(matcher, tables, path)
-        wide = len(allowed) > _WIDE
+            found = _respell(matcher, tables, path)
+            return found if limit is None or len(found) <= limit else None
         here = (m.is_accepting(), allowed)
+        if len(allowed) > _WIDE:  # many choices (a string's content): the preferred ones, else the first few
+            allowed = tuple(t for t in allowed if t in tables.preferred or t not in tables.alphabet) or allowed[:_WIDE]
         children = []
         for t in allowed:
-            if wide and t not in tables.preferred and t in tables.alphabet:
-                continue
             child = m.deep_copy()
             if child.try_consume_tokens([t]) != 1:
                 continue
             child_path = path + (t,) + _take_forced(child)
-            if limit is not None and len(child_path) > limit:
+            if limit is not None and len(child_path) > _SPELLING * limit:
                 continue
             children.append((child, child_path, (child.is_accepting(), _allowed_of(child, ids, words))))
         # A child that looks like its parent (a string's content) is taken only when no child moves on.
@@ -276,6 +296,7 @@ class BudgetedEnding:
         self._need_at = -1  # self._n then
         self.forcing = False  # the ending is forced (the budget ran short)
         self._searches = 0  # searches left to the zone step in progress
+        self._memo: dict[tuple, int | tuple[int]] = {}  # `_fits`: N after a token, or (bound N exceeds,)
 
     # -- the budget arithmetic
 
@@ -424,59 +445,89 @@ class BudgetedEnding:
         heavy = self._tables.checked[: len(arr)]
         ending = self._ending_now() or []
         allowed = _ids(arr)
-        if len(allowed) <= SMALL_SET:
-            checked, plain = allowed, np.zeros(0, np.int64)
-        else:
-            checked, plain = _ids(arr & heavy), _ids(arr & ~heavy)
+        small = len(allowed) <= SMALL_SET
+        checked, plain = (allowed, allowed[:0]) if small else (_ids(arr & heavy), _ids(arr & ~heavy))
+        # Where the grammar is: its ending, and which alphabet tokens it allows (a string's content, a key, ...).
+        where = (tuple(ending), arr[self._tables.alphabet_bytes].tobytes())
         keep = np.zeros_like(arr)
         stops = set(_core(self.inner).stop_ids)
-        verdicts: dict[object, bool] = {}  # by what follows a token's first quote or backslash (its effect)
         self._searches = SEARCHES_PER_STEP
+        verdicts: dict[object, bool] = {}
         for t in checked.tolist():
-            key = self._effect(t)
+            if t in stops or (ending and t == ending[0]):
+                keep[t >> 3] |= 1 << (t & 7)
+                continue
+            key = t if small else self._effect(t)  # a large set's tokens go by their effect
             if key not in verdicts:
-                verdicts[key] = t in stops or (bool(ending) and t == ending[0]) or self._fits_after(t, ending, left)
-            if verdicts[key] or t in stops or (ending and t == ending[0]):
+                verdicts[key] = self._fits(t, (key, where), ending, left)
+            if verdicts[key]:
                 keep[t >> 3] |= 1 << (t & 7)
         if len(plain):
             picks = plain[np.linspace(0, len(plain) - 1, min(_REPRESENTATIVES, len(plain))).astype(int)]
-            if all(self._fits_after(int(t), ending, left) for t in picks):
+            if all(self._fits(int(t), (("plain", i), where), ending, left) for i, t in enumerate(picks)):
                 keep |= arr & ~heavy
         if ending:
             keep[ending[0] >> 3] |= 1 << (ending[0] & 7)
         return keep.tobytes()
 
     def _effect(self, token: int) -> object:
-        """Tokens alike in what they do to the structure: the text from the first quote or backslash on (inside a
-        string, what comes before is content), the whole text if it has neither, the id of a control token."""
+        """Tokens of a large allowed set (a string's content) alike in what they do to the structure: the text from
+        the first quote or backslash on (what comes before is content); for text with neither, the bytes its last
+        character lacks; the id of a control token."""
         tok = self._tables.tok
         if tok.is_special_token(token):
             return token
         text = tok.decode_bytes([token])
-        cut = min((i for i in (text.find(b'"'), text.find(b"\\")) if i >= 0), default=0)
-        return text[cut:]
+        cuts = [i for i in (text.find(b'"'), text.find(b"\\")) if i >= 0]
+        if not cuts:
+            return ("utf-8", _incomplete(text))  # content that leaves a character unfinished: bytes it lacks
+        return text[min(cuts):]
 
-    def _fits_after(self, token: int, ending: list[int], left: int) -> bool:
-        """Whether an ending fits in `left` tokens once `token` is taken: the current one, else a search's."""
+    def _fits(self, token: int, key: tuple, ending: list[int], left: int) -> bool:
+        """Whether an ending fits in `left` tokens once `token` is taken. Remembered by `key` (the token's effect and
+        where the grammar is) across steps: inside one string the same checks recur at every token."""
+        known = self._memo.get(key)
+        if isinstance(known, int) and known <= left:
+            return True
+        if isinstance(known, tuple) and left <= known[0]:
+            return False  # no ending of at most known[0] tokens
+        if len(self._memo) > 4096:
+            self._memo.clear()
+        after = self._need_after(token, ending, left)
+        if after is not None and after > left and isinstance(known, int):
+            after = min(after, known)
+        self._memo[key] = after if after is not None else (left,)
+        return after is not None and after <= left
+
+    def _need_after(self, token: int, ending: list[int], left: int) -> int | None:
+        """N once `token` is taken (an upper bound: the current ending, or the rest of it, within `left`, else a
+        search's); None when none was found (or this step's searches are spent)."""
         twin = self.inner.fork()
         try:
             twin.advance(token)
         except ValueError:
-            return False
+            return None
         if twin.finished():
-            return True
+            return 0
         stop, thought = self._stop_cost(), _thought(twin)
         if thought is not None and thought.state == "thinking":
-            return len(ending) + stop <= left  # a thought's token leaves the ending (close, answer) as it was
-        core = _core(twin)
-        if len(ending) + stop <= left:
+            return len(ending) + stop  # a thought's token leaves the ending (close, answer) as it was
+        core, tok = _core(twin), self._tables.tok
+        m = core.matcher_copy()
+        if m.try_consume_tokens(ending) == len(ending) and m.is_accepting():
+            if len(ending) + stop <= left:
+                return len(ending) + stop
+        text, spelled = tok.decode_bytes([token]), tok.decode_bytes(ending)
+        if ending and spelled.startswith(text) and not any(tok.is_special_token(e) for e in ending):
+            rest = tok.tokenize_bytes(spelled[len(text):])  # the token is the ending's first bytes: the rest ends it
             m = core.matcher_copy()
-            if m.try_consume_tokens(ending) == len(ending) and m.is_accepting():
-                return True
+            if len(rest) + stop <= left and m.try_consume_tokens(rest) == len(rest) and m.is_accepting():
+                return len(rest) + stop
         if self._searches <= 0:
-            return False  # out of this step's searches: not allowed (the ending's own next token always is)
+            return None  # out of this step's searches: not allowed (the ending's own next token always is)
         self._searches -= 1
-        return shortest_ending(core.matcher_copy(), self._tables, core.specials, left - stop) is not None
+        found = shortest_ending(core.matcher_copy(), self._tables, core.specials)  # unlimited: remembered as N
+        return None if found is None else len(found) + stop
 
 
 def _ids(arr: np.ndarray) -> np.ndarray:
