@@ -152,7 +152,8 @@ class Constraint:
         self._eos_set = frozenset(tokenizer.eos_tokens)
         self._grammar_ends = bool(grammar_ends)
         self.grammar = grammar
-        self.specials = grammar_specials(grammar)
+        # The control tokens the grammar names, its stop ids first (an ending prefers to end than to open a call).
+        self.specials = tuple(sorted(grammar_specials(grammar), key=lambda s: s not in self._stop_set))
 
     @property
     def grammar_ends(self) -> bool:

@@ -57,6 +57,7 @@ __all__ = [
     "EndingTables",
     "ending_tables",
     "grammar_specials",
+    "quick_ending",
     "shortest_ending",
 ]
 
@@ -169,6 +170,15 @@ def _allowed_of(m: llguidance.LLMatcher, ids: np.ndarray, words: np.ndarray) -> 
     return tuple(ids[(words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 1].tolist())
 
 
+def _start(matcher: llguidance.LLMatcher, tables: EndingTables, specials: tuple[int, ...]):
+    """A search's alphabet (the grammar's control tokens first), mask scratch, and a copy of the matcher with the
+    tokens it forces taken (and those tokens)."""
+    ids = np.array(tuple(s for s in specials if s not in tables.alphabet) + tables.alphabet, np.int64)
+    words = np.zeros((tables.tok.vocab_size + 31) // 32, np.uint32)
+    m = matcher.deep_copy()
+    return ids, words, m, _take_forced(m)
+
+
 def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, specials: tuple[int, ...] = (),
                     limit: int | None = None, node_budget: int = NODE_BUDGET) -> list[int] | None:
     """The shortest token sequence (as far as the search sees) that takes `matcher` to an accepting state.
@@ -176,7 +186,8 @@ def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, special
     Args:
       matcher: the grammar state to end from; not changed (the search works on copies).
       tables: `ending_tables` of the matcher's tokenizer.
-      specials: control tokens the grammar uses (`grammar_specials`), added to the alphabet.
+      specials: control tokens the grammar uses (`grammar_specials`), added to the alphabet before its characters
+        (they close strings and answers), in order of preference (Constraint.specials: its stop ids first).
       limit: give up on endings longer than this many tokens once spelled (None: no limit).
       node_budget: states expanded at most.
 
@@ -186,10 +197,7 @@ def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, special
     """
     if matcher.is_error():
         return None
-    ids = np.array(tables.alphabet + tuple(s for s in specials if s not in tables.alphabet), np.int64)
-    words = np.zeros((tables.tok.vocab_size + 31) // 32, np.uint32)
-    start = matcher.deep_copy()
-    path = _take_forced(start)
+    ids, words, start, path = _start(matcher, tables, specials)
     heap = [(len(path), 0, start, path, _allowed_of(start, ids, words))]
     seen: set[tuple[int, bool, tuple[int, ...]]] = set()
     serial = 0
@@ -219,6 +227,39 @@ def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, special
             seen.add(key)
             serial += 1
             heapq.heappush(heap, (len(child_path), serial, child, child_path, look[1]))
+    return None
+
+
+def quick_ending(matcher: llguidance.LLMatcher, tables: EndingTables, specials: tuple[int, ...] = (),
+                 max_steps: int = 128) -> list[int] | None:
+    """An ending found greedily, not always the shortest: at each step the grammar's forced tokens, else the first
+    alphabet token (in order of preference) that moves the grammar to a state that allows other tokens than this
+    one does, else the first allowed (a string's minimum length). Tens of times cheaper than `shortest_ending`: the
+    zone's checks try it first.
+
+    Args and returns: as `shortest_ending` (None: no ending within `max_steps` tokens of the alphabet).
+    """
+    if matcher.is_error():
+        return None
+    ids, words, m, path = _start(matcher, tables, specials)
+    for _ in range(max_steps):
+        if m.is_accepting():
+            return _respell(matcher, tables, path)
+        here = _allowed_of(m, ids, words)
+        chosen = None
+        for t in here[:_WIDE]:
+            child = m.deep_copy()
+            if child.try_consume_tokens([t]) != 1:
+                continue
+            forced = _take_forced(child)
+            if chosen is None:
+                chosen = (child, (t, *forced))
+            if child.is_accepting() or _allowed_of(child, ids, words) != here:
+                chosen = (child, (t, *forced))
+                break
+        if chosen is None:
+            return None
+        m, path = chosen[0], path + chosen[1]
     return None
 
 
@@ -523,6 +564,9 @@ class BudgetedEnding:
             m = core.matcher_copy()
             if len(rest) + stop <= left and m.try_consume_tokens(rest) == len(rest) and m.is_accepting():
                 return len(rest) + stop
+        quick = quick_ending(core.matcher_copy(), self._tables, core.specials)
+        if quick is not None and len(quick) + stop <= left:
+            return len(quick) + stop
         if self._searches <= 0:
             return None  # out of this step's searches: not allowed (the ending's own next token always is)
         self._searches -= 1

@@ -156,16 +156,8 @@ def test_the_issue_case_closes_the_string_instead_of_running_to_the_limit(g3, we
 # ------------------------------------------------------------------------------------------------ tool calls
 
 
-def _g3_calls(tok, token_bytes, out):
-    parser = Gemma3ToolCallParser(ids=GEMMA3_IDS)
-    for t in out:
-        parser.feed(t, token_bytes[t])
-    parser.finish()
-    return parser.result()
-
-
-def _g4_calls(tok, token_bytes, out):
-    parser = Gemma4ToolCallParser(ids=GEMMA4_IDS)
+def _calls(parser, token_bytes, out):
+    """The tool calls a family's parser reads in `out`."""
     for t in out:
         parser.feed(t, token_bytes[t])
     parser.finish()
@@ -178,8 +170,9 @@ def _g4_calls(tok, token_bytes, out):
 def test_sampled_required_tool_calls_end_valid_within_their_budget(g3, g4, weights3, weights4, family, choice):
     tok, token_bytes = g3 if family == "gemma3" else g4
     weights = weights3 if family == "gemma3" else weights4
-    grammar_of, ids, stops, calls = ((gemma3_tool_grammar, GEMMA3_IDS, [1, 106], _g3_calls) if family == "gemma3"
-                                     else (gemma4_tool_grammar, GEMMA4_IDS, [1, 50, 106], _g4_calls))
+    grammar_of, ids, stops, parser = ((gemma3_tool_grammar, GEMMA3_IDS, [1, 106], Gemma3ToolCallParser)
+                                      if family == "gemma3" else
+                                      (gemma4_tool_grammar, GEMMA4_IDS, [1, 50, 106], Gemma4ToolCallParser))
     parallel = choice == "required"
     tables = ending_tables(tok)
 
@@ -187,15 +180,14 @@ def test_sampled_required_tool_calls_end_valid_within_their_budget(g3, g4, weigh
         def build(n):
             return Constraint(tok, grammar_of(TOOLS, choice, parallel, n or 16, ids=ids), N_VOCAB, stops,
                               grammar_ends=True)
-        inner = BudgetedUnits(build, budget, Gemma3ToolCallParser(ids=ids) if family == "gemma3" else
-                              Gemma4ToolCallParser(ids=ids), token_bytes, 3) if parallel else build(None)
+        inner = BudgetedUnits(build, budget, parser(ids=ids), token_bytes, 3) if parallel else build(None)
         return BudgetedEnding(inner, budget, tables)
 
     shortest = _shortest(make(1000))
     for seed, budget in enumerate(_budgets(shortest)):
         c = make(budget)
         out = _sample(c, budget, seed, weights)
-        result = calls(tok, token_bytes, out)
+        result = _calls(parser(ids=ids), token_bytes, out)
         assert len(out) <= budget and c.finished() and not result.truncated, (seed, budget, tok.decode_str(out))
         assert result.tool_calls, (seed, budget)
         for call in result.tool_calls:
