@@ -6,34 +6,39 @@ from anywhere, inside a string included: sampled at temperature 1 a base model m
 rare characters until `max_tokens` cuts it (`{"city":"` and a hundred CJK tokens, `finish_reason: "length"`).
 
 - **The ending.** `shortest_ending` searches, from the grammar's current state, the shortest continuation that
-  completes the answer: a best-first search by tokens over a small alphabet (one token per printable ASCII
-  character, and the control tokens the grammar names, e.g. Gemma 4's string delimiter and a tool grammar's end
-  token), with the grammar's forced tokens taken in one piece, states deduplicated per cost by the alphabet tokens
-  they allow, and a bound on the nodes it expands (`NODE_BUDGET`). The open string closes, open arrays and objects
-  close, required properties still missing get their shortest valid values (`""`, `0`, `[]`, the shortest enum
-  value...). Its text is then spelled in the tokenizer's own tokens where the grammar takes them (fewer tokens).
+  completes the answer: a best-first search by tokens over a small alphabet (the control tokens the grammar names,
+  e.g. Gemma 4's string delimiter and a tool grammar's end tokens, stop ids first; one token per printable ASCII
+  character; the UTF-8 continuation bytes), with the grammar's forced tokens taken in one piece, states deduplicated
+  per cost by the alphabet tokens they allow, a state that looks like its parent (a string's content) expanded only
+  when nothing else moves on, and a bound on the nodes it expands (`NODE_BUDGET`). The open string closes, open
+  arrays and objects close, required properties still missing get their shortest valid values (`""`, `0`, `[]`, the
+  shortest enum value...). Its text is then spelled in the tokenizer's own tokens where the grammar takes them.
   llguidance has no such query (its Python API: masks, forced tokens, consume, accept); the search drives a copy of
-  its matcher.
+  its matcher. `quick_ending` is a greedy, cheaper one (not always the shortest).
 - **Need.** N = the ending's tokens, plus the stop token where the grammar does not consume its own end. With B
   tokens left (max_tokens minus every token generated so far, a thought included):
-  - B <= N: the ending is forced: `forced()` returns it, `mask()` allows only its next token (after it, only the
-    stop ids).
-  - N < B <= N + zone: the mask keeps only the tokens after which an ending still fits in B - 1: each allowed
-    token whose text holds a quote, a backslash or a control token (those that close or open structure), and every
-    allowed token when fewer than `SMALL_SET` are (an object's declared keys, an enum's values), is checked — after
-    it the current ending must still complete the answer, or one within the budget be found; the other tokens of a
-    large allowed set (string content) are checked by representatives. The zone is `ZONE` tokens, widened to twice
-    the largest rise of N seen over one token.
-  - otherwise the grammar's own mask: an answer with room to spare is untouched (a greedy answer that fits is the
-    same token for token).
+  - B = N: the ending is forced from here: `forced()` returns it (the gateway sends it as a forced run), `mask()`
+    allows only its next token (after it, only the stop ids). (B < N from the first token: it never fit — a
+    server-side cap — and nothing is forced.)
+  - N < B <= N + zone: the mask keeps only the tokens after which an ending still fits in B - 1. Checked one by
+    one: every allowed token when fewer than `SMALL_SET` are (an object's declared keys, digits, an enum's values);
+    in a larger set (a string's content) those whose text holds a quote or a backslash, ends inside a UTF-8
+    character, or is a control token, one per effect (the text from the first quote or backslash on, the bytes a
+    character lacks), the rest by a few representatives. A check: after the token, the current ending (or the rest
+    of it) must still complete the answer, else `quick_ending`, else `shortest_ending` (at most `SEARCHES_PER_STEP`
+    a step; a token left unchecked is not allowed), remembered across steps by (effect, ending, the alphabet tokens
+    allowed). The zone is `ZONE` tokens, widened to twice the largest rise of N seen over one token.
+  - otherwise the grammar's own mask: an answer with room is untouched, and one that fits its budget exactly keeps
+    its tokens too (its ending at B = N is a shortest one).
 - **Before generation.** When the client's limit is below the shortest whole answer, the request is a 400 naming the
   limit (planner); a server-side cap below it leaves the answer to be cut as before.
 
-Limits, documented: a string whose `pattern` makes the shortest ending grow with its content (`^(a+|b{30})$`), or a
-single token that raises N by more than the zone (an optional property whose value's shortest form is long, chosen
-by one token inside the zone's margin), can still be cut by `max_tokens`; a grammar whose shortest ending needs a
-character outside the alphabet (a pattern of non-ASCII letters) or more than NODE_BUDGET nodes gets no forced
-ending (as before: `finish_reason: "length"`).
+Limits: a string whose `pattern` makes the shortest ending grow with its content (`^(a+|b{30})$`), or a single token
+that raises N by more than the slack left outside the zone (an optional property, or another array element, whose
+shortest form is long), can still be cut by `max_tokens`; a grammar whose shortest ending needs a character outside
+the alphabet (a pattern of non-ASCII letters) or more than NODE_BUDGET nodes gets no forced ending (as before:
+`finish_reason: "length"`). Cost: a check of the ending every fourth token far from the end and every token near it
+(tens of µs); in the zone, a few ms a step.
 """
 
 from __future__ import annotations
