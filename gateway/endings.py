@@ -10,7 +10,7 @@ rare characters until `max_tokens` cuts it (`{"city":"` and a hundred CJK tokens
   e.g. Gemma 4's string delimiter and a tool grammar's end tokens, stop ids first; one token per printable ASCII
   character; the UTF-8 continuation bytes), with the grammar's forced tokens taken in one piece, states deduplicated
   per cost by the alphabet tokens they allow, a state that looks like its parent (a string's content) expanded only
-  when nothing else moves on, and a bound on the nodes it expands (`NODE_BUDGET`). The open string closes, open
+  when nothing else moves on, and a bound on the states it evaluates (`NODE_BUDGET`). The open string closes, open
   arrays and objects close, required properties still missing get their shortest valid values (`""`, `0`, `[]`, the
   shortest enum value...). Its text is then spelled in the tokenizer's own tokens where the grammar takes them.
   llguidance has no such query (its Python API: masks, forced tokens, consume, accept); the search drives a copy of
@@ -25,9 +25,9 @@ rare characters until `max_tokens` cuts it (`{"city":"` and a hundred CJK tokens
     in a larger set (a string's content) those whose text holds a quote or a backslash, ends inside a UTF-8
     character, or is a control token, one per effect (the text from the first quote or backslash on, the bytes a
     character lacks), the rest by a few representatives. A check: after the token, the current ending (or the rest
-    of it) must still complete the answer, else `quick_ending`, else `shortest_ending` (at most `SEARCHES_PER_STEP`
-    a step; a token left unchecked is not allowed), remembered across steps by (effect, ending, the alphabet tokens
-    allowed). The zone is `ZONE` tokens, widened to twice the largest rise of N seen over one token.
+    of it) must still complete the answer, else `quick_ending`, else `shortest_ending` (`STEP_WORK` grammar
+    states a step; a token left unchecked is not allowed), remembered across steps by (effect, ending, the alphabet
+    tokens allowed). The zone is `ZONE` tokens, widened to twice the largest rise of N seen over one token.
   - otherwise the grammar's own mask: an answer with room is untouched, and one that fits its budget exactly keeps
     its tokens too (its ending at B = N is a shortest one).
 - **Before generation.** When the client's limit is below the shortest whole answer, the request is a 400 naming the
@@ -36,7 +36,7 @@ rare characters until `max_tokens` cuts it (`{"city":"` and a hundred CJK tokens
 Limits: a string whose `pattern` makes the shortest ending grow with its content (`^(a+|b{30})$`), or a single token
 that raises N by more than the slack left outside the zone (an optional property, or another array element, whose
 shortest form is long), can still be cut by `max_tokens`; a grammar whose shortest ending needs a character outside
-the alphabet (a pattern of non-ASCII letters) or more than NODE_BUDGET nodes gets no forced ending (as before:
+the alphabet (a pattern of non-ASCII letters) or more than NODE_BUDGET states gets no forced ending (as before:
 `finish_reason: "length"`). Cost: a check of the ending every fourth token far from the end and every token near it
 (tens of µs); in the zone, a few ms a step.
 """
@@ -55,25 +55,30 @@ from gateway.lru import ByteLRU, text_size
 
 __all__ = [
     "NODE_BUDGET",
-    "SEARCHES_PER_STEP",
+    "QUICK_BUDGET",
+    "STEP_WORK",
     "SMALL_SET",
     "ZONE",
     "BudgetedEnding",
     "EndingTables",
+    "Work",
     "ending_tables",
     "grammar_specials",
     "quick_ending",
     "shortest_ending",
 ]
 
-#: Nodes (grammar states) one search may expand before it gives up (bounds its time: ~10 µs to 100 µs a node).
-NODE_BUDGET = 1500
+#: Grammar states one search may evaluate (a copy, a token, a mask each: ~5 µs to 100 µs) before it gives up.
+NODE_BUDGET = 4000
+#: Grammar states `quick_ending` may evaluate.
+QUICK_BUDGET = 400
 #: Allowed sets at most this large are checked token by token inside the zone.
 SMALL_SET = 96
 #: Tokens of slack (B - N) below which the mask is filtered (widened by the rises of N seen).
 ZONE = 12
-#: Searches one zone step may run to check tokens (a token left unchecked is not allowed: bounded work per step).
-SEARCHES_PER_STEP = 24
+#: Grammar states the checks of one zone step may evaluate in all (a token left unchecked is not allowed: the work
+#: of a step is bounded, and deterministic).
+STEP_WORK = 8000
 #: Representatives of a large allowed set's plain tokens checked inside the zone.
 _REPRESENTATIVES = 6
 #: The search spells text one character a token; the tokenizer's own spelling takes at most 1/_SPELLING as many
@@ -184,8 +189,20 @@ def _start(matcher: llguidance.LLMatcher, tables: EndingTables, specials: tuple[
     return ids, words, m, _take_forced(m)
 
 
+class Work:
+    """A budget of grammar states to evaluate, shared by the searches it is given to (`take()` spends one)."""
+
+    def __init__(self, states: int):
+        self.left = int(states)
+
+    def take(self) -> bool:
+        """Spend one state; False once the budget is spent."""
+        self.left -= 1
+        return self.left >= 0
+
+
 def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, specials: tuple[int, ...] = (),
-                    limit: int | None = None, node_budget: int = NODE_BUDGET) -> list[int] | None:
+                    limit: int | None = None, work: Work | None = None) -> list[int] | None:
     """The shortest token sequence (as far as the search sees) that takes `matcher` to an accepting state.
 
     Args:
@@ -194,11 +211,11 @@ def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, special
       specials: control tokens the grammar uses (`grammar_specials`), added to the alphabet before its characters
         (they close strings and answers), in order of preference (Constraint.specials: its stop ids first).
       limit: give up on endings longer than this many tokens once spelled (None: no limit).
-      node_budget: states expanded at most.
+      work: the states it may evaluate (default: a fresh Work(NODE_BUDGET)).
 
     Returns:
       The tokens ([] when the state already accepts), verified on a copy of the matcher; None when no ending was
-      found within `limit` and `node_budget`, or the matcher is in an error state.
+      found within `limit` and `work`, or the matcher is in an error state.
     """
     if matcher.is_error():
         return None
@@ -206,7 +223,8 @@ def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, special
     heap = [(len(path), 0, start, path, _allowed_of(start, ids, words))]
     seen: set[tuple[int, bool, tuple[int, ...]]] = set()
     serial = 0
-    while heap and serial < node_budget:
+    work = work or Work(NODE_BUDGET)
+    while heap:
         cost, _, m, path, allowed = heapq.heappop(heap)
         if m.is_accepting():
             found = _respell(matcher, tables, path)
@@ -216,6 +234,8 @@ def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, special
             allowed = tuple(t for t in allowed if t in tables.preferred or t not in tables.alphabet) or allowed[:_WIDE]
         children = []
         for t in allowed:
+            if not work.take():
+                return None
             child = m.deep_copy()
             if child.try_consume_tokens([t]) != 1:
                 continue
@@ -236,23 +256,26 @@ def shortest_ending(matcher: llguidance.LLMatcher, tables: EndingTables, special
 
 
 def quick_ending(matcher: llguidance.LLMatcher, tables: EndingTables, specials: tuple[int, ...] = (),
-                 max_steps: int = 128) -> list[int] | None:
+                 work: Work | None = None) -> list[int] | None:
     """An ending found greedily, not always the shortest: at each step the grammar's forced tokens, else the first
     alphabet token (in order of preference) that moves the grammar to a state that allows other tokens than this
     one does, else the first allowed (a string's minimum length). Tens of times cheaper than `shortest_ending`: the
     zone's checks try it first.
 
-    Args and returns: as `shortest_ending` (None: no ending within `max_steps` tokens of the alphabet).
+    Args and returns: as `shortest_ending` (`work` by default a fresh Work(QUICK_BUDGET)).
     """
     if matcher.is_error():
         return None
     ids, words, m, path = _start(matcher, tables, specials)
-    for _ in range(max_steps):
+    work = work or Work(QUICK_BUDGET)
+    while True:
         if m.is_accepting():
             return _respell(matcher, tables, path)
         here = _allowed_of(m, ids, words)
         chosen = None
         for t in here[:_WIDE]:
+            if not work.take():
+                return None
             child = m.deep_copy()
             if child.try_consume_tokens([t]) != 1:
                 continue
@@ -341,7 +364,7 @@ class BudgetedEnding:
         self._need: int | None = None  # N when last computed
         self._need_at = -1  # self._n then
         self.forcing = False  # the ending is forced (the budget ran short)
-        self._searches = 0  # searches left to the zone step in progress
+        self._work = Work(0)  # what the checks of the zone step in progress may still evaluate
         self._memo: dict[tuple, int | tuple[int]] = {}  # `_fits`: N after a token, or (bound N exceeds,)
 
     # -- the budget arithmetic
@@ -497,7 +520,7 @@ class BudgetedEnding:
         where = (tuple(ending), arr[self._tables.alphabet_bytes].tobytes())
         keep = np.zeros_like(arr)
         stops = set(_core(self.inner).stop_ids)
-        self._searches = SEARCHES_PER_STEP
+        self._work = Work(STEP_WORK)
         verdicts: dict[object, bool] = {}
         for t in checked.tolist():
             if t in stops or (ending and t == ending[0]):
@@ -569,13 +592,15 @@ class BudgetedEnding:
             m = core.matcher_copy()
             if len(rest) + stop <= left and m.try_consume_tokens(rest) == len(rest) and m.is_accepting():
                 return len(rest) + stop
-        quick = quick_ending(core.matcher_copy(), self._tables, core.specials)
+        sub = Work(min(QUICK_BUDGET, max(self._work.left, 0)))
+        given = sub.left
+        quick = quick_ending(core.matcher_copy(), self._tables, core.specials, sub)
+        self._work.left -= given - max(sub.left, 0)
         if quick is not None and len(quick) + stop <= left:
             return len(quick) + stop
-        if self._searches <= 0:
-            return None  # out of this step's searches: not allowed (the ending's own next token always is)
-        self._searches -= 1
-        found = shortest_ending(core.matcher_copy(), self._tables, core.specials)  # unlimited: remembered as N
+        if self._work.left <= 0:
+            return None  # this step's work is spent: not allowed (the ending's own next token always is)
+        found = shortest_ending(core.matcher_copy(), self._tables, core.specials, work=self._work)  # remembered as N
         return None if found is None else len(found) + stop
 
 

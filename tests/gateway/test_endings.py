@@ -23,7 +23,7 @@ from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.gateway import Gemma4ToolCallParser, gemma4_tool_grammar
 from gateway.budget import BudgetedUnits
 from gateway.constraints import Constraint
-from gateway.endings import BudgetedEnding, ending_tables, grammar_specials, shortest_ending
+from gateway.endings import BudgetedEnding, Work, ending_tables, grammar_specials, shortest_ending
 from gateway.grammar_cache import grammar_for_json_schema
 from gateway.reasoning import ThoughtFirst
 from tests.gateway.conftest import N_VOCAB
@@ -264,3 +264,19 @@ def test_the_search_finds_the_shortest_values_and_the_grammars_control_tokens(g3
     ending = shortest_ending(c.matcher_copy(), ending_tables(tok4), specials)
     assert ending is not None and ending[-1] == 50
     assert shortest_ending(c.matcher_copy(), ending_tables(tok4), specials, limit=3) is None
+    assert shortest_ending(c.matcher_copy(), ending_tables(tok4), specials, work=Work(5)) is None  # bounded work
+
+
+def test_a_grammar_without_a_found_ending_is_left_as_it_was(g3):
+    """A pattern of non-ASCII letters is outside the search's alphabet: no ending, so nothing is forced or filtered
+    (the budget cuts the answer, as before) and the planner has no shortest answer to refuse a limit by."""
+    tok, _ = g3
+    schema = {"type": "string", "pattern": "^[éж]{3}$"}
+    bare = Constraint(tok, grammar_for_json_schema(schema), N_VOCAB, [1, 106])
+    c = BudgetedEnding(Constraint(tok, grammar_for_json_schema(schema), N_VOCAB, [1, 106]), 3, ending_tables(tok))
+    assert c.shortest() is None
+    for t in tok.tokenize_str('"éж'):  # 3 tokens or more: the budget would be spent with the value still open
+        assert c.mask() == bare.mask() and c.forced() == bare.forced()
+        c.advance(t)
+        bare.advance(t)
+    assert not c.capped()
