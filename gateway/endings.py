@@ -30,8 +30,8 @@ rare characters until `max_tokens` cuts it (`{"city":"` and a hundred CJK tokens
     tokens allowed). The zone is `ZONE` tokens, widened to twice the largest rise of N seen over one token.
   - otherwise the grammar's own mask: an answer with room is untouched, and one that fits its budget exactly keeps
     its tokens too (its ending at B = N is a shortest one).
-- **Before generation.** When the client's limit is below the shortest whole answer, the request is a 400 naming the
-  limit (planner); a server-side cap below it leaves the answer to be cut as before.
+- **Before generation.** When the client's limit, as sent, is below the shortest whole answer, the request is a 400
+  naming the limit (planner); a budget the server decided or lowered below it leaves the answer to be cut as before.
 
 Limits: a string whose `pattern` makes the shortest ending grow with its content (`^(a+|b{30})$`), or a single token
 that raises N by more than the slack left outside the zone (an optional property, or another array element, whose

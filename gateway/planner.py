@@ -555,7 +555,7 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
     salt = prefix_salt(ask.scope, limits.share_prefix_cache_across_keys)
     answer_limits = [answer_budget(len(ids), ask, limits, facts) for ids, _ in prompts]
     constraints = await _constraints(backends, ask.chat, [n for n in answer_limits for _ in range(req.n)],
-                                     ask.limit_param if ask.max_tokens is not None else None)
+                                     ask.limit_param if ask.max_tokens is not None and not ask.clamp else None)
     session = _session(ask.session, req)
     worker = backends.route(session.key, prompts[0][0], salt, _tiebreak(req, prompts))
     reservation = backends.pool.reserve(worker, len(prompts) * req.n)
@@ -644,8 +644,9 @@ async def _constraints(backends: Backends, chat: ChatPlan, budgets: list[int],
                        limit_param: str | None = None) -> list[tuple[object, bytes | None]]:
     """(constraint, first mask) per choice, each knowing its token budget (gateway/budget.py, gateway/endings.py);
     (None, None) per choice without a grammar. Compiled off the event loop. `limit_param` names the request field
-    the budgets come from when the client sent it (None: the server decided them, and a budget below the shortest
-    answer only cuts it, as before).
+    the budgets come from when they are the client's as sent (None: the server decided or lowered them — no limit
+    sent, `--max-tokens-cap`, the Messages API's clamp — and a budget below the shortest answer only cuts it, as
+    before).
 
     Raises:
       ApiError: 400 naming the grammar's field when it exceeds llguidance's budget or does not compile; 400 naming
