@@ -667,9 +667,8 @@ async def _constraints(backends: Backends, chat: ChatPlan, budgets: list[int],
                                code="unsupported_schema") from None
             shortest = constraint.shortest() if limit_param is not None else None
             if shortest is not None and shortest > budget:
-                raise ApiError(400, f"{limit_param} is {budget}, but the shortest answer {chat.param} allows takes "
-                                    f"{shortest} tokens: raise {limit_param}", param=limit_param,
-                               code="max_tokens_too_small")
+                raise ApiError(400, f"{limit_param} is {budget}, below the shortest valid answer that {chat.param} "
+                                    f"allows ({shortest} tokens)", param=limit_param, code="max_tokens_too_small")
             out.append((constraint, mask))
         return out
 

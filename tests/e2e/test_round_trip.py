@@ -105,7 +105,7 @@ def check_calls_whole_and_cut(client, chunk, tools, gemma4, messages=CITIES, max
     except openai.BadRequestError as err:  # k is below the shortest valid answer: refused before generation
         body = err.body
         assert (body["param"], body["code"]) == ("max_tokens", "max_tokens_too_small"), body
-        budget = int(re.search(r"takes (\d+) tokens", body["message"]).group(1))
+        budget = int(re.search(r"answer that .* allows \((\d+) tokens\)", body["message"]).group(1))
         assert budget > k
         cut = ask(client, messages, salt, tools=tools, tool_choice="required", max_tokens=budget, **kw)
     # The budget runs out inside a string argument: the call is closed within it (gateway/endings.py).
