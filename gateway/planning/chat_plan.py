@@ -24,6 +24,7 @@ from gateway.generation.chat_output import ChatRoute
 from gateway.generation.reasoning import ThoughtFirst
 from gateway.structured.budget import BudgetedUnits, JsonArrayProgress
 from gateway.structured.constraints import Constraint
+from gateway.structured.endings import BudgetedEnding, ending_tables
 from gateway.structured.grammar_cache import grammar_for_json_schema, grammar_for_response_format
 from gateway.structured.schema_check import SchemaError
 from gateway.structured.tools import tool_calls as tc
@@ -153,7 +154,9 @@ def _thinking(req: ChatCompletionRequest, fmt: FamilyFormat, kwargs: dict) -> bo
 
 async def constraint_factory(backends: Backends, plan: ChatPlan):
     """A function making one fresh constraint per choice for the plan's grammar, or None when unconstrained.
-    `make(budget)` takes the choice's max_tokens: parallel tool calls then end within it (gateway/structured/budget.py).
+    `make(budget)` takes the choice's max_tokens: the answer then ends valid within it where the grammar admits a
+    short enough ending (gateway/structured/endings.py `BudgetedEnding`), parallel tool calls after the last one that fits
+    (gateway/structured/budget.py `BudgetedUnits`); `make()` builds the bare constraint.
 
     Under thinking (reasoning.ThoughtFirst), the thought channel is free text in which the format's call markers
     (Gemma 4's `<|tool_call>`/`<tool_call|>`) are masked: a call is made only in the answer, after the channel
@@ -176,14 +179,18 @@ async def constraint_factory(backends: Backends, plan: ChatPlan):
         return inner
 
     def make(budget: int | None = None):
-        if plan.unit_grammar is None or budget is None:
+        if budget is None:
             return build()
+        tables = ending_tables(tokenizer)  # built at the first call (~0.2 s, off the event loop), then shared
+        if plan.unit_grammar is None:
+            return BudgetedEnding(build(), budget, tables)
         if plan.tool_format is not None:
             parser = fmt.tool_parser(ids, "call_", facts.special_ids, False)
             close = fmt.budget_close(tokenizer.tokenize_str)
         else:
             parser, close = JsonArrayProgress(), 3  # `]`, the stop token, a spare one
-        return BudgetedUnits(build, budget, parser, _TextBytes(facts), close, kind=plan.unit_kind)
+        units = BudgetedUnits(build, budget, parser, _TextBytes(facts), close, kind=plan.unit_kind)
+        return BudgetedEnding(units, budget, tables)
 
     return make
 

@@ -555,7 +555,8 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
     facts = backends.ready_facts()
     salt = prefix_salt(ask.scope, limits.share_prefix_cache_across_keys)
     answer_limits = [answer_budget(len(ids), ask, limits, facts) for ids, _ in prompts]
-    constraints = await _constraints(backends, ask.chat, [n for n in answer_limits for _ in range(req.n)])
+    constraints = await _constraints(backends, ask.chat, [n for n in answer_limits for _ in range(req.n)],
+                                     ask.limit_param if ask.max_tokens is not None and not ask.clamp else None)
     session = _session(ask.session, req)
     worker = backends.route(session.key, prompts[0][0], salt, _tiebreak(req, prompts))
     reservation = backends.pool.reserve(worker, len(prompts) * req.n)
@@ -640,12 +641,17 @@ def _tiebreak(req, prompts: list[tuple[list[int], str]]) -> str:
     return tiebreak_key([" ".join(map(str, prompts[0][0][:256]))])
 
 
-async def _constraints(backends: Backends, chat: ChatPlan, budgets: list[int]) -> list[tuple[object, bytes | None]]:
-    """(constraint, first mask) per choice, each knowing its token budget (gateway/structured/budget.py); (None, None) per
-    choice without a grammar. Compiled off the event loop.
+async def _constraints(backends: Backends, chat: ChatPlan, budgets: list[int],
+                       limit_param: str | None = None) -> list[tuple[object, bytes | None]]:
+    """(constraint, first mask) per choice, each knowing its token budget (gateway/structured/budget.py, gateway/structured/endings.py);
+    (None, None) per choice without a grammar. Compiled off the event loop. `limit_param` names the request field
+    the budgets come from when they are the client's as sent (None: the server decided or lowered them — no limit
+    sent, `--max-tokens-cap`, the Messages API's clamp — and a budget below the shortest answer only cuts it, as
+    before).
 
     Raises:
-      ApiError: 400 naming the grammar's field when it exceeds llguidance's budget or does not compile.
+      ApiError: 400 naming the grammar's field when it exceeds llguidance's budget or does not compile; 400 naming
+        `limit_param` when a budget the client sent is below the shortest valid answer.
     """
     factory = await constraint_factory(backends, chat)
     if factory is None:
@@ -656,10 +662,15 @@ async def _constraints(backends: Backends, chat: ChatPlan, budgets: list[int]) -
         for budget in budgets:
             try:
                 constraint = factory(budget)
-                out.append((constraint, constraint.mask()))
+                mask = constraint.mask()
             except (ConstraintError, ValueError) as err:
                 raise ApiError(400, f"{chat.param}: the grammar cannot be used: {err}", param=chat.param,
                                code="unsupported_schema") from None
+            shortest = constraint.shortest() if limit_param is not None else None
+            if shortest is not None and shortest > budget:
+                raise ApiError(400, f"{limit_param} is {budget}, below the shortest valid answer that {chat.param} "
+                                    f"allows ({shortest} tokens)", param=limit_param, code="max_tokens_too_small")
+            out.append((constraint, mask))
         return out
 
     return await asyncio.get_running_loop().run_in_executor(_COMPILE_POOL, build)

@@ -25,8 +25,9 @@ the budget left could not fit another one:
 - **Before the first unit completes**, the unit in progress stands for U (the next one is taken to be at least
   as long as it is so far): when the budget could not fit a second one that long, the first one is the last.
   This matters because a token such as `}},` ends the first call and opens the second in one step.
-- **Only ending is forced; nothing is invented.** A unit in progress is never closed early (its content is the
-  model's); if even it does not fit, `max_tokens` cuts it as before (`finish_reason: "length"`).
+- **Here only ending is forced; nothing is invented.** This rule never closes a unit in progress early (its content
+  is the model's). When even it does not fit, gateway/structured/endings.py (`BudgetedEnding`, around this wrapper) closes it
+  with the shortest valid ending as the tokens left reach that ending's length.
 
 Each answer that ended (with a stop, not `length`) after the budget capped it is counted in the gateway metric
 `gemma_serve:gateway_budget_endings_total{kind}` (kind `tool_calls` or `json`; gateway/generation/generate.py).

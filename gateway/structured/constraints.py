@@ -40,6 +40,7 @@ import sys
 import llguidance
 import numpy as np
 
+from gateway.structured.endings import grammar_specials
 from gateway.structured.grammar_cache import matcher_template
 
 
@@ -150,6 +151,14 @@ class Constraint:
         self._stop_set = frozenset(self.stop_ids)
         self._eos_set = frozenset(tokenizer.eos_tokens)
         self._grammar_ends = bool(grammar_ends)
+        self.grammar = grammar
+        # The control tokens the grammar names, its stop ids first (an ending prefers to end than to open a call).
+        self.specials = tuple(sorted(grammar_specials(grammar), key=lambda s: s not in self._stop_set))
+
+    @property
+    def grammar_ends(self) -> bool:
+        """Whether the grammar consumes its own end token (else a stop id follows the complete value)."""
+        return self._grammar_ends
 
     # -- queries ---------------------------------------------------------------------------------------------
 
@@ -212,6 +221,11 @@ class Constraint:
     def is_accepting(self) -> bool:
         """True when the text so far is a complete value (a stop token is allowed now), e.g. at max_tokens."""
         return self._stopped or self._m.is_accepting()
+
+    def matcher_copy(self) -> llguidance.LLMatcher:
+        """A copy of the llguidance matcher in its current state, to search from (gateway/structured/endings.py): changing it
+        leaves this constraint as it is."""
+        return self._m.deep_copy()
 
     def text(self) -> str:
         """The text of the tokens advanced so far (stop token excluded)."""

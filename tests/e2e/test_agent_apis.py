@@ -10,6 +10,7 @@ makes a streamed answer and a unary one the same tokens.
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import jsonschema
@@ -109,17 +110,27 @@ def test_responses_text_stream_and_incomplete_status(stack):
     assert events[-1].response.usage.output_tokens == 6
 
 
-def test_responses_call_cut_by_the_limit_is_not_announced_done(stack):
-    """A call cut by max_output_tokens: no `function_call_arguments.done`, its item done as `incomplete` (an agent
-    must not run half-written arguments), the response `incomplete`."""
+def test_responses_limit_below_the_shortest_call_is_refused_and_a_call_ends_within_its_limit(stack):
+    """max_output_tokens below the shortest call the tool grammar allows is a 400 naming it and that call's length
+    (gateway/structured/endings.py): no call is cut half-written by a client's limit. At that length the call is complete,
+    announced done, the response `completed`. (A call cut by a server-side cap is still `incomplete`, not announced
+    done: tests/gateway/test_responses_api.py.)"""
     client, model = _openai(stack), _model(stack)
-    with client.responses.stream(model=model, input=ASK, tools=[RESPONSES_TOOL], tool_choice="required",
-                                 parallel_tool_calls=False, max_output_tokens=18, temperature=0) as stream:
+    kw = dict(model=model, input=ASK, tools=[RESPONSES_TOOL], tool_choice="required", parallel_tool_calls=False,
+              temperature=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(max_output_tokens=18, **kw)
+    body = err.value.body
+    assert (body["param"], body["code"]) == ("max_output_tokens", "max_tokens_too_small"), body
+    shortest = int(re.search(r"answer that .* allows \((\d+) tokens\)", body["message"]).group(1))
+    assert shortest > 18 and body["message"].startswith("max_output_tokens is 18")
+    with client.responses.stream(max_output_tokens=shortest, **kw) as stream:
         events = list(stream)
     kinds = [e.type for e in events]
-    assert "response.function_call_arguments.done" not in kinds and kinds[-1] == "response.incomplete"
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
     done = [e for e in events if e.type == "response.output_item.done"]
-    assert done[-1].item.type == "function_call" and done[-1].item.status == "incomplete"
+    assert done[-1].item.type == "function_call" and done[-1].item.status == "completed"
+    json.loads(done[-1].item.arguments)
 
 
 def test_codex_shaped_input_is_served(stack):

@@ -10,23 +10,26 @@ token for token in tests/tokenizer_svc/test_round_trip_render.py.
 Shapes covered, on the embedded Gemma 3 (JSON tool format) and the tiny Gemma 4 stack (native call syntax, its
 official Jinja chat template as a checkpoint template):
 - parallel calls, content null (`tool_choice: "required"`, finish_reason tool_calls);
-- a call cut by `max_tokens` inside a string argument (finish_reason length, `arguments` not valid JSON);
+- a budget that runs out inside a string argument: the call closed within it (gateway/structured/endings.py; a limit below
+  the shortest answer is a 400 naming it, and the shortest answer's length is asked instead);
 - text then calls (`tool_choice: "auto"`, content and tool_calls);
 - a thought then a call (Gemma 4 thinking: reasoning_content, sent back in the tool-result turn, where the
   template writes the thought back);
 - plain text cut by `max_tokens`, and (Gemma 4) cut by a stop string.
 
 Each answer is generated under its own `cache_salt`, so its prompt is computed cold and a request repeated with
-a smaller `max_tokens` reproduces the same tokens: the cut cases cut a known answer inside its first call's string
-(a later call would not be started when it could not fit: gateway/structured/budget.py).
+a smaller `max_tokens` reproduces the same tokens: the cut cases end a known answer's budget inside its first call's
+string (a later call would not be started when it could not fit: gateway/structured/budget.py).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 import uuid
 
+import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -68,8 +71,8 @@ def fresh() -> str:
 
 def cut_inside_a_string(tokens: list[str], gemma4: bool) -> int:
     """The largest token count that ends inside a string of the first call's arguments (`tokens`: the answer's
-    token texts, control tokens spelled out). The first call: `max_tokens` then cuts it exactly there, whereas a
-    later call is not started when the budget left could not fit it (gateway/structured/budget.py)."""
+    token texts, control tokens spelled out). The first call: a budget of that many tokens runs out exactly there,
+    whereas a later call is not started when the budget left could not fit it (gateway/structured/budget.py)."""
     for k in range(len(tokens) - 1, 0, -1):
         if gemma4:
             calls = [n for n in range(k) if tokens[n] == "<|tool_call>"]
@@ -85,8 +88,8 @@ def cut_inside_a_string(tokens: list[str], gemma4: bool) -> int:
 
 
 def check_calls_whole_and_cut(client, chunk, tools, gemma4, messages=CITIES, max_tokens=150, **kw):
-    """A complete parallel-calls answer, then the same answer cut inside its first call's string argument; both
-    sent back with their tool results."""
+    """A complete parallel-calls answer, then the same answer with a budget that runs out inside its first call's
+    string argument (closed within it); both sent back with their tool results."""
     salt = fresh()
     whole = ask(client, messages, salt, tools=tools, tool_choice="required", max_tokens=max_tokens, logprobs=True,
                 extra_body={"skip_special_tokens": False}, **kw)
@@ -96,11 +99,19 @@ def check_calls_whole_and_cut(client, chunk, tools, gemma4, messages=CITIES, max
     send_back(client, chunk, messages, whole, salt, tools=tools)
     k = cut_inside_a_string([t.token for t in choice.logprobs.content], gemma4)
     salt = fresh()
-    cut = ask(client, messages, salt, tools=tools, tool_choice="required", max_tokens=k, **kw)
+    budget = k
+    try:
+        cut = ask(client, messages, salt, tools=tools, tool_choice="required", max_tokens=k, **kw)
+    except openai.BadRequestError as err:  # k is below the shortest valid answer: refused before generation
+        body = err.body
+        assert (body["param"], body["code"]) == ("max_tokens", "max_tokens_too_small"), body
+        budget = int(re.search(r"answer that .* allows \((\d+) tokens\)", body["message"]).group(1))
+        assert budget > k
+        cut = ask(client, messages, salt, tools=tools, tool_choice="required", max_tokens=budget, **kw)
+    # The budget runs out inside a string argument: the call is closed within it (gateway/structured/endings.py).
+    assert cut.choices[0].finish_reason == "tool_calls" and cut.usage.completion_tokens <= budget, cut.choices[0]
     last = cut.choices[0].message.tool_calls[-1].function.arguments
-    assert cut.choices[0].finish_reason == "length"
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(last)
+    json.loads(last)
     message = send_back(client, chunk, messages, cut, salt, tools=tools)
     assert message["tool_calls"][-1]["function"]["arguments"] == last
 

@@ -1,13 +1,17 @@
-"""End to end, UTF-8 at our boundaries (gateway/generation/detokenizer.py): a character cut by `max_tokens` is dropped,
-never U+FFFD; a `/v1/completions` prompt given as token ids that ends inside a character is completed by the answer (or
-its dangling bytes dropped); logprob token strings follow the text; streamed equals non-streamed. The cuts are
-made deterministic with byte-fallback tokens: `logit_bias` forces them, or a grammar forces a rare character that
-the embedded vocabulary spells with byte tokens (𓀀 = <0xF0><0x93><0x80><0x80>)."""
+"""End to end, UTF-8 at our boundaries (gateway/generation/detokenizer.py): a `/v1/completions` prompt given as token ids that
+ends inside a character is completed by the answer (or its dangling bytes dropped); logprob token strings follow the
+text; streamed equals non-streamed. Made deterministic with byte-fallback tokens: `logit_bias` forces them, or a
+grammar forces a rare character that the embedded vocabulary spells with byte tokens (𓀀 = <0xF0><0x93><0x80><0x80>).
+A grammar's answer is no longer cut inside a character by a client's `max_tokens`: a limit ending inside the only
+answer is below the shortest valid answer, a 400 (gateway/structured/endings.py); a cut character is dropped, never U+FFFD
+(tests/gateway/test_detokenizer.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 
+import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -96,40 +100,42 @@ def test_completion_prompt_ending_inside_a_character(client, text_tokenizer, byt
         assert echoed == "Tiles:🀀"
 
 
+def _too_small(call, n: int, param: str = "max_tokens") -> None:
+    """`call(max_tokens=n)` is refused before generation: n cuts inside the grammar's only answer, so it is below
+    the shortest valid answer (gateway/structured/endings.py), a 400 naming the limit and that answer's length."""
+    with pytest.raises(openai.BadRequestError) as err:
+        call(max_tokens=n)
+    body = err.value.body
+    assert (body["param"], body["code"]) == (param, "max_tokens_too_small"), body
+    assert int(re.search(r"answer that .* allows \((\d+) tokens\)", body["message"]).group(1)) > n
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_completion_cut_inside_a_character(client, text_tokenizer, stream):
-    """A grammar forces a rare character (byte-fallback tokens); max_tokens ends inside it."""
+def test_completion_limit_inside_a_forced_character_is_refused(client, text_tokenizer, stream):
+    """A grammar forces a rare character (byte-fallback tokens): whole within its budget; a max_tokens ending
+    inside it is below the only answer (no cut: a 400 before generation)."""
     kw = dict(prompt="Hieroglyph:", extra_body={"response_format": {
         "type": "json_schema", "json_schema": {"name": "g", "schema": {"enum": [RARE]}}}})
     full = client.completions.create(model=MODEL, temperature=0.0, logprobs=1, max_tokens=40, **kw).choices[0]
     assert json.loads(full.text) == RARE
     ids = text_tokenizer.encode(full.text, parse_special=False)
     n = cut_inside([list(text_tokenizer.token_bytes[i]) for i in ids])
-    text, finish, tokens, offsets = completion(client, stream, max_tokens=n, **kw)
-    assert finish == "length" and "\ufffd" not in text and full.text.startswith(text)
-    assert full.text[len(text)] == RARE[0]  # exactly the cut character is missing
-    assert "".join(tokens) == text and tokens[-1] == ""
-    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    _too_small(lambda **limit: completion(client, stream, **limit, **kw), n)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_cut_inside_a_character(client, stream):
+def test_chat_limit_inside_a_forced_character_is_refused(client, stream):
     kw = dict(messages=[{"role": "user", "content": "Write an Egyptian hieroglyph."}], response_format={
         "type": "json_schema", "json_schema": {"name": "g", "schema": {"enum": [RARE]}}})
-    content, _, finish, full_lps = chat(client, False, max_tokens=40, **kw)
+    content, _, finish, full_lps = chat(client, stream, max_tokens=40, **kw)
     assert (json.loads(content), finish) == (RARE, "stop")
-    n = cut_inside([b for _, b in full_lps])
-    cut = chat(client, stream, max_tokens=n, **kw)
-    assert cut == chat(client, not stream, max_tokens=n, **kw)  # streamed equals non-streamed
-    text, _, finish, lps = cut
-    assert finish == "length" and "\ufffd" not in text
-    assert content.startswith(text) and content[len(text)] == RARE[0]  # exactly the cut character is missing
-    assert "".join(t for t, _ in lps) == text and lps[-1][0] == ""
-    assert lps == full_lps[:n]  # the same tokens, their exact bytes
+    assert "".join(t for t, _ in full_lps) == content
+    _too_small(lambda **limit: chat(client, stream, **limit, **kw), cut_inside([b for _, b in full_lps]))
 
 
-def test_tool_arguments_cut_inside_a_character(client):
-    """Gemma 3's JSON tool format, a string argument forced to a rare character, cut inside it."""
+def test_tool_arguments_limit_inside_a_forced_character_is_refused(client):
+    """Gemma 3's JSON tool format, a string argument forced to a rare character: whole within its budget; a limit
+    ending inside the character is below the shortest call."""
     tool = {"type": "function", "function": {"name": "draw", "parameters": {
         "type": "object", "properties": {"glyph": {"enum": [RARE]}}, "required": ["glyph"],
         "additionalProperties": False}}}
@@ -137,12 +143,4 @@ def test_tool_arguments_cut_inside_a_character(client):
               parallel_tool_calls=False)
     _, calls, finish, lps = chat(client, False, max_tokens=100, **kw)
     assert finish == "tool_calls" and json.loads(calls[0][1]) == {"glyph": RARE}
-    n = cut_inside([b for _, b in lps])
-    cut = chat(client, False, max_tokens=n, **kw)
-    assert chat(client, True, max_tokens=n, **kw) == cut
-    _, cut_calls, finish, cut_lps = cut
-    assert finish == "length" and cut_calls[0][0] == "draw"
-    arguments = cut_calls[0][1]
-    assert "\ufffd" not in arguments and calls[0][1].startswith(arguments)
-    assert calls[0][1][len(arguments)] == RARE[0]
-    assert cut_lps == lps[:n] and cut_lps[-1][0] == ""
+    _too_small(lambda **limit: chat(client, False, **limit, **kw), cut_inside([b for _, b in lps]))

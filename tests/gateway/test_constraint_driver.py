@@ -12,6 +12,7 @@ from families.gemma3.gateway import Gemma3ToolCallParser, gemma3_tool_grammar
 from gateway.generation.generate import ConstraintDriver
 from gateway.structured.budget import BudgetedUnits
 from gateway.structured.constraints import Constraint
+from gateway.structured.endings import BudgetedEnding, ending_tables
 from gateway.structured.grammar_cache import grammar_for_json_schema
 from protos import common_pb2
 from tests.gateway.conftest import N_VOCAB, TokenBytes
@@ -136,8 +137,16 @@ def _json(tok, budget):
     return make, tok.tokenize_str(answer) + [106], tok.tokenize_str("Tags are fast and exact: " + answer[:40])
 
 
-@pytest.mark.parametrize("case,budget", [(_g3_tools, 200), (_g3_tools, 48), (_json, 80)],
-                         ids=["tool-calls", "tool-calls-capped-by-the-budget", "json-schema"])
+def _json_ended(tok, budget):
+    """The JSON case inside BudgetedEnding (gateway/structured/endings.py): a budget short of the answer forces its ending."""
+    make, script, context = _json(tok, budget)
+    tables = ending_tables(tok)
+    return (lambda: BudgetedEnding(make(), budget, tables)), script, context
+
+
+@pytest.mark.parametrize("case,budget", [(_g3_tools, 200), (_g3_tools, 48), (_json, 80), (_json_ended, 20)],
+                         ids=["tool-calls", "tool-calls-capped-by-the-budget", "json-schema",
+                              "json-ended-by-the-budget"])
 def test_drafts_carry_the_masks_step_by_step_decoding_would_send(g3, case, budget):
     """The same scripted model driven with and without drafts: the same tokens and step masks; every draft's
     mask at position i equals the mask step-by-step decoding sent at that step whenever the draft's tokens up to

@@ -483,13 +483,28 @@ def test_tools_are_planned_with_the_families_format_grammar_and_end_tokens():
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
     backends = _Backends()
-    plan = _chat(backends, {"messages": [USER], "tools": [tool], "tool_choice": "required", "max_tokens": 40})
+    plan = _chat(backends, {"messages": [USER], "tools": [tool], "tool_choice": "required", "max_tokens": 90})
     assert (plan.chat.tool_format, plan.chat.param, plan.chat.calls_only) == ("gemma3", "tools", True)
     params = plan.jobs[0].params
     assert params.constraint is not None and params.constraint_param == "tools"
     assert END_OF_TURN in params.stop_token_ids
     [request] = backends.tokenizer.requests
     assert json.loads(request.tools_json) == [tool] and request.tool_choice == "required"
+
+
+def test_a_limit_below_the_shortest_answer_is_a_400_naming_it_and_a_server_cap_below_it_is_not():
+    """The byte vocabulary spells `{"a":""}` in 8 tokens, and the stop token makes 9: a client's max_tokens of 8 is a
+    400 before generation (it could only be cut), 9 is planned; the same budget decided by --max-tokens-cap is
+    planned (the answer is cut, as before)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}}}
+    for field in ("max_tokens", "max_completion_tokens"):
+        err = _refused(_chat, _Backends(), {"messages": [USER], "response_format": fmt, field: 8})
+        assert (err.status, err.param, err.code) == (400, field, "max_tokens_too_small"), err.message
+        assert "9 tokens" in err.message
+    assert _chat(_Backends(), {"messages": [USER], "response_format": fmt, "max_tokens": 9}).jobs[0].params.constraint
+    capped = _chat(_Backends(), {"messages": [USER], "response_format": fmt}, Limits(max_tokens_cap=4))
+    assert capped.jobs[0].params.max_tokens == 4
 
 
 def test_response_format_with_tools_is_a_400():
