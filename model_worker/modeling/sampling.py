@@ -84,6 +84,13 @@ from model_worker.serving.sampling_settings import (  # noqa: F401 - re-exported
 
 # Bisection steps for the top-p threshold: the threshold is found to within max_prob / 2**30.
 _TOP_P_ITERS = 30
+# Candidates (`_candidates`): each row's _CANDIDATES blocks of _ARGMAX_BLOCK values with the largest maxima, then
+# among them its _CANDIDATES runs of _CANDIDATE_RUN values with the largest maxima: 1,024 values a row that hold
+# its 64 largest, on which the top-k, top-p and top-logprob steps run before they need the whole row.
+_CANDIDATES = 64
+_CANDIDATE_RUN = 16
+# top_k at most this is read from a partial sort of this many candidates (else of MAX_TOP_K).
+_SMALL_TOP_K = 64
 
 # The settings' record and limits live with the serving side, which fills them in without JAX; registered here as
 # a pytree, for the programs.
@@ -247,12 +254,27 @@ def _uses(s: SamplingArrays) -> tuple[jax.Array, ...]:
 
 
 def _process(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tuple[jax.Array, jax.Array]:
-    """Steps (a)-(c), each under its own `lax.cond`. Returns (processed logits, mask_empty)."""
-    bias, rep, freq, mask = uses
+    """Steps (a)-(c). Returns (processed logits, mask_empty).
+
+    The logit bias (a scatter) runs under its own `lax.cond`; the penalties and the mask are one elementwise pass
+    that leaves unchanged the rows not using them (a repetition penalty of 1 divides by 1; frequency and presence
+    penalties of 0 and an unset mask are skipped per row), instead of a `lax.cond` each, whose [B, V] results XLA
+    CPU writes out one after another. Only "is the mask empty" has its own cond ([B] result).
+    """
+    bias, _, _, mask = uses
     x = jax.lax.cond(bias, _logit_bias, _skip, x, s.bias_ids, s.bias_vals)
-    x = jax.lax.cond(rep, _repetition_penalty, _skip, x, s.repetition_penalty, state.seen)
-    x = jax.lax.cond(freq, _frequency_presence, _skip, x, s, state.counts)
-    return jax.lax.cond(mask, _apply_mask, _no_mask, x, s.mask, s.mask_on)
+    x = _repetition_penalty(x, s.repetition_penalty, state.seen)
+    freq = (s.frequency_penalty != 0) | (s.presence_penalty != 0)
+    x = jnp.where(freq[:, None], _frequency_presence(x, s, state.counts), x)
+    empty = jax.lax.cond(mask, functools.partial(_mask_empty, vocab=x.shape[-1]),
+                         lambda m, on: jnp.zeros(on.shape, bool), s.mask, s.mask_on)
+    allowed = unpack_mask(s.mask, x.shape[-1])
+    return jnp.where((s.mask_on & ~empty)[:, None] & ~allowed, -jnp.inf, x), empty
+
+
+def _mask_empty(mask: jax.Array, mask_on: jax.Array, vocab: int) -> jax.Array:
+    """Rows with mask_on whose mask allows no token below `vocab` -> bool [B] (`_apply_mask`)."""
+    return mask_on & ~jnp.any(unpack_mask(mask, vocab), axis=-1)
 
 
 def _unprocessed(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tuple[jax.Array, jax.Array]:
@@ -272,23 +294,54 @@ def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
     return 1.0 - jax.random.uniform(key, dtype=jnp.float32)
 
 
-def _top_k_filter(logits: jax.Array, top_k: jax.Array) -> jax.Array:
-    """Keep logits >= the row's k-th largest (ties at the k-th value are all kept; top_k == 0: unchanged)."""
-    k_max = min(MAX_TOP_K, logits.shape[-1])
-    vals = jax.lax.top_k(logits, k_max)[0]
-    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, k_max - 1)[:, None], axis=1)
-    keep = (top_k[:, None] <= 0) | (logits >= kth)
+def _top_k_filter(logits: jax.Array, top_k: jax.Array, parts: int = 1) -> jax.Array:
+    """Keep logits >= the row's k-th largest (ties at the k-th value are all kept; top_k == 0: unchanged).
+
+    The k-th largest is read from the row's candidates (`_candidates`): it is the row's whenever it is >= every
+    value outside them (then the row's k largest all lie inside). A row where that does not hold (a k beyond the
+    candidates' _CANDIDATES sure values, a flat row) takes the k-th value of `lax.top_k` over the whole row, under a
+    `lax.cond` whose result is [B] (XLA CPU copies a cond's [B, V] operands when its result has that size, figures:
+    docs/performance.md, "Sampling"); it is the same value either way.
+    """
+    vals, _, outside = _candidates(logits, parts)
+    kth = jax.lax.cond(jnp.all(top_k <= _SMALL_TOP_K), functools.partial(_kth_largest, k_max=_SMALL_TOP_K),
+                       _kth_largest, vals, top_k)
+    inside = (top_k <= 0) | ((top_k <= vals.shape[-1]) & (kth >= outside))
+    kth = jax.lax.cond(jnp.all(inside), lambda x, k, kth: kth, lambda x, k, kth: _kth_largest(x, k), logits, top_k,
+                       kth)
+    keep = (top_k[:, None] <= 0) | (logits >= kth[:, None])
     return jnp.where(keep, logits, -jnp.inf)
 
 
-def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+def _kth_largest(x: jax.Array, top_k: jax.Array, k_max: int = MAX_TOP_K) -> jax.Array:
+    """The top_k[b]-th largest value of row b of x [B, n] (counted with ties; top_k clipped to 1..k_max and to n)
+    -> [B]."""
+    k_max = min(k_max, x.shape[-1])
+    vals = jax.lax.top_k(x, k_max)[0]
+    return jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, k_max - 1)[:, None], axis=1)[:, 0]
+
+
+def _top_p_filter(logits: jax.Array, top_p: jax.Array, parts: int = 1) -> jax.Array:
     """Keep the smallest set of most likely tokens whose probability sums to >= top_p (ties kept together).
 
     Bisection on the probability threshold t: S(t) = sum of p_i >= t is non-increasing; find the largest t
-    with S(t) >= top_p.
+    with S(t) >= top_p (`_bisect`: `_TOP_P_ITERS` steps, each a sum over the whole row). The same steps run on the
+    row's candidates (`_candidates`, `_nucleus_threshold`), which decide each step as the whole
+    row's sum would whenever the sums are far enough from top_p for any order of summation; a row where some step
+    is not certain (a nucleus larger than the candidates, a sum within rounding of top_p) takes `_bisect` under a
+    `lax.cond` with a [B] result. Either way the threshold has the same bits.
     """
     probs = jax.nn.softmax(logits, axis=-1)
-    lo = jnp.zeros(logits.shape[0], jnp.float32)
+    lo, sure = _nucleus_threshold(probs, top_p, parts)
+    lo = jax.lax.cond(jnp.all(sure | (top_p >= 1.0)), lambda p, t, lo: lo, lambda p, t, lo: _bisect(p, t), probs,
+                      top_p, lo)
+    keep = (top_p[:, None] >= 1.0) | (probs >= lo[:, None])
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _bisect(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The top-p threshold by bisection over whole rows of probabilities [B, V] -> lo [B] (`_top_p_filter`)."""
+    lo = jnp.zeros(probs.shape[0], jnp.float32)
     hi = jnp.max(probs, axis=-1)
 
     def body(_, bounds):
@@ -298,9 +351,79 @@ def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
         ok = mass >= top_p
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    lo, _ = jax.lax.fori_loop(0, _TOP_P_ITERS, body, (lo, hi))
-    keep = (top_p[:, None] >= 1.0) | (probs >= lo[:, None])
-    return jnp.where(keep, logits, -jnp.inf)
+    return jax.lax.fori_loop(0, _TOP_P_ITERS, body, (lo, hi))[0]
+
+
+def _nucleus_threshold(probs: jax.Array, top_p: jax.Array, parts: int = 1) -> tuple[jax.Array, jax.Array]:
+    """`_bisect`'s steps on each row's candidate probabilities (`_candidates`) -> (lo [B], sure bool [B]).
+
+    Every step's midpoint is computed as `_bisect` computes it, so equal decisions give equal bits. A step asks
+    whether the mass of {p >= mid} reaches top_p. Its set is known exactly when mid is above every probability
+    outside the candidates; its mass is a float sum whose order is XLA's (unknown), but every order of n
+    non-negative terms lies within (n - 1) * 2**-24 (relative) of the exact sum, and so does the candidates' sum
+    here: a decision is certain when the two cannot fall on different sides of top_p. Where the set reaches
+    outside the candidates, only "yes" can be certain (a larger set has a larger float sum: rounding is
+    monotone). `sure` is False for a row with any step left uncertain.
+    """
+    top, _, outside = _candidates(probs, parts)
+    lo = jnp.zeros(probs.shape[0], jnp.float32)
+    hi = jnp.max(top, axis=-1)  # the row maximum, as `_bisect`'s
+
+    def body(_, carry):
+        lo, hi, sure = carry
+        mid = (lo + hi) / 2
+        inside = top >= mid[:, None]
+        mass = jnp.sum(jnp.where(inside, top, 0.0), axis=-1)
+        slack = 2.5 * (jnp.sum(inside, axis=-1) + 1).astype(jnp.float32) * 2.0**-24
+        ok = mass * (1 - slack) >= top_p
+        no = (mid > outside) & (mass * (1 + slack) < top_p)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid), sure & (ok | no)
+
+    lo, _, sure = jax.lax.fori_loop(0, _TOP_P_ITERS, body, (lo, hi, jnp.ones(probs.shape[0], bool)))
+    return lo, sure
+
+
+def _candidates(x: jax.Array, parts: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's candidates: (values [B, C], their token ids [B, C] int32, the largest value outside them [B], -inf
+    if none), in the row's order; the values hold the row's _CANDIDATES largest (ties: the lower indices).
+
+    Two levels of `_top_blocks`: the _CANDIDATES blocks of `_ARGMAX_BLOCK` values with the largest maxima, then the
+    _CANDIDATES runs of `_CANDIDATE_RUN` values with the largest maxima inside them (C = 1,024 values a row). A
+    whole row is one block where V is not a whole number of blocks (per device part), and the candidates are the
+    whole row where it is small.
+    """
+    B, V = x.shape
+    L = _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
+    vals, blocks, outside = _top_blocks(x, L, _CANDIDATES)  # blocks: [B, n] ids of the blocks taken
+    ids = (blocks[:, :, None] * L + jnp.arange(L, dtype=jnp.int32)).reshape(B, -1)
+    if L % _CANDIDATE_RUN == 0 and L > _CANDIDATE_RUN:
+        vals, runs, inner = _top_blocks(vals, _CANDIDATE_RUN, _CANDIDATES)
+        ids = jnp.take_along_axis(ids.reshape(B, -1, _CANDIDATE_RUN), runs[:, :, None], axis=1).reshape(B, -1)
+        outside = jnp.maximum(outside, inner)
+    return vals, ids, outside
+
+
+def _top_blocks(x: jax.Array, width: int, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The `count` blocks of `width` values of each row of x [B, n] with the largest maxima, in the row's order ->
+    (values [B, count * width], the blocks' indices [B, count] int32, the largest value outside them [B]); all of
+    x (every block, and -inf) where it has no more than `count` blocks.
+
+    Why it serves: the j largest values of a row (j <= count) lie in the j blocks with the largest maxima, and
+    keeping the row's order keeps `lax.top_k`'s order among equal values (the lower index first): with ties
+    between block maxima `lax.top_k` takes the lower blocks, which hold the lower indices of a tied value. The
+    blocks' maxima are one fast reduction.
+    """
+    B, n = x.shape
+    if n // width <= count:
+        blocks = jnp.broadcast_to(jnp.arange(n // width, dtype=jnp.int32), (B, n // width))
+        return x, blocks, jnp.full((B,), -jnp.inf, x.dtype)
+    maxima = jnp.max(x.reshape(B, n // width, width), axis=-1)
+    at = jax.lax.top_k(maxima, count)[1]  # (no slice of top_k's result: XLA CPU then sorts the whole row instead)
+    taken = jnp.zeros(maxima.shape, bool).at[jnp.arange(B)[:, None], at].set(True)
+    outside = jnp.max(jnp.where(taken, -jnp.inf, maxima), axis=-1)
+    at = jnp.sort(at, axis=-1)
+    vals = jnp.take_along_axis(x.reshape(B, n // width, width), at[:, :, None], axis=1).reshape(B, count * width)
+    return vals, at.astype(jnp.int32), outside
 
 
 def _min_p_filter(logits: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -375,51 +498,74 @@ def _first_or_last(reached: jax.Array, held: jax.Array) -> jax.Array:
     return jnp.where(first < n, first, last)
 
 
-def _draw(x: jax.Array, s: SamplingArrays, greedy: jax.Array, parts: int = 1) -> jax.Array:
-    """Step (d) for the sampled rows (temperature > 0): temperature, min-p, top-k, top-p, inverse-CDF draw.
+def _draw(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
+    """Step (d): the greedy rows' argmax and the sampled rows' draw (`_sample_rows`) -> int32 [B].
 
-    Rows with temperature 0 get `greedy`. Each filter runs only when some sampled row uses it. `parts`: the
-    vocabulary's split across devices (module docstring).
+    Each half runs under a `lax.cond` on "some row needs it" whose result is [B] (XLA CPU copies a cond's [B, V]
+    operands only when its result has that size; a skipped one then costs nothing, docs/performance.md,
+    "Sampling"). `parts`: the vocabulary's split across devices (module docstring).
     """
+    sampled = s.temperature > 0
+    none = lambda x, *_: jnp.zeros(x.shape[0], jnp.int32)
+    greedy = jax.lax.cond(jnp.any(~sampled), functools.partial(_argmax, parts=parts), none, x)
+    drawn = jax.lax.cond(jnp.any(sampled), functools.partial(_sample_rows, parts=parts), none, x, s)
+    return jnp.where(sampled, drawn, greedy)
+
+
+def _sample_rows(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
+    """The sampled rows' tokens (temperature > 0; other rows' values are unused): temperature, min-p, top-k, top-p,
+    inverse-CDF draw. Each filter runs only when some sampled row uses it."""
     sampled = s.temperature > 0
     scaled = x / jnp.maximum(s.temperature, 1e-6)[:, None]
     scaled = jax.lax.cond(jnp.any(sampled & (s.min_p > 0.0)), _min_p_filter, _skip, scaled, s.min_p)
-    scaled = jax.lax.cond(jnp.any(sampled & (s.top_k > 0)), _top_k_filter, _skip, scaled, s.top_k)
-    scaled = jax.lax.cond(jnp.any(sampled & (s.top_p < 1.0)), _top_p_filter, _skip, scaled, s.top_p)
-    draw = functools.partial(_inverse_cdf, parts=parts)
-    drawn = jax.lax.cond(jnp.any(sampled), draw, lambda *_: greedy, scaled, s)
-    return jnp.where(sampled, drawn, greedy)
+    top_k, top_p = functools.partial(_top_k_filter, parts=parts), functools.partial(_top_p_filter, parts=parts)
+    scaled = jax.lax.cond(jnp.any(sampled & (s.top_k > 0)), top_k, _skip, scaled, s.top_k)
+    scaled = jax.lax.cond(jnp.any(sampled & (s.top_p < 1.0)), top_p, _skip, scaled, s.top_p)
+    return _inverse_cdf(scaled, s, parts)
 
 
 # --- log-probabilities --------------------------------------------------------------------------------------
 
 
-def _top_logprobs(x: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _top_logprobs(x: jax.Array, n: jax.Array, norm: tuple[jax.Array, jax.Array],
+                  parts: int = 1) -> tuple[jax.Array, jax.Array]:
     """The n[b] most likely tokens of log_softmax(x) per row: (ids, logprobs), [B, MAX_TOP_LOGPROBS] each (the
-    largest logits, their log-probabilities from `_log_probs`, as the chosen token's).
+    largest logits, their log-probabilities from `_log_probs` with the chosen token's `norm`).
 
-    Entries past n[b], and tokens with probability 0, are (-1, 0.0).
+    `lax.top_k` runs on the row's candidates (`_candidates`), which hold its 20 largest values and give
+    `lax.top_k` over the whole row's ids and order (a partial sort of 262,144 values
+    took ~6 ms at 16 rows on XLA CPU; docs/performance.md, "Sampling"). Entries past n[b], and tokens with
+    probability 0, are (-1, 0.0).
     """
-    vals, ids = jax.lax.top_k(x, min(MAX_TOP_LOGPROBS, x.shape[-1]))
-    vals = _log_probs(x, vals)
+    cand, tokens, _ = _candidates(x, parts)
+    vals, at = jax.lax.top_k(cand, min(MAX_TOP_LOGPROBS, cand.shape[-1]))
+    ids = jnp.take_along_axis(tokens, at, axis=1)
+    vals = _log_probs(vals, norm)
     pad = ((0, 0), (0, MAX_TOP_LOGPROBS - vals.shape[-1]))  # only for a vocabulary smaller than 20 (tests)
     vals, ids = jnp.pad(vals, pad, constant_values=-jnp.inf), jnp.pad(ids, pad, constant_values=-1)
     keep = (jnp.arange(MAX_TOP_LOGPROBS)[None, :] < n[:, None]) & jnp.isfinite(vals)
     return jnp.where(keep, ids, -1).astype(jnp.int32), jnp.where(keep, vals, 0.0)
 
 
-def _no_top_logprobs(x: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _no_top_logprobs(x: jax.Array, n: jax.Array, *_) -> tuple[jax.Array, jax.Array]:
     """The skipped branch of `_top_logprobs`: every entry (-1, 0.0)."""
     shape = (x.shape[0], MAX_TOP_LOGPROBS)
     return jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32)
 
 
-def _log_probs(x: jax.Array, values: jax.Array) -> jax.Array:
-    """log_softmax(x) at some of each row's logits: x [B, V], values [B, n] taken from x -> float32 [B, n], as
-    `jax.nn.log_softmax` computes it ((value - row max) - log(sum(exp(x - row max)))) without writing the [B, V]
-    result: XLA CPU fused that and a gather of its row into a program that took 19 ms at 16 rows, against 4 ms for
-    the row sums alone (docs/performance.md, "Sampling"). The chosen token and the top logprobs both use it, so a
-    chosen token that is also a top alternative has bit-identical log-probabilities.
+def _log_probs(values: jax.Array, norm: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """log_softmax(x) at some of each row's logits: values [B, n] taken from x, norm = `_normalizer(x)` -> float32
+    [B, n], as `jax.nn.log_softmax` computes it ((value - row max) - log(sum(exp(x - row max)))) without writing
+    the [B, V] result: XLA CPU fused that and a gather of its row into a program that took 19 ms at 16 rows, against
+    4 ms for the row sums alone (docs/performance.md, "Sampling"). The chosen token and the top logprobs both use
+    one `norm`, so a chosen token that is also a top alternative has bit-identical log-probabilities (and the row
+    is summed once)."""
+    best, log_total = norm
+    return (values - best) - log_total
+
+
+def _normalizer(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(row max [B, 1], log(sum(exp(x - row max))) [B, 1]) of x [B, V]: what `_log_probs` subtracts.
 
     The row sum: XLA CPU's sums a row alike in every batch shape (tests/model_worker/test_sampling.py); a TPU's
     ordered its terms by the batch's shape (a row's log-probability moved by one ulp with its neighbours, seen on
@@ -428,13 +574,13 @@ def _log_probs(x: jax.Array, values: jax.Array) -> jax.Array:
     terms = jnp.exp(x - best)
     total = lax.platform_dependent(terms, cpu=lambda t: jnp.sum(t, axis=-1),
                                    default=lambda t: fixed_order_sum(t))[..., None]
-    return (values - best) - jnp.log(total)
+    return best, jnp.log(total)
 
 
-def _chosen_logprobs(x: jax.Array, tokens: jax.Array) -> jax.Array:
+def _chosen_logprobs(x: jax.Array, tokens: jax.Array, norm: tuple[jax.Array, jax.Array]) -> jax.Array:
     """log_softmax(x)[b, tokens[b]] -> float32 [B] (`_log_probs`), so `sample` and `sample_greedy` agree bit for
     bit."""
-    return _log_probs(x, jnp.take_along_axis(x, tokens[:, None], axis=1))[:, 0]
+    return _log_probs(jnp.take_along_axis(x, tokens[:, None], axis=1), norm)[:, 0]
 
 
 def is_plain_greedy(s: SamplingArrays, rows: int) -> bool:
@@ -465,7 +611,7 @@ def sample_greedy(logits: jax.Array, s: SamplingArrays, vocab_parts: int = 1) ->
     x, mask_empty = jax.lax.cond(jnp.any(s.mask_on), _apply_mask, _no_mask, logits.astype(jnp.float32), s.mask,
                                  s.mask_on)
     tokens = _argmax(x, vocab_parts)
-    logprobs = _chosen_logprobs(x, tokens)
+    logprobs = _chosen_logprobs(x, tokens, _normalizer(x))
     top_ids, top_lps = _no_top_logprobs(x, s.top_logprobs)
     return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
                         mask_empty=mask_empty)
@@ -485,11 +631,11 @@ def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState, vocab_part
       the filters.
     """
     x, mask_empty = process_logits(logits, s, state)
-    tokens = _draw(x, s, _argmax(x, vocab_parts), vocab_parts)
-    logprobs = _chosen_logprobs(x, tokens)
-    top_ids, top_lps = jax.lax.cond(
-        jnp.any(s.top_logprobs > 0), _top_logprobs, _no_top_logprobs, x, s.top_logprobs
-    )
+    tokens = _draw(x, s, vocab_parts)
+    norm = _normalizer(x)
+    logprobs = _chosen_logprobs(x, tokens, norm)
+    top_ids, top_lps = jax.lax.cond(jnp.any(s.top_logprobs > 0), functools.partial(_top_logprobs, parts=vocab_parts),
+                                    _no_top_logprobs, x, s.top_logprobs, norm)
     return SampleOutput(
         tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps, mask_empty=mask_empty
     )
