@@ -6,8 +6,8 @@ min-p 0.05, repetition / frequency / presence penalties over a history, three lo
 each one's ratio to the greedy program. Not a test: one table per shape of logits and one line per batch size,
 measured in one run (medians of interleaved rounds, jitted, dispatch included), with the worker's XLA options.
 
-Logits: "peaked", a language model's shape (a normal tail with spread 2 and 40 tokens 12-18 above it: a nucleus of
-a few tokens, as a trained model's usually is), and "flat", normal with spread 3 (at temperature 1 a 0.95-nucleus
+Logits: "peaked", a language model's shape (a normal tail with spread 2 and 40 tokens at 16-22 above it: a nucleus
+of a few to a few dozen tokens, as a trained model's usually is), and "flat", normal with spread 3 (at temperature 1 a 0.95-nucleus
 of tens of thousands of tokens: the top-p filter's slow path, `sampling._top_p_filter`).
 
     .venv/bin/python benchmarks/sampling.py [--batches 1 8 16] [--rounds 15] [--vocab 262144] [--logits peaked flat]
@@ -58,7 +58,7 @@ def logits_of(kind: str, batch: int, vocab: int) -> np.ndarray:
         return (rng.standard_normal((batch, vocab)) * 3).astype(np.float32)
     x = (rng.standard_normal((batch, vocab)) * 2).astype(np.float32)
     for row in x:
-        row[rng.choice(vocab, 40, replace=False)] = 12.0 + 6.0 * rng.random(40) ** 3
+        row[rng.choice(vocab, 40, replace=False)] = 16.0 + 6.0 * rng.random(40)
     return x
 
 

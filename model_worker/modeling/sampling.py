@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -256,25 +257,17 @@ def _uses(s: SamplingArrays) -> tuple[jax.Array, ...]:
 def _process(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tuple[jax.Array, jax.Array]:
     """Steps (a)-(c). Returns (processed logits, mask_empty).
 
-    The logit bias (a scatter) runs under its own `lax.cond`; the penalties and the mask are one elementwise pass
-    that leaves unchanged the rows not using them (a repetition penalty of 1 divides by 1; frequency and presence
-    penalties of 0 and an unset mask are skipped per row), instead of a `lax.cond` each, whose [B, V] results XLA
-    CPU writes out one after another. Only "is the mask empty" has its own cond ([B] result).
+    The logit bias (a scatter) and the mask (unpacking its bits costs as much as the penalties) run under their own
+    `lax.cond`s; the penalties are one elementwise pass that leaves unchanged the rows not using them (a repetition
+    penalty of 1 divides by 1; frequency and presence penalties of 0 are skipped per row) instead of two conds, whose
+    [B, V] results XLA CPU writes out one after the other.
     """
     bias, _, _, mask = uses
     x = jax.lax.cond(bias, _logit_bias, _skip, x, s.bias_ids, s.bias_vals)
     x = _repetition_penalty(x, s.repetition_penalty, state.seen)
     freq = (s.frequency_penalty != 0) | (s.presence_penalty != 0)
     x = jnp.where(freq[:, None], _frequency_presence(x, s, state.counts), x)
-    empty = jax.lax.cond(mask, functools.partial(_mask_empty, vocab=x.shape[-1]),
-                         lambda m, on: jnp.zeros(on.shape, bool), s.mask, s.mask_on)
-    allowed = unpack_mask(s.mask, x.shape[-1])
-    return jnp.where((s.mask_on & ~empty)[:, None] & ~allowed, -jnp.inf, x), empty
-
-
-def _mask_empty(mask: jax.Array, mask_on: jax.Array, vocab: int) -> jax.Array:
-    """Rows with mask_on whose mask allows no token below `vocab` -> bool [B] (`_apply_mask`)."""
-    return mask_on & ~jnp.any(unpack_mask(mask, vocab), axis=-1)
+    return jax.lax.cond(mask, _apply_mask, _no_mask, x, s.mask, s.mask_on)
 
 
 def _unprocessed(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tuple[jax.Array, jax.Array]:
@@ -303,7 +296,7 @@ def _top_k_filter(logits: jax.Array, top_k: jax.Array, parts: int = 1) -> jax.Ar
     `lax.cond` whose result is [B] (XLA CPU copies a cond's [B, V] operands when its result has that size, figures:
     docs/performance.md, "Sampling"); it is the same value either way.
     """
-    vals, _, outside = _candidates(logits, parts)
+    vals, _, outside, _, _ = _candidates(logits, parts)
     kth = jax.lax.cond(jnp.all(top_k <= _SMALL_TOP_K), functools.partial(_kth_largest, k_max=_SMALL_TOP_K),
                        _kth_largest, vals, top_k)
     inside = (top_k <= 0) | ((top_k <= vals.shape[-1]) & (kth >= outside))
@@ -354,7 +347,8 @@ def _bisect(probs: jax.Array, top_p: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, _TOP_P_ITERS, body, (lo, hi))[0]
 
 
-def _nucleus_threshold(probs: jax.Array, top_p: jax.Array, parts: int = 1) -> tuple[jax.Array, jax.Array]:
+def _nucleus_threshold(probs: jax.Array, top_p: jax.Array, parts: int = 1,
+                       cands: Candidates | None = None) -> tuple[jax.Array, jax.Array]:
     """`_bisect`'s steps on each row's candidate probabilities (`_candidates`) -> (lo [B], sure bool [B]).
 
     Every step's midpoint is computed as `_bisect` computes it, so equal decisions give equal bits. A step asks
@@ -365,7 +359,7 @@ def _nucleus_threshold(probs: jax.Array, top_p: jax.Array, parts: int = 1) -> tu
     outside the candidates, only "yes" can be certain (a larger set has a larger float sum: rounding is
     monotone). `sure` is False for a row with any step left uncertain.
     """
-    top, _, outside = _candidates(probs, parts)
+    top, _, outside, _, _ = _candidates(probs, parts) if cands is None else cands
     lo = jnp.zeros(probs.shape[0], jnp.float32)
     hi = jnp.max(top, axis=-1)  # the row maximum, as `_bisect`'s
 
@@ -383,24 +377,52 @@ def _nucleus_threshold(probs: jax.Array, top_p: jax.Array, parts: int = 1) -> tu
     return lo, sure
 
 
-def _candidates(x: jax.Array, parts: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each row's candidates: (values [B, C], their token ids [B, C] int32, the largest value outside them [B], -inf
-    if none), in the row's order; the values hold the row's _CANDIDATES largest (ties: the lower indices).
+class Candidates(NamedTuple):
+    """A row's candidates (`_candidates`), [B, ...] each.
 
-    Two levels of `_top_blocks`: the _CANDIDATES blocks of `_ARGMAX_BLOCK` values with the largest maxima, then the
-    _CANDIDATES runs of `_CANDIDATE_RUN` values with the largest maxima inside them (C = 1,024 values a row). A
-    whole row is one block where V is not a whole number of blocks (per device part), and the candidates are the
-    whole row where it is small.
+    Attributes:
+      vals: [B, C] the values, in the row's order; they hold the row's _CANDIDATES largest (ties: lower indices).
+      ids: int32 [B, C] their token ids.
+      outside: [B] the largest value of the row outside them (-inf if none).
+      blocks: int32 [B, m] the blocks of `_ARGMAX_BLOCK` values holding them, ascending (all n where n <= m).
+      blocks_outside: [B] the largest value outside those blocks (-inf if none).
+    """
+
+    vals: jax.Array
+    ids: jax.Array
+    outside: jax.Array
+    blocks: jax.Array
+    blocks_outside: jax.Array
+
+
+def _candidates(x: jax.Array, parts: int = 1) -> Candidates:
+    """Each row's candidates (`Candidates`): two levels of `_top_blocks`, the _CANDIDATES blocks of
+    `_ARGMAX_BLOCK` values with the largest maxima, then the _CANDIDATES runs of `_CANDIDATE_RUN` values with the
+    largest maxima inside them (C = 1,024 values a row). A whole row is one block where V is not a whole number of
+    blocks (per device part), and the candidates are the whole row where it is small.
     """
     B, V = x.shape
-    L = _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
-    vals, blocks, outside = _top_blocks(x, L, _CANDIDATES)  # blocks: [B, n] ids of the blocks taken
+    L = _block(V, parts)
+    vals, blocks, outside = _top_blocks(x, L, _CANDIDATES)  # blocks: [B, m] ids of the blocks taken
     ids = (blocks[:, :, None] * L + jnp.arange(L, dtype=jnp.int32)).reshape(B, -1)
+    inner = outside
     if L % _CANDIDATE_RUN == 0 and L > _CANDIDATE_RUN:
         vals, runs, inner = _top_blocks(vals, _CANDIDATE_RUN, _CANDIDATES)
         ids = jnp.take_along_axis(ids.reshape(B, -1, _CANDIDATE_RUN), runs[:, :, None], axis=1).reshape(B, -1)
-        outside = jnp.maximum(outside, inner)
-    return vals, ids, outside
+    return Candidates(vals, ids, jnp.maximum(outside, inner), blocks, outside)
+
+
+def _no_candidates(x: jax.Array, parts: int = 1) -> Candidates:
+    """The skipped branch of `_candidates` (a batch that samples nothing and asks for no top logprobs): zeros of
+    its shapes."""
+    shapes = jax.eval_shape(functools.partial(_candidates, parts=parts), x)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+def _block(V: int, parts: int = 1) -> int:
+    """Values per block of a row of V (`_argmax`, `_inverse_cdf`, `_candidates`): `_ARGMAX_BLOCK` where the row
+    (per device part) is a whole number of them, else the whole row."""
+    return _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
 
 
 def _top_blocks(x: jax.Array, width: int, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -467,18 +489,27 @@ def _inverse_cdf(scaled: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Ar
     last one holding probability. The weights are exp(scaled - row max), unnormalized (u scales their total).
     `parts` (the vocabulary's split across devices) only needs the blocks to lie within a part; the
     [B, V / block] sums are what crosses devices."""
-    u = jax.vmap(_row_uniform)(s.seed, s.step)
     B, V = scaled.shape
     L = _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
-    n = V // L
     best = jnp.max(scaled, axis=-1, keepdims=True)
-    blocks = scaled.reshape(B, n, L)
-    sums = jnp.sum(jnp.exp(blocks - best[:, :, None]), axis=-1)  # [B, n]: unnormalized, u scales the total
+    return _draw_in_blocks(scaled.reshape(B, V // L, L), best, None, V // L, s)
+
+
+def _draw_in_blocks(blocks: jax.Array, best: jax.Array, at: jax.Array | None, n: int, s: SamplingArrays) -> jax.Array:
+    """`_inverse_cdf` on a row's blocks: blocks [B, m, L] of scaled logits, best [B, 1] the row maximum; either
+    all n blocks of the row (`at` None) or the blocks `at` [B, m] (ascending) of n, every other block holding
+    probability 0 (its sum is then 0 exactly, as the whole row's would be) -> token ids [B]."""
+    u = jax.vmap(_row_uniform)(s.seed, s.step)
+    B, m, L = blocks.shape
+    sums = jnp.sum(jnp.exp(blocks - best[:, :, None]), axis=-1)  # [B, m]: unnormalized, u scales the total
+    if at is not None:
+        sums = jnp.zeros((B, n), sums.dtype).at[jnp.arange(B)[:, None], at].set(sums)
     cdf = jnp.cumsum(sums, axis=-1)
     target = u * cdf[:, -1]
     b = _first_or_last(cdf >= target[:, None], sums > 0)
     before = jnp.where(b[:, None] > 0, jnp.take_along_axis(cdf, jnp.maximum(b - 1, 0)[:, None], axis=1), 0.0)
-    block = jnp.exp(jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0] - best)  # [B, L]
+    j = b if at is None else _first_index(at == b[:, None])  # the block's place among those given
+    block = jnp.exp(jnp.take_along_axis(blocks, jnp.minimum(j, m - 1)[:, None, None], axis=1)[:, 0] - best)
     lane = _first_or_last(before + jnp.cumsum(block, axis=-1) >= target[:, None], block > 0)
     return b * L + lane
 
@@ -498,23 +529,32 @@ def _first_or_last(reached: jax.Array, held: jax.Array) -> jax.Array:
     return jnp.where(first < n, first, last)
 
 
-def _draw(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
+def _draw(x: jax.Array, s: SamplingArrays, cands: Candidates, parts: int = 1) -> jax.Array:
     """Step (d): the greedy rows' argmax and the sampled rows' draw (`_sample_rows`) -> int32 [B].
 
     Each half runs under a `lax.cond` on "some row needs it" whose result is [B] (XLA CPU copies a cond's [B, V]
     operands only when its result has that size; a skipped one then costs nothing, docs/performance.md,
-    "Sampling"). `parts`: the vocabulary's split across devices (module docstring).
+    "Sampling"). `cands`: x's `_candidates`; `parts`: the vocabulary's split across devices (module docstring).
     """
     sampled = s.temperature > 0
     none = lambda x, *_: jnp.zeros(x.shape[0], jnp.int32)
     greedy = jax.lax.cond(jnp.any(~sampled), functools.partial(_argmax, parts=parts), none, x)
-    drawn = jax.lax.cond(jnp.any(sampled), functools.partial(_sample_rows, parts=parts), none, x, s)
+    drawn = jax.lax.cond(jnp.any(sampled), functools.partial(_sample_rows, parts=parts), none, x, s, cands)
     return jnp.where(sampled, drawn, greedy)
 
 
-def _sample_rows(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
-    """The sampled rows' tokens (temperature > 0; other rows' values are unused): temperature, min-p, top-k, top-p,
-    inverse-CDF draw. Each filter runs only when some sampled row uses it."""
+def _sample_rows(x: jax.Array, s: SamplingArrays, cands: Candidates, parts: int = 1) -> jax.Array:
+    """The sampled rows' tokens (temperature > 0; other rows' values are unused): `_sample_candidates`, and
+    `_sample_whole_rows` under a `lax.cond` ([B] result) when some sampled row's draw is not certain to be the
+    whole row's."""
+    tokens, sure = _sample_candidates(x, s, cands, parts)
+    whole = lambda x, s, tokens: _sample_whole_rows(x, s, parts)
+    return jax.lax.cond(jnp.all(sure | (s.temperature <= 0)), lambda x, s, tokens: tokens, whole, x, s, tokens)
+
+
+def _sample_whole_rows(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
+    """The sampled rows' tokens over whole rows: temperature, min-p, top-k, top-p, inverse-CDF draw. Each filter
+    runs only when some sampled row uses it."""
     sampled = s.temperature > 0
     scaled = x / jnp.maximum(s.temperature, 1e-6)[:, None]
     scaled = jax.lax.cond(jnp.any(sampled & (s.min_p > 0.0)), _min_p_filter, _skip, scaled, s.min_p)
@@ -524,11 +564,68 @@ def _sample_rows(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
     return _inverse_cdf(scaled, s, parts)
 
 
+def _sample_candidates(x: jax.Array, s: SamplingArrays, cands: Candidates,
+                       parts: int = 1) -> tuple[jax.Array, jax.Array]:
+    """`_sample_whole_rows` for rows whose truncated distribution lies in a few blocks of the row -> (tokens [B],
+    sure bool [B]: the token is the whole row's).
+
+    The filters' thresholds come from x's candidates: min-p's floor from the row maximum (which they hold), top-k's
+    k-th value where it is >= every value outside them (`_top_k_filter`), top-p's threshold from the candidate
+    probabilities (`_nucleus`). Where the tokens kept lie in the candidates' blocks (top-k or min-p cut everything
+    outside them; top-p's kept set lies in the blocks its candidates came from), the inverse-CDF draw runs on those
+    blocks alone (`_draw_in_blocks`): every other block's sum is 0, as over the whole row. Each value is computed
+    by the same operations as over the whole row, so the same bits.
+    """
+    B, V = x.shape
+    L = _block(V, parts)
+    sampled = s.temperature > 0
+    col = lambda a, z: a.reshape((B,) + (1,) * (z.ndim - 1))  # a per-row value against z [B, ...]
+    temperature = jnp.maximum(s.temperature, 1e-6)
+    scale = lambda v: v / col(temperature, v)
+    floor = jnp.max(scale(cands.vals), axis=-1) + jnp.log(jnp.maximum(s.min_p, 1e-30))
+    min_p = lambda z: jnp.where((col(s.min_p, z) <= 0.0) | (z >= col(floor, z)), z, -jnp.inf)  # `_min_p_filter`
+    vals, outside = min_p(scale(cands.vals)), min_p(scale(cands.outside))
+    kth = jax.lax.cond(jnp.all(s.top_k <= _SMALL_TOP_K), functools.partial(_kth_largest, k_max=_SMALL_TOP_K),
+                       _kth_largest, vals, s.top_k)
+    kth_sure = (s.top_k <= 0) | ((s.top_k <= vals.shape[-1]) & (kth >= outside))
+    top_k = lambda z: jnp.where((col(s.top_k, z) <= 0) | (z >= col(kth, z)), z, -jnp.inf)  # `_top_k_filter`
+    filtered = lambda v: top_k(min_p(scale(v)))  # min-p, top-k of x's values v [B, ...]
+    rows = sampled & (s.top_p < 1.0)
+    nucleus = functools.partial(_nucleus, filtered=filtered, parts=parts)
+    m = cands.blocks.shape[-1]
+    none = lambda x, top_p: (jnp.zeros(B, x.dtype), jnp.zeros(B, bool), cands.blocks, jnp.zeros((B, m, L), x.dtype))
+    lo, nucleus_sure, p_blocks, probs = jax.lax.cond(jnp.any(rows), nucleus, none, x, jnp.where(rows, s.top_p, 1.0))
+    blocks = jnp.where(rows[:, None], p_blocks, cands.blocks)
+    values = jnp.take_along_axis(x.reshape(B, V // L, L), blocks[:, :, None], axis=1)
+    kept = filtered(values)
+    kept = jnp.where(rows[:, None, None] & (probs < lo[:, None, None]), -jnp.inf, kept)  # `_top_p_filter`
+    kept = lax.optimization_barrier(kept)  # the block sums read it written out, as over the whole row
+    best = jnp.max(kept.reshape(B, -1), axis=-1, keepdims=True)
+    tokens = _draw_in_blocks(kept, best, blocks, V // L, s)
+    inside = jnp.where(rows, nucleus_sure, top_k(outside) == -jnp.inf)
+    return tokens, kth_sure & inside
+
+
+def _nucleus(x: jax.Array, top_p: jax.Array, filtered, parts: int = 1):
+    """Top-p for `_sample_candidates`: the probabilities of the rows after min-p and top-k (`filtered`), as
+    `_top_p_filter` computes them, and the threshold of their candidates (`_nucleus_threshold`) -> (lo [B], sure
+    [B]: lo is the whole row's and every kept token lies in the blocks returned, the blocks [B, m] (ascending),
+    the probabilities in them [B, m, block])."""
+    B, V = x.shape
+    L = _block(V, parts)
+    scaled = lax.optimization_barrier(filtered(x))  # written out, as `_top_p_filter` reads it
+    probs = jax.nn.softmax(scaled, axis=-1)
+    cands = _candidates(probs, parts)
+    lo, sure = _nucleus_threshold(probs, top_p, parts, cands)
+    p_blocks = jnp.take_along_axis(probs.reshape(B, V // L, L), cands.blocks[:, :, None], axis=1)
+    return lo, sure & (lo > cands.blocks_outside), cands.blocks, p_blocks
+
+
 # --- log-probabilities --------------------------------------------------------------------------------------
 
 
 def _top_logprobs(x: jax.Array, n: jax.Array, norm: tuple[jax.Array, jax.Array],
-                  parts: int = 1) -> tuple[jax.Array, jax.Array]:
+                  cands: Candidates) -> tuple[jax.Array, jax.Array]:
     """The n[b] most likely tokens of log_softmax(x) per row: (ids, logprobs), [B, MAX_TOP_LOGPROBS] each (the
     largest logits, their log-probabilities from `_log_probs` with the chosen token's `norm`).
 
@@ -537,7 +634,7 @@ def _top_logprobs(x: jax.Array, n: jax.Array, norm: tuple[jax.Array, jax.Array],
     took ~6 ms at 16 rows on XLA CPU; docs/performance.md, "Sampling"). Entries past n[b], and tokens with
     probability 0, are (-1, 0.0).
     """
-    cand, tokens, _ = _candidates(x, parts)
+    cand, tokens = cands.vals, cands.ids
     vals, at = jax.lax.top_k(cand, min(MAX_TOP_LOGPROBS, cand.shape[-1]))
     ids = jnp.take_along_axis(tokens, at, axis=1)
     vals = _log_probs(vals, norm)
@@ -631,11 +728,14 @@ def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState, vocab_part
       the filters.
     """
     x, mask_empty = process_logits(logits, s, state)
-    tokens = _draw(x, s, vocab_parts)
+    cands = jax.lax.cond(jnp.any(s.temperature > 0) | jnp.any(s.top_logprobs > 0),
+                         functools.partial(_candidates, parts=vocab_parts),
+                         functools.partial(_no_candidates, parts=vocab_parts), x)
+    tokens = _draw(x, s, cands, vocab_parts)
     norm = _normalizer(x)
     logprobs = _chosen_logprobs(x, tokens, norm)
-    top_ids, top_lps = jax.lax.cond(jnp.any(s.top_logprobs > 0), functools.partial(_top_logprobs, parts=vocab_parts),
-                                    _no_top_logprobs, x, s.top_logprobs, norm)
+    top_ids, top_lps = jax.lax.cond(jnp.any(s.top_logprobs > 0), _top_logprobs, _no_top_logprobs, x,
+                                    s.top_logprobs, norm, cands)
     return SampleOutput(
         tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps, mask_empty=mask_empty
     )

@@ -143,3 +143,28 @@ def test_edge_settings_equal_reference():
     s.top_logprobs[:] = 20
     state = S.penalty_state_zeros(batch, vocab)
     assert_same(_new(logits, s, state), _old(logits, s, state), "edges")
+
+
+def test_candidate_path_is_taken_and_equals_whole_rows():
+    """The fast path (`_sample_candidates`) is sure of its draw for a language model's logits under top-p, top-k or
+    min-p, and then draws what the whole rows do (`_sample_whole_rows`); for flat logits under top-p alone, or
+    under no filter, it is not sure (the whole rows decide, as `sample` does)."""
+    rng = np.random.default_rng(3)
+    batch, vocab = 16, 262_144
+    peaked = jnp.asarray(logits_of("peaked", batch, vocab, rng))
+    peaked = peaked.at[:, :40].set(20.0 + jnp.arange(40.0) / 10)  # a nucleus of a few tokens in every row
+    flat = jnp.asarray(logits_of("flat", batch, vocab, rng))
+    fast = jax.jit(lambda x, s: S._sample_candidates(x, s, S._candidates(x)))
+    whole = jax.jit(S._sample_whole_rows)
+    for top_p, top_k, min_p in [(0.95, 0, 0.0), (1.0, 50, 0.0), (1.0, 0, 0.05), (0.9, 40, 0.02)]:
+        s = S.SamplingArrays.defaults(batch, vocab)
+        s.temperature[:], s.top_p[:], s.top_k[:], s.min_p[:] = 0.8, top_p, top_k, min_p
+        s.seed[:, 0], s.step[:] = np.arange(batch), 7
+        tokens, sure = fast(peaked, s)
+        assert np.asarray(sure).all(), (top_p, top_k, min_p)
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(whole(peaked, s)))
+    s = S.SamplingArrays.defaults(batch, vocab)
+    s.temperature[:], s.top_p[:] = 1.0, 0.95
+    assert not np.asarray(fast(flat, s)[1]).any()
+    s.top_p[:] = 1.0
+    assert not np.asarray(fast(peaked, s)[1]).any()
