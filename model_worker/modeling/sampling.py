@@ -553,8 +553,16 @@ def _sample_rows(x: jax.Array, s: SamplingArrays, cands: Candidates, parts: int 
 
 
 def _sample_whole_rows(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
-    """The sampled rows' tokens over whole rows: temperature, min-p, top-k, top-p, inverse-CDF draw. Each filter
-    runs only when some sampled row uses it."""
+    """The sampled rows' tokens over whole rows: temperature, then (`_filter_whole_rows`, under a `lax.cond` on
+    "some sampled row uses a filter") min-p, top-k, top-p, then the inverse-CDF draw."""
+    sampled = s.temperature > 0
+    filters = jnp.any(sampled & ((s.min_p > 0.0) | (s.top_k > 0) | (s.top_p < 1.0)))
+    scaled = lambda x, s: _inverse_cdf(x / jnp.maximum(s.temperature, 1e-6)[:, None], s, parts)
+    return jax.lax.cond(filters, functools.partial(_filter_whole_rows, parts=parts), scaled, x, s)
+
+
+def _filter_whole_rows(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
+    """`_sample_whole_rows` with filters: each runs only when some sampled row uses it."""
     sampled = s.temperature > 0
     scaled = x / jnp.maximum(s.temperature, 1e-6)[:, None]
     scaled = jax.lax.cond(jnp.any(sampled & (s.min_p > 0.0)), _min_p_filter, _skip, scaled, s.min_p)
@@ -613,8 +621,7 @@ def _nucleus(x: jax.Array, top_p: jax.Array, filtered, parts: int = 1):
     the probabilities in them [B, m, block])."""
     B, V = x.shape
     L = _block(V, parts)
-    scaled = lax.optimization_barrier(filtered(x))  # written out, as `_top_p_filter` reads it
-    probs = jax.nn.softmax(scaled, axis=-1)
+    probs = jax.nn.softmax(filtered(x), axis=-1)
     cands = _candidates(probs, parts)
     lo, sure = _nucleus_threshold(probs, top_p, parts, cands)
     p_blocks = jnp.take_along_axis(probs.reshape(B, V // L, L), cands.blocks[:, :, None], axis=1)

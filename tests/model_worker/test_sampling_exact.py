@@ -168,3 +168,48 @@ def test_candidate_path_is_taken_and_equals_whole_rows():
     assert not np.asarray(fast(flat, s)[1]).any()
     s.top_p[:] = 1.0
     assert not np.asarray(fast(peaked, s)[1]).any()
+
+
+def test_nucleus_threshold_has_the_reference_bits():
+    """Where the candidates decide top-p (`_nucleus`, sure), the threshold has the bits of the reference's bisection
+    over the whole row's probabilities (computed as the reference computes them, filters under conds), and so do
+    those probabilities in the blocks returned; a token's draw depends on them only through the kept set, so this
+    checks what the draws alone would rarely show."""
+    rng = np.random.default_rng(4)
+    batch, vocab = 16, 262_144
+    x = jnp.asarray(logits_of("peaked", batch, vocab, rng))
+    s = random_settings(batch, vocab, rng, sampled=1.0)
+    s.top_p[:] = rng.choice([0.5, 0.9, 0.95, 0.99], batch)
+    s.top_k[:] = rng.choice([0, 0, 5, 50], batch)  # k-th values the candidates hold
+    temperature = jnp.maximum(jnp.asarray(s.temperature), 1e-6)
+
+    @jax.jit
+    def reference(x, s):
+        scaled = x / temperature[:, None]
+        scaled = jax.lax.cond(jnp.any(s.min_p > 0), R._min_p_filter, R._skip, scaled, s.min_p)
+        scaled = jax.lax.cond(jnp.any(s.top_k > 0), R._top_k_filter, R._skip, scaled, s.top_k)
+        probs = jax.nn.softmax(scaled, axis=-1)
+        return S._bisect(probs, s.top_p), probs
+
+    @jax.jit
+    def fast(x, s):
+        cands = S._candidates(x)
+        floor = jnp.max(cands.vals / temperature[:, None], axis=-1) + jnp.log(jnp.maximum(s.min_p, 1e-30))
+        kth = S._kth_largest(jnp.where((s.min_p[:, None] <= 0) | (cands.vals / temperature[:, None] >= floor[:, None]),
+                                       cands.vals / temperature[:, None], -jnp.inf), s.top_k)
+        col = lambda a, z: a.reshape((batch,) + (1,) * (z.ndim - 1))
+
+        def filtered(v):
+            z = v / col(temperature, v)
+            z = jnp.where((col(s.min_p, z) <= 0) | (z >= col(floor, z)), z, -jnp.inf)
+            return jnp.where((col(s.top_k, z) <= 0) | (z >= col(kth, z)), z, -jnp.inf)
+
+        return S._nucleus(x, s.top_p, filtered)
+
+    lo_ref, probs_ref = reference(x, s)
+    lo, sure, blocks, probs = fast(x, s)
+    sure = np.asarray(sure)
+    assert sure.sum() >= batch // 2
+    np.testing.assert_array_equal(np.asarray(lo).view(np.uint32)[sure], np.asarray(lo_ref).view(np.uint32)[sure])
+    ref_blocks = np.take_along_axis(np.asarray(probs_ref).reshape(batch, -1, 512), np.asarray(blocks)[:, :, None], 1)
+    np.testing.assert_array_equal(np.asarray(probs).view(np.uint32), ref_blocks.view(np.uint32))
