@@ -4,7 +4,9 @@ greedy program (`sampling.sample_greedy`) and of the full one (`sampling.sample`
 1, at temperature 1 with top-p 0.95, and with every setting at once ("full": temperature 0.7, top-p 0.95, top-k 50,
 min-p 0.05, repetition / frequency / presence penalties over a history, three logit biases, 5 top logprobs), then
 each one's ratio to the greedy program. Not a test: one table per shape of logits and one line per batch size,
-measured in one run (medians of interleaved rounds, jitted, dispatch included), with the worker's XLA options.
+measured in one run (medians of interleaved rounds, jitted, dispatch included), with the worker's XLA options and
+its malloc tunable (it runs itself again with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, as `gemma-serve worker`
+does: each execution's [B, V] temporaries are fresh pages, and without huge pages their faults dominate).
 
 Logits: "peaked", a language model's shape (a normal tail with spread 2 and 40 tokens at 16-22 above it: a nucleus
 of a few to a few dozen tokens, as a trained model's usually is), and "flat", normal with spread 3 (at temperature 1 a 0.95-nucleus
@@ -19,13 +21,19 @@ A decode step of the embedded model at batch 1 takes ~13 ms on the project's 2-v
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from gemma_serve.cli import HUGE_PAGES_TUNABLE
 from model_worker.numerics.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
+
+if sys.platform == "linux" and "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+    tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES", ""), HUGE_PAGES_TUNABLE) if t)
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": tunables})
 
 add_xla_flags(*INVARIANT_CPU_FLAGS)  # the worker's XLA options, before jax starts
 

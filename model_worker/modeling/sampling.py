@@ -29,10 +29,16 @@ neighbours.
 
 Cost. Sampling is exact over the whole vocabulary without a sort (a full sort of 262,144 logits per row is too
 slow on CPU; figures: docs/performance.md): top-k reads the k-th value from `lax.top_k` (k <= MAX_TOP_K), top-p
-finds its probability threshold by bisection, min-p is a threshold on the logit. Every optional piece (bias,
-repetition penalty, frequency/presence penalties, mask, min-p, top-k, top-p, the draw itself, top logprobs) runs under
-`lax.cond` on "some row of the batch uses it" (steps (a)-(c) also under one outer cond), so a batch that uses
-none of them does not pay for them; rows that do not use a piece pass through it unchanged (bit for bit).
+finds its probability threshold by bisection, min-p is a threshold on the logit. Most of that runs on each row's
+candidates (`_candidates`: the 64 blocks of 512 values with the largest maxima, then the 64 runs of 16 inside them
+with the largest maxima), which decide the thresholds, the top logprobs and, where the kept tokens lie in their
+blocks, the draw itself (`_sample_candidates`), with the same bits as the whole row would give (each value comes
+from the same operations; where a float sum's order matters, the decision is taken only when every order agrees).
+A row they cannot decide takes the whole-row path (`_sample_whole_rows`), under a `lax.cond` on "some row needs
+it". Every optional piece (bias, penalties, mask, the draw, top logprobs) runs under a `lax.cond` on "some row of
+the batch uses it"; the conds return [B]-sized results where they can, because XLA CPU copies the [B, V] operands
+of a cond whose result is [B, V], even a skipped one; rows that do not use a piece pass through it unchanged (bit
+for bit).
 
 Empty mask. A row whose mask allows no token (within the vocabulary) is sampled as if it had no mask (its
 other settings still apply) and flagged in `SampleOutput.mask_empty`: the token it gets is *not* allowed, so
@@ -51,10 +57,12 @@ penalties, masks and the min-p / top-p thresholds are elementwise work plus all-
 (softmax, log_softmax, the top-p bisection's masses, the inverse-CDF's block sums). `sample` and `sample_greedy`
 take the number of parts (`vocab_parts`, static): the greedy argmax is a row maximum, the first block holding it
 and the first index in that block (`_argmax`, the same on one device), and the inverse-CDF draw locates its block
-from [B, V / block] sums (blocks within a part) before one cumulative sum inside the block (`_inverse_cdf`). What
-still gathers a [B, V] row onto every device: `lax.top_k`, which XLA does not partition along the sorted axis (seen
-on CPU), in the top-k filter (rows with top_k > 0) and in top logprobs (rows asking for them); a plain greedy batch
-(`sample_greedy`) gathers nothing of size V.
+from [B, V / block] sums (blocks within a part) before one cumulative sum inside the block (`_inverse_cdf`). The
+candidates' blocks lie within a part (their maxima are per-part reductions); how XLA's partitioner moves the
+gathers of the blocks taken was not measured (tests/model_worker/test_tensor_parallel.py checks the results only).
+What gathers a [B, V] row onto every device: `lax.top_k` over whole rows, which XLA does not partition along the
+sorted axis (seen on CPU), in the top-k and top-p filters' fallbacks (rows the candidates cannot decide); a plain
+greedy batch (`sample_greedy`) gathers nothing of size V.
 
 Host helpers: `SamplingArrays.defaults(batch, vocab)` (greedy, everything off), `pack_mask` (bool [V] -> the
 uint32 words of `SamplingArrays.mask`), `mask_words_from_bytes` (the protocol's `TokenMask.allowed` bytes ->
@@ -546,10 +554,22 @@ def _draw(x: jax.Array, s: SamplingArrays, cands: Candidates, parts: int = 1) ->
 def _sample_rows(x: jax.Array, s: SamplingArrays, cands: Candidates, parts: int = 1) -> jax.Array:
     """The sampled rows' tokens (temperature > 0; other rows' values are unused): `_sample_candidates`, and
     `_sample_whole_rows` under a `lax.cond` ([B] result) when some sampled row's draw is not certain to be the
-    whole row's."""
-    tokens, sure = _sample_candidates(x, s, cands, parts)
-    whole = lambda x, s, tokens: _sample_whole_rows(x, s, parts)
-    return jax.lax.cond(jnp.all(sure | (s.temperature <= 0)), lambda x, s, tokens: tokens, whole, x, s, tokens)
+    whole row's; straight away the latter when some sampled row uses no filter (pure temperature: its draw
+    reads the whole row)."""
+
+    def candidates_first(x, s, cands):
+        tokens, sure = _sample_candidates(x, s, cands, parts)
+        whole = lambda x, s, tokens: _sample_whole_rows(x, s, parts)
+        return jax.lax.cond(jnp.all(sure | (s.temperature <= 0)), lambda x, s, tokens: tokens, whole, x, s, tokens)
+
+    return jax.lax.cond(_filtered_only(s), candidates_first, lambda x, s, cands: _sample_whole_rows(x, s, parts), x,
+                        s, cands)
+
+
+def _filtered_only(s: SamplingArrays) -> jax.Array:
+    """Every sampled row uses min-p, top-k or top-p (scalar bool): the batch's draw may run on candidates."""
+    filtered = (s.min_p > 0.0) | (s.top_k > 0) | (s.top_p < 1.0)
+    return jnp.all((s.temperature <= 0) | filtered)
 
 
 def _sample_whole_rows(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
@@ -735,7 +755,8 @@ def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState, vocab_part
       the filters.
     """
     x, mask_empty = process_logits(logits, s, state)
-    cands = jax.lax.cond(jnp.any(s.temperature > 0) | jnp.any(s.top_logprobs > 0),
+    uses = (jnp.any(s.temperature > 0) & _filtered_only(s)) | jnp.any(s.top_logprobs > 0)
+    cands = jax.lax.cond(uses,
                          functools.partial(_candidates, parts=vocab_parts),
                          functools.partial(_no_candidates, parts=vocab_parts), x)
     tokens = _draw(x, s, cands, vocab_parts)
