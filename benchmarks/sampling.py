@@ -13,6 +13,10 @@ of a few to a few dozen tokens, as a trained model's usually is), and "flat", no
 of tens of thousands of tokens: the top-p filter's slow path, `sampling._top_p_filter`).
 
     .venv/bin/python benchmarks/sampling.py [--batches 1 8 16] [--rounds 15] [--vocab 262144] [--logits peaked flat]
+        [--reference]
+
+`--reference` also times the sampler as it stood before issue 46 (the tests' frozen oracle), in the same rounds:
+before and after from one run.
 
 A decode step of the embedded model at batch 1 takes ~13 ms on the project's 2-vCPU machine
 (benchmarks/decode_step.py): what sampling adds to it is read against that (docs/performance.md, "Sampling").
@@ -78,33 +82,32 @@ def history(batch: int, vocab: int) -> sampling.PenaltyState:
     return sampling.PenaltyState(counts=jax.numpy.asarray(counts), seen=jax.numpy.asarray(seen))
 
 
-def table(kind: str, args, greedy, full) -> None:
-    """Print one table: ms per call, then each case's ratio to the greedy program."""
+def table(kind: str, args, greedy, samplers: dict) -> None:
+    """Print one table: per batch size and sampler, ms per call, then each case's ratio to the greedy program (all
+    of a batch size's programs timed in the same interleaved rounds)."""
     print(f"\nlogits {kind}, vocab {args.vocab}, {jax.devices()[0].device_kind}; ms per call (median of {args.rounds}"
           " rounds), then / greedy")
-    print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in CASES) + "  " +
+    print(f"{'batch':>5} {'sampler':>9} " + " ".join(f"{name:>15}" for name in CASES) + "  " +
           " ".join(f"{name + ' /g':>17}" for name in list(CASES)[1:]))
     for batch in args.batches:
         logits = jax.numpy.asarray(logits_of(kind, batch, args.vocab))
         state = history(batch, args.vocab)
         rows = {name: settings(batch, args.vocab, *case) for name, case in CASES.items()}
-
-        def run(name: str, logits=logits, state=state, rows=rows):
-            """One call of case `name`, finished."""
-            out = greedy(logits, rows[name]) if name == "greedy" else full(logits, rows[name], state)
-            return jax.block_until_ready(out)
-
-        times: dict[str, list[float]] = {name: [] for name in CASES}
-        for name in CASES:
-            run(name)
+        runs = {(label, name): (lambda f=f, name=name: greedy(logits, rows[name]) if name == "greedy"
+                                else f(logits, rows[name], state))
+                for label, f in samplers.items() for name in CASES}
+        times: dict[tuple, list[float]] = {key: [] for key in runs}
+        for run in runs.values():
+            jax.block_until_ready(run())
         for _ in range(args.rounds):
-            for name in CASES:
+            for key, run in runs.items():
                 t0 = time.perf_counter()
-                run(name)
-                times[name].append(time.perf_counter() - t0)
-        ms = {name: statistics.median(times[name]) * 1e3 for name in CASES}
-        print(f"{batch:>5} " + " ".join(f"{ms[name]:>15.2f}" for name in CASES) + "  " +
-              " ".join(f"{ms[name] / ms['greedy']:>16.2f}x" for name in list(CASES)[1:]))
+                jax.block_until_ready(run())
+                times[key].append(time.perf_counter() - t0)
+        for label in samplers:
+            ms = {name: statistics.median(times[label, name]) * 1e3 for name in CASES}
+            print(f"{batch:>5} {label:>9} " + " ".join(f"{ms[name]:>15.2f}" for name in CASES) + "  " +
+                  " ".join(f"{ms[name] / ms['greedy']:>16.2f}x" for name in list(CASES)[1:]))
 
 
 def main() -> None:
@@ -114,10 +117,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--vocab", type=int, default=262_144)
     ap.add_argument("--logits", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat"])
+    ap.add_argument("--reference", action="store_true",
+                    help="also time the sampler before issue 46 (tests/model_worker/sampling_reference.py), interleaved")
     args = ap.parse_args()
-    greedy, full = jax.jit(sampling.sample_greedy), jax.jit(sampling.sample)
+    samplers = {"sample": jax.jit(sampling.sample)}
+    if args.reference:
+        from tests.model_worker import sampling_reference
+
+        samplers["reference"] = jax.jit(sampling_reference.sample)
     for kind in args.logits:
-        table(kind, args, greedy, full)
+        table(kind, args, jax.jit(sampling.sample_greedy), samplers)
 
 
 if __name__ == "__main__":
