@@ -295,21 +295,9 @@ def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
     return 1.0 - jax.random.uniform(key, dtype=jnp.float32)
 
 
-def _top_k_filter(logits: jax.Array, top_k: jax.Array, parts: int = 1) -> jax.Array:
-    """Keep logits >= the row's k-th largest (ties at the k-th value are all kept; top_k == 0: unchanged).
-
-    The k-th largest is read from the row's candidates (`_candidates`): it is the row's whenever it is >= every
-    value outside them (then the row's k largest all lie inside). A row where that does not hold (a k beyond the
-    candidates' _CANDIDATES sure values, a flat row) takes the k-th value of `lax.top_k` over the whole row, under a
-    `lax.cond` whose result is [B] (XLA CPU copies a cond's [B, V] operands when its result has that size, figures:
-    docs/performance.md, "Sampling"); it is the same value either way.
-    """
-    vals, _, outside, _, _ = _candidates(logits, parts)
-    kth = jax.lax.cond(jnp.all(top_k <= _SMALL_TOP_K), functools.partial(_kth_largest, k_max=_SMALL_TOP_K),
-                       _kth_largest, vals, top_k)
-    inside = (top_k <= 0) | ((top_k <= vals.shape[-1]) & (kth >= outside))
-    kth = jax.lax.cond(jnp.all(inside), lambda x, k, kth: kth, lambda x, k, kth: _kth_largest(x, k), logits, top_k,
-                       kth)
+def _top_k_filter(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Keep logits >= the row's k-th largest (ties at the k-th value are all kept; top_k == 0: unchanged)."""
+    kth = _kth_largest(logits, top_k)
     keep = (top_k[:, None] <= 0) | (logits >= kth[:, None])
     return jnp.where(keep, logits, -jnp.inf)
 
@@ -322,21 +310,14 @@ def _kth_largest(x: jax.Array, top_k: jax.Array, k_max: int = MAX_TOP_K) -> jax.
     return jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, k_max - 1)[:, None], axis=1)[:, 0]
 
 
-def _top_p_filter(logits: jax.Array, top_p: jax.Array, parts: int = 1) -> jax.Array:
+def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     """Keep the smallest set of most likely tokens whose probability sums to >= top_p (ties kept together).
 
     Bisection on the probability threshold t: S(t) = sum of p_i >= t is non-increasing; find the largest t
-    with S(t) >= top_p (`_bisect`: `_TOP_P_ITERS` steps, each a sum over the whole row). The same steps run on the
-    row's candidates (`_candidates`, `_nucleus_threshold`), which decide each step as the whole
-    row's sum would whenever the sums are far enough from top_p for any order of summation; a row where some step
-    is not certain (a nucleus larger than the candidates, a sum within rounding of top_p) takes `_bisect` under a
-    `lax.cond` with a [B] result. Either way the threshold has the same bits.
+    with S(t) >= top_p (`_bisect`: `_TOP_P_ITERS` steps, each a sum over the whole row).
     """
     probs = jax.nn.softmax(logits, axis=-1)
-    lo, sure = _nucleus_threshold(probs, top_p, parts)
-    lo = jax.lax.cond(jnp.all(sure | (top_p >= 1.0)), lambda p, t, lo: lo, lambda p, t, lo: _bisect(p, t), probs,
-                      top_p, lo)
-    keep = (top_p[:, None] >= 1.0) | (probs >= lo[:, None])
+    keep = (top_p[:, None] >= 1.0) | (probs >= _bisect(probs, top_p)[:, None])
     return jnp.where(keep, logits, -jnp.inf)
 
 
@@ -355,8 +336,7 @@ def _bisect(probs: jax.Array, top_p: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, _TOP_P_ITERS, body, (lo, hi))[0]
 
 
-def _nucleus_threshold(probs: jax.Array, top_p: jax.Array, parts: int = 1,
-                       cands: Candidates | None = None) -> tuple[jax.Array, jax.Array]:
+def _nucleus_threshold(probs: jax.Array, top_p: jax.Array, cands: Candidates) -> tuple[jax.Array, jax.Array]:
     """`_bisect`'s steps on each row's candidate probabilities (`_candidates`) -> (lo [B], sure bool [B]).
 
     Every step's midpoint is computed as `_bisect` computes it, so equal decisions give equal bits. A step asks
@@ -367,7 +347,7 @@ def _nucleus_threshold(probs: jax.Array, top_p: jax.Array, parts: int = 1,
     outside the candidates, only "yes" can be certain (a larger set has a larger float sum: rounding is
     monotone). `sure` is False for a row with any step left uncertain.
     """
-    top, _, outside, _, _ = _candidates(probs, parts) if cands is None else cands
+    top, _, outside, _, _ = cands
     lo = jnp.zeros(probs.shape[0], jnp.float32)
     hi = jnp.max(top, axis=-1)  # the row maximum, as `_bisect`'s
 
@@ -449,7 +429,7 @@ def _top_blocks(x: jax.Array, width: int, count: int) -> tuple[jax.Array, jax.Ar
         return x, blocks, jnp.full((B,), -jnp.inf, x.dtype)
     maxima = jnp.max(x.reshape(B, n // width, width), axis=-1)
     at = jax.lax.top_k(maxima, count)[1]  # (no slice of top_k's result: XLA CPU then sorts the whole row instead)
-    taken = jnp.zeros(maxima.shape, bool).at[jnp.arange(B)[:, None], at].set(True)
+    taken = jnp.any(at[:, :, None] == jnp.arange(n // width, dtype=at.dtype), axis=1)  # (a scatter compiles slower)
     outside = jnp.max(jnp.where(taken, -jnp.inf, maxima), axis=-1)
     at = jnp.sort(at, axis=-1)
     vals = jnp.take_along_axis(x.reshape(B, n // width, width), at[:, :, None], axis=1).reshape(B, count * width)
@@ -511,7 +491,7 @@ def _draw_in_blocks(blocks: jax.Array, best: jax.Array, at: jax.Array | None, n:
     B, m, L = blocks.shape
     sums = jnp.sum(jnp.exp(blocks - best[:, :, None]), axis=-1)  # [B, m]: unnormalized, u scales the total
     if at is not None:
-        sums = jnp.zeros((B, n), sums.dtype).at[jnp.arange(B)[:, None], at].set(sums)
+        sums = jnp.max(jnp.where(at[:, :, None] == jnp.arange(n, dtype=at.dtype), sums[:, :, None], 0.0), axis=1)
     cdf = jnp.cumsum(sums, axis=-1)
     target = u * cdf[:, -1]
     b = _first_or_last(cdf >= target[:, None], sums > 0)
@@ -557,13 +537,13 @@ def _sample_rows(x: jax.Array, s: SamplingArrays, cands: Candidates, parts: int 
     whole row's; straight away the latter when some sampled row uses no filter (pure temperature: its draw
     reads the whole row)."""
 
-    def candidates_first(x, s, cands):
-        tokens, sure = _sample_candidates(x, s, cands, parts)
-        whole = lambda x, s, tokens: _sample_whole_rows(x, s, parts)
-        return jax.lax.cond(jnp.all(sure | (s.temperature <= 0)), lambda x, s, tokens: tokens, whole, x, s, tokens)
+    def nothing_sure(x, s, cands):
+        return jnp.zeros(x.shape[0], jnp.int32), jnp.zeros(x.shape[0], bool)
 
-    return jax.lax.cond(_filtered_only(s), candidates_first, lambda x, s, cands: _sample_whole_rows(x, s, parts), x,
-                        s, cands)
+    fast = functools.partial(_sample_candidates, parts=parts)
+    tokens, sure = jax.lax.cond(_filtered_only(s), fast, nothing_sure, x, s, cands)
+    whole = lambda x, s, tokens: _sample_whole_rows(x, s, parts)
+    return jax.lax.cond(jnp.all(sure | (s.temperature <= 0)), lambda x, s, tokens: tokens, whole, x, s, tokens)
 
 
 def _filtered_only(s: SamplingArrays) -> jax.Array:
@@ -586,9 +566,8 @@ def _filter_whole_rows(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.A
     sampled = s.temperature > 0
     scaled = x / jnp.maximum(s.temperature, 1e-6)[:, None]
     scaled = jax.lax.cond(jnp.any(sampled & (s.min_p > 0.0)), _min_p_filter, _skip, scaled, s.min_p)
-    top_k, top_p = functools.partial(_top_k_filter, parts=parts), functools.partial(_top_p_filter, parts=parts)
-    scaled = jax.lax.cond(jnp.any(sampled & (s.top_k > 0)), top_k, _skip, scaled, s.top_k)
-    scaled = jax.lax.cond(jnp.any(sampled & (s.top_p < 1.0)), top_p, _skip, scaled, s.top_p)
+    scaled = jax.lax.cond(jnp.any(sampled & (s.top_k > 0)), _top_k_filter, _skip, scaled, s.top_k)
+    scaled = jax.lax.cond(jnp.any(sampled & (s.top_p < 1.0)), _top_p_filter, _skip, scaled, s.top_p)
     return _inverse_cdf(scaled, s, parts)
 
 
@@ -643,7 +622,7 @@ def _nucleus(x: jax.Array, top_p: jax.Array, filtered, parts: int = 1):
     L = _block(V, parts)
     probs = jax.nn.softmax(filtered(x), axis=-1)
     cands = _candidates(probs, parts)
-    lo, sure = _nucleus_threshold(probs, top_p, parts, cands)
+    lo, sure = _nucleus_threshold(probs, top_p, cands)
     p_blocks = jnp.take_along_axis(probs.reshape(B, V // L, L), cands.blocks[:, :, None], axis=1)
     return lo, sure & (lo > cands.blocks_outside), cands.blocks, p_blocks
 
