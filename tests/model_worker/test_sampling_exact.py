@@ -2,7 +2,7 @@
 sampler must not change a seeded draw): `sampling.sample` against `sampling_reference.sample`, the frozen copy of
 the sampler as it stood before, over grids of random settings and seeds, several batch sizes and vocabularies
 (the real 262,144 included), and logits of several shapes: peaked like a language model's (a small nucleus), flat
-(a nucleus of thousands of tokens), quantized (ties everywhere), a single finite logit, NaN-free bfloat16 values.
+(a nucleus of thousands of tokens), quantized (ties everywhere), a single finite logit, bfloat16 values, NaNs.
 
 Every field of `SampleOutput` is compared with `assert_array_equal`: the same bits, not a tolerance.
 """
@@ -40,6 +40,9 @@ def logits_of(kind: str, batch: int, vocab: int, rng: np.random.Generator) -> np
     elif kind == "one":  # every logit -inf but one
         x[:] = -np.inf
         x[np.arange(batch), rng.integers(0, vocab, batch)] = 1.5
+    elif kind == "nan":  # a broken model: NaN in some rows, one row all NaN
+        x[:, rng.integers(0, vocab, 3)] = np.nan
+        x[0] = np.nan
     return x.astype(np.float32)
 
 
@@ -94,7 +97,7 @@ def check(kind: str, batch: int, vocab: int, seed: int, rounds: int, sampled: fl
         assert_same(_new(logits, s, state), _old(logits, s, state), f"{kind} B={batch} V={vocab} round {i}")
 
 
-@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "bf16", "one"])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "bf16", "one", "nan"])
 @pytest.mark.parametrize("batch", [1, 3, 16])
 def test_small_vocab_equals_reference(kind, batch):
     check(kind, batch, 5000, seed=batch * 7 + len(kind), rounds=12)
