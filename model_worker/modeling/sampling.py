@@ -605,7 +605,7 @@ def _sample_candidates(x: jax.Array, s: SamplingArrays, cands: Candidates,
     blocks = jnp.where(rows[:, None], p_blocks, cands.blocks)
     values = jnp.take_along_axis(x.reshape(B, V // L, L), blocks[:, :, None], axis=1)
     kept = filtered(values)
-    kept = jnp.where(rows[:, None, None] & (probs < lo[:, None, None]), -jnp.inf, kept)  # `_top_p_filter`
+    kept = jnp.where(~rows[:, None, None] | (probs >= lo[:, None, None]), kept, -jnp.inf)  # `_top_p_filter`
     kept = lax.optimization_barrier(kept)  # the block sums read it written out, as over the whole row
     best = jnp.max(kept.reshape(B, -1), axis=-1, keepdims=True)
     tokens = _draw_in_blocks(kept, best, blocks, V // L, s)
