@@ -1,10 +1,22 @@
 #!/usr/bin/env python3
 """Sampling programs over the embedded Gemma 3's vocabulary (262,144 logits a row): milliseconds per call of the
-greedy program (`sampling.sample_greedy`), the full one (`sampling.sample`) at temperature 0, at temperature 1,
-and at temperature 1 with top-p 0.95, at several batch sizes. Not a test: prints one line per batch size,
-measured in one run (medians of interleaved rounds, jitted, dispatch included), with the worker's XLA options.
+greedy program (`sampling.sample_greedy`) and of the full one (`sampling.sample`) at temperature 0, at temperature
+1, at temperature 1 with top-p 0.95, and with every setting at once ("full": temperature 0.7, top-p 0.95, top-k 50,
+min-p 0.05, repetition / frequency / presence penalties over a history, three logit biases, 5 top logprobs), then
+each one's ratio to the greedy program. Not a test: one table per shape of logits and one line per batch size,
+measured in one run (medians of interleaved rounds, jitted, dispatch included), with the worker's XLA options and
+its malloc tunable (it runs itself again with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, as `gemma-serve worker`
+does: each execution's [B, V] temporaries are fresh pages, and without huge pages their faults dominate).
 
-    .venv/bin/python benchmarks/sampling.py [--batches 1 8 16] [--rounds 15] [--vocab 262144]
+Logits: "peaked", a language model's shape (a normal tail with spread 2 and 40 tokens at 16-22 above it: a nucleus
+of a few to a few dozen tokens, as a trained model's usually is), and "flat", normal with spread 3 (at temperature 1 a 0.95-nucleus
+of tens of thousands of tokens: the top-p filter's slow path, `sampling._top_p_filter`).
+
+    .venv/bin/python benchmarks/sampling.py [--batches 1 8 16] [--rounds 15] [--vocab 262144] [--logits peaked flat]
+        [--reference]
+
+`--reference` also times the sampler as it stood before issue 46 (the tests' frozen oracle), in the same rounds:
+before and after from one run.
 
 A decode step of the embedded model at batch 1 takes ~13 ms on the project's 2-vCPU machine
 (benchmarks/decode_step.py): what sampling adds to it is read against that (docs/performance.md, "Sampling").
@@ -13,13 +25,19 @@ A decode step of the embedded model at batch 1 takes ~13 ms on the project's 2-v
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from gemma_serve.cli import HUGE_PAGES_TUNABLE
 from model_worker.numerics.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
+
+if sys.platform == "linux" and "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+    tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES", ""), HUGE_PAGES_TUNABLE) if t)
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": tunables})
 
 add_xla_flags(*INVARIANT_CPU_FLAGS)  # the worker's XLA options, before jax starts
 
@@ -28,46 +46,87 @@ import numpy as np
 
 from model_worker.modeling import sampling
 
+#: name -> (temperature, top_p, everything else on)
+CASES = {"greedy": (0.0, 1.0, False), "sample t=0": (0.0, 1.0, False), "t=1": (1.0, 1.0, False),
+         "t=1 top_p=0.95": (1.0, 0.95, False), "full": (0.7, 0.95, True)}
 
-def settings(batch: int, vocab: int, temperature: float, top_p: float) -> sampling.SamplingArrays:
-    """Every row with the same temperature and top-p, seeds and steps distinct."""
+
+def settings(batch: int, vocab: int, temperature: float, top_p: float, full: bool) -> sampling.SamplingArrays:
+    """Every row with the same settings, seeds and steps distinct."""
     s = sampling.SamplingArrays.defaults(batch, vocab)
     s.temperature[:], s.top_p[:] = temperature, top_p
     s.seed[:, 0], s.step[:] = np.arange(batch), np.arange(batch)
+    if full:
+        s.top_k[:], s.min_p[:], s.top_logprobs[:] = 50, 0.05, 5
+        s.repetition_penalty[:], s.frequency_penalty[:], s.presence_penalty[:] = 1.1, 0.2, 0.1
+        s.bias_ids[:, :3], s.bias_vals[:, :3] = [7, 1000, 2000], [2.0, -100.0, 1.5]
     return s
 
 
+def logits_of(kind: str, batch: int, vocab: int) -> np.ndarray:
+    """[batch, vocab] float32 logits of one shape (module docstring)."""
+    rng = np.random.default_rng(batch)
+    if kind == "flat":
+        return (rng.standard_normal((batch, vocab)) * 3).astype(np.float32)
+    x = (rng.standard_normal((batch, vocab)) * 2).astype(np.float32)
+    for row in x:
+        row[rng.choice(vocab, 40, replace=False)] = 16.0 + 6.0 * rng.random(40)
+    return x
+
+
+def history(batch: int, vocab: int) -> sampling.PenaltyState:
+    """A prompt's and an answer's tokens: 0.2% of the vocabulary seen, 0.1% generated one to three times."""
+    rng = np.random.default_rng(0)
+    counts = np.where(rng.random((batch, vocab)) < 0.001, rng.integers(1, 4, (batch, vocab)), 0).astype(np.int32)
+    seen = (rng.random((batch, vocab)) < 0.002) | (counts > 0)
+    return sampling.PenaltyState(counts=jax.numpy.asarray(counts), seen=jax.numpy.asarray(seen))
+
+
+def table(kind: str, args, greedy, samplers: dict) -> None:
+    """Print one table: per batch size and sampler, ms per call, then each case's ratio to the greedy program (all
+    of a batch size's programs timed in the same interleaved rounds)."""
+    print(f"\nlogits {kind}, vocab {args.vocab}, {jax.devices()[0].device_kind}; ms per call (median of {args.rounds}"
+          " rounds), then / greedy")
+    print(f"{'batch':>5} {'sampler':>9} " + " ".join(f"{name:>15}" for name in CASES) + "  " +
+          " ".join(f"{name + ' /g':>17}" for name in list(CASES)[1:]))
+    for batch in args.batches:
+        logits = jax.numpy.asarray(logits_of(kind, batch, args.vocab))
+        state = history(batch, args.vocab)
+        rows = {name: settings(batch, args.vocab, *case) for name, case in CASES.items()}
+        runs = {(label, name): (lambda f=f, name=name: greedy(logits, rows[name]) if name == "greedy"
+                                else f(logits, rows[name], state))
+                for label, f in samplers.items() for name in CASES}
+        times: dict[tuple, list[float]] = {key: [] for key in runs}
+        for run in runs.values():
+            jax.block_until_ready(run())
+        for _ in range(args.rounds):
+            for key, run in runs.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(run())
+                times[key].append(time.perf_counter() - t0)
+        for label in samplers:
+            ms = {name: statistics.median(times[label, name]) * 1e3 for name in CASES}
+            print(f"{batch:>5} {label:>9} " + " ".join(f"{ms[name]:>15.2f}" for name in CASES) + "  " +
+                  " ".join(f"{ms[name] / ms['greedy']:>16.2f}x" for name in list(CASES)[1:]))
+
+
 def main() -> None:
-    """Print the table."""
+    """Print the tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--vocab", type=int, default=262_144)
+    ap.add_argument("--logits", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat"])
+    ap.add_argument("--reference", action="store_true",
+                    help="also time the sampler before issue 46 (tests/model_worker/sampling_reference.py), interleaved")
     args = ap.parse_args()
-    greedy, full = jax.jit(sampling.sample_greedy), jax.jit(sampling.sample)
-    cases = {"greedy": (0.0, 1.0), "sample t=0": (0.0, 1.0), "t=1": (1.0, 1.0), "t=1 top_p=0.95": (1.0, 0.95)}
-    print(f"vocab {args.vocab}, {jax.devices()[0].device_kind}; ms per call (median of {args.rounds} rounds)")
-    print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in cases))
-    for batch in args.batches:
-        logits = jax.numpy.asarray(np.random.default_rng(batch).standard_normal((batch, args.vocab)).astype(np.float32)
-                                   * 3)
-        state = sampling.penalty_state_zeros(batch, args.vocab)
-        rows = {name: settings(batch, args.vocab, t, p) for name, (t, p) in cases.items()}
+    samplers = {"sample": jax.jit(sampling.sample)}
+    if args.reference:
+        from tests.model_worker import sampling_reference
 
-        def run(name: str, logits=logits, state=state, rows=rows):
-            """One call of case `name`, finished."""
-            out = greedy(logits, rows[name]) if name == "greedy" else full(logits, rows[name], state)
-            return jax.block_until_ready(out)
-
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for name in cases:
-            run(name)
-        for _ in range(args.rounds):
-            for name in cases:
-                t0 = time.perf_counter()
-                run(name)
-                times[name].append(time.perf_counter() - t0)
-        print(f"{batch:>5} " + " ".join(f"{statistics.median(times[name]) * 1e3:>15.2f}" for name in cases))
+        samplers["reference"] = jax.jit(sampling_reference.sample)
+    for kind in args.logits:
+        table(kind, args, jax.jit(sampling.sample_greedy), samplers)
 
 
 if __name__ == "__main__":

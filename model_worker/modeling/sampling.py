@@ -29,10 +29,16 @@ neighbours.
 
 Cost. Sampling is exact over the whole vocabulary without a sort (a full sort of 262,144 logits per row is too
 slow on CPU; figures: docs/performance.md): top-k reads the k-th value from `lax.top_k` (k <= MAX_TOP_K), top-p
-finds its probability threshold by bisection, min-p is a threshold on the logit. Every optional piece (bias,
-repetition penalty, frequency/presence penalties, mask, min-p, top-k, top-p, the draw itself, top logprobs) runs under
-`lax.cond` on "some row of the batch uses it" (steps (a)-(c) also under one outer cond), so a batch that uses
-none of them does not pay for them; rows that do not use a piece pass through it unchanged (bit for bit).
+finds its probability threshold by bisection, min-p is a threshold on the logit. Most of that runs on each row's
+candidates (`_candidates`: the 64 blocks of 512 values with the largest maxima, then the 64 runs of 16 inside them
+with the largest maxima), which decide the thresholds, the top logprobs and, where the kept tokens lie in their
+blocks, the draw itself (`_sample_candidates`), with the same bits as the whole row would give (each value comes
+from the same operations; where a float sum's order matters, the decision is taken only when every order agrees).
+A row they cannot decide takes the whole-row path (`_sample_whole_rows`), under a `lax.cond` on "some row needs
+it". Every optional piece (bias, penalties, mask, the draw, top logprobs) runs under a `lax.cond` on "some row of
+the batch uses it"; the conds return [B]-sized results where they can, because XLA CPU copies the [B, V] operands
+of a cond whose result is [B, V], even a skipped one; rows that do not use a piece pass through it unchanged (bit
+for bit).
 
 Empty mask. A row whose mask allows no token (within the vocabulary) is sampled as if it had no mask (its
 other settings still apply) and flagged in `SampleOutput.mask_empty`: the token it gets is *not* allowed, so
@@ -51,10 +57,12 @@ penalties, masks and the min-p / top-p thresholds are elementwise work plus all-
 (softmax, log_softmax, the top-p bisection's masses, the inverse-CDF's block sums). `sample` and `sample_greedy`
 take the number of parts (`vocab_parts`, static): the greedy argmax is a row maximum, the first block holding it
 and the first index in that block (`_argmax`, the same on one device), and the inverse-CDF draw locates its block
-from [B, V / block] sums (blocks within a part) before one cumulative sum inside the block (`_inverse_cdf`). What
-still gathers a [B, V] row onto every device: `lax.top_k`, which XLA does not partition along the sorted axis (seen
-on CPU), in the top-k filter (rows with top_k > 0) and in top logprobs (rows asking for them); a plain greedy batch
-(`sample_greedy`) gathers nothing of size V.
+from [B, V / block] sums (blocks within a part) before one cumulative sum inside the block (`_inverse_cdf`). The
+candidates' blocks lie within a part (their maxima are per-part reductions); how XLA's partitioner moves the
+gathers of the blocks taken was not measured (tests/model_worker/test_tensor_parallel.py checks the results only).
+What gathers a [B, V] row onto every device: `lax.top_k` over whole rows, which XLA does not partition along the
+sorted axis (seen on CPU), in the top-k and top-p filters' fallbacks (rows the candidates cannot decide); a plain
+greedy batch (`sample_greedy`) gathers nothing of size V.
 
 Host helpers: `SamplingArrays.defaults(batch, vocab)` (greedy, everything off), `pack_mask` (bool [V] -> the
 uint32 words of `SamplingArrays.mask`), `mask_words_from_bytes` (the protocol's `TokenMask.allowed` bytes ->
@@ -65,6 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +93,13 @@ from model_worker.serving.sampling_settings import (  # noqa: F401 - re-exported
 
 # Bisection steps for the top-p threshold: the threshold is found to within max_prob / 2**30.
 _TOP_P_ITERS = 30
+# Candidates (`_candidates`): each row's _CANDIDATES blocks of _ARGMAX_BLOCK values with the largest maxima, then
+# among them its _CANDIDATES runs of _CANDIDATE_RUN values with the largest maxima: 1,024 values a row that hold
+# its 64 largest, on which the top-k, top-p and top-logprob steps run before they need the whole row.
+_CANDIDATES = 64
+_CANDIDATE_RUN = 16
+# top_k at most this is read from a partial sort of this many candidates (else of MAX_TOP_K).
+_SMALL_TOP_K = 64
 
 # The settings' record and limits live with the serving side, which fills them in without JAX; registered here as
 # a pytree, for the programs.
@@ -247,11 +263,18 @@ def _uses(s: SamplingArrays) -> tuple[jax.Array, ...]:
 
 
 def _process(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tuple[jax.Array, jax.Array]:
-    """Steps (a)-(c), each under its own `lax.cond`. Returns (processed logits, mask_empty)."""
-    bias, rep, freq, mask = uses
+    """Steps (a)-(c). Returns (processed logits, mask_empty).
+
+    The logit bias (a scatter) and the mask (unpacking its bits costs as much as the penalties) run under their own
+    `lax.cond`s; the penalties are one elementwise pass that leaves unchanged the rows not using them (a repetition
+    penalty of 1 divides by 1; frequency and presence penalties of 0 are skipped per row) instead of two conds, whose
+    [B, V] results XLA CPU writes out one after the other.
+    """
+    bias, _, _, mask = uses
     x = jax.lax.cond(bias, _logit_bias, _skip, x, s.bias_ids, s.bias_vals)
-    x = jax.lax.cond(rep, _repetition_penalty, _skip, x, s.repetition_penalty, state.seen)
-    x = jax.lax.cond(freq, _frequency_presence, _skip, x, s, state.counts)
+    x = _repetition_penalty(x, s.repetition_penalty, state.seen)
+    freq = (s.frequency_penalty != 0) | (s.presence_penalty != 0)
+    x = jnp.where(freq[:, None], _frequency_presence(x, s, state.counts), x)
     return jax.lax.cond(mask, _apply_mask, _no_mask, x, s.mask, s.mask_on)
 
 
@@ -274,21 +297,33 @@ def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
 
 def _top_k_filter(logits: jax.Array, top_k: jax.Array) -> jax.Array:
     """Keep logits >= the row's k-th largest (ties at the k-th value are all kept; top_k == 0: unchanged)."""
-    k_max = min(MAX_TOP_K, logits.shape[-1])
-    vals = jax.lax.top_k(logits, k_max)[0]
-    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, k_max - 1)[:, None], axis=1)
-    keep = (top_k[:, None] <= 0) | (logits >= kth)
+    kth = _kth_largest(logits, top_k)
+    keep = (top_k[:, None] <= 0) | (logits >= kth[:, None])
     return jnp.where(keep, logits, -jnp.inf)
+
+
+def _kth_largest(x: jax.Array, top_k: jax.Array, k_max: int = MAX_TOP_K) -> jax.Array:
+    """The top_k[b]-th largest value of row b of x [B, n] (counted with ties; top_k clipped to 1..k_max and to n)
+    -> [B]."""
+    k_max = min(k_max, x.shape[-1])
+    vals = jax.lax.top_k(x, k_max)[0]
+    return jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, k_max - 1)[:, None], axis=1)[:, 0]
 
 
 def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     """Keep the smallest set of most likely tokens whose probability sums to >= top_p (ties kept together).
 
     Bisection on the probability threshold t: S(t) = sum of p_i >= t is non-increasing; find the largest t
-    with S(t) >= top_p.
+    with S(t) >= top_p (`_bisect`: `_TOP_P_ITERS` steps, each a sum over the whole row).
     """
     probs = jax.nn.softmax(logits, axis=-1)
-    lo = jnp.zeros(logits.shape[0], jnp.float32)
+    keep = (top_p[:, None] >= 1.0) | (probs >= _bisect(probs, top_p)[:, None])
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _bisect(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The top-p threshold by bisection over whole rows of probabilities [B, V] -> lo [B] (`_top_p_filter`)."""
+    lo = jnp.zeros(probs.shape[0], jnp.float32)
     hi = jnp.max(probs, axis=-1)
 
     def body(_, bounds):
@@ -298,9 +333,107 @@ def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
         ok = mass >= top_p
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    lo, _ = jax.lax.fori_loop(0, _TOP_P_ITERS, body, (lo, hi))
-    keep = (top_p[:, None] >= 1.0) | (probs >= lo[:, None])
-    return jnp.where(keep, logits, -jnp.inf)
+    return jax.lax.fori_loop(0, _TOP_P_ITERS, body, (lo, hi))[0]
+
+
+def _nucleus_threshold(probs: jax.Array, top_p: jax.Array, cands: Candidates) -> tuple[jax.Array, jax.Array]:
+    """`_bisect`'s steps on each row's candidate probabilities (`_candidates`) -> (lo [B], sure bool [B]).
+
+    Every step's midpoint is computed as `_bisect` computes it, so equal decisions give equal bits. A step asks
+    whether the mass of {p >= mid} reaches top_p. Its set is known exactly when mid is above every probability
+    outside the candidates; its mass is a float sum whose order is XLA's (unknown), but every order of n
+    non-negative terms lies within (n - 1) * 2**-24 (relative) of the exact sum, and so does the candidates' sum
+    here: a decision is certain when the two cannot fall on different sides of top_p. Where the set reaches
+    outside the candidates, only "yes" can be certain (a larger set has a larger float sum: rounding is
+    monotone). `sure` is False for a row with any step left uncertain.
+    """
+    top, _, outside, _, _ = cands
+    lo = jnp.zeros(probs.shape[0], jnp.float32)
+    hi = jnp.max(top, axis=-1)  # the row maximum, as `_bisect`'s
+
+    def body(_, carry):
+        lo, hi, sure = carry
+        mid = (lo + hi) / 2
+        inside = top >= mid[:, None]
+        mass = jnp.sum(jnp.where(inside, top, 0.0), axis=-1)
+        slack = 2.5 * (jnp.sum(inside, axis=-1) + 1).astype(jnp.float32) * 2.0**-24
+        ok = mass * (1 - slack) >= top_p
+        no = (mid > outside) & (mass * (1 + slack) < top_p)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid), sure & (ok | no)
+
+    lo, _, sure = jax.lax.fori_loop(0, _TOP_P_ITERS, body, (lo, hi, jnp.ones(probs.shape[0], bool)))
+    return lo, sure
+
+
+class Candidates(NamedTuple):
+    """A row's candidates (`_candidates`), [B, ...] each.
+
+    Attributes:
+      vals: [B, C] the values, in the row's order; they hold the row's _CANDIDATES largest (ties: lower indices).
+      ids: int32 [B, C] their token ids.
+      outside: [B] the largest value of the row outside them (-inf if none).
+      blocks: int32 [B, m] the blocks of `_ARGMAX_BLOCK` values holding them, ascending (all n where n <= m).
+      blocks_outside: [B] the largest value outside those blocks (-inf if none).
+    """
+
+    vals: jax.Array
+    ids: jax.Array
+    outside: jax.Array
+    blocks: jax.Array
+    blocks_outside: jax.Array
+
+
+def _candidates(x: jax.Array, parts: int = 1) -> Candidates:
+    """Each row's candidates (`Candidates`): two levels of `_top_blocks`, the _CANDIDATES blocks of
+    `_ARGMAX_BLOCK` values with the largest maxima, then the _CANDIDATES runs of `_CANDIDATE_RUN` values with the
+    largest maxima inside them (C = 1,024 values a row). A whole row is one block where V is not a whole number of
+    blocks (per device part), and the candidates are the whole row where it is small.
+    """
+    B, V = x.shape
+    L = _block(V, parts)
+    vals, blocks, outside = _top_blocks(x, L, _CANDIDATES)  # blocks: [B, m] ids of the blocks taken
+    ids = (blocks[:, :, None] * L + jnp.arange(L, dtype=jnp.int32)).reshape(B, -1)
+    inner = outside
+    if L % _CANDIDATE_RUN == 0 and L > _CANDIDATE_RUN:
+        vals, runs, inner = _top_blocks(vals, _CANDIDATE_RUN, _CANDIDATES)
+        ids = jnp.take_along_axis(ids.reshape(B, -1, _CANDIDATE_RUN), runs[:, :, None], axis=1).reshape(B, -1)
+    return Candidates(vals, ids, jnp.maximum(outside, inner), blocks, outside)
+
+
+def _no_candidates(x: jax.Array, parts: int = 1) -> Candidates:
+    """The skipped branch of `_candidates` (a batch that samples nothing and asks for no top logprobs): zeros of
+    its shapes."""
+    shapes = jax.eval_shape(functools.partial(_candidates, parts=parts), x)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+def _block(V: int, parts: int = 1) -> int:
+    """Values per block of a row of V (`_argmax`, `_inverse_cdf`, `_candidates`): `_ARGMAX_BLOCK` where the row
+    (per device part) is a whole number of them, else the whole row."""
+    return _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
+
+
+def _top_blocks(x: jax.Array, width: int, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The `count` blocks of `width` values of each row of x [B, n] with the largest maxima, in the row's order ->
+    (values [B, count * width], the blocks' indices [B, count] int32, the largest value outside them [B]); all of
+    x (every block, and -inf) where it has no more than `count` blocks.
+
+    Why it serves: the j largest values of a row (j <= count) lie in the j blocks with the largest maxima, and
+    keeping the row's order keeps `lax.top_k`'s order among equal values (the lower index first): with ties
+    between block maxima `lax.top_k` takes the lower blocks, which hold the lower indices of a tied value. The
+    blocks' maxima are one fast reduction.
+    """
+    B, n = x.shape
+    if n // width <= count:
+        blocks = jnp.broadcast_to(jnp.arange(n // width, dtype=jnp.int32), (B, n // width))
+        return x, blocks, jnp.full((B,), -jnp.inf, x.dtype)
+    maxima = jnp.max(x.reshape(B, n // width, width), axis=-1)
+    at = jax.lax.top_k(maxima, count)[1]  # (no slice of top_k's result: XLA CPU then sorts the whole row instead)
+    taken = jnp.any(at[:, :, None] == jnp.arange(n // width, dtype=at.dtype), axis=1)  # (a scatter compiles slower)
+    outside = jnp.max(jnp.where(taken, -jnp.inf, maxima), axis=-1)
+    at = jnp.sort(at, axis=-1)
+    vals = jnp.take_along_axis(x.reshape(B, n // width, width), at[:, :, None], axis=1).reshape(B, count * width)
+    return vals, at.astype(jnp.int32), outside
 
 
 def _min_p_filter(logits: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -344,18 +477,28 @@ def _inverse_cdf(scaled: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Ar
     last one holding probability. The weights are exp(scaled - row max), unnormalized (u scales their total).
     `parts` (the vocabulary's split across devices) only needs the blocks to lie within a part; the
     [B, V / block] sums are what crosses devices."""
-    u = jax.vmap(_row_uniform)(s.seed, s.step)
     B, V = scaled.shape
     L = _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
-    n = V // L
-    best = jnp.max(scaled, axis=-1, keepdims=True)
-    blocks = scaled.reshape(B, n, L)
-    sums = jnp.sum(jnp.exp(blocks - best[:, :, None]), axis=-1)  # [B, n]: unnormalized, u scales the total
+    blocks = scaled.reshape(B, V // L, L)
+    best = jnp.max(blocks, axis=(1, 2))[:, None]  # of the blocks: XLA CPU then writes scaled out once, not twice
+    return _draw_in_blocks(blocks, best, None, V // L, s)
+
+
+def _draw_in_blocks(blocks: jax.Array, best: jax.Array, at: jax.Array | None, n: int, s: SamplingArrays) -> jax.Array:
+    """`_inverse_cdf` on a row's blocks: blocks [B, m, L] of scaled logits, best [B, 1] the row maximum; either
+    all n blocks of the row (`at` None) or the blocks `at` [B, m] (ascending) of n, every other block holding
+    probability 0 (its sum is then 0 exactly, as the whole row's would be) -> token ids [B]."""
+    u = jax.vmap(_row_uniform)(s.seed, s.step)
+    B, m, L = blocks.shape
+    sums = jnp.sum(jnp.exp(blocks - best[:, :, None]), axis=-1)  # [B, m]: unnormalized, u scales the total
+    if at is not None:
+        sums = jnp.max(jnp.where(at[:, :, None] == jnp.arange(n, dtype=at.dtype), sums[:, :, None], 0.0), axis=1)
     cdf = jnp.cumsum(sums, axis=-1)
     target = u * cdf[:, -1]
     b = _first_or_last(cdf >= target[:, None], sums > 0)
     before = jnp.where(b[:, None] > 0, jnp.take_along_axis(cdf, jnp.maximum(b - 1, 0)[:, None], axis=1), 0.0)
-    block = jnp.exp(jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0] - best)  # [B, L]
+    j = b if at is None else _first_index(at == b[:, None])  # the block's place among those given
+    block = jnp.exp(jnp.take_along_axis(blocks, jnp.minimum(j, m - 1)[:, None, None], axis=1)[:, 0] - best)
     lane = _first_or_last(before + jnp.cumsum(block, axis=-1) >= target[:, None], block > 0)
     return b * L + lane
 
@@ -375,51 +518,158 @@ def _first_or_last(reached: jax.Array, held: jax.Array) -> jax.Array:
     return jnp.where(first < n, first, last)
 
 
-def _draw(x: jax.Array, s: SamplingArrays, greedy: jax.Array, parts: int = 1) -> jax.Array:
-    """Step (d) for the sampled rows (temperature > 0): temperature, min-p, top-k, top-p, inverse-CDF draw.
+def _draw(x: jax.Array, s: SamplingArrays, cands: Candidates, parts: int = 1) -> jax.Array:
+    """Step (d): the greedy rows' argmax and the sampled rows' draw (`_sample_rows`) -> int32 [B].
 
-    Rows with temperature 0 get `greedy`. Each filter runs only when some sampled row uses it. `parts`: the
-    vocabulary's split across devices (module docstring).
+    Each half runs under a `lax.cond` on "some row needs it" whose result is [B] (XLA CPU copies a cond's [B, V]
+    operands only when its result has that size; a skipped one then costs nothing, docs/performance.md,
+    "Sampling"). `cands`: x's `_candidates`; `parts`: the vocabulary's split across devices (module docstring).
     """
+    sampled = s.temperature > 0
+    none = lambda x, *_: jnp.zeros(x.shape[0], jnp.int32)
+    greedy = jax.lax.cond(jnp.any(~sampled), functools.partial(_argmax, parts=parts), none, x)
+    drawn = jax.lax.cond(jnp.any(sampled), functools.partial(_sample_rows, parts=parts), none, x, s, cands)
+    return jnp.where(sampled, drawn, greedy)
+
+
+def _sample_rows(x: jax.Array, s: SamplingArrays, cands: Candidates, parts: int = 1) -> jax.Array:
+    """The sampled rows' tokens (temperature > 0; other rows' values are unused): `_sample_candidates`, and
+    `_sample_whole_rows` under a `lax.cond` ([B] result) when some sampled row's draw is not certain to be the
+    whole row's; straight away the latter when some sampled row uses no filter (pure temperature: its draw
+    reads the whole row)."""
+
+    def nothing_sure(x, s, cands):
+        return jnp.zeros(x.shape[0], jnp.int32), jnp.zeros(x.shape[0], bool)
+
+    fast = functools.partial(_sample_candidates, parts=parts)
+    tokens, sure = jax.lax.cond(_filtered_only(s), fast, nothing_sure, x, s, cands)
+    whole = lambda x, s, tokens: _sample_whole_rows(x, s, parts)
+    return jax.lax.cond(jnp.all(sure | (s.temperature <= 0)), lambda x, s, tokens: tokens, whole, x, s, tokens)
+
+
+def _filtered_only(s: SamplingArrays) -> jax.Array:
+    """Every sampled row uses min-p, top-k or top-p (scalar bool): the batch's draw may run on candidates."""
+    filtered = (s.min_p > 0.0) | (s.top_k > 0) | (s.top_p < 1.0)
+    return jnp.all((s.temperature <= 0) | filtered)
+
+
+def _sample_whole_rows(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
+    """The sampled rows' tokens over whole rows: temperature, then (`_filter_whole_rows`, under a `lax.cond` on
+    "some sampled row uses a filter") min-p, top-k, top-p, then the inverse-CDF draw."""
+    sampled = s.temperature > 0
+    filters = jnp.any(sampled & ((s.min_p > 0.0) | (s.top_k > 0) | (s.top_p < 1.0)))
+    scaled = lambda x, s: _inverse_cdf(x / jnp.maximum(s.temperature, 1e-6)[:, None], s, parts)
+    return jax.lax.cond(filters, functools.partial(_filter_whole_rows, parts=parts), scaled, x, s)
+
+
+def _filter_whole_rows(x: jax.Array, s: SamplingArrays, parts: int = 1) -> jax.Array:
+    """`_sample_whole_rows` with filters: each runs only when some sampled row uses it."""
     sampled = s.temperature > 0
     scaled = x / jnp.maximum(s.temperature, 1e-6)[:, None]
     scaled = jax.lax.cond(jnp.any(sampled & (s.min_p > 0.0)), _min_p_filter, _skip, scaled, s.min_p)
     scaled = jax.lax.cond(jnp.any(sampled & (s.top_k > 0)), _top_k_filter, _skip, scaled, s.top_k)
     scaled = jax.lax.cond(jnp.any(sampled & (s.top_p < 1.0)), _top_p_filter, _skip, scaled, s.top_p)
-    draw = functools.partial(_inverse_cdf, parts=parts)
-    drawn = jax.lax.cond(jnp.any(sampled), draw, lambda *_: greedy, scaled, s)
-    return jnp.where(sampled, drawn, greedy)
+    return _inverse_cdf(scaled, s, parts)
+
+
+def _sample_candidates(x: jax.Array, s: SamplingArrays, cands: Candidates,
+                       parts: int = 1) -> tuple[jax.Array, jax.Array]:
+    """`_sample_whole_rows` for rows whose truncated distribution lies in a few blocks of the row -> (tokens [B],
+    sure bool [B]: the token is the whole row's).
+
+    The filters' thresholds come from x's candidates: min-p's floor from the row maximum (which they hold), top-k's
+    k-th value where it is >= every value outside them (`_top_k_filter`), top-p's threshold from the candidate
+    probabilities (`_nucleus`). Where the tokens kept lie in the candidates' blocks (top-k or min-p cut everything
+    outside them; top-p's kept set lies in the blocks its candidates came from), the inverse-CDF draw runs on those
+    blocks alone (`_draw_in_blocks`): every other block's sum is 0, as over the whole row. Each value is computed
+    by the same operations as over the whole row, so the same bits.
+    """
+    B, V = x.shape
+    L = _block(V, parts)
+    sampled = s.temperature > 0
+    col = lambda a, z: a.reshape((B,) + (1,) * (z.ndim - 1))  # a per-row value against z [B, ...]
+    temperature = jnp.maximum(s.temperature, 1e-6)
+    scale = lambda v: v / col(temperature, v)
+    floor = jnp.max(scale(cands.vals), axis=-1) + jnp.log(jnp.maximum(s.min_p, 1e-30))
+    min_p = lambda z: jnp.where((col(s.min_p, z) <= 0.0) | (z >= col(floor, z)), z, -jnp.inf)  # `_min_p_filter`
+    vals, outside = min_p(scale(cands.vals)), min_p(scale(cands.outside))
+    kth = jax.lax.cond(jnp.all(s.top_k <= _SMALL_TOP_K), functools.partial(_kth_largest, k_max=_SMALL_TOP_K),
+                       _kth_largest, vals, s.top_k)
+    kth_sure = (s.top_k <= 0) | ((s.top_k <= vals.shape[-1]) & (kth >= outside))
+    top_k = lambda z: jnp.where((col(s.top_k, z) <= 0) | (z >= col(kth, z)), z, -jnp.inf)  # `_top_k_filter`
+    filtered = lambda v: top_k(min_p(scale(v)))  # min-p, top-k of x's values v [B, ...]
+    rows = sampled & (s.top_p < 1.0)
+    nucleus = functools.partial(_nucleus, filtered=filtered, parts=parts)
+    m = cands.blocks.shape[-1]
+    none = lambda x, top_p: (jnp.zeros(B, x.dtype), jnp.zeros(B, bool), cands.blocks, jnp.zeros((B, m, L), x.dtype))
+    lo, nucleus_sure, p_blocks, probs = jax.lax.cond(jnp.any(rows), nucleus, none, x, jnp.where(rows, s.top_p, 1.0))
+    blocks = jnp.where(rows[:, None], p_blocks, cands.blocks)
+    values = jnp.take_along_axis(x.reshape(B, V // L, L), blocks[:, :, None], axis=1)
+    kept = filtered(values)
+    kept = jnp.where(~rows[:, None, None] | (probs >= lo[:, None, None]), kept, -jnp.inf)  # `_top_p_filter`
+    kept = lax.optimization_barrier(kept)  # the block sums read it written out, as over the whole row
+    best = jnp.max(kept.reshape(B, -1), axis=-1, keepdims=True)
+    tokens = _draw_in_blocks(kept, best, blocks, V // L, s)
+    inside = jnp.where(rows, nucleus_sure, top_k(outside) == -jnp.inf)
+    return tokens, kth_sure & inside
+
+
+def _nucleus(x: jax.Array, top_p: jax.Array, filtered, parts: int = 1):
+    """Top-p for `_sample_candidates`: the probabilities of the rows after min-p and top-k (`filtered`), as
+    `_top_p_filter` computes them, and the threshold of their candidates (`_nucleus_threshold`) -> (lo [B], sure
+    [B]: lo is the whole row's and every kept token lies in the blocks returned, the blocks [B, m] (ascending),
+    the probabilities in them [B, m, block])."""
+    B, V = x.shape
+    L = _block(V, parts)
+    probs = jax.nn.softmax(filtered(x), axis=-1)
+    cands = _candidates(probs, parts)
+    lo, sure = _nucleus_threshold(probs, top_p, cands)
+    p_blocks = jnp.take_along_axis(probs.reshape(B, V // L, L), cands.blocks[:, :, None], axis=1)
+    return lo, sure & (lo > cands.blocks_outside), cands.blocks, p_blocks
 
 
 # --- log-probabilities --------------------------------------------------------------------------------------
 
 
-def _top_logprobs(x: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _top_logprobs(x: jax.Array, n: jax.Array, norm: tuple[jax.Array, jax.Array],
+                  cands: Candidates) -> tuple[jax.Array, jax.Array]:
     """The n[b] most likely tokens of log_softmax(x) per row: (ids, logprobs), [B, MAX_TOP_LOGPROBS] each (the
-    largest logits, their log-probabilities from `_log_probs`, as the chosen token's).
+    largest logits, their log-probabilities from `_log_probs` with the chosen token's `norm`).
 
-    Entries past n[b], and tokens with probability 0, are (-1, 0.0).
+    `lax.top_k` runs on the row's candidates (`_candidates`), which hold its 20 largest values and give
+    `lax.top_k` over the whole row's ids and order (a partial sort of 262,144 values
+    took ~6 ms at 16 rows on XLA CPU; docs/performance.md, "Sampling"). Entries past n[b], and tokens with
+    probability 0, are (-1, 0.0).
     """
-    vals, ids = jax.lax.top_k(x, min(MAX_TOP_LOGPROBS, x.shape[-1]))
-    vals = _log_probs(x, vals)
+    cand, tokens = cands.vals, cands.ids
+    vals, at = jax.lax.top_k(cand, min(MAX_TOP_LOGPROBS, cand.shape[-1]))
+    ids = jnp.take_along_axis(tokens, at, axis=1)
+    vals = _log_probs(vals, norm)
     pad = ((0, 0), (0, MAX_TOP_LOGPROBS - vals.shape[-1]))  # only for a vocabulary smaller than 20 (tests)
     vals, ids = jnp.pad(vals, pad, constant_values=-jnp.inf), jnp.pad(ids, pad, constant_values=-1)
     keep = (jnp.arange(MAX_TOP_LOGPROBS)[None, :] < n[:, None]) & jnp.isfinite(vals)
     return jnp.where(keep, ids, -1).astype(jnp.int32), jnp.where(keep, vals, 0.0)
 
 
-def _no_top_logprobs(x: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _no_top_logprobs(x: jax.Array, n: jax.Array, *_) -> tuple[jax.Array, jax.Array]:
     """The skipped branch of `_top_logprobs`: every entry (-1, 0.0)."""
     shape = (x.shape[0], MAX_TOP_LOGPROBS)
     return jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32)
 
 
-def _log_probs(x: jax.Array, values: jax.Array) -> jax.Array:
-    """log_softmax(x) at some of each row's logits: x [B, V], values [B, n] taken from x -> float32 [B, n], as
-    `jax.nn.log_softmax` computes it ((value - row max) - log(sum(exp(x - row max)))) without writing the [B, V]
-    result: XLA CPU fused that and a gather of its row into a program that took 19 ms at 16 rows, against 4 ms for
-    the row sums alone (docs/performance.md, "Sampling"). The chosen token and the top logprobs both use it, so a
-    chosen token that is also a top alternative has bit-identical log-probabilities.
+def _log_probs(values: jax.Array, norm: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """log_softmax(x) at some of each row's logits: values [B, n] taken from x, norm = `_normalizer(x)` -> float32
+    [B, n], as `jax.nn.log_softmax` computes it ((value - row max) - log(sum(exp(x - row max)))) without writing
+    the [B, V] result: XLA CPU fused that and a gather of its row into a program that took 19 ms at 16 rows, against
+    4 ms for the row sums alone (docs/performance.md, "Sampling"). The chosen token and the top logprobs both use
+    one `norm`, so a chosen token that is also a top alternative has bit-identical log-probabilities (and the row
+    is summed once)."""
+    best, log_total = norm
+    return (values - best) - log_total
+
+
+def _normalizer(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(row max [B, 1], log(sum(exp(x - row max))) [B, 1]) of x [B, V]: what `_log_probs` subtracts.
 
     The row sum: XLA CPU's sums a row alike in every batch shape (tests/model_worker/test_sampling.py); a TPU's
     ordered its terms by the batch's shape (a row's log-probability moved by one ulp with its neighbours, seen on
@@ -428,13 +678,13 @@ def _log_probs(x: jax.Array, values: jax.Array) -> jax.Array:
     terms = jnp.exp(x - best)
     total = lax.platform_dependent(terms, cpu=lambda t: jnp.sum(t, axis=-1),
                                    default=lambda t: fixed_order_sum(t))[..., None]
-    return (values - best) - jnp.log(total)
+    return best, jnp.log(total)
 
 
-def _chosen_logprobs(x: jax.Array, tokens: jax.Array) -> jax.Array:
+def _chosen_logprobs(x: jax.Array, tokens: jax.Array, norm: tuple[jax.Array, jax.Array]) -> jax.Array:
     """log_softmax(x)[b, tokens[b]] -> float32 [B] (`_log_probs`), so `sample` and `sample_greedy` agree bit for
     bit."""
-    return _log_probs(x, jnp.take_along_axis(x, tokens[:, None], axis=1))[:, 0]
+    return _log_probs(jnp.take_along_axis(x, tokens[:, None], axis=1), norm)[:, 0]
 
 
 def is_plain_greedy(s: SamplingArrays, rows: int) -> bool:
@@ -465,7 +715,7 @@ def sample_greedy(logits: jax.Array, s: SamplingArrays, vocab_parts: int = 1) ->
     x, mask_empty = jax.lax.cond(jnp.any(s.mask_on), _apply_mask, _no_mask, logits.astype(jnp.float32), s.mask,
                                  s.mask_on)
     tokens = _argmax(x, vocab_parts)
-    logprobs = _chosen_logprobs(x, tokens)
+    logprobs = _chosen_logprobs(x, tokens, _normalizer(x))
     top_ids, top_lps = _no_top_logprobs(x, s.top_logprobs)
     return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
                         mask_empty=mask_empty)
@@ -485,11 +735,15 @@ def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState, vocab_part
       the filters.
     """
     x, mask_empty = process_logits(logits, s, state)
-    tokens = _draw(x, s, _argmax(x, vocab_parts), vocab_parts)
-    logprobs = _chosen_logprobs(x, tokens)
-    top_ids, top_lps = jax.lax.cond(
-        jnp.any(s.top_logprobs > 0), _top_logprobs, _no_top_logprobs, x, s.top_logprobs
-    )
+    uses = (jnp.any(s.temperature > 0) & _filtered_only(s)) | jnp.any(s.top_logprobs > 0)
+    cands = jax.lax.cond(uses,
+                         functools.partial(_candidates, parts=vocab_parts),
+                         functools.partial(_no_candidates, parts=vocab_parts), x)
+    tokens = _draw(x, s, cands, vocab_parts)
+    norm = _normalizer(x)
+    logprobs = _chosen_logprobs(x, tokens, norm)
+    top_ids, top_lps = jax.lax.cond(jnp.any(s.top_logprobs > 0), _top_logprobs, _no_top_logprobs, x,
+                                    s.top_logprobs, norm, cands)
     return SampleOutput(
         tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps, mask_empty=mask_empty
     )

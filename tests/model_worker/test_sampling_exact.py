@@ -1,0 +1,218 @@
+"""The sampler gives the tokens and log-probabilities of the reference sampler bit for bit (issue 46: a faster
+sampler must not change a seeded draw): `sampling.sample` against `sampling_reference.sample`, the frozen copy of
+the sampler as it stood before, over grids of random settings and seeds, several batch sizes and vocabularies
+(the real 262,144 included), and logits of several shapes: peaked like a language model's (a small nucleus), flat
+(a nucleus of thousands of tokens), quantized (ties everywhere), a single finite logit, bfloat16 values, NaNs.
+
+Every field of `SampleOutput` is compared with `assert_array_equal`: the same bits, not a tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_worker.modeling import sampling as S
+from tests.model_worker import sampling_reference as R
+
+_new = jax.jit(S.sample)
+_old = jax.jit(R.sample)
+
+
+def logits_of(kind: str, batch: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
+    """[batch, vocab] float32 logits of one shape (module docstring)."""
+    x = rng.standard_normal((batch, vocab)).astype(np.float32)
+    if kind == "peaked":  # a language model's: a long tail, a few tokens far above it
+        x *= 2.0
+        for row in x:
+            hot = rng.choice(vocab, size=min(40, vocab), replace=False)
+            row[hot] = 12.0 + 6.0 * rng.random(len(hot)) ** 3
+    elif kind == "flat":
+        x *= 3.0
+    elif kind == "ties":  # half-unit steps: many equal logits, ties at every threshold
+        x = np.round(x * 6.0) / 2.0
+    elif kind == "bf16":
+        x = np.asarray(jnp.asarray(x * 4.0, jnp.bfloat16).astype(jnp.float32))
+    elif kind == "one":  # every logit -inf but one
+        x[:] = -np.inf
+        x[np.arange(batch), rng.integers(0, vocab, batch)] = 1.5
+    elif kind == "nan":  # a broken model: NaN in some rows, one row all NaN
+        x[:, rng.integers(0, vocab, 3)] = np.nan
+        x[0] = np.nan
+    return x.astype(np.float32)
+
+
+def random_settings(batch: int, vocab: int, rng: np.random.Generator, sampled: float = 0.85) -> S.SamplingArrays:
+    """Each row its own random mix of every setting, seed and step."""
+    s = S.SamplingArrays.defaults(batch, vocab)
+    pick = lambda options: np.asarray(options)[rng.integers(0, len(options), batch)]
+    s.temperature[:] = np.where(rng.random(batch) < sampled, pick([0.3, 0.7, 1.0, 1.5, 1e-7, 4.0]), 0.0)
+    s.top_p[:] = pick([1.0, 1.0, 0.95, 0.9, 0.5, 1e-6, 0.999, 0.8])
+    s.top_k[:] = pick([0, 0, 1, 5, 50, 1024, 3])
+    s.min_p[:] = pick([0.0, 0.0, 0.05, 0.5, 1e-4])
+    s.seed[:] = rng.integers(0, 2**32, (batch, 2), dtype=np.uint64).astype(np.uint32)
+    s.step[:] = rng.integers(0, 10_000, batch)
+    s.repetition_penalty[:] = pick([1.0, 1.0, 1.3, 0.8])
+    s.frequency_penalty[:] = pick([0.0, 0.0, 0.5, -0.3])
+    s.presence_penalty[:] = pick([0.0, 0.0, 0.4, -1.0])
+    s.top_logprobs[:] = pick([0, 0, 1, 5, 20])
+    for r in np.flatnonzero(rng.random(batch) < 0.3):
+        n = rng.integers(1, 6)
+        s.bias_ids[r, :n] = rng.integers(0, vocab, n)
+        s.bias_ids[r, n - 1] = s.bias_ids[r, 0]  # a duplicate id: the biases add up
+        s.bias_vals[r, :n] = rng.choice([100.0, -100.0, 3.5, -2.0, 0.25], n)
+    for r in np.flatnonzero(rng.random(batch) < 0.3):
+        s.mask_on[r] = True
+        s.mask[r] = S.pack_mask(rng.random(vocab) < rng.choice([0.5, 0.01, 0.0]))
+    return s
+
+
+def random_history(batch: int, vocab: int, rng: np.random.Generator) -> S.PenaltyState:
+    """Prompt tokens seen, a few generated tokens counted."""
+    seen = rng.random((batch, vocab)) < 0.002
+    counts = np.where(rng.random((batch, vocab)) < 0.001, rng.integers(1, 4, (batch, vocab)), 0).astype(np.int32)
+    return S.PenaltyState(counts=jnp.asarray(counts), seen=jnp.asarray(seen | (counts > 0)))
+
+
+def assert_same(new: S.SampleOutput, old: S.SampleOutput, what: str) -> None:
+    """Every field equal, bit for bit."""
+    for field in dataclasses.fields(S.SampleOutput):
+        a, b = np.asarray(getattr(new, field.name)), np.asarray(getattr(old, field.name))
+        if a.dtype.kind == "f":
+            a, b = a.view(np.uint32), b.view(np.uint32)
+        np.testing.assert_array_equal(a, b, f"{what}: {field.name}")
+
+
+def check(kind: str, batch: int, vocab: int, seed: int, rounds: int, sampled: float = 0.85) -> None:
+    """`rounds` batches of random settings over one batch of logits: new == old."""
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(logits_of(kind, batch, vocab, rng))
+    state = random_history(batch, vocab, rng)
+    for i in range(rounds):
+        s = random_settings(batch, vocab, rng, sampled)
+        assert_same(_new(logits, s, state), _old(logits, s, state), f"{kind} B={batch} V={vocab} round {i}")
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "bf16", "one", "nan"])
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_small_vocab_equals_reference(kind, batch):
+    check(kind, batch, 5000, seed=batch * 7 + len(kind), rounds=12)
+
+
+@pytest.mark.parametrize("vocab", [13, 512, 4096])
+def test_tiny_and_block_vocab_equals_reference(vocab):
+    for kind in ("peaked", "ties", "one"):
+        check(kind, 8, vocab, seed=vocab, rounds=6)
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties"])
+def test_real_vocab_equals_reference(kind):
+    for batch in (1, 16):
+        check(kind, batch, 262_144, seed=batch + len(kind), rounds=3)
+
+
+def test_many_seeds_one_distribution():
+    """One peaked row, 64 steps of one seed and every filter: each draw as the reference's."""
+    rng = np.random.default_rng(1)
+    row = logits_of("peaked", 1, 262_144, rng)
+    logits = jnp.asarray(np.tile(row, (64, 1)))
+    state = S.penalty_state_zeros(64, 262_144)
+    for temperature, top_p, top_k, min_p in [(0.7, 0.95, 0, 0.0), (1.0, 0.9, 50, 0.05), (1.5, 1.0, 0, 0.0),
+                                              (0.7, 0.95, 40, 0.0), (1.5, 0.999, 1024, 0.0)]:
+        s = S.SamplingArrays.defaults(64, 262_144)
+        s.temperature[:], s.top_p[:], s.top_k[:], s.min_p[:] = temperature, top_p, top_k, min_p
+        s.seed[:], s.step[:] = [5, 6], np.arange(64)
+        assert_same(_new(logits, s, state), _old(logits, s, state), f"{temperature} {top_p} {top_k} {min_p}")
+
+
+def test_edge_settings_equal_reference():
+    """top_p 1 and tiny, top_k 1 and the largest, min_p near 1, a temperature near 0, greedy rows among sampled
+    ones, rows whose mask allows one token or none."""
+    rng = np.random.default_rng(2)
+    batch, vocab = 12, 5000
+    logits = jnp.asarray(logits_of("peaked", batch, vocab, rng))
+    s = S.SamplingArrays.defaults(batch, vocab)
+    s.temperature[:] = [0, 1, 1, 1, 1, 1e-7, 0.5, 2, 0, 1, 1, 1]
+    s.top_p[:] = [1, 1, 1e-9, 1, 0.5, 1, 0.999999, 0.9, 0.9, 1, 1, 0.95]
+    s.top_k[:] = [0, 1, 0, S.MAX_TOP_K, 0, 0, 2, 0, 5, 0, 0, 7]
+    s.min_p[:] = [0, 0, 0, 0, 0.999, 0, 0, 0.2, 0, 0, 0, 0.01]
+    s.seed[:, 0], s.step[:] = np.arange(batch), 3
+    s.mask_on[9:], s.mask[9] = True, S.pack_mask(np.arange(vocab) == 17)
+    s.mask[10] = 0
+    s.top_logprobs[:] = 20
+    state = S.penalty_state_zeros(batch, vocab)
+    assert_same(_new(logits, s, state), _old(logits, s, state), "edges")
+
+
+def test_candidate_path_is_taken_and_equals_whole_rows():
+    """The fast path (`_sample_candidates`) is sure of its draw for a language model's logits under top-p, top-k or
+    min-p, and then draws what the whole rows do (`_sample_whole_rows`); for flat logits under top-p alone, or
+    under no filter, it is not sure (the whole rows decide, as `sample` does)."""
+    rng = np.random.default_rng(3)
+    batch, vocab = 16, 262_144
+    peaked = jnp.asarray(logits_of("peaked", batch, vocab, rng))
+    peaked = peaked.at[:, :40].set(20.0 + jnp.arange(40.0) / 10)  # a nucleus of a few tokens in every row
+    flat = jnp.asarray(logits_of("flat", batch, vocab, rng))
+    fast = jax.jit(lambda x, s: S._sample_candidates(x, s, S._candidates(x)))
+    whole = jax.jit(S._sample_whole_rows)
+    for top_p, top_k, min_p in [(0.95, 0, 0.0), (1.0, 50, 0.0), (1.0, 0, 0.05), (0.9, 40, 0.02)]:
+        s = S.SamplingArrays.defaults(batch, vocab)
+        s.temperature[:], s.top_p[:], s.top_k[:], s.min_p[:] = 0.8, top_p, top_k, min_p
+        s.seed[:, 0], s.step[:] = np.arange(batch), 7
+        tokens, sure = fast(peaked, s)
+        assert np.asarray(sure).all(), (top_p, top_k, min_p)
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(whole(peaked, s)))
+    s = S.SamplingArrays.defaults(batch, vocab)
+    s.temperature[:], s.top_p[:] = 1.0, 0.95
+    assert not np.asarray(fast(flat, s)[1]).any()
+    s.top_p[:] = 1.0
+    assert not np.asarray(fast(peaked, s)[1]).any()
+
+
+def test_nucleus_threshold_has_the_reference_bits():
+    """Where the candidates decide top-p (`_nucleus`, sure), the threshold has the bits of the reference's bisection
+    over the whole row's probabilities (computed as the reference computes them, filters under conds), and so do
+    those probabilities in the blocks returned; a token's draw depends on them only through the kept set, so this
+    checks what the draws alone would rarely show."""
+    rng = np.random.default_rng(4)
+    batch, vocab = 16, 262_144
+    x = jnp.asarray(logits_of("peaked", batch, vocab, rng))
+    s = random_settings(batch, vocab, rng, sampled=1.0)
+    s.top_p[:] = rng.choice([0.5, 0.9, 0.95, 0.99], batch)
+    s.top_k[:] = rng.choice([0, 0, 5, 50], batch)  # k-th values the candidates hold
+    temperature = jnp.maximum(jnp.asarray(s.temperature), 1e-6)
+
+    @jax.jit
+    def reference(x, s):
+        scaled = x / temperature[:, None]
+        scaled = jax.lax.cond(jnp.any(s.min_p > 0), R._min_p_filter, R._skip, scaled, s.min_p)
+        scaled = jax.lax.cond(jnp.any(s.top_k > 0), R._top_k_filter, R._skip, scaled, s.top_k)
+        probs = jax.nn.softmax(scaled, axis=-1)
+        return S._bisect(probs, s.top_p), probs
+
+    @jax.jit
+    def fast(x, s):
+        cands = S._candidates(x)
+        floor = jnp.max(cands.vals / temperature[:, None], axis=-1) + jnp.log(jnp.maximum(s.min_p, 1e-30))
+        kth = S._kth_largest(jnp.where((s.min_p[:, None] <= 0) | (cands.vals / temperature[:, None] >= floor[:, None]),
+                                       cands.vals / temperature[:, None], -jnp.inf), s.top_k)
+        col = lambda a, z: a.reshape((batch,) + (1,) * (z.ndim - 1))
+
+        def filtered(v):
+            z = v / col(temperature, v)
+            z = jnp.where((col(s.min_p, z) <= 0) | (z >= col(floor, z)), z, -jnp.inf)
+            return jnp.where((col(s.top_k, z) <= 0) | (z >= col(kth, z)), z, -jnp.inf)
+
+        return S._nucleus(x, s.top_p, filtered)
+
+    lo_ref, probs_ref = reference(x, s)
+    lo, sure, blocks, probs = fast(x, s)
+    sure = np.asarray(sure)
+    assert sure.sum() >= batch // 2
+    np.testing.assert_array_equal(np.asarray(lo).view(np.uint32)[sure], np.asarray(lo_ref).view(np.uint32)[sure])
+    ref_blocks = np.take_along_axis(np.asarray(probs_ref).reshape(batch, -1, 512), np.asarray(blocks)[:, :, None], 1)
+    np.testing.assert_array_equal(np.asarray(probs).view(np.uint32), ref_blocks.view(np.uint32))
