@@ -4,7 +4,8 @@
 Not a test: prints a table and writes everything (per-request records too) to --json.
 
 Each agent runs one conversation on /v1/chat/completions with `stream: true` and
-`stream_options: {include_usage: true}`, temperature 0:
+`stream_options: {include_usage: true}`, temperature 0 (or, with `--temperature T [--top-p P]`, sampled with a
+seed per agent and turn, as agents' clients mostly send):
   turn 1:  [system prompt shared by all agents (~400 tokens of agent instructions),
             user: the agent's task + a first tool result]
   turn t:  ... + assistant: exactly the text the model returned in turn t-1
@@ -340,6 +341,10 @@ class Refused(Exception):
         self.retry_after = retry_after
 
 
+#: The sampling fields of every request (`--temperature`, `--top-p`; greedy by default). Sampled requests also send
+#: a seed per agent and turn, so a run is repeatable and both servers draw for the same requests.
+SAMPLING: dict = {"temperature": 0}
+
 #: Times an agent retries a refused turn before it gives up.
 MAX_RETRIES = 8
 
@@ -352,7 +357,8 @@ async def stream_chat(
         "model": model,
         "messages": messages,
         "max_tokens": rec.max_tokens,
-        "temperature": 0,
+        **SAMPLING,
+        **({"seed": rec.agent * 1000 + rec.turn} if SAMPLING.get("temperature") else {}),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -656,6 +662,7 @@ def write_json(path: pathlib.Path, args: argparse.Namespace, w: Workload, runs: 
         "base_url": args.base_url,
         "model": args.model,
         "seed": args.seed,
+        "sampling": dict(SAMPLING),
         "workload": dataclasses.asdict(w),
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -732,6 +739,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="max_tokens of an 'answer' turn [150 300; --quick: 60 120]",
     )
     p.add_argument("--long-frac", type=float, default=0.2, help="fraction of turns that are answers")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy; > 0 also sends a seed per agent and turn)")
+    p.add_argument("--top-p", type=float, default=None, help="top_p of every request (with --temperature)")
     p.add_argument(
         "--quick", action="store_true", help="short preset: 5 turns, smaller tool results and answers"
     )
@@ -774,6 +784,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare-dir", default=None, help="with --compare: where the JSONs and the table go "
                    "[benchmarks/.compare/<time>]")
     args = p.parse_args(argv)
+    SAMPLING.clear()
+    SAMPLING.update({"temperature": args.temperature}, **({"top_p": args.top_p} if args.top_p is not None else {}))
     if args.base_url is None:
         args.base_url = "http://localhost/v1" if args.uds else "http://127.0.0.1:8000/v1"
     return args
