@@ -461,9 +461,11 @@ class Engine:
         return cache.get_or_compile(self._fingerprint(key), lambda: self._lower(key), devices)
 
     def _fingerprint(self, key: ProgramKey) -> str:
-        """The executable cache's key of a program (`executables.fingerprint`)."""
+        """The executable cache's key of a program (`executables.fingerprint`), over `program_config(self.ecfg)`:
+        a flag that changes only which programs the grid holds (chunks, buckets, drafts, the queue) leaves the
+        programs both grids hold where they are in the cache."""
         kind = PROGRAMS[key.kind]
-        return fingerprint(key, self.cfg, self.ecfg,
+        return fingerprint(key, self.cfg, program_config(self.ecfg),
                            (*self._state(kind, abstract=True), *kind.example(key, self.cfg.vocab_size)))
 
     def warm_up(self) -> float:
@@ -791,6 +793,17 @@ class Engine:
             else:
                 per_seq += row_bytes
         return per_token, per_seq
+
+
+def program_config(ecfg: EngineConfig) -> EngineConfig:
+    """`ecfg` with the fields that decide only the grid or the scheduling at their defaults: what a compiled
+    program is a function of beyond its key and abstract arguments. No program reads `prefill_chunks`,
+    `tail_chunks`, `kv_bucket_factor` or `max_verify_batch` (they pick the keys), `max_draft_tokens` (a verify
+    program's length is its key's chunk) or `max_waiting` (the queue); the rest shape the state (slots, lengths,
+    dtypes, the ring's slack, the mesh) and stay."""
+    return dataclasses.replace(ecfg, prefill_chunks=EngineConfig.prefill_chunks, tail_chunks=(),
+                               kv_bucket_factor=EngineConfig.kv_bucket_factor, max_waiting=EngineConfig.max_waiting,
+                               max_draft_tokens=0, max_verify_batch=EngineConfig.max_verify_batch)
 
 
 #: A chunk's fixed cost in tokens' worth of its per-token cost (on CPU, 8 to 64-token chunks at position 1,000

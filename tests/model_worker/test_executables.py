@@ -130,6 +130,19 @@ def test_what_a_program_depends_on_changes_its_fingerprint(model, monkeypatch):
     assert _fp(engine) != base
 
 
+def test_flags_that_only_pick_the_grid_keep_the_fingerprints_of_the_programs_both_grids_hold(model):
+    """Another chunk set, bucket factor, draft length, verify batch or queue bound leaves a program's cache key as
+    it was (a restart with `--speculation off` or other chunks loads what it shares); the slots and the ring's slack
+    shape the state and change it."""
+    key = ProgramKey(*KEYS[1])
+    base = _engine(model)._fingerprint(key)
+    for change in ({"prefill_chunks": (16,)}, {"tail_chunks": (2, 4)}, {"kv_bucket_factor": 2}, {"max_waiting": 3},
+                   {"max_draft_tokens": 3, "max_verify_batch": 1}):
+        assert _engine(model, dataclasses.replace(ECFG, **change))._fingerprint(key) == base, change
+    assert _engine(model, dataclasses.replace(ECFG, num_slots=ECFG.num_slots * 2))._fingerprint(key) != base
+    assert _engine(model, dataclasses.replace(ECFG, prefix_slack=ECFG.prefix_slack + 8))._fingerprint(key) != base
+
+
 def test_the_program_code_digest_covers_the_model_and_not_the_scheduler():
     """The digest follows the program modules' imports: the model's code is in it, the host-side code is not
     (editing the scheduler keeps the cache)."""
