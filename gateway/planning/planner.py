@@ -119,6 +119,8 @@ class Ask:
       prediction: the token ids of OpenAI Predicted Outputs, or None.
       clamp: a `max_tokens` beyond the room the context leaves (or beyond `--max-tokens-cap`) is lowered to it
         instead of refused (Anthropic's Messages API: Claude Code asks for 32,000 on every request).
+      sent: the client sent `max_tokens` (False: a default the server chose, `/v1/completions`' 16): only a limit
+        sent is refused for being below a grammar's shortest answer; a chosen one cuts it, as before.
     """
 
     model: str
@@ -132,6 +134,7 @@ class Ask:
     session: Session
     prediction: list[int] | None = None
     clamp: bool = False
+    sent: bool = True
 
 
 # ----------------------------------------------------------------------------------------------- entry points
@@ -163,7 +166,7 @@ async def plan_completion(ctx: RequestContext, req: CompletionRequest, *, call_p
     chat.channels = False  # raw prompts: the text as generated
     prompts = [await _completion_prompt(backends, item) for item in texts]
     ask = Ask(model, max_tokens, "max_tokens", req.logprobs or 0, chat, call_prefix, ctx.request_id,
-              history_scope(ctx.tenant, req.cache_salt), ctx.session)
+              history_scope(ctx.tenant, req.cache_salt), ctx.session, sent="max_tokens" in req.model_fields_set)
     return await _finish(backends, req, limits, prompts, ask)
 
 
@@ -556,7 +559,7 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
     salt = prefix_salt(ask.scope, limits.share_prefix_cache_across_keys)
     answer_limits = [answer_budget(len(ids), ask, limits, facts) for ids, _ in prompts]
     constraints = await _constraints(backends, ask.chat, [n for n in answer_limits for _ in range(req.n)],
-                                     ask.limit_param if ask.max_tokens is not None and not ask.clamp else None)
+                                     ask.limit_param if ask.max_tokens is not None and ask.sent and not ask.clamp else None)
     session = _session(ask.session, req)
     worker = backends.route(session.key, prompts[0][0], salt, _tiebreak(req, prompts))
     reservation = backends.pool.reserve(worker, len(prompts) * req.n)

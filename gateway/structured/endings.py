@@ -79,6 +79,8 @@ ZONE = 12
 #: Grammar states the checks of one zone step may evaluate in all (a token left unchecked is not allowed: the work
 #: of a step is bounded, and deterministic).
 STEP_WORK = 8000
+#: Tokens between searches after one found no ending (a grammar whose shortest ending is beyond the search).
+RETRY_AFTER_NONE = 32
 #: Representatives of a large allowed set's plain tokens checked inside the zone.
 _REPRESENTATIVES = 6
 #: The search spells text one character a token; the tokenizer's own spelling takes at most 1/_SPELLING as many
@@ -423,9 +425,11 @@ class BudgetedEnding:
         return self.budget - self._n
 
     def _near(self) -> bool:
-        """Whether N must be known now: near the end, every step; far from it, every fourth."""
+        """Whether N must be known now: near the end, every step; far from it, every fourth. After a search that
+        found no ending, only every `RETRY_AFTER_NONE` tokens: a grammar without a findable ending (a string of
+        thousands of characters at least, say) must not pay a whole failing search per token."""
         if self._need is None:
-            return True
+            return self._need_at < 0 or (self._n - self._need_at) >= RETRY_AFTER_NONE
         return self._left() - self._need <= 4 * self._zone or (self._n - self._need_at) >= 4
 
     def _must_force(self) -> bool:
@@ -528,7 +532,9 @@ class BudgetedEnding:
                 continue
             key = t if small else self._effect(t)  # a large set's tokens go by their effect
             if key not in verdicts:
-                verdicts[key] = self._fits(t, (key, where), ending, left)
+                # once the step's work is spent, an effect not yet judged is not allowed (without the check's own
+                # forks and masks, which the work budget does not count)
+                verdicts[key] = self._work.left > 0 and self._fits(t, (key, where), ending, left)
             if verdicts[key]:
                 keep[t >> 3] |= 1 << (t & 7)
         if len(plain):

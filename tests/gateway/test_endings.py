@@ -280,3 +280,27 @@ def test_a_grammar_without_a_found_ending_is_left_as_it_was(g3):
         c.advance(t)
         bare.advance(t)
     assert not c.capped()
+
+
+def test_a_grammar_without_a_found_ending_is_not_searched_at_every_token(g3, monkeypatch):
+    """After a search finds no ending, the next waits `RETRY_AFTER_NONE` tokens: a client's schema whose ending is
+    beyond the search (a string of at least 4,500 characters) costs a few failing searches per answer, not one per
+    token, and its masks are the grammar's own."""
+    from gateway.structured import endings
+
+    tok, _ = g3
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 4500}}, "required": ["a"]}
+    grammar = grammar_for_json_schema(schema)
+    bare = Constraint(tok, grammar, N_VOCAB, [1, 106])
+    c = BudgetedEnding(Constraint(tok, grammar, N_VOCAB, [1, 106]), 100, ending_tables(tok))
+    searches = []
+    search = endings.shortest_ending
+    monkeypatch.setattr(endings, "shortest_ending", lambda *a, **k: searches.append(1) or search(*a, **k))
+    steps = 96
+    head = tok.tokenize_str('{"a": "')
+    script = head + [tok.tokenize_str("x")[-1]] * (steps - len(head))  # one character a token
+    for t in script:
+        assert c.mask() == bare.mask() and c.forced() == bare.forced()
+        c.advance(t)
+        bare.advance(t)
+    assert 1 <= len(searches) <= steps // endings.RETRY_AFTER_NONE + 2, len(searches)

@@ -505,6 +505,15 @@ def test_a_limit_below_the_shortest_answer_is_a_400_naming_it_and_a_server_cap_b
     assert _chat(_Backends(), {"messages": [USER], "response_format": fmt, "max_tokens": 9}).jobs[0].params.constraint
     capped = _chat(_Backends(), {"messages": [USER], "response_format": fmt}, Limits(max_tokens_cap=4))
     assert capped.jobs[0].params.max_tokens == 4
+    # /v1/completions: a limit sent is refused the same way; its default of 16 (no max_tokens) is the server's
+    # choice and cuts a longer answer (here at least 29 tokens), as before
+    long = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "minLength": 20}}, "required": ["a"],
+        "additionalProperties": False}}}
+    err = _refused(_complete, _Backends(), {"prompt": "x", "response_format": long, "max_tokens": 16})
+    assert (err.status, err.param, err.code) == (400, "max_tokens", "max_tokens_too_small"), err.message
+    default = _complete(_Backends(), {"prompt": "x", "response_format": long})
+    assert default.jobs[0].params.max_tokens == 16 and default.jobs[0].params.constraint
 
 
 def test_response_format_with_tools_is_a_400():
