@@ -15,7 +15,7 @@ of tens of thousands of tokens: the top-p filter's slow path, `sampling._top_p_f
     .venv/bin/python benchmarks/sampling.py [--batches 1 8 16] [--rounds 15] [--vocab 262144] [--logits peaked flat]
         [--reference]
 
-`--reference` also times the sampler as it stood before issue 46 (the tests' frozen oracle), in the same rounds:
+`--reference` also times the sampler as it stood before the candidates (the tests' frozen oracle), in the same rounds:
 before and after from one run.
 
 A decode step of the embedded model at batch 1 takes ~13 ms on the project's 2-vCPU machine
@@ -118,7 +118,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=262_144)
     ap.add_argument("--logits", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat"])
     ap.add_argument("--reference", action="store_true",
-                    help="also time the sampler before issue 46 (tests/model_worker/sampling_reference.py), interleaved")
+                    help="also time the sampler before the candidates (tests/model_worker/sampling_reference.py), "
+                         "interleaved")
     args = ap.parse_args()
     samplers = {"sample": jax.jit(sampling.sample)}
     if args.reference:

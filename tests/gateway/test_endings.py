@@ -3,7 +3,7 @@
 Model-free, with the real vocabularies (the embedded Gemma 3's; the Gemma 4 test tokenizer's). The adversary stands
 in for a model sampled at temperature 1.5: each step it takes the grammar's forced tokens, else a seeded random
 choice among the tokens the mask allows, weighted towards long tokens and tokens outside ASCII (the CJK and
-private-use runaway of issue 46, which a uniform choice over 262k tokens also favours). Over 50 seeds per case and
+private-use runaway that an unforced string showed, which a uniform choice over 262k tokens also favours). Over 50 seeds per case and
 budgets from the shortest valid answer up, every json_schema answer must parse and validate with jsonschema, and
 every required tool call must parse (not truncated) with arguments that validate; an answer with room to spare must
 be the one the bare grammar gives, token for token.

@@ -1,5 +1,5 @@
-"""A frozen copy of `model_worker.modeling.sampling`'s `sample` as it stood at commit ed02180 (before issue 46's
-faster sampler): the oracle the exactness tests compare the sampler with, bit for bit (tokens, log-probabilities,
+"""A frozen copy of `model_worker.modeling.sampling`'s `sample` as it stood at commit ed02180 (before the faster
+sampler on candidates): the oracle the exactness tests compare the sampler with, bit for bit (tokens, log-probabilities,
 top logprobs, mask_empty). Used only by tests; never change it to follow the sampler: a difference is a change of
 the draw, which must be versioned (docs/architecture.md, "Sampling").
 """

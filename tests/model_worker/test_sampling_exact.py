@@ -1,4 +1,4 @@
-"""The sampler gives the tokens and log-probabilities of the reference sampler bit for bit (issue 46: a faster
+"""The sampler gives the tokens and log-probabilities of the reference sampler bit for bit (a faster
 sampler must not change a seeded draw): `sampling.sample` against `sampling_reference.sample`, the frozen copy of
 the sampler as it stood before, over grids of random settings and seeds, several batch sizes and vocabularies
 (the real 262,144 included), and logits of several shapes: peaked like a language model's (a small nucleus), flat
