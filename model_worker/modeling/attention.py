@@ -28,6 +28,7 @@ from model_worker.modeling.kv_cache import (
 )
 from model_worker.modeling.layers import joint, rms_norm
 from model_worker.modeling.params import LayerParams
+from model_worker.numerics import elementwise
 from model_worker.numerics.quant import gemm_row_pad, linear
 
 # Finite "minus infinity": a fully masked row (a padded query) then gives a uniform softmax instead of NaN.
@@ -82,7 +83,7 @@ def attend(
     if window is not None:
         visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
     scores = jnp.where(visible[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = elementwise.softmax(scores, axis=-1).astype(v.dtype)
     # Output in the dot's natural order, then transpose the small result: asking the dot for "bckgd" directly
     # made XLA CPU transpose all of V first, much slower at long contexts (figures: docs/performance.md).
     out = jnp.einsum("bkgct,btkd->bkgcd", probs, v).transpose(0, 3, 1, 2, 4)
@@ -336,8 +337,8 @@ def _attend_blocks(q, arrays, row, q_pos, block: int, bound: int, window, scale:
             visible &= q_pos[:, None] - k_pos[None, :] < window
         s = jnp.where(visible, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        fix = jnp.exp(m - m_new)
+        p = elementwise.exp(s - m_new[..., None])
+        fix = elementwise.exp(m - m_new)
         pv = jnp.einsum("kgct,tkd->kgcd", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
         return m_new, l * fix + jnp.sum(p, axis=-1), acc * fix[..., None] + pv
 
@@ -376,11 +377,11 @@ def _block_step(carry, q, keys, vals, k_pos, q_pos, window, scale):
         visible &= q_pos[:, None] - k_pos[None, :] < window
     s = jnp.where(visible, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    p = jnp.exp(s - m_new[..., None]).astype(jnp.bfloat16)
+    p = elementwise.exp(s - m_new[..., None]).astype(jnp.bfloat16)
     ones = jnp.ones(vals.shape[:-1] + (1,), jnp.bfloat16)
     v_ext = jnp.concatenate([vals.astype(jnp.bfloat16), ones], axis=-1)  # [T0, K, D + 1]
     pv = jnp.einsum("kgct,tkd->kgcd", p, v_ext, preferred_element_type=jnp.float32)
-    return m_new, acc * jnp.exp(m - m_new)[..., None] + pv
+    return m_new, acc * elementwise.exp(m - m_new)[..., None] + pv
 
 
 def attend_position_blocks(q, read_block, q_pos, first: jax.Array, count: jax.Array, block: int, kv_heads: int,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from model_worker.modeling.config import ModelConfig
 from model_worker.modeling.params import LayerParams, Params
+from model_worker.numerics import elementwise
 from model_worker.numerics.fixed_order import fixed_order_sum
 from model_worker.numerics.q8 import Q8Weight, q8_linear
 from model_worker.numerics.quant import Bf16Weight, Int8Weight, bf16_linear, int8_linear, linear
@@ -51,7 +52,7 @@ def joint(fn, xs: list[jax.Array]) -> list[jax.Array]:
 
 def mlp(lp: LayerParams, x: jax.Array) -> jax.Array:
     """Gated MLP: (gelu_tanh(x Wgate) * x Wup) Wdown; x [..., H] -> [..., H]."""
-    return linear(jax.nn.gelu(linear(x, lp.gate), approximate=True) * linear(x, lp.up), lp.down)
+    return linear(elementwise.gelu_tanh(linear(x, lp.gate)) * linear(x, lp.up), lp.down)
 
 
 def per_layer_inputs(params: Params, tokens: jax.Array, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -74,7 +75,7 @@ def per_layer_inputs(params: Params, tokens: jax.Array, x: jax.Array, cfg: Model
 def ple_block(lp: LayerParams, x: jax.Array, pli: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The per-layer-input residual branch: post_norm(proj(gelu_tanh(gate(x)) * pli)); x [B, C, H], pli
     [B, C, P] -> [B, C, H]."""
-    h = jax.nn.gelu(linear(x, lp.ple_gate), approximate=True) * pli
+    h = elementwise.gelu_tanh(linear(x, lp.ple_gate)) * pli
     return rms_norm(linear(h, lp.ple_proj), lp.ple_post_norm, cfg)
 
 

@@ -40,6 +40,7 @@ from model_worker.modeling.layers import (
     rms_norm,
 )
 from model_worker.modeling.params import Params
+from model_worker.numerics import elementwise
 
 
 @jax.tree_util.register_dataclass
@@ -162,7 +163,7 @@ def _logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     head = params.embed if params.lm_head is None else params.lm_head
     logits = lm_head(rms_norm(x, params.final_norm, cfg), head)
     if cfg.final_logit_softcap:
-        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+        logits = cfg.final_logit_softcap * elementwise.tanh(logits / cfg.final_logit_softcap)
     return logits
 
 
