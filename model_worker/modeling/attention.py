@@ -56,8 +56,8 @@ def rope(x: jax.Array, positions: jax.Array, spec: LayerSpec) -> jax.Array:
     i = jnp.arange(half, dtype=jnp.float32)
     inv_freq = jnp.where(i < rotated, spec.rope_theta ** (-2.0 * i / D), 0.0) / spec.rope_scale
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, C, D/2]
-    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    cos = elementwise.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = elementwise.sin(angles)[:, :, None, :].astype(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 

@@ -29,7 +29,7 @@ def rms_norm(x: jax.Array, w: jax.Array | None, cfg: ModelConfig) -> jax.Array:
     xf = x.astype(jnp.float32)
     squares = xf * xf
     total = fixed_order_sum(squares) if cfg.batch_invariant else jnp.sum(squares, axis=-1)
-    y = xf * jax.lax.rsqrt(total[..., None] / xf.shape[-1] + cfg.rms_norm_eps)
+    y = xf * elementwise.rsqrt(total[..., None] / xf.shape[-1] + cfg.rms_norm_eps)
     if w is not None:
         y = y * w.astype(jnp.float32)
     return y.astype(x.dtype)

@@ -1,11 +1,15 @@
-"""The model's float32 transcendental functions (tanh, exp, the tanh GELU, softmax), made accurate when the
+"""The model's float32 transcendental functions (tanh, exp, the tanh GELU, softmax, RoPE's sin and cos, the
+norms' rsqrt), made accurate when the
 program is traced at float32 "highest" matmul precision.
 
 Why: a TPU's float32 transcendentals are approximations by default. Measured on a TPU v5e with JAX 0.10.2
 (`python scripts/float32_probe.py`, max error over 2^20 inputs): tanh 1364 ulp, exp 64 ulp, log 3964 ulp, expm1
-1734 ulp; with `accuracy=jax.lax.AccuracyMode.HIGHEST` 1-7 ulp. At float32 "highest" precision that error
+1734 ulp, sin and cos 3 ulp, rsqrt 2.1 ulp (the CPU: 0.6 and 1.7); with `accuracy=jax.lax.AccuracyMode.HIGHEST`
+tanh, exp, log and expm1 are within 1-7 ulp. At float32 "highest" precision that error
 dominates a tiny Gemma 4's logits (the final soft cap's tanh above all, then the MLP's GELU and the attention
-softmax's exp): |Δlogit| 6e-4 to 1e-3 against transformers' float64 instead of the ~1e-5 float32 noise.
+softmax's exp): |Δlogit| 6e-4 to 1e-3 against transformers' float64 instead of the ~1e-5 float32 noise; with
+those three accurate, 8.9e-5 at worst, 3.5x the noise (the same code on the host's CPU: 1x), so RoPE's sin and
+cos and the norms' rsqrt ask for the accurate versions too.
 
 So when `jax_default_matmul_precision` is "highest" or "float32" at trace time (the worker sets it for
 `--matmul-precision float32` off the CPU; the engine traces under it) and the operand is float32, these
@@ -49,6 +53,24 @@ def exp(x: jax.Array) -> jax.Array:
     HIGHEST: a few ulp; JAX 0.10.2). Used by the attention softmax, plain and online."""
     x = jnp.asarray(x)
     return lax.exp(x, accuracy=_accuracy(x))
+
+
+def sin(x: jax.Array) -> jax.Array:
+    """`jnp.sin(x)`, accurate at float32 "highest" precision (RoPE's rotation angles)."""
+    x = jnp.asarray(x)
+    return lax.sin(x, accuracy=_accuracy(x))
+
+
+def cos(x: jax.Array) -> jax.Array:
+    """`jnp.cos(x)`, accurate at float32 "highest" precision (RoPE's rotation angles)."""
+    x = jnp.asarray(x)
+    return lax.cos(x, accuracy=_accuracy(x))
+
+
+def rsqrt(x: jax.Array) -> jax.Array:
+    """`jax.lax.rsqrt(x)`, accurate at float32 "highest" precision (the RMS norms' scale)."""
+    x = jnp.asarray(x)
+    return lax.rsqrt(x, accuracy=_accuracy(x))
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:

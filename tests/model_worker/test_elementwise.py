@@ -15,6 +15,9 @@ HELPERS = {
     "tanh": (elementwise.tanh, jnp.tanh, "stablehlo.tanh"),
     "exp": (elementwise.exp, jnp.exp, "stablehlo.exponential"),
     "gelu_tanh": (elementwise.gelu_tanh, lambda x: jax.nn.gelu(x, approximate=True), "stablehlo.tanh"),
+    "sin": (elementwise.sin, jnp.sin, "stablehlo.sine"),
+    "cos": (elementwise.cos, jnp.cos, "stablehlo.cosine"),
+    "rsqrt": (lambda x: elementwise.rsqrt(jnp.abs(x) + 1), lambda x: jax.lax.rsqrt(jnp.abs(x) + 1), "stablehlo.rsqrt"),
     "softmax": (elementwise.softmax, lambda x: jax.nn.softmax(x, axis=-1), "stablehlo.exponential"),
 }
 

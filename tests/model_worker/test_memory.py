@@ -113,7 +113,7 @@ def test_a_running_engine_reports_its_arrays_and_compiled_temporaries(tiny):
     # temporaries at all (0 bytes on a v5e), so only the CPU's figure is known to be positive.
     assert temporaries > 0 or not on_cpu
     assert re.fullmatch(rf"device 0 \({re.escape(usage.device.device_kind)}\): weights [\d.]+ MiB, KV [\d.]+ KiB, "
-                        r"penalty state [\d.]+ KiB, temporaries [\d.]+ KiB" + ("" if on_cpu else
+                        r"penalty state [\d.]+ KiB, temporaries [\d.]+ (B|KiB)" + ("" if on_cpu else
                                                                                r" \(of a [\d.]+ GiB limit\)"),
                         usage.line()), usage.line()
 
