@@ -129,8 +129,18 @@ e2e() {
   local accelerator
   accelerator="$(JAX_PLATFORMS= "$VENV/bin/python" -c 'import jax; print(jax.default_backend())' 2>/dev/null | tail -1)"
   [ "$accelerator" = cpu ] && accelerator=""
+  # The stacks' service logs come back with the results (the last 200 KB of each): a test that hangs on the
+  # device host can be read afterwards, as the host is handed back with its files.
+  local base="${TMPDIR:-/tmp}/device-e2e" status=0
+  rm -rf "$base"
   GEMMA_SERVE_DEVICE_LANE=e2e JAX_PLATFORMS=cpu GEMMA_SERVE_ACCELERATOR="${accelerator:+$accelerator,cpu}" \
-    lane e2e -p no:xdist tests/e2e
+    lane e2e -p no:xdist --basetemp="$base" tests/e2e || status=$?
+  local f dest
+  while IFS= read -r f; do
+    dest="$OUT/e2e-logs/${f#"$base"/}"
+    mkdir -p "$(dirname "$dest")" && tail -c 200000 "$f" > "$dest"
+  done < <(find "$base" -name '*.log' -size +0 2>/dev/null)
+  return $status
 }
 
 # Ctrl-C or SIGTERM: end every lane still running (a background lane ignores SIGINT), then exit.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import pathlib
 import shutil
 import socket
@@ -25,8 +26,12 @@ NO_TCP = "this host allows no TCP socket, not even on loopback (the TPU host's s
 
 
 def tcp_available() -> bool:
-    """Whether this process may open an internet socket (checked once)."""
+    """Whether this process may open an internet socket (checked once). GEMMA_SERVE_TEST_NO_TCP=1 answers False
+    on any host, so the e2e tests run over unix sockets as they do on the TPU host."""
     if not _TCP:
+        if os.environ.get("GEMMA_SERVE_TEST_NO_TCP"):
+            _TCP.append(False)
+            return False
         try:
             socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
             _TCP.append(True)

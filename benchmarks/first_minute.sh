@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The first minute as a new user lives it: a fresh clone, `make serve`, and the time from the command to the first
+# answer (a one-token completion polled every second) and to full speed (/health reports no program compiling).
+#
+#   bash benchmarks/first_minute.sh                  # pip's cache emptied too (a new machine)
+#   KEEP_PIP_CACHE=1 bash benchmarks/first_minute.sh # pip's cache kept (only the program and model caches empty)
+#   SERVE_ARGS="--max-model-len 32768" bash benchmarks/first_minute.sh
+#
+# Prints the phases from `gemma-serve up`'s log (model files, worker SERVING, full speed) and the two times, in
+# seconds from the command. Environment: WORK (default: a new temporary folder; removed after), PORT (default 18000),
+# SERVE_ARGS (added to `make serve`). Needs the package registry (pip) unless KEEP_PIP_CACHE holds every wheel.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+WORK=${WORK:-$(mktemp -d)}
+PORT=${PORT:-18000}
+export GEMMA_SERVE_CACHE="$WORK/cache"
+[ -n "${KEEP_PIP_CACHE:-}" ] || export PIP_CACHE_DIR="$WORK/pip-cache"
+git clone -q "$ROOT" "$WORK/clone" || exit 1
+cd "$WORK/clone" || exit 1
+ports=(--http-port "$PORT" --gateway-grpc-port $((PORT + 1)) --tokenizer-port $((PORT + 2)) --worker-port $((PORT + 3))
+       --worker-metrics-port $((PORT + 4)))
+t0=$(date +%s.%N)
+setsid make serve SERVE_ARGS="${ports[*]} ${SERVE_ARGS:-}" > "$WORK/serve.log" 2>&1 &
+pid=$!
+since() { echo "$(date +%s.%N) - $t0" | bc; }
+first="" full=""
+body='{"model":"gemma-3-270m","prompt":"Hello","max_tokens":1,"temperature":0}'
+while kill -0 "$pid" 2>/dev/null; do
+  if [ -z "$first" ] && curl -sf -o /dev/null -H 'content-type: application/json' -d "$body" \
+       "http://127.0.0.1:$PORT/v1/completions"; then
+    first=$(since); echo "first answer: $first s"
+  fi
+  if [ -n "$first" ] && curl -sf "http://127.0.0.1:$PORT/health" | grep -q '"programs_compiling": *0'; then
+    full=$(since); echo "full speed: $full s"; break
+  fi
+  [ "$(since | cut -d. -f1)" -gt 900 ] && { echo "gave up after 900 s"; break; }
+  sleep 1
+done
+kill -INT -- -"$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+echo "--- phases (gemma-serve up's log)"
+grep -E "installed|model files|prepar|SERVING|full speed|serving while|compiled [0-9]+ programs" "$WORK/serve.log" | cut -c1-200
+[ -n "${KEEP_WORK:-}" ] || rm -rf "$WORK"
