@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from common import families
-from model_worker.checkpoints.gguf_int8 import int8_from_gguf
+from model_worker.checkpoints.gguf_int8 import int8_by_rows
 from model_worker.modeling.config import ModelConfig, worker_part
 from model_worker.numerics.quant import Int8Weight
 
@@ -74,21 +74,21 @@ def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray |
     worker = worker_part(families.from_gguf(meta))
     flat: dict[str, np.ndarray | Int8Weight] = {}
     for t in reader.tensors:
-        data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        packed = int8_from_gguf(t.data, t.tensor_type, data) if data.ndim == 2 else None
+        # A block-quantized matrix becomes an Int8Weight piece by piece (`int8_by_rows`: no dense copy); the rest,
+        # and a matrix whose values do not round-trip, is dequantized whole.
+        packed = int8_by_rows(t.data, t.tensor_type) if len(t.shape) == 2 else None
+        value = packed if packed is not None else np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
         if t.name == "token_embd.weight":
-            flat["embed"] = data if packed is None else packed
+            flat["embed"] = value
         elif t.name == "output_norm.weight":
-            flat["final_norm"] = data
+            flat["final_norm"] = value
         elif t.name.startswith("blk."):
             _, idx, base, _ = t.name.split(".")
             if base not in _BLOCK_NAMES:
                 raise ValueError(f"unknown GGUF tensor {t.name}")
             ours, transpose = _BLOCK_NAMES[base]
-            if transpose:
-                flat[f"layers.{idx}.{ours}"] = np.ascontiguousarray(data.T) if packed is None else packed
-            else:
-                flat[f"layers.{idx}.{ours}"] = data
+            dense_transposed = transpose and packed is None
+            flat[f"layers.{idx}.{ours}"] = np.ascontiguousarray(value.T) if dense_transposed else value
         elif t.name == "output.weight":
             continue  # an untied head is not used by Gemma; the tied embedding is the head
         else:

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from families.gemma3.worker import GEMMA3_270M, gemma3_layers
-from model_worker.checkpoints.gguf_int8 import SUPPORTED, int8_from_gguf
+from model_worker.checkpoints.gguf_int8 import SUPPORTED, int8_by_rows, int8_from_gguf
 from model_worker.modeling.kv_cache import KVCache
 from model_worker.modeling.model import forward_jit
 from model_worker.modeling.params import Params, random_flat, to_device, with_q8_matmuls
@@ -66,6 +66,28 @@ def test_values_that_do_not_round_trip_stay_dense():
     assert int8_from_gguf(raw, T.Q5_0, ref * 1.0001) is None, "values that are not d * q must not be packed"
     assert int8_from_gguf(raw, T.Q5_0, ref[:, :32]) is None, "a shape the bytes do not hold"
     assert int8_from_gguf(raw, T.F16, ref) is None, "an unsupported type"
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED, key=lambda t: t.name), ids=lambda t: t.name)
+def test_a_tensor_packed_piece_by_piece_equals_it_packed_whole(qtype):
+    """`int8_by_rows` (pieces of 3 rows, the last one short) gives the whole tensor's arrays, bit for bit."""
+    raw, ref = random_blocks(np.random.default_rng(int(qtype) + 1), qtype, 7, 512)
+    whole, pieces = int8_from_gguf(raw, qtype, ref), int8_by_rows(raw, qtype, rows=3)
+    for field in ("q", "scale", "offset"):
+        a, b = getattr(whole, field), getattr(pieces, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, field
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=field)
+    assert pieces.group_size == whole.group_size
+
+
+def test_one_piece_that_does_not_round_trip_keeps_the_tensor_dense():
+    raw, _ = random_blocks(np.random.default_rng(5), T.Q8_0, 6, 64)
+    assert int8_by_rows(raw, T.Q8_0, rows=2) is not None
+    raw[5, 0:2] = np.array([0x00, 0x7C], np.uint8)  # the last row's first scale: f16 +inf (q * inf is not finite)
+    assert int8_by_rows(raw, T.Q8_0, rows=2) is None
+    assert int8_by_rows(raw, T.F16, rows=2) is None, "an unsupported type"
 
 
 @pytest.mark.slow
