@@ -5,6 +5,7 @@
 #   bash benchmarks/first_minute.sh                  # pip's cache emptied too (a new machine)
 #   KEEP_PIP_CACHE=1 bash benchmarks/first_minute.sh # pip's cache kept (only the program and model caches empty)
 #   SERVE_ARGS="--max-model-len 32768" bash benchmarks/first_minute.sh
+#   FIRST_ONLY=1 bash benchmarks/first_minute.sh      # stop at the first answer
 #
 # Prints the phases from `gemma-serve up`'s log (model files, worker SERVING, full speed) and the two times, in
 # seconds from the command. Environment: WORK (default: a new temporary folder; removed after), PORT (default 18000),
@@ -22,21 +23,22 @@ ports=(--http-port "$PORT" --gateway-grpc-port $((PORT + 1)) --tokenizer-port $(
 t0=$(date +%s.%N)
 setsid make serve SERVE_ARGS="${ports[*]} ${SERVE_ARGS:-}" > "$WORK/serve.log" 2>&1 &
 pid=$!
-since() { echo "$(date +%s.%N) - $t0" | bc; }
+since() { python3 -c "import sys,time; print(round(time.time() - float(sys.argv[1]), 1))" "$t0"; }
 first="" full=""
 body='{"model":"gemma-3-270m","prompt":"Hello","max_tokens":1,"temperature":0}'
 while kill -0 "$pid" 2>/dev/null; do
   if [ -z "$first" ] && curl -sf -o /dev/null -H 'content-type: application/json' -d "$body" \
        "http://127.0.0.1:$PORT/v1/completions"; then
     first=$(since); echo "first answer: $first s"
+    [ -n "${FIRST_ONLY:-}" ] && break
   fi
   if [ -n "$first" ] && curl -sf "http://127.0.0.1:$PORT/health" | grep -q '"programs_compiling": *0'; then
     full=$(since); echo "full speed: $full s"; break
   fi
-  [ "$(since | cut -d. -f1)" -gt 900 ] && { echo "gave up after 900 s"; break; }
+  [ "$(since | cut -d. -f1)" -gt 900 ] 2>/dev/null && { echo "gave up after 900 s"; break; }
   sleep 1
 done
 kill -INT -- -"$pid" 2>/dev/null; wait "$pid" 2>/dev/null
 echo "--- phases (gemma-serve up's log)"
-grep -E "installed|model files|prepar|SERVING|full speed|serving while|compiled [0-9]+ programs" "$WORK/serve.log" | cut -c1-200
+grep -E "installed|model files|prepar|SERVING|full speed|serving while|compiled [0-9]+ programs|early|weights loaded" "$WORK/serve.log" | cut -c1-200
 [ -n "${KEEP_WORK:-}" ] || rm -rf "$WORK"

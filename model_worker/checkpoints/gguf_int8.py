@@ -135,3 +135,21 @@ def int8_by_rows(raw: np.ndarray, qtype, rows: int = ROWS_PER_PIECE) -> Int8Weig
     return Int8Weight(q=np.concatenate([p.q for p in pieces]), scale=np.concatenate([p.scale for p in pieces]),
                       offset=None if offsets[0] is None else np.concatenate(offsets), group_size=pieces[0].group_size)
 
+
+def int8_layout(raw: np.ndarray, qtype) -> Int8Weight | None:
+    """The Int8Weight `int8_by_rows(raw, qtype)` is expected to return, with zeros for values (np.zeros: pages
+    untouched until written), read from the block type and byte shape alone; None where it would return None for
+    the type or the shape. Values that fail to round-trip are not foreseen: a layout is a forecast (the worker
+    compiles early from it, `model_worker.server.early`), never a substitute for the weights.
+
+    Args: raw: uint8 [N, bytes per row]; qtype: its `GGMLQuantizationType`.
+    """
+    if qtype not in _BLOCK or raw.ndim != 2 or raw.shape[1] % _BLOCK[qtype][0]:
+        return None
+    block_bytes, block_values = _BLOCK[qtype]
+    n, k = raw.shape[0], raw.shape[1] // block_bytes * block_values
+    g = 16 if qtype == T.Q6_K else 32  # as `_group_floats`
+    offset = np.zeros((n, k // g), np.float32) if qtype == T.Q4_K else None
+    return Int8Weight(q=np.zeros((n, k), np.int8), scale=np.zeros((n, k // g), np.float32), offset=offset,
+                      group_size=g)
+

@@ -31,7 +31,9 @@ class FlagsRefused(Exception):
 
 def write_weights(reader, out: pathlib.Path, name: str) -> None:
     """The worker's part of a prepared GGUF: `model.safetensors` (`gguf_convert`'s weights: int8 blocks stay int8,
-    exact) and `config.json` (the ModelConfig), each written atomically.
+    exact) and `config.json` (the ModelConfig), each written atomically; first of all `layout.json` (`preparation.LAYOUT`:
+    the config and each array's shape and dtype, forecast from the GGUF's header in a fraction of a second), from
+    which a worker waiting for these files compiles its first programs meanwhile (`model_worker.server.early`).
 
     Args:
       reader: an open `gguf.GGUFReader`.
@@ -47,7 +49,10 @@ def write_weights(reader, out: pathlib.Path, name: str) -> None:
     from model_worker.checkpoints.gguf_convert import convert_gguf
     from model_worker.modeling.config import config_to_dict
     from model_worker.numerics.quant import int8_to_flat
+    from model_worker.server.early import write_layout
 
+    cfg, layout = convert_gguf(reader, name, values=False)
+    write_layout(out / preparation.LAYOUT, cfg, int8_to_flat(layout))
     cfg, flat = convert_gguf(reader, name)
     tmp = out / "model.safetensors.partial"
     save_file(int8_to_flat(flat), str(tmp))
@@ -94,11 +99,14 @@ def speculation_drafts(args: argparse.Namespace, invariant: bool, precision: str
     return drafts
 
 
-def load_engine(prepared, args: argparse.Namespace):
+def load_engine(prepared, args: argparse.Namespace, weights: tuple | None = None):
     """Load the prepared weights onto the device and compile the program grid.
 
     The model family comes from the `families` registry: a checkpoint directory's from its config.json
     (`hf_loader.load_checkpoint`), a prepared GGUF's from the `architecture` its config.json records.
+
+    With `weights` ((config, flat dict), e.g. `early.read_layout`'s zeros), those instead of the prepared files,
+    silently, and only the serving set is compiled (into the executable cache; `early.EarlyCompile`): returns None.
 
     Returns:
       (engine, WorkerInfoResponse); the response's `architecture` is the family's registry name.
@@ -126,14 +134,17 @@ def load_engine(prepared, args: argparse.Namespace):
     # own cache stays off in the worker, because an executable that JAX loaded from it serializes without its
     # object code on XLA CPU (jaxlib 0.10: the reloaded program then fails with "Function ... not found").
     jax.config.update("jax_enable_compilation_cache", False)
+    say = (lambda *a: None) if weights is not None else log.info
     t0 = time.perf_counter()
     # Split over several devices, the weights are staged in host memory and each device then receives only its
     # shard (`Engine` places them): loaded onto the first device whole, a model that needs the split to fit would
     # not fit there.
     staging = jax.devices("cpu")[0] if args.tensor_parallel > 1 else None
-    log.info("loading %s weights (%s) onto %s", prepared.name, dtype, "host memory" if staging else backend)
+    say("loading %s weights (%s) onto %s", prepared.name, dtype, "host memory" if staging else backend)
     with jax.default_device(staging) if staging else contextlib.nullcontext():
-        if prepared.kind == "checkpoint":
+        if weights is not None:
+            cfg, flat = weights
+        elif prepared.kind == "checkpoint":
             from model_worker.checkpoints.hf_loader import load_checkpoint, stop_token_ids
 
             cfg, flat = load_checkpoint(prepared.dir, jnp.dtype(dtype))
@@ -159,7 +170,7 @@ def load_engine(prepared, args: argparse.Namespace):
             # precision by default (one bfloat16 pass on a TPU). The worker owns the process: set it for every
             # program it traces.
             jax.config.update("jax_default_matmul_precision", "highest")
-    log.info("weights loaded in %.1f s (%.2f GiB%s; %s activations, %s matmul precision%s)",
+    say("weights loaded in %.1f s (%.2f GiB%s; %s activations, %s matmul precision%s)",
              time.perf_counter() - t0, params.nbytes() / 2**30, " in host memory" if staging else " on the device",
              dtype, precision, ", batch-invariant" if invariant else "")
     ecfg = EngineConfig(
@@ -178,22 +189,25 @@ def load_engine(prepared, args: argparse.Namespace):
         ecfg, footprint, limit = memory.size_slots(cfg, params, ecfg, auto=args.num_slots == "auto")
     except memory.SlotsDoNotFit as err:
         raise FlagsRefused(f"--num-slots {args.num_slots}: {err}") from None
-    log.info("%s", memory.slots_text(ecfg.num_slots, args.num_slots == "auto", footprint, limit))
+    say("%s", memory.slots_text(ecfg.num_slots, args.num_slots == "auto", footprint, limit))
     try:
         engine = Engine(cfg, params, ecfg)
     except ValueError as err:  # sizes this model cannot take, a split that cuts quantization groups
         raise FlagsRefused(str(err)) from None
     del params  # under tensor parallelism the engine holds its own split copy
     if engine.mesh is not None:
-        log.info("tensor parallel %d over %s", ecfg.tensor_parallel, ", ".join(map(str, engine.mesh.devices.flat)))
+        say("tensor parallel %d over %s", ecfg.tensor_parallel, ", ".join(map(str, engine.mesh.devices.flat)))
         if backend == "cpu":
             log.warning("tensor parallel %d over simulated CPU devices: for testing, no faster than one device",
                         ecfg.tensor_parallel)
     grid = engine.grid()
-    log.info("the grid: %d programs (batch buckets %s, KV buckets %s, chunks %s, tail chunks %s)", len(grid),
+    say("the grid: %d programs (batch buckets %s, KV buckets %s, chunks %s, tail chunks %s)", len(grid),
              engine.batch_buckets, engine.kv_buckets, ecfg.prefill_chunks, ecfg.tail_chunks or "none")
     executables = ExecutableCache(pathlib.Path(args.cache_dir) / "executables")
     threads = min(args.compile_threads or compile_threads(), len(grid))
+    if weights is not None:
+        engine.compile_all(keys=engine.serving_set(), cache=executables, threads=threads)
+        return None
     first = start_programs(engine, executables, args.serve_first)
     if len(first) < len(grid):
         log.info("compiling the %d programs that serve every request first (%d more load from the executable cache; "
@@ -423,14 +437,32 @@ def _prepare_and_load(args: argparse.Namespace):
 
     The CPU's block-int8 kernel is built (or loaded) first: under `gemma-serve up` the launcher is preparing the
     model files meanwhile and `preparation.prepare` would only wait for them, so a new machine's C++ build (~7 s)
-    leaves the first answer's critical path (docs/performance.md, "The first minute"); nothing to do off CPU."""
+    leaves the first answer's critical path (docs/performance.md, "The first minute"); nothing to do off CPU. With
+    serve-first, the serving set then compiles from the weights' layout while the weights are still being written
+    (`early.EarlyCompile`), and the engine loads it from the executable cache."""
     import jax
 
     from model_worker.numerics import q8
 
     if jax.default_backend() == "cpu":
         q8.kernel_available()
-    return load_engine(preparation.prepare(args.model, pathlib.Path(args.cache_dir), PREPARE_PARTS), args)
+    from model_worker.server.early import EarlyCompile
+
+    def compile_early(cfg, flat) -> None:
+        try:
+            load_engine(preparation.PreparedModel("early", "gguf", pathlib.Path()), args, weights=(cfg, flat))
+        except FlagsRefused:
+            pass  # the real load refuses them in turn, with the message
+
+    early = None
+    if args.serve_first:  # the serving set compiles from the layout while the weights are written
+        early = EarlyCompile(args.model, pathlib.Path(args.cache_dir), compile_early).watch()
+    try:
+        prepared = preparation.prepare(args.model, pathlib.Path(args.cache_dir), PREPARE_PARTS)
+    finally:
+        if early is not None:
+            early.finish()
+    return load_engine(prepared, args)
 
 
 def start_background(engine, keys: list, args: argparse.Namespace, metrics, servicer):
