@@ -138,7 +138,7 @@ def int8_by_rows(raw: np.ndarray, qtype, rows: int = ROWS_PER_PIECE) -> Int8Weig
 
 def int8_layout(raw: np.ndarray, qtype) -> Int8Weight | None:
     """The Int8Weight `int8_by_rows(raw, qtype)` is expected to return, with zeros for values (np.zeros: pages
-    untouched until written), read from the block type and byte shape alone; None where it would return None for
+    untouched until written; one value set, see below), read from the block type and byte shape alone; None where it would return None for
     the type or the shape. Values that fail to round-trip are not foreseen: a layout is a forecast (the worker
     compiles early from it, `model_worker.server.early`), never a substitute for the weights.
 
@@ -150,6 +150,11 @@ def int8_layout(raw: np.ndarray, qtype) -> Int8Weight | None:
     n, k = raw.shape[0], raw.shape[1] // block_bytes * block_values
     g = 16 if qtype == T.Q6_K else 32  # as `_group_floats`
     offset = np.zeros((n, k // g), np.float32) if qtype == T.Q4_K else None
-    return Int8Weight(q=np.zeros((n, k), np.int8), scale=np.zeros((n, k // g), np.float32), offset=offset,
-                      group_size=g)
+    q, scale = np.zeros((n, k), np.int8), np.zeros((n, k // g), np.float32)
+    if qtype != T.Q5_0 and n and k:
+        # The CPU kernel's weights take 5-bit tiles when every integer fits (`q8.q8_weight`): a Q5_0 tensor's do
+        # (its integers are -16..15), the others' in practice do not; one full-range value says so, where zeros
+        # would say 5 bits everywhere.
+        q[0, 0], scale[0, 0] = 127, 1.0
+    return Int8Weight(q=q, scale=scale, offset=offset, group_size=g)
 

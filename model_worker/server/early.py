@@ -28,19 +28,26 @@ log = logging.getLogger("gemma_serve.worker")
 
 
 def write_layout(path: pathlib.Path, cfg: ModelConfig, flat: dict[str, np.ndarray]) -> None:
-    """Write `cfg` and each array's shape and dtype (the flat dict as saved: `quant.int8_to_flat`'s names) to
-    `path`, atomically (a reader never sees half a file)."""
-    tensors = {name: [list(a.shape), np.dtype(a.dtype).str] for name, a in flat.items()}
+    """Write `cfg` and each array's shape, dtype and first element (the flat dict as saved: `quant.int8_to_flat`'s
+    names) to `path`, atomically (a reader never sees half a file). The first element carries what a forecast
+    set there to steer value-dependent choices (`gguf_int8.int8_layout`)."""
+    tensors = {name: [list(a.shape), np.dtype(a.dtype).str, a.flat[0].item() if a.size else 0]
+               for name, a in flat.items()}
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(json.dumps({"config": config_to_dict(cfg), "tensors": tensors}))
     tmp.replace(path)
 
 
 def read_layout(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """(config, flat dict of zero arrays of the layout's shapes and dtypes): what `write_weights`' files will load
-    as, values aside. np.zeros maps pages lazily: an array costs memory once it is written."""
+    """(config, flat dict of arrays of the layout's shapes and dtypes, zero but their first element): what
+    `write_weights`' files will load as, values aside. np.zeros maps pages lazily: an array costs memory once it
+    is written."""
     layout = json.loads(path.read_text())
-    flat = {name: np.zeros(tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in layout["tensors"].items()}
+    flat = {}
+    for name, (shape, dtype, first) in layout["tensors"].items():
+        flat[name] = np.zeros(tuple(shape), np.dtype(dtype))
+        if flat[name].size:
+            flat[name].flat[0] = first
     return config_from_dict(layout["config"]), flat
 
 
