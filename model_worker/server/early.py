@@ -12,6 +12,7 @@ programs then miss the cache (their fingerprints cover every shape and dtype) an
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import pathlib
@@ -79,6 +80,7 @@ class EarlyCompile:
         try:
             log.info("compiling the first programs from the weights' layout while the weights are written (%s)", path)
             self._compile(*read_layout(path))
+            gc.collect()  # the zero-weight engine's arrays (device memory off CPU) go before the real weights come
             self.seconds = time.perf_counter() - started
             log.info("compiled the first programs early in %.1f s", self.seconds)
         except Exception:  # early work only: the real engine compiles whatever this did not store
