@@ -432,14 +432,21 @@ async def _exit(background, code: int) -> int:
     os._exit(code)
 
 
+#: Cores from which the serving set compiles while the weights are written (`early.EarlyCompile`). On two the
+#: preparation and the compile share them and the first answer came no sooner (~69 s with, ~71 s without; the
+#: early compile then starts once the CPU kernel is built, near the end of the preparation: docs/performance.md).
+EARLY_MIN_CPUS = 4
+
+
 def _prepare_and_load(args: argparse.Namespace):
     """The loader thread's work: the CPU kernel, the model files, the engine (`load_engine`'s result and errors).
 
     The CPU's block-int8 kernel is built (or loaded) first: under `gemma-serve up` the launcher is preparing the
     model files meanwhile and `preparation.prepare` would only wait for them, so a new machine's C++ build (~7 s)
     leaves the first answer's critical path (docs/performance.md, "The first minute"); nothing to do off CPU. With
-    serve-first, the serving set then compiles from the weights' layout while the weights are still being written
-    (`early.EarlyCompile`), and the engine loads it from the executable cache."""
+    serve-first on a host of `EARLY_MIN_CPUS` cores or more, the serving set then compiles from the weights' layout
+    while the weights are still being written (`early.EarlyCompile`), and the engine loads it from the executable
+    cache."""
     import jax
 
     from model_worker.numerics import q8
@@ -455,7 +462,8 @@ def _prepare_and_load(args: argparse.Namespace):
             pass  # the real load refuses them in turn, with the message
 
     early = None
-    if args.serve_first:  # the serving set compiles from the layout while the weights are written
+    if args.serve_first and (os.cpu_count() or 1) >= EARLY_MIN_CPUS:
+        # the serving set compiles from the layout while the weights are written
         early = EarlyCompile(args.model, pathlib.Path(args.cache_dir), compile_early).watch()
     try:
         prepared = preparation.prepare(args.model, pathlib.Path(args.cache_dir), PREPARE_PARTS)
