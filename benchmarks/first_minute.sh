@@ -9,14 +9,14 @@
 #
 # Prints the phases from `gemma-serve up`'s log (model files, worker SERVING, full speed) and the two times, in
 # seconds from the command. Environment: WORK (default: a new temporary folder; removed after), PORT (default 18000),
-# SERVE_ARGS (added to `make serve`). Needs the package registry (pip) unless KEEP_PIP_CACHE holds every wheel.
+# SERVE_ARGS (added to `make serve`), BRANCH (the branch to clone, for an A/B; default the checked-out one). Needs the package registry (pip) unless KEEP_PIP_CACHE holds every wheel.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${WORK:-$(mktemp -d)}
 PORT=${PORT:-18000}
 export GEMMA_SERVE_CACHE="$WORK/cache"
 [ -n "${KEEP_PIP_CACHE:-}" ] || export PIP_CACHE_DIR="$WORK/pip-cache"
-git clone -q "$ROOT" "$WORK/clone" || exit 1
+git clone -q ${BRANCH:+-b "$BRANCH"} "$ROOT" "$WORK/clone" || exit 1
 cd "$WORK/clone" || exit 1
 ports=(--http-port "$PORT" --gateway-grpc-port $((PORT + 1)) --tokenizer-port $((PORT + 2)) --worker-port $((PORT + 3))
        --worker-metrics-port $((PORT + 4)))

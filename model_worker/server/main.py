@@ -433,8 +433,9 @@ async def _exit(background, code: int) -> int:
 
 
 #: Cores from which the serving set compiles while the weights are written (`early.EarlyCompile`). On two the
-#: preparation and the compile share them and the first answer came no sooner (~69 s with, ~71 s without; the
-#: early compile then starts once the CPU kernel is built, near the end of the preparation: docs/performance.md).
+#: preparation and the compile share them: with the worker's imports and CPU kernel warm the worker was SERVING
+#: 46 s after `up` either way; on a new machine (no bytecode yet) it reached the layout only as the weights were
+#: done (docs/performance.md, "The first minute again").
 EARLY_MIN_CPUS = 4
 
 
