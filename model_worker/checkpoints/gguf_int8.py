@@ -89,7 +89,7 @@ def int8_from_gguf(raw: np.ndarray, qtype, dense: np.ndarray) -> Int8Weight | No
         # sign differs from the scale's, else 0, so q * s is the same signed zero (with an offset: q = 0).
         flips = np.signbit(groups[zero]) != np.signbit(scale[zero])[:, None] if offset is None else False
         q[zero] = np.where(flips, -1.0, 0.0)
-    if q.size and (q.min() < -128 or q.max() > 127):
+    if q.size and (not np.isfinite(q).all() or q.min() < -128 or q.max() > 127):  # a NaN or inf cannot round-trip
         return None
     q = q.astype(np.int8)
     recon = q.astype(np.float32) * scale[..., None]
