@@ -127,3 +127,28 @@ def test_zero_weights_of_the_embedded_models_layout_give_the_real_engines_progra
         engines.append(Engine(cfg, params, EngineConfig(num_slots=4, max_model_len=1024)))
     early, loaded = engines
     assert [early._fingerprint(k) for k in early.grid()] == [loaded._fingerprint(k) for k in loaded.grid()]
+
+
+@pytest.mark.slow
+def test_a_worker_loads_the_programs_it_compiled_from_the_layout(gguf_path, cache_dir, tmp_path):
+    """The worker's two loads (`load_engine`): from the layout's zeros it compiles its serving set into the
+    executable cache and returns None; from the prepared weights it then stores nothing new (every program
+    loaded)."""
+    from gemma_serve.cli import build_parser
+    from model_worker.checkpoints.gguf_convert import convert_gguf
+    from model_worker.numerics.quant import int8_to_flat
+    from model_worker.server.early import write_layout
+    from model_worker.server.main import PREPARE_PARTS, load_engine
+
+    prepared = preparation.prepare(str(gguf_path), cache_dir, PREPARE_PARTS)
+    name = config_from_dict(json.loads((prepared.dir / "config.json").read_text())).name  # as write_weights wrote it
+    cfg, layout = convert_gguf(preparation.open_gguf(gguf_path), name, values=False)
+    write_layout(tmp_path / preparation.LAYOUT, cfg, int8_to_flat(layout))
+    args = build_parser().parse_args(["worker", "--cache-dir", str(tmp_path), "--max-model-len", "512",
+                                      "--num-slots", "2", "--prefill-chunks", "64", "--speculation", "off"])
+    early = preparation.PreparedModel("early", "gguf", pathlib.Path())
+    assert load_engine(early, args, weights=read_layout(tmp_path / preparation.LAYOUT)) is None
+    stored = sorted((tmp_path / "executables").iterdir())
+    assert len(stored) == 5  # the serving set
+    engine, info = load_engine(prepared, args)
+    assert sorted((tmp_path / "executables").iterdir()) == stored and info.model_name == prepared.name
