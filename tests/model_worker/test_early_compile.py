@@ -10,6 +10,7 @@ import threading
 import time
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -147,8 +148,12 @@ def test_a_worker_loads_the_programs_it_compiled_from_the_layout(gguf_path, cach
     args = build_parser().parse_args(["worker", "--cache-dir", str(tmp_path), "--max-model-len", "512",
                                       "--num-slots", "2", "--prefill-chunks", "64", "--speculation", "off"])
     early = preparation.PreparedModel("early", "gguf", pathlib.Path())
-    assert load_engine(early, args, weights=read_layout(tmp_path / preparation.LAYOUT)) is None
-    stored = sorted((tmp_path / "executables").iterdir())
-    assert len(stored) == 5  # the serving set
-    engine, info = load_engine(prepared, args)
-    assert sorted((tmp_path / "executables").iterdir()) == stored and info.model_name == prepared.name
+    jax_cache = jax.config.jax_enable_compilation_cache  # load_engine turns JAX's own cache off, as a worker does
+    try:
+        assert load_engine(early, args, weights=read_layout(tmp_path / preparation.LAYOUT)) is None
+        stored = sorted((tmp_path / "executables").iterdir())
+        assert len(stored) == 5  # the serving set
+        engine, info = load_engine(prepared, args)
+        assert sorted((tmp_path / "executables").iterdir()) == stored and info.model_name == prepared.name
+    finally:
+        jax.config.update("jax_enable_compilation_cache", jax_cache)
