@@ -10,7 +10,6 @@ import threading
 import time
 
 import gguf
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -130,30 +129,43 @@ def test_zero_weights_of_the_embedded_models_layout_give_the_real_engines_progra
     assert [early._fingerprint(k) for k in early.grid()] == [loaded._fingerprint(k) for k in loaded.grid()]
 
 
+_TWO_LOADS = """
+import json, pathlib, sys
+from common import preparation
+from gemma_serve.cli import build_parser
+from model_worker.server.early import read_layout
+from model_worker.server.main import load_engine
+
+tmp, prepared = pathlib.Path(sys.argv[1]), preparation.PreparedModel("m", "gguf", pathlib.Path(sys.argv[2]))
+args = build_parser().parse_args(["worker", "--cache-dir", str(tmp), "--max-model-len", "512", "--num-slots", "2",
+                                  "--prefill-chunks", "64", "--speculation", "off"])
+assert load_engine(preparation.PreparedModel("early", "gguf", pathlib.Path()), args,
+                   weights=read_layout(tmp / preparation.LAYOUT)) is None
+early = sorted(p.name for p in (tmp / "executables").iterdir())
+load_engine(prepared, args)
+print(json.dumps([early, sorted(p.name for p in (tmp / "executables").iterdir())]))
+"""
+
+
 @pytest.mark.slow
 def test_a_worker_loads_the_programs_it_compiled_from_the_layout(gguf_path, cache_dir, tmp_path):
-    """The worker's two loads (`load_engine`): from the layout's zeros it compiles its serving set into the
-    executable cache and returns None; from the prepared weights it then stores nothing new (every program
-    loaded)."""
-    from gemma_serve.cli import build_parser
+    """The worker's two loads (`load_engine`), in a process of their own as in a worker (JAX's own compilation
+    cache off from the start): from the layout's zeros it compiles its serving set into the executable cache and
+    returns None; from the prepared weights it then stores nothing new (every program loaded)."""
+    import subprocess
+    import sys
+
     from model_worker.checkpoints.gguf_convert import convert_gguf
     from model_worker.numerics.quant import int8_to_flat
     from model_worker.server.early import write_layout
-    from model_worker.server.main import PREPARE_PARTS, load_engine
+    from model_worker.server.main import PREPARE_PARTS
 
     prepared = preparation.prepare(str(gguf_path), cache_dir, PREPARE_PARTS)
     name = config_from_dict(json.loads((prepared.dir / "config.json").read_text())).name  # as write_weights wrote it
     cfg, layout = convert_gguf(preparation.open_gguf(gguf_path), name, values=False)
     write_layout(tmp_path / preparation.LAYOUT, cfg, int8_to_flat(layout))
-    args = build_parser().parse_args(["worker", "--cache-dir", str(tmp_path), "--max-model-len", "512",
-                                      "--num-slots", "2", "--prefill-chunks", "64", "--speculation", "off"])
-    early = preparation.PreparedModel("early", "gguf", pathlib.Path())
-    jax_cache = jax.config.jax_enable_compilation_cache  # load_engine turns JAX's own cache off, as a worker does
-    try:
-        assert load_engine(early, args, weights=read_layout(tmp_path / preparation.LAYOUT)) is None
-        stored = sorted((tmp_path / "executables").iterdir())
-        assert len(stored) == 5  # the serving set
-        engine, info = load_engine(prepared, args)
-        assert sorted((tmp_path / "executables").iterdir()) == stored and info.model_name == prepared.name
-    finally:
-        jax.config.update("jax_enable_compilation_cache", jax_cache)
+    run = subprocess.run([sys.executable, "-c", _TWO_LOADS, str(tmp_path), str(prepared.dir)], capture_output=True,
+                         text=True, timeout=600, cwd=pathlib.Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    early, after = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(early) == 5 and after == early  # the serving set, all loaded by the second load
