@@ -36,41 +36,37 @@ def accurate(x: jax.Array) -> bool:
             and str(precision).lower() in _ACCURATE_PRECISIONS)
 
 
-def _accuracy(x: jax.Array):
-    """The `accuracy` argument for a transcendental of x: HIGHEST when `accurate(x)`, else None (XLA's default)."""
-    return lax.AccuracyMode.HIGHEST if accurate(x) else None
+def _apply(op, x) -> jax.Array:
+    """`op(x)` for a `jax.lax` transcendental, with `accuracy=HIGHEST` when `accurate(x)`, else XLA's default."""
+    x = jnp.asarray(x)
+    return op(x, accuracy=lax.AccuracyMode.HIGHEST if accurate(x) else None)
 
 
 def tanh(x: jax.Array) -> jax.Array:
     """`jnp.tanh(x)`, accurate at float32 "highest" precision (a TPU v5e's default float32 tanh: up to 1364 ulp,
     HIGHEST: a few ulp; JAX 0.10.2). Used by the logit soft cap and the tanh GELU."""
-    x = jnp.asarray(x)
-    return lax.tanh(x, accuracy=_accuracy(x))
+    return _apply(lax.tanh, x)
 
 
 def exp(x: jax.Array) -> jax.Array:
     """`jnp.exp(x)`, accurate at float32 "highest" precision (a TPU v5e's default float32 exp: up to 64 ulp,
     HIGHEST: a few ulp; JAX 0.10.2). Used by the attention softmax, plain and online."""
-    x = jnp.asarray(x)
-    return lax.exp(x, accuracy=_accuracy(x))
+    return _apply(lax.exp, x)
 
 
 def sin(x: jax.Array) -> jax.Array:
     """`jnp.sin(x)`, accurate at float32 "highest" precision (RoPE's rotation angles)."""
-    x = jnp.asarray(x)
-    return lax.sin(x, accuracy=_accuracy(x))
+    return _apply(lax.sin, x)
 
 
 def cos(x: jax.Array) -> jax.Array:
     """`jnp.cos(x)`, accurate at float32 "highest" precision (RoPE's rotation angles)."""
-    x = jnp.asarray(x)
-    return lax.cos(x, accuracy=_accuracy(x))
+    return _apply(lax.cos, x)
 
 
 def rsqrt(x: jax.Array) -> jax.Array:
     """`jax.lax.rsqrt(x)`, accurate at float32 "highest" precision (the RMS norms' scale)."""
-    x = jnp.asarray(x)
-    return lax.rsqrt(x, accuracy=_accuracy(x))
+    return _apply(lax.rsqrt, x)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
