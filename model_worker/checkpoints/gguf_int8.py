@@ -26,6 +26,8 @@ from model_worker.numerics.quant import Int8Weight
 # Bytes per block and values per block of the supported types.
 _BLOCK = {T.Q8_0: (34, 32), T.Q5_0: (22, 32), T.Q6_K: (210, 256), T.Q4_K: (144, 256)}
 SUPPORTED = frozenset(_BLOCK)
+# Values per group (one scale, and for Q4_K one offset, each) of the Int8Weight a type becomes.
+_GROUP = {T.Q8_0: 32, T.Q5_0: 32, T.Q6_K: 16, T.Q4_K: 32}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -48,16 +50,16 @@ def _group_floats(blocks: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray | N
     """Block bytes [N, nb, block_bytes] -> (scale [N, K/G], offset [N, K/G] or None, G), all float32."""
     n = blocks.shape[0]
     if qtype in (T.Q8_0, T.Q5_0):
-        return _f16(blocks[..., 0:2]).reshape(n, -1), None, 32
+        return _f16(blocks[..., 0:2]).reshape(n, -1), None, _GROUP[qtype]
     if qtype == T.Q6_K:
         d = _f16(blocks[..., 208:210])
         sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-        return (d[..., None] * sc).reshape(n, -1), None, 16
+        return (d[..., None] * sc).reshape(n, -1), None, _GROUP[qtype]
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     sc, m = _q4_k_scales_mins(blocks[..., 4:16])
     scale = d[..., None] * sc.astype(np.float32)
     offset = -(dmin[..., None] * m.astype(np.float32))
-    return scale.reshape(n, -1), offset.reshape(n, -1), 32
+    return scale.reshape(n, -1), offset.reshape(n, -1), _GROUP[qtype]
 
 
 def int8_from_gguf(raw: np.ndarray, qtype, dense: np.ndarray) -> Int8Weight | None:
@@ -133,14 +135,16 @@ def int8_by_rows(raw: np.ndarray, qtype, rows: int = ROWS_PER_PIECE) -> Int8Weig
         return pieces[0]
     offsets = [p.offset for p in pieces]
     return Int8Weight(q=np.concatenate([p.q for p in pieces]), scale=np.concatenate([p.scale for p in pieces]),
-                      offset=None if offsets[0] is None else np.concatenate(offsets), group_size=pieces[0].group_size)
+                      offset=None if offsets[0] is None else np.concatenate(offsets),
+                      group_size=pieces[0].group_size)
 
 
 def int8_layout(raw: np.ndarray, qtype) -> Int8Weight | None:
     """The Int8Weight `int8_by_rows(raw, qtype)` is expected to return, with zeros for values (np.zeros: pages
-    untouched until written; one value set, see below), read from the block type and byte shape alone; None where it would return None for
-    the type or the shape. Values that fail to round-trip are not foreseen: a layout is a forecast (the worker
-    compiles early from it, `model_worker.server.early`), never a substitute for the weights.
+    untouched until written; one value set, see below), read from the block type and byte shape alone; None where
+    it would return None for the type or the shape. Values that fail to round-trip are not foreseen: a layout is
+    a forecast (the worker compiles early from it, `model_worker.server.early`), never a substitute for the
+    weights.
 
     Args: raw: uint8 [N, bytes per row]; qtype: its `GGMLQuantizationType`.
     """
@@ -148,7 +152,7 @@ def int8_layout(raw: np.ndarray, qtype) -> Int8Weight | None:
         return None
     block_bytes, block_values = _BLOCK[qtype]
     n, k = raw.shape[0], raw.shape[1] // block_bytes * block_values
-    g = 16 if qtype == T.Q6_K else 32  # as `_group_floats`
+    g = _GROUP[qtype]
     offset = np.zeros((n, k // g), np.float32) if qtype == T.Q4_K else None
     q, scale = np.zeros((n, k), np.int8), np.zeros((n, k // g), np.float32)
     if qtype != T.Q5_0 and n and k:
@@ -157,4 +161,3 @@ def int8_layout(raw: np.ndarray, qtype) -> Int8Weight | None:
         # would say 5 bits everywhere.
         q[0, 0], scale[0, 0] = 127, 1.0
     return Int8Weight(q=q, scale=scale, offset=offset, group_size=g)
-

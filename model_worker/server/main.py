@@ -31,9 +31,10 @@ class FlagsRefused(Exception):
 
 def write_weights(reader, out: pathlib.Path, name: str) -> None:
     """The worker's part of a prepared GGUF: `model.safetensors` (`gguf_convert`'s weights: int8 blocks stay int8,
-    exact) and `config.json` (the ModelConfig), each written atomically; first of all `layout.json` (`preparation.LAYOUT`:
-    the config and each array's shape and dtype, forecast from the GGUF's header in a fraction of a second), from
-    which a worker waiting for these files compiles its first programs meanwhile (`model_worker.server.early`).
+    exact) and `config.json` (the ModelConfig), each written atomically; first of all `layout.json`
+    (`preparation.LAYOUT`: the config and each array's shape and dtype, forecast from the GGUF's header in a
+    fraction of a second), from which a worker waiting for these files compiles its first programs meanwhile
+    (`model_worker.server.early`).
 
     Args:
       reader: an open `gguf.GGUFReader`.
