@@ -141,6 +141,8 @@ e2e() {
     dest="$OUT/e2e-logs/${f#"$base"/}"
     mkdir -p "$(dirname "$dest")" && tail -c 200000 "$f" > "$dest"
   done < <(find "$base" -name '*.log' -size +0 2>/dev/null)
+  # one file: a device host may hand back only a few files per run
+  [ -d "$OUT/e2e-logs" ] && tar -czf "$OUT/e2e-logs.tar.gz" -C "$OUT" e2e-logs && rm -rf "$OUT/e2e-logs"
   return $status
 }
 

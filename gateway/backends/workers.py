@@ -98,6 +98,13 @@ class Worker:
     health: health_pb2_grpc.HealthStub
     status: str = "UNREACHABLE"  # the last health status name ("SERVING", "NOT_SERVING", "UNREACHABLE")
     programs_compiling: int = 0  # programs it still compiles while serving, at the last poll (GetLoad)
+    late_polls: int = 0  # consecutive health checks past their deadline on a live connection
+
+
+#: Health checks past their deadline before a connected worker counts as UNREACHABLE. A worker whose process holds
+#: the GIL for seconds (a large compiled program being serialized into the executable cache on a TPU host) answers
+#: late but serves; a worker whose process died fails its checks at once (UNAVAILABLE), whatever this says.
+LATE_POLLS_TOLERATED = 2
 
 
 class WorkerPool:
@@ -174,7 +181,13 @@ class WorkerPool:
         try:
             reply = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        except grpc.aio.AioRpcError:
+            w.late_polls = 0
+        except grpc.aio.AioRpcError as err:
+            late = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.status != "UNREACHABLE"
+            w.late_polls = w.late_polls + 1 if late else 0
+            if 0 < w.late_polls <= LATE_POLLS_TOLERATED:
+                log.debug("worker %s answered its health check late (%d in a row)", w.addr, w.late_polls)
+                return  # as it was: routed to as before, its load as last polled
             status = "UNREACHABLE"
         if status != w.status:
             log.info("worker %s: %s", w.addr, status)

@@ -65,6 +65,21 @@ def _unary(stack: Stack, model: str, body: dict, out: list):
     out.append((time.monotonic(), r.status_code, r.json()))
 
 
+def _ended(pid: int, timeout: float = 60) -> float:
+    """The monotonic time at which process `pid` has ended (a zombie, or reaped), polled every 10 ms."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return time.monotonic()
+        if state in ("Z", "X"):
+            return time.monotonic()
+        time.sleep(0.01)
+    pytest.fail(f"the killed worker (pid {pid}) had not ended {timeout} s later")
+
+
 def test_kill_9_the_worker_mid_stream(fault_stack, model):
     first, streamed, unary = threading.Event(), [], []
     body = {**LONG, "max_tokens": 480}  # a looping greedy text drafts well: long enough to be running at the kill
@@ -75,8 +90,10 @@ def test_kill_9_the_worker_mid_stream(fault_stack, model):
     assert first.wait(60), streamed
     time.sleep(0.5)  # the unary request is decoding too
     assert not unary and streamed[-1][1] != "[DONE]", "a request ended before the kill"
-    os.kill(fault_stack.service_pid("worker"), signal.SIGKILL)
+    pid = fault_stack.service_pid("worker")
+    os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
+    ended = _ended(pid)
     for t in threads:
         t.join(60)
     assert streamed[-1][1] == "[DONE]"
@@ -85,9 +102,13 @@ def test_kill_9_the_worker_mid_stream(fault_stack, model):
     (unary_time, status, body), = unary
     assert status == 503 and body["error"]["code"] == "backend_unavailable", body
     assert fault_stack.health_status() == 503
-    print(f"after kill -9 of the worker: stream error {err_time - killed:.2f} s, unary 503 "
-          f"{unary_time - killed:.2f} s")
-    assert err_time - killed < 5 and unary_time - killed < 5
+    print(f"after kill -9 of the worker: its process ended {ended - killed:.2f} s later, stream error "
+          f"{err_time - killed:.2f} s, unary 503 {unary_time - killed:.2f} s")
+    # The gateway learns of the death when the worker's sockets close, which the kernel does as the killed
+    # process ends (before it becomes a zombie): at once on most hosts, later where it must first release device
+    # memory (on a TPU v5e host both errors came 6.3-6.9 s after the kill). The bound runs from the later time.
+    start = max(killed, ended)
+    assert err_time - start < 5 and unary_time - start < 5
     print(f"serving again {_served_again(fault_stack, model):.1f} s later")
     assert "worker exited (code -9); restarting it" in fault_stack.log()
 

@@ -222,3 +222,42 @@ def test_flags_the_model_cannot_honour_exit_2_from_the_loading_thread(tmp_path, 
     args = build_parser().parse_args(["worker", "--cache-dir", str(tmp_path), "--worker-port", str(port),
                                       "--worker-metrics-port", str(metrics), "--num-slots", "512"])
     assert main.run(args) == 2
+
+
+def test_a_late_health_answer_keeps_a_worker_routed_but_a_dead_one_leaves_at_once():
+    """A real health server on a unix socket: checks past their deadline (a worker busy holding the GIL) keep the
+    worker SERVING for `LATE_POLLS_TOLERATED` polls, then it counts as UNREACHABLE; once its server is gone, the
+    next poll says UNREACHABLE (no grace for a connection that fails)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.transport import socket_folder
+
+    delay = [0.0]
+
+    class Health(health_pb2_grpc.HealthServicer):
+        async def Check(self, request, context):
+            await asyncio.sleep(delay[0])
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def scenario():
+        addr = f"unix:{socket_folder() / 'w.sock'}"
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(Health(), server)
+        server.add_insecure_port(addr)
+        await server.start()
+        pool = WorkerPool([addr], None, [])
+        seen = [(await pool.poll(timeout=0.2))[addr]]
+        delay[0] = 0.5
+        for _ in range(workers.LATE_POLLS_TOLERATED + 1):
+            seen.append((await pool.poll(timeout=0.2))[addr])
+        delay[0] = 0.0
+        seen.append((await pool.poll(timeout=0.2))[addr])
+        await server.stop(None)
+        seen.append((await pool.poll(timeout=0.2))[addr])
+        await pool.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    n = workers.LATE_POLLS_TOLERATED
+    assert seen == ["SERVING"] + ["SERVING"] * n + ["UNREACHABLE", "SERVING", "UNREACHABLE"], seen
