@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from model_worker.modeling.block_attention import CHUNK, FULL, RING, block_attention
@@ -39,6 +40,21 @@ MASK_VALUE = -1e30
 KEY_BLOCK = 512
 
 
+def inv_freq(D: int, spec: LayerSpec) -> np.ndarray:
+    """RoPE's [D/2] float32 frequencies, theta^(-2i/D) / rope_scale for the rotated pairs and 0 for the rest,
+    computed here in float64 (a constant of the program).
+
+    Why not traced: a backend may evaluate the power in its own float32 arithmetic at run time, through exp and
+    log where those are approximations (a TPU v5e's float32 log: up to 3964 ulp, `scripts/float32_probe.py`): up
+    to ~1e-3 relative error in a frequency. On the CPU, float64 rounded to float32 is what XLA computed (bit for
+    bit at D <= 256; one frequency of 256 differs by an ulp at D = 512, theta 1e6)."""
+    half = D // 2
+    rotated = int(spec.rope_fraction * D) // 2
+    i = np.arange(half)
+    freq = (np.float64(spec.rope_theta) ** (-2.0 * i / D)).astype(np.float32)
+    return np.where(i < rotated, freq, np.float32(0)) / np.float32(spec.rope_scale)
+
+
 def rope(x: jax.Array, positions: jax.Array, spec: LayerSpec) -> jax.Array:
     """Rotary position embedding, half-split pairing.
 
@@ -52,10 +68,7 @@ def rope(x: jax.Array, positions: jax.Array, spec: LayerSpec) -> jax.Array:
     """
     D = x.shape[-1]
     half = D // 2
-    rotated = int(spec.rope_fraction * D) // 2
-    i = jnp.arange(half, dtype=jnp.float32)
-    inv_freq = jnp.where(i < rotated, spec.rope_theta ** (-2.0 * i / D), 0.0) / spec.rope_scale
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, C, D/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq(D, spec)  # [B, C, D/2]
     cos = elementwise.cos(angles)[:, :, None, :].astype(x.dtype)
     sin = elementwise.sin(angles)[:, :, None, :].astype(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
