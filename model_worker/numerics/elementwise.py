@@ -8,8 +8,9 @@ Why: a TPU's float32 transcendentals are approximations by default. Measured on 
 tanh, exp, log and expm1 are within 1-7 ulp. At float32 "highest" precision that error
 dominates a tiny Gemma 4's logits (the final soft cap's tanh above all, then the MLP's GELU and the attention
 softmax's exp): |Δlogit| 6e-4 to 1e-3 against transformers' float64 instead of the ~1e-5 float32 noise; with
-those three accurate, 8.9e-5 at worst, 3.5x the noise (the same code on the host's CPU: 1x), so RoPE's sin and
-cos and the norms' rsqrt ask for the accurate versions too.
+those three accurate, 8.9e-5 at worst, 3.5x the noise (the same code on the host's CPU: 1x). RoPE's sin and cos
+and the norms' rsqrt ask for the accurate versions too, though that left the figure unchanged (8.87e-5 both
+times): the rest is not in these functions.
 
 So when `jax_default_matmul_precision` is "highest" or "float32" at trace time (the worker sets it for
 `--matmul-precision float32` off the CPU; the engine traces under it) and the operand is float32, these
