@@ -51,11 +51,12 @@ from model_worker.modeling.sampling import SamplingArrays  # noqa: E402
 from model_worker.serving.engine_api import VerifyBatch  # noqa: E402
 
 
-def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "float32", invariant: bool = False):
+def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "float32", invariant: bool = False,
+         attention_kernel: str = "xla"):
     """(config, params) for the embedded model, a .gguf, or a checkpoint directory, at the worker's
-    `--matmul-precision` `precision` ("float32", "bfloat16" or "int8") and `--batch-invariant` `invariant` (see
-    `params.for_matmul_precision`). A directory (checkpoint or prepared) is read as it is; a GGUF gets the worker's
-    prepared weights (built once in `cache_dir`)."""
+    `--matmul-precision` `precision` ("float32", "bfloat16" or "int8"), `--batch-invariant` `invariant` (see
+    `params.for_matmul_precision`) and `--attention-kernel` `attention_kernel`. A directory (checkpoint or
+    prepared) is read as it is; a GGUF gets the worker's prepared weights (built once in `cache_dir`)."""
     from common import preparation
     from model_worker.modeling.params import for_matmul_precision, to_device
 
@@ -76,7 +77,8 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "floa
 
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))
-    return for_matmul_precision(cfg, to_device(cfg, flat, jnp.dtype(dtype)), precision, invariant)
+    cfg, params = for_matmul_precision(cfg, to_device(cfg, flat, jnp.dtype(dtype)), precision, invariant)
+    return dataclasses.replace(cfg, attention_kernel=attention_kernel), params
 
 
 def measure_bandwidth(nbytes: int = 1 << 30, copies: int = 5, rounds: int = 3) -> float:
@@ -228,6 +230,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--matmul-precision", default="float32", choices=["float32", "bfloat16", "int8"])
     parser.add_argument("--batch-invariant", action="store_true", help="with --matmul-precision bfloat16 or int8")
+    parser.add_argument("--attention-kernel", choices=["xla", "pallas"], default="xla",
+                        help="the worker's --attention-kernel (pallas: decode attention through a Pallas kernel on "
+                        "a TPU)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the engine over N devices (EngineConfig.tensor_parallel); bytes per step and "
                              "the bandwidth fraction are then per device (the fullest)")
@@ -322,7 +327,7 @@ def main() -> None:
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))
     cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir), args.matmul_precision,
-                       args.batch_invariant)
+                       args.batch_invariant, args.attention_kernel)
     slots = max(args.batches)
     kv_buckets = sorted(set(args.kv))
     ecfg = EngineConfig(num_slots=slots, max_model_len=max(kv_buckets), prefill_chunks=(min(kv_buckets),),

@@ -210,6 +210,12 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "bfloat16 products, faster for one sequence (int8 products are invariant either way; attention then is "
         "not) (docs/performance.md) (default: on where it applies)",
     )
+    p.add_argument(
+        "--attention-kernel", choices=["xla", "pallas"], default="xla",
+        help="pallas: a decode step's attention through a Pallas kernel on a TPU (each row reads only its own key "
+        "blocks; not with --batch-invariant or an int8 KV cache, which keep XLA's); other backends ignore it "
+        "(default: %(default)s)",
+    )
 
 
 def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:

@@ -30,6 +30,7 @@ from model_worker.modeling.kv_cache import (
 from model_worker.modeling.layers import joint, rms_norm
 from model_worker.modeling.params import LayerParams
 from model_worker.numerics import elementwise
+from model_worker.numerics.decode_attention import decode_attention
 from model_worker.numerics.quant import gemm_row_pad, linear
 
 # Finite "minus infinity": a fully masked row (a padded query) then gives a uniform softmax instead of NaN.
@@ -194,7 +195,7 @@ def attention_block(
         keys, vals, k_pos, in_place = st.sources[spec.kv_source]
         if in_place:
             return attend_in_place(q, cache, spec.kv_source, st.slots, st.positions, k_pos, window, cfg.attn_scale,
-                                   q.dtype, kv_len)
+                                   q.dtype, kv_len, kernel=cfg.attention_kernel)
         return attend(q, keys, vals, st.positions, k_pos, window, cfg.attn_scale)
 
     # Order within the layer (it matters with several batches): batches over gathered rings attend; then every
@@ -271,7 +272,7 @@ def _kv_from_raw(lp, spec: LayerSpec, k_raw, v_raw, positions, int8: bool, cfg):
 
 
 def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, scale: float, dtype,
-                    kv_len: int) -> jax.Array:
+                    kv_len: int, kernel: str = "xla") -> jax.Array:
     """Attention of each batch row over its own cache row of layer `src`, read in place (the row's new K/V are
     already written).
 
@@ -283,6 +284,8 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
         (`_attend_blocks`), never beyond the static bound kv_len.
       slots: [B] cache rows (None: row b is slot b).
       window, scale: as in `attend`; dtype: the activation dtype (int8 K/V are dequantized to it).
+      kernel: "pallas": a decode step (C == 1) with K/V not int8 runs `numerics.decode_attention` on a TPU
+        (`ModelConfig.attention_kernel`); otherwise, and on other backends, the loop below.
     Returns:
       [B, C, N*D], as `attend`.
 
@@ -293,6 +296,10 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
     """
     rows = _batch_rows(slots, q.shape[0])
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
+    if kernel == "pallas" and q.shape[1] == 1 and arrays[2] is None:
+        xla = lambda q: attend_in_place(q, cache, src, slots, q_pos, k_pos, window, scale, dtype, kv_len)
+        tpu = lambda q: _attend_pallas(q, arrays[0], arrays[1], rows, q_pos, k_pos, window, scale, kv_len)
+        return lax.platform_dependent(q, tpu=tpu, default=xla)
     if k_pos is None:
         T = arrays[0].shape[1]
         block = min(KEY_BLOCK, T)
@@ -313,6 +320,23 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
         return attend(qb[None], keys, vals, qp[None], kp[None], window, scale)[0]
 
     return lax.map(ring, (q, rows, q_pos, k_pos))
+
+
+def _attend_pallas(q, keys, values, rows, q_pos, k_pos, window, scale: float, kv_len: int,
+                   interpret: bool = False) -> jax.Array:
+    """`attend_in_place` for a decode step (q [B, 1, N, D]) through the Pallas kernel: [B, 1, N*D] in q.dtype.
+    Key blocks: a full layer's as the loop's (`KEY_BLOCK` within the KV bucket); a ring in one block (a ring of
+    W + slack positions is small, and its positions' block must be a multiple of 128 lanes or the whole ring)."""
+    B, _, N, D = q.shape
+    L = keys.shape[1]
+    if k_pos is None:
+        block = _pow2_divisor(L, KEY_BLOCK)
+        bound = -(-min(kv_len, L) // block)
+    else:
+        block, bound = L, None
+    out = decode_attention(q[:, 0], keys, values, rows, q_pos[:, 0], k_pos, scale=scale, window=window, block=block,
+                           num_blocks=bound, interpret=interpret)
+    return out.reshape(B, 1, N * D)
 
 
 def _attend_blocks(q, arrays, row, q_pos, block: int, bound: int, window, scale: float, dtype) -> jax.Array:

@@ -166,6 +166,7 @@ def load_engine(prepared, args: argparse.Namespace, weights: tuple | None = None
                                "devices); use bfloat16 with --tensor-parallel")
         if dtype == "float32":
             cfg, params = for_matmul_precision(cfg, params, precision, invariant)
+        cfg = dataclasses.replace(cfg, attention_kernel=getattr(args, "attention_kernel", "xla"))
         if precision == "float32" and backend != "cpu":
             # float32 products mean float32 here too: a TPU (and a GPU's TF32) multiplies float32 operands at lower
             # precision by default (one bfloat16 pass on a TPU). The worker owns the process: set it for every

@@ -1,0 +1,172 @@
+"""The Pallas decode-attention kernel (model_worker/numerics/decode_attention.py), run in Pallas's interpreter on
+the CPU, against softmax attention written out in float64 NumPy: full cache rows read at ragged positions through
+a slot table, grouped query heads, a window, a sliding ring whose indices hold arbitrary positions, padding rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_worker.numerics.decode_attention import decode_attention
+
+S, K, G, D = 5, 2, 2, 16
+N = K * G
+SCALE = 0.3
+
+
+def reference(q, keys, values, rows, q_pos, k_pos=None, window=None, scale=SCALE) -> np.ndarray:
+    """float64 softmax attention of each row's one query over its visible keys: [B, N, D] (head n reads KV head
+    n // G, G = N / K)."""
+    q, keys, values = (np.asarray(a, np.float64) for a in (q, keys, values))
+    group = q.shape[1] // keys.shape[2]
+    out = np.zeros(q.shape)
+    for b, (row, qp) in enumerate(zip(rows, q_pos)):
+        held = np.arange(keys.shape[1]) if k_pos is None else np.asarray(k_pos[b])
+        visible = (held >= 0) & (held <= qp)
+        if qp < 0:  # a padding row: no visible key, its output unused
+            continue
+        if window is not None:
+            visible &= qp - held < window
+        for n in range(q.shape[1]):
+            s = keys[row, visible, n // group] @ q[b, n] * scale
+            p = np.exp(s - s.max())
+            out[b, n] = p @ values[row, visible, n // group] / p.sum()
+    return out
+
+
+def _arrays(rng, L: int, dtype):
+    keys = rng.standard_normal((S, L, K, D)).astype(np.float32)
+    values = rng.standard_normal((S, L, K, D)).astype(np.float32)
+    return (jnp.asarray(keys, dtype), jnp.asarray(values, dtype), np.asarray(jnp.asarray(keys, dtype), np.float64),
+            np.asarray(jnp.asarray(values, dtype), np.float64))
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_full_rows_at_ragged_positions_match_softmax_attention(dtype, tol, window):
+    """Rows of a full layer read through a slot table at positions 0 to the end of the row, in blocks of 8; the
+    rows' spans differ (a row of position 3 reads one block, one of position 63 all eight)."""
+    rng = np.random.default_rng(0)
+    L, block = 64, 8
+    keys, values, k64, v64 = _arrays(rng, L, dtype)
+    rows = np.array([3, 0, 4, 1, 2], np.int32)
+    q_pos = np.array([63, 0, 3, 40, 17], np.int32)
+    q = jnp.asarray(rng.standard_normal((len(rows), N, D)).astype(np.float32), dtype)
+    ours = decode_attention(q, keys, values, jnp.asarray(rows), jnp.asarray(q_pos), scale=SCALE, window=window,
+                            block=block, interpret=True)
+    assert ours.shape == q.shape and ours.dtype == q.dtype
+    ref = reference(np.asarray(q, np.float64), k64, v64, rows, q_pos, window=window)
+    np.testing.assert_allclose(np.asarray(ours, np.float64), ref, atol=tol, rtol=tol)
+
+
+def test_a_bucket_bound_and_a_padding_row():
+    """`num_blocks` bounds the blocks visited (a KV bucket shorter than the row) and a padding row (position -1)
+    gets finite values without disturbing the others."""
+    rng = np.random.default_rng(1)
+    L, block = 64, 16
+    keys, values, k64, v64 = _arrays(rng, L, jnp.float32)
+    rows, q_pos = np.array([1, 2, 0], np.int32), np.array([31, -1, 5], np.int32)
+    q = jnp.asarray(rng.standard_normal((3, N, D)).astype(np.float32))
+    ours = np.asarray(decode_attention(q, keys, values, jnp.asarray(rows), jnp.asarray(q_pos), scale=SCALE,
+                                       block=block, num_blocks=2, interpret=True), np.float64)
+    ref = reference(np.asarray(q, np.float64), k64, v64, rows, q_pos)
+    assert np.isfinite(ours).all()
+    np.testing.assert_allclose(ours[[0, 2]], ref[[0, 2]], atol=2e-5, rtol=2e-5)
+
+
+def test_a_sliding_ring_reads_the_positions_its_indices_hold():
+    """A ring of 24 indices (window 16 plus slack) per row, holding the positions `k_pos` says: the last 24 of a
+    long row (wrapped), a short row's first positions with empty (-1) indices after them."""
+    rng = np.random.default_rng(2)
+    R, block, window = 24, 8, 16
+    keys, values, k64, v64 = _arrays(rng, R, jnp.float32)
+    rows, q_pos = np.array([2, 4], np.int32), np.array([100, 9], np.int32)
+    long_row = np.array([p for p in range(77, 101)])  # positions 77..100 at index p % R
+    k_pos = np.full((2, R), -1, np.int32)
+    k_pos[0, long_row % R] = long_row
+    k_pos[1, :10] = np.arange(10)
+    q = jnp.asarray(rng.standard_normal((2, N, D)).astype(np.float32))
+    ours = decode_attention(q, keys, values, jnp.asarray(rows), jnp.asarray(q_pos), jnp.asarray(k_pos),
+                            scale=SCALE, window=window, block=block, interpret=True)
+    ref = reference(np.asarray(q, np.float64), k64, v64, rows, q_pos, k_pos, window=window)
+    np.testing.assert_allclose(np.asarray(ours, np.float64), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    keys = jnp.zeros((S, 60, K, D))
+    with pytest.raises(ValueError, match="decode_attention"):
+        decode_attention(jnp.zeros((1, N, D)), keys, keys, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                         scale=1.0, block=16, interpret=True)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_the_model_path_chooses_blocks_as_its_xla_loop(ring):
+    """`attention._attend_pallas` (the kernel as a decode step calls it: blocks and KV-bucket bound chosen from
+    the cache) against `attention.attend_in_place`'s XLA loop on the same cache rows, a full layer and a ring."""
+    from model_worker.modeling import attention
+    from model_worker.modeling.kv_cache import KVCache
+
+    rng = np.random.default_rng(3)
+    L, window = (32, 16) if ring else (1024, None)
+    keys, values, _, _ = _arrays(rng, L, jnp.float32)
+    cache = KVCache([keys], [values], [None], [None])
+    slots, q_pos = jnp.asarray([4, 1, 2], jnp.int32), jnp.asarray([[700], [0], [513]], jnp.int32)
+    k_pos = None
+    if ring:  # index i holds the latest position p <= qp with p % L == i (-1: none yet)
+        q_pos = jnp.asarray([[40], [0], [20]], jnp.int32)
+        k_pos = jnp.asarray([[max(qp - (qp - i) % L, -1) for i in range(L)] for qp in (40, 0, 20)], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 1, N, D)).astype(np.float32))
+    xla = attention.attend_in_place(q, cache, 0, slots, q_pos, k_pos, window, SCALE, jnp.float32, kv_len=768)
+    ours = attention._attend_pallas(q, keys, values, slots, q_pos, k_pos, window, SCALE, kv_len=768,
+                                    interpret=True)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), atol=2e-5, rtol=2e-5)
+
+
+def test_the_kernel_lowers_for_a_tpu_v5e_at_gemma4_shapes(monkeypatch):
+    """Pallas's TPU lowering (to Mosaic, on this CPU: the chip's generation is stated, not detected) accepts the
+    kernel at Gemma 4 E2B's decode shapes as `attention._attend_pallas` calls it: a full layer (D 512, 8K cache,
+    blocks of 512), a sliding ring (D 256, 512 + 64 positions in one block), grouped heads (K 2, D 128). Its
+    block-shape rules are checked here; Mosaic's own compile needs the chip (the device lane)."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    from model_worker.modeling import attention
+
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    for B, L, K, G, Dh, ring in [(8, 8192, 1, 8, 512, False), (8, 576, 1, 8, 256, True), (4, 1024, 2, 2, 128, False)]:
+        q = jax.ShapeDtypeStruct((B, 1, K * G, Dh), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((16, L, K, Dh), jnp.bfloat16)
+        rows, pos = jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, 1), jnp.int32)
+        k_pos = jax.ShapeDtypeStruct((B, L), jnp.int32) if ring else None
+        f = lambda q, k, v, r, p, kp, w=(512 if ring else None): attention._attend_pallas(q, k, v, r, p, kp, w, 1.0,
+                                                                                          kv_len=L)
+        text = jax.jit(f).trace(q, kv, kv, rows, pos, k_pos).lower(lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text
+
+
+@pytest.mark.skipif(jax.default_backend() != "tpu", reason="Mosaic compiles the kernel for a TPU only (the "
+                    "device lane runs this; elsewhere the interpreter tests above stand for it)")
+@pytest.mark.parametrize("ring", [False, True])
+def test_the_compiled_kernel_on_a_tpu_matches_softmax_attention(ring):
+    """Compiled for the chip (not interpreted), bfloat16 at Gemma 4 E2B's decode shapes: a full layer's rows at
+    ragged positions of a 2K cache in blocks of 512, and a sliding ring of 512 + 64 positions in one block."""
+    rng = np.random.default_rng(4)
+    B, Kh, Gh, Dh = 6, 1, 8, (256 if ring else 512)
+    L, block, window = (2048, 512, None) if not ring else (576, 576, 512)
+    keys = jnp.asarray(rng.standard_normal((8, L, Kh, Dh)), jnp.bfloat16)
+    values = jnp.asarray(rng.standard_normal((8, L, Kh, Dh)), jnp.bfloat16)
+    rows = np.array([7, 0, 3, 5, 1, 2], np.int32)
+    q_pos = np.array([2047, 0, 511, 512, 1000, 1500] if not ring else [600, 0, 100, 575, 576, 2000], np.int32)
+    k_pos = None
+    if ring:
+        k_pos = np.array([[max(qp - (qp - i) % L, -1) for i in range(L)] for qp in q_pos], np.int32)
+    q = jnp.asarray(rng.standard_normal((B, Kh * Gh, Dh)), jnp.bfloat16)
+    ours = decode_attention(q, keys, values, jnp.asarray(rows), jnp.asarray(q_pos),
+                            None if k_pos is None else jnp.asarray(k_pos), scale=Dh ** -0.5, window=window,
+                            block=block)
+    ref = reference(np.asarray(q, np.float64), np.asarray(keys, np.float64), np.asarray(values, np.float64), rows,
+                    q_pos, k_pos, window, scale=Dh ** -0.5)
+    np.testing.assert_allclose(np.asarray(ours, np.float64), ref, atol=3e-2, rtol=3e-2)
