@@ -189,9 +189,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "does, in a CPU kernel built on first use (the same bits in pure JAX elsewhere): half the bytes per "
         "decode step, batch-invariant by construction. float32 multiplies the exact weights, for numerics "
         "work. auto = int8 for a GGUF model (the embedded one included) with float32 activations on one device "
-        "(the CPU default), else bfloat16 (a checkpoint's weights, --tensor-parallel > 1; with bfloat16 "
-        "activations, the GPU/TPU default, there is nothing to choose and int8 is refused) (measured figures: "
-        "docs/performance.md) (default: %(default)s)",
+        "(the CPU default), else bfloat16 (a checkpoint's weights, --tensor-parallel > 1). With bfloat16 "
+        "activations (the GPU/TPU default) products are bfloat16 already, and int8 means int8 weights: each dense "
+        "projection and the LM head stored as int8 with one scale per output row, converted inside the product "
+        "(W8A16: half the weight bytes per decode step) (measured figures: docs/performance.md) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--tensor-parallel", "--tensor-parallel-size", type=_positive_int, default=1,

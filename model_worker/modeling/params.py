@@ -18,7 +18,7 @@ import numpy as np
 
 from model_worker.modeling.config import ModelConfig
 from model_worker.numerics.q8 import BLOCK, Q8Weight, float16_exact, q8_from_values, q8_weight
-from model_worker.numerics.quant import Bf16Weight, Int4Weight, Int8Weight, int8_from_flat
+from model_worker.numerics.quant import Bf16Weight, Int4Weight, Int8Weight, int8_from_flat, int8_per_channel
 
 
 @jax.tree_util.register_dataclass
@@ -81,8 +81,8 @@ class Params:
       ple_proj: [H, L*P] per_layer_model_projection, else None.
       ple_norm: [P] per_layer_projection_norm, else None.
       lm_head: None (the head is `embed`), or a copy of the embedding for the head at another matmul precision:
-        a `Bf16Weight` [V, H] (`with_bf16_matmuls`) or a `Q8Weight` [V, H] (`with_q8_matmuls`); lookups still
-        read `embed`.
+        a `Bf16Weight` [V, H] (`with_bf16_matmuls`), a `Q8Weight` [V, H] (`with_q8_matmuls`) or a per-row
+        `Int8Weight` [V, H] (`with_int8_weights`); lookups still read `embed`.
     """
 
     embed: jax.Array | Int8Weight
@@ -91,7 +91,7 @@ class Params:
     ple_embed: jax.Array | None = None
     ple_proj: jax.Array | None = None
     ple_norm: jax.Array | None = None
-    lm_head: Bf16Weight | Q8Weight | None = None
+    lm_head: Bf16Weight | Q8Weight | Int8Weight | None = None
 
     @staticmethod
     def from_flat(cfg: ModelConfig, flat: dict[str, jax.Array]) -> Params:
@@ -247,6 +247,26 @@ def with_bf16_matmuls(params: Params, row_invariant: bool = False) -> Params:
 
 
 
+def with_int8_weights(params: Params) -> Params:
+    """`params` with weight-only int8 projections (`--matmul-precision int8` with bfloat16 activations, a TPU's or
+    GPU's default): each dense layer projection ([in, out]) and the tied LM head become a per-row `Int8Weight`
+    (`quant.int8_per_channel`), half the bytes a decode step reads; the embedding lookups keep the exact table.
+    Int4Weight and Int8Weight projections (a quantized checkpoint's own) are left as they are.
+
+    Returns:
+      New Params sharing every untouched array with `params`.
+    """
+    def convert(lp: LayerParams) -> LayerParams:
+        dense = {n: getattr(lp, n) for n in _LINEARS}
+        return dataclasses.replace(lp, **{n: int8_per_channel(w.T) for n, w in dense.items()
+                                          if isinstance(w, jax.Array)})
+
+    head = params.lm_head
+    if head is None and isinstance(params.embed, jax.Array):  # the table [V, H] is already the head's [out, in]
+        head = int8_per_channel(params.embed)
+    return dataclasses.replace(params, layers=[convert(lp) for lp in params.layers], lm_head=head)
+
+
 def q8_of(weight: jax.Array | Int8Weight, dense_in_out: bool = True) -> Q8Weight | None:
     """A projection as Q8_0 blocks of 32 (`q8.Q8Weight`), or None where its input size is not a multiple of 32.
 
@@ -341,20 +361,16 @@ def matmul_mode(precision: str, batch_invariant: bool | None, dtype: str, *, ten
         i.e. bfloat16 or int8 products with float32 activations (CPU's default), so that the default is
         reproducible.
       dtype: the activation dtype ("float32" or "bfloat16"); with bfloat16 activations (GPU/TPU) the products
-        already have bfloat16 operands and there is nothing to choose.
+        already have bfloat16 operands, and "int8" means int8 weights (`with_int8_weights`, W8A16).
       tensor_parallel: devices the worker splits its weights over (`--tensor-parallel`).
       gguf: whether the weights come from a GGUF (int8 blocks of its own) rather than a safetensors checkpoint.
     Returns:
       (a precision, bool), for `for_matmul_precision` (which is only applied to float32 activations).
     Raises:
-      ValueError: an unknown precision; int8 with bfloat16 activations; --batch-invariant asked for where it does
-        not apply.
+      ValueError: an unknown precision; --batch-invariant asked for where it does not apply.
     """
     if precision not in ("auto", "float32", "bfloat16", "int8"):
         raise ValueError(f"unknown matmul precision {precision!r} (auto, float32, bfloat16 or int8)")
-    if precision == "int8" and dtype != "float32":
-        raise ValueError(f"--matmul-precision int8 needs float32 activations (the CPU default); got {dtype} "
-                         "activations (--dtype)")
     if precision == "auto":
         precision = "int8" if dtype == "float32" and tensor_parallel == 1 and gguf else "bfloat16"
     applies = precision in ("bfloat16", "int8") and dtype == "float32"

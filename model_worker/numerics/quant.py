@@ -434,6 +434,31 @@ def _matmul_t(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
 
 
+def int8_per_channel(w: jax.Array) -> Int8Weight:
+    """Weight-only int8 of a dense weight [N, K] ([out, in]): one symmetric float32 scale per output row,
+    scale = max|w[n]| / 127 and q = round(w / scale) (a zero row: scale 0, q 0), so |W - q scale| <= scale / 2.
+
+    Why per row: the product then scales its output columns, y[:, n] = (x . q[n]) * scale[n]
+    (`int8_row_scaled`): the int8 values convert to the activation dtype exactly inside the product (|q| <= 127
+    fits bfloat16's 8 bits), with no dequantized copy of the weight (W8A16, as JetStream and AQT serve on TPU).
+    """
+    w = jnp.asarray(w, jnp.float32)
+    scale = jnp.max(jnp.abs(w), axis=1, keepdims=True) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(w / safe), -127, 127).astype(jnp.int8)
+    return Int8Weight(q, scale, None, group_size=w.shape[1])
+
+
+def int8_row_scaled(x: jax.Array, w: Int8Weight, out_dtype=None) -> jax.Array:
+    """y = x Wᵀ for a per-row `Int8Weight` (`int8_per_channel`: group_size = K, no offset) as
+    (x q[n]ᵀ, summed in float32) * scale[n], rounded once to `out_dtype` (default x's): x [M, K] -> [M, N].
+
+    It differs from dequantize-then-multiply only in where the scale's rounding falls (after the sum instead of
+    on each weight), an error below the quantization step's."""
+    y = _matmul_t(x, w.q.astype(x.dtype), jnp.float32) * w.scale[:, 0]
+    return y.astype(out_dtype or x.dtype)
+
+
 def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BYTES, out_dtype=None) -> jax.Array:
     """y = x Wᵀ for an Int8Weight W [N, K] without a resident dequantized copy.
 
@@ -444,7 +469,8 @@ def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BY
       out_dtype: dtype of y (and of the accumulation), default x's; the LM head asks for float32 so that bfloat16
         activations still give float32 logits.
     Returns:
-      [..., N]; every path dequantizes the same exact values, so they differ only by summation order.
+      [..., N]; every path dequantizes the same exact values, so they differ only by summation order (and a
+      per-row weight off the CPU by where its scale is applied: `int8_row_scaled`).
     Raises:
       ValueError: x's last axis is not K.
 
@@ -473,6 +499,8 @@ def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BY
         return _blocked(x, [q, s, o], n, k, deq, dot, block_bytes, w.row_shards)
 
     def plain(x, q, s, o):
+        if g == k and o is None:  # one scale per row: scale the product's columns, no dequantized copy
+            return int8_row_scaled(x, dataclasses.replace(w, q=q, scale=s + _zero_after(x, w, s.dtype)), out_dtype)
         return dot(x, _dequant_int8(q, s + _zero_after(x, w, s.dtype), o, g, x.dtype))
 
     y = lax.platform_dependent(x2, w.q, w.scale, w.offset, cpu=cpu, default=plain)

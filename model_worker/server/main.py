@@ -126,7 +126,7 @@ def load_engine(prepared, args: argparse.Namespace, weights: tuple | None = None
     from model_worker.engine.engine import Engine, EngineConfig, compile_threads
     from model_worker.engine.executables import ExecutableCache
     from model_worker.modeling.config import config_from_dict
-    from model_worker.modeling.params import for_matmul_precision, matmul_mode, to_device
+    from model_worker.modeling.params import for_matmul_precision, matmul_mode, to_device, with_int8_weights
     from model_worker.server.service import engine_facts
 
     backend = jax.default_backend()
@@ -166,6 +166,8 @@ def load_engine(prepared, args: argparse.Namespace, weights: tuple | None = None
                                "devices); use bfloat16 with --tensor-parallel")
         if dtype == "float32":
             cfg, params = for_matmul_precision(cfg, params, precision, invariant)
+        elif precision == "int8":  # bfloat16 activations: int8 weights (W8A16)
+            params = with_int8_weights(params)
         cfg = dataclasses.replace(cfg, attention_kernel=getattr(args, "attention_kernel", "xla"))
         if precision == "float32" and backend != "cpu":
             # float32 products mean float32 here too: a TPU (and a GPU's TF32) multiplies float32 operands at lower

@@ -221,6 +221,7 @@ def test_batch_invariance_needs_bfloat16_or_int8_precision():
         for_matmul_precision(None, None, "float32", batch_invariant=True)
     with pytest.raises(ValueError, match="unknown matmul precision"):
         for_matmul_precision(None, None, "int4")
-    with pytest.raises(ValueError, match="float32 activations"):  # int8 products only with float32 activations
-        matmul_mode("int8", None, "bfloat16")
+    with pytest.raises(ValueError, match="float32 activations"):  # invariance only with float32 activations
+        matmul_mode("int8", True, "bfloat16")
+    assert matmul_mode("int8", None, "bfloat16") == ("int8", False)  # int8 weights (W8A16)
     assert matmul_mode("int8", None, "float32") == ("int8", True)

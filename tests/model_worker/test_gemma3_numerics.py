@@ -222,6 +222,45 @@ def test_int8_matmul_logits_stay_within_the_bound(gemma3_q8, hf_gemma3, text_tok
     assert clear[-8:].sum() >= 4 and agree.all(), np.flatnonzero(clear)[~agree]
 
 
+# Weight-only int8 (`--matmul-precision int8` with bfloat16 activations, a TPU's or GPU's W8A16): every projection
+# and the LM head stored as int8 with one scale per output row. Judged by the same bound as the block-int8 products
+# above, with float32 activations so that only the weights' rounding is measured.
+@pytest.fixture(scope="module")
+def gemma3_w8(gemma3):
+    """The embedded model's exact float32 weight values stored again as per-row int8 (`with_int8_weights`)."""
+    import dataclasses
+
+    from model_worker.modeling.params import with_int8_weights
+    from model_worker.numerics.quant import Int8Weight
+
+    cfg, params = gemma3
+    dense = lambda w: w.values().T if isinstance(w, Int8Weight) else w  # [out, in] -> a projection's [in, out]
+    names = ("q", "k", "v", "o", "gate", "up", "down")
+    layers = [dataclasses.replace(lp, **{n: dense(getattr(lp, n)) for n in names}) for lp in params.layers]
+    embed = params.embed.values() if isinstance(params.embed, Int8Weight) else params.embed
+    return cfg, with_int8_weights(dataclasses.replace(params, layers=layers, embed=embed, lm_head=None))
+
+
+def test_int8_weights_stay_within_the_bound(gemma3_w8, hf_gemma3, text_tokenizer):
+    """Per-row int8 weights: LONG's prompt chunks and cached decode steps keep mean KL <= 1e-3 from transformers'
+    float32 logits and its argmax wherever the top-2 gap exceeds 0.5."""
+    from model_worker.numerics.quant import Int8Weight
+
+    cfg, params = gemma3_w8
+    assert isinstance(params.lm_head, Int8Weight) and params.lm_head.group_size == cfg.hidden_size
+    assert all(isinstance(lp.down, Int8Weight) for lp in params.layers)
+    ids = _ids(text_tokenizer, LONG)
+    ours = prompt_then_decode_logits(cfg, params, ids)
+    ref = hf_logits(hf_gemma3, ids, keep=True)
+    d = divergence(ours, ref)
+    top2 = _top2(ref)
+    clear = (top2[:, 1] - top2[:, 0]) > Q8_GAP
+    agree = ours.argmax(-1)[clear] == ref.argmax(-1)[clear]
+    print(f"per-row int8 weights vs transformers: {d}, argmax {int(agree.sum())}/{int(clear.sum())}")
+    assert d["kl"] <= Q8_KL, d
+    assert clear[-8:].sum() >= 4 and agree.all(), np.flatnonzero(clear)[~agree]
+
+
 def _row_blocks(*arrays: np.ndarray, rows: int = 64):
     """The arrays' rows in blocks of `rows` (zipped): statistics over [T, 262144] logits taken block by block, so
     float64 temporaries stay ~130 MB instead of 2 GB each (the session also runs three stacks)."""

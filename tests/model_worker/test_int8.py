@@ -212,3 +212,26 @@ def test_bf16_activations_give_float32_logits():
         w_bf16 = ref.astype(jnp.bfloat16).astype(np.float32)
         exact, bound = dot_bound(np.asarray(x, np.float32), w_bf16)
         assert np.all(np.abs(np.asarray(y) - exact) <= bound)
+
+
+def test_per_row_int8_is_within_half_a_step_and_its_product_matches_float64():
+    """`int8_per_channel`: |W - q scale| <= scale / 2 per element, |q| <= 127, a zero row stays zero; the
+    row-scaled product (`int8_row_scaled`, the TPU/GPU path) equals x (q scale)ᵀ in float64 within the float32 dot
+    bound plus the scale's one rounding, for float32 and bfloat16 activations."""
+    from model_worker.numerics.quant import int8_per_channel, int8_row_scaled
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((48, 96)).astype(np.float32) * np.exp(rng.standard_normal((48, 1))).astype(np.float32)
+    w[7] = 0.0
+    q8 = int8_per_channel(jnp.asarray(w))
+    q, scale = np.asarray(q8.q, np.float64), np.asarray(q8.scale, np.float64)
+    assert q8.shape == (48, 96) and q8.group_size == 96 and q8.offset is None
+    assert np.abs(q).max() <= 127 and not q[7].any() and scale[7, 0] == 0
+    assert (np.abs(w - q * scale) <= scale / 2 * (1 + 1e-6)).all()
+    exact_w = q * scale
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(rng.standard_normal((5, 96)), dtype)
+        xf = np.asarray(x, np.float64)
+        y = np.asarray(int8_row_scaled(x, q8, out_dtype=jnp.float32), np.float64)
+        bound = (96 + 2) * 2.0**-24 * (np.abs(xf) @ np.abs(exact_w).T) + 2.0**-23 * np.abs(xf @ exact_w.T)
+        assert (np.abs(y - xf @ exact_w.T) <= bound).all()
