@@ -122,7 +122,7 @@ def _kernel(rows_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, heads: int, group: i
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     if ring:
-        kp = kpos_ref[0]  # [1, block]: the positions this block of the ring holds
+        kp = kpos_ref[...]  # [1, block]: the positions this block of the ring holds
         visible = (kp >= 0) & (kp <= qp)
         if window is not None:
             visible &= qp - kp < window
