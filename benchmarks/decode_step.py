@@ -327,6 +327,8 @@ def main() -> None:
                         "B=1 step against it, in interleaved rounds at the same position")
     parser.add_argument("--llama-rounds", type=int, default=5, help="with --llama-cpp: rounds of ours then theirs")
     args = parser.parse_args()
+    if args.attention_kernel == "pallas" and args.tensor_parallel > 1:
+        parser.error("--attention-kernel pallas runs on one device (as the worker refuses it with --tensor-parallel)")
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))

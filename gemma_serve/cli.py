@@ -192,7 +192,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "(the CPU default), else bfloat16 (a checkpoint's weights, --tensor-parallel > 1). With bfloat16 "
         "activations (the GPU/TPU default) products are bfloat16 already, and int8 means int8 weights: each dense "
         "projection and the LM head stored as int8 with one scale per output row, converted inside the product "
-        "(W8A16: half the weight bytes per decode step) (measured figures: docs/performance.md) "
+        "(W8A16: half the weight bytes per decode step; a GGUF's own int8 blocks stay as they are) (measured "
+        "figures: docs/performance.md) "
         "(default: %(default)s)",
     )
     p.add_argument(

@@ -20,6 +20,7 @@ import hashlib
 import ipaddress
 import logging
 import socket
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -98,13 +99,14 @@ class Worker:
     health: health_pb2_grpc.HealthStub
     status: str = "UNREACHABLE"  # the last health status name ("SERVING", "NOT_SERVING", "UNREACHABLE")
     programs_compiling: int = 0  # programs it still compiles while serving, at the last poll (GetLoad)
-    late_polls: int = 0  # consecutive health checks past their deadline on a live connection
+    late_since: float | None = None  # when its health checks began to pass their deadline on a live connection
 
 
-#: Health checks past their deadline before a connected worker counts as UNREACHABLE. A worker whose process holds
-#: the GIL for seconds (a large compiled program being serialized into the executable cache on a TPU host) answers
-#: late but serves; a worker whose process died fails its checks at once (UNAVAILABLE), whatever this says.
-LATE_POLLS_TOLERATED = 2
+#: Seconds a connected worker whose health checks pass their deadline keeps its last status before it counts as
+#: UNREACHABLE. A worker whose process holds the GIL for seconds (a large compiled program being serialized into
+#: the executable cache on a TPU host) answers late but serves; a worker whose process died fails its checks at
+#: once (UNAVAILABLE), and one whose connection is not READY gets no grace.
+LATE_GRACE_S = 5.0
 
 
 class WorkerPool:
@@ -181,12 +183,10 @@ class WorkerPool:
         try:
             reply = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            w.late_polls = 0
+            w.late_since = None
         except grpc.aio.AioRpcError as err:
-            late = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.status != "UNREACHABLE"
-            w.late_polls = w.late_polls + 1 if late else 0
-            if 0 < w.late_polls <= LATE_POLLS_TOLERATED:
-                log.debug("worker %s answered its health check late (%d in a row)", w.addr, w.late_polls)
+            if self._late_but_connected(w, err):
+                log.debug("worker %s answers its health checks late", w.addr)
                 return  # as it was: routed to as before, its load as last polled
             status = "UNREACHABLE"
         if status != w.status:
@@ -206,6 +206,19 @@ class WorkerPool:
             except grpc.aio.AioRpcError as err:
                 log.debug("GetLoad of %s failed: %s", w.addr, err)
         self.router.set_healthy(w.addr, status == "SERVING" and w.addr not in self.refused)
+
+    @staticmethod
+    def _late_but_connected(w: Worker, err: grpc.aio.AioRpcError) -> bool:
+        """Whether a failed health check only passed its deadline on a READY connection of a worker that was not
+        already UNREACHABLE, within `LATE_GRACE_S` of the first such check (starting that clock if needed)."""
+        late = (err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.status != "UNREACHABLE"
+                and w.channel.get_state() == grpc.ChannelConnectivity.READY)
+        if not late:
+            w.late_since = None
+            return False
+        now = time.monotonic()
+        w.late_since = w.late_since or now
+        return now - w.late_since < LATE_GRACE_S
 
     def programs_compiling(self) -> int:
         """Programs the serving workers still compile in the background, together, at the last poll (0: every

@@ -210,6 +210,7 @@ def estimate_temporaries(cfg: ModelConfig, ecfg, weights: Params, tp: int = 1,
     attention = 2 * chunk * heads * span * 4
     quantized = lambda x: isinstance(x, (Int4Weight, Int8Weight))
     linears = [weights.ple_proj, *weights.layers] + ([weights.embed] if weights.lm_head is None else [])
+    linears += [weights.lm_head] if quantized(weights.lm_head) else []  # int8 weights' head (`with_int8_weights`)
     dequant = max((_dense_bytes(w, jnp.dtype(ecfg.dtype).itemsize)
                    for w in jax.tree_util.tree_leaves(linears, is_leaf=quantized) if quantized(w)), default=0)
     on_cpu = (platform or jax.default_backend()) == "cpu"

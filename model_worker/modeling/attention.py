@@ -296,7 +296,7 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
     """
     rows = _batch_rows(slots, q.shape[0])
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
-    if kernel == "pallas" and q.shape[1] == 1 and arrays[2] is None:
+    if kernel == "pallas" and q.shape[1] == 1 and arrays[2] is None and _pallas_fits(arrays[0], k_pos):
         xla = lambda q: attend_in_place(q, cache, src, slots, q_pos, k_pos, window, scale, dtype, kv_len)
         tpu = lambda q: _attend_pallas(q, arrays[0], arrays[1], rows, q_pos, k_pos, window, scale, kv_len)
         return lax.platform_dependent(q, tpu=tpu, default=xla)
@@ -322,6 +322,22 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
     return lax.map(ring, (q, rows, q_pos, k_pos))
 
 
+# The Pallas decode kernel's limits: a full layer's key block at least one lane tile long (a cache length whose
+# largest power-of-two divisor up to KEY_BLOCK is smaller would mean tiny blocks, thousands of grid steps), and a
+# ring, read as one block, at most this many bytes per K or V array (it is double-buffered in VMEM, whose default
+# scoped size on a TPU v5e is 16 MiB). Outside them the XLA loop serves.
+PALLAS_MIN_BLOCK = 128
+PALLAS_RING_BYTES = 2 << 20
+
+
+def _pallas_fits(keys: jax.Array, k_pos) -> bool:
+    """Whether `_attend_pallas` takes a layer whose cache array is `keys` [S, L, K, D] (static shapes)."""
+    S, L, K, D = keys.shape
+    if k_pos is None:
+        return _pow2_divisor(L, KEY_BLOCK) >= PALLAS_MIN_BLOCK
+    return L * K * D * keys.dtype.itemsize <= PALLAS_RING_BYTES
+
+
 def _attend_pallas(q, keys, values, rows, q_pos, k_pos, window, scale: float, kv_len: int,
                    interpret: bool = False) -> jax.Array:
     """`attend_in_place` for a decode step (q [B, 1, N, D]) through the Pallas kernel: [B, 1, N*D] in q.dtype.
@@ -329,6 +345,7 @@ def _attend_pallas(q, keys, values, rows, q_pos, k_pos, window, scale: float, kv
     W + slack positions is small, and its positions' block must be a multiple of 128 lanes or the whole ring)."""
     B, _, N, D = q.shape
     L = keys.shape[1]
+    keys, values = (dequantize_kv(a, None, q.dtype) for a in (keys, values))  # a bfloat16 store's bits (uint16)
     if k_pos is None:
         block = _pow2_divisor(L, KEY_BLOCK)
         bound = -(-min(kv_len, L) // block)

@@ -256,14 +256,16 @@ def with_int8_weights(params: Params) -> Params:
     Returns:
       New Params sharing every untouched array with `params`.
     """
+    quantize = jax.jit(int8_per_channel)  # compiled: only the int8 result is materialized, no float32 temporaries
+    transposed = jax.jit(lambda w: int8_per_channel(w.T))
+
     def convert(lp: LayerParams) -> LayerParams:
         dense = {n: getattr(lp, n) for n in _LINEARS}
-        return dataclasses.replace(lp, **{n: int8_per_channel(w.T) for n, w in dense.items()
-                                          if isinstance(w, jax.Array)})
+        return dataclasses.replace(lp, **{n: transposed(w) for n, w in dense.items() if isinstance(w, jax.Array)})
 
     head = params.lm_head
     if head is None and isinstance(params.embed, jax.Array):  # the table [V, H] is already the head's [out, in]
-        head = int8_per_channel(params.embed)
+        head = quantize(params.embed)
     return dataclasses.replace(params, layers=[convert(lp) for lp in params.layers], lm_head=head)
 
 

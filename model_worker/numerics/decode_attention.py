@@ -134,7 +134,6 @@ def _kernel(rows_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, heads: int, group: i
         if window is not None:
             visible &= qp - kp < window
         needed = (j >= first) & (j <= last)
-    visible &= qp >= 0
 
     @pl.when(needed)
     def _fold():

@@ -161,6 +161,9 @@ def load_engine(prepared, args: argparse.Namespace, weights: tuple | None = None
                                                gguf=prepared.kind != "checkpoint")
         except ValueError as err:
             raise FlagsRefused(str(err)) from None
+        if getattr(args, "attention_kernel", "xla") == "pallas" and args.tensor_parallel > 1:
+            raise FlagsRefused("--attention-kernel pallas runs on one device (a Mosaic kernel is not partitioned "
+                               "across devices); use xla with --tensor-parallel")
         if precision == "int8" and args.tensor_parallel > 1:
             raise FlagsRefused("--matmul-precision int8 runs on one device (its products are not split across "
                                "devices); use bfloat16 with --tensor-parallel")

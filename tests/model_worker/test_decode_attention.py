@@ -102,27 +102,47 @@ def test_shapes_that_do_not_fit_are_refused():
                          scale=1.0, block=16, interpret=True)
 
 
+@pytest.mark.parametrize("store", ["float32", "bfloat16 bits"])
 @pytest.mark.parametrize("ring", [False, True])
-def test_the_model_path_chooses_blocks_as_its_xla_loop(ring):
+def test_the_model_path_chooses_blocks_as_its_xla_loop(ring, store):
     """`attention._attend_pallas` (the kernel as a decode step calls it: blocks and KV-bucket bound chosen from
-    the cache) against `attention.attend_in_place`'s XLA loop on the same cache rows, a full layer and a ring."""
+    the cache) against `attention.attend_in_place`'s XLA loop on the same cache rows, a full layer and a ring,
+    with float32 K/V and with the bfloat16 store of bfloat16 activations (uint16 bit patterns)."""
+    from jax import lax
+
     from model_worker.modeling import attention
-    from model_worker.modeling.kv_cache import KVCache
+    from model_worker.modeling.kv_cache import BF16_BITS, KVCache
 
     rng = np.random.default_rng(3)
     L, window = (32, 16) if ring else (1024, None)
     keys, values, _, _ = _arrays(rng, L, jnp.float32)
+    dtype, tol = jnp.float32, 2e-5
+    if store != "float32":
+        keys, values = (lax.bitcast_convert_type(a.astype(jnp.bfloat16), BF16_BITS) for a in (keys, values))
+        dtype, tol = jnp.bfloat16, 2e-2
     cache = KVCache([keys], [values], [None], [None])
     slots, q_pos = jnp.asarray([4, 1, 2], jnp.int32), jnp.asarray([[700], [0], [513]], jnp.int32)
     k_pos = None
     if ring:  # index i holds the latest position p <= qp with p % L == i (-1: none yet)
         q_pos = jnp.asarray([[40], [0], [20]], jnp.int32)
         k_pos = jnp.asarray([[max(qp - (qp - i) % L, -1) for i in range(L)] for qp in (40, 0, 20)], jnp.int32)
-    q = jnp.asarray(rng.standard_normal((3, 1, N, D)).astype(np.float32))
-    xla = attention.attend_in_place(q, cache, 0, slots, q_pos, k_pos, window, SCALE, jnp.float32, kv_len=768)
+    q = jnp.asarray(rng.standard_normal((3, 1, N, D)).astype(np.float32), dtype)
+    xla = attention.attend_in_place(q, cache, 0, slots, q_pos, k_pos, window, SCALE, dtype, kv_len=768)
     ours = attention._attend_pallas(q, keys, values, slots, q_pos, k_pos, window, SCALE, kv_len=768,
                                     interpret=True)
-    np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), atol=2e-5, rtol=2e-5)
+    assert ours.dtype == xla.dtype
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(xla, np.float32), atol=tol, rtol=tol)
+
+
+def test_layers_outside_the_kernel_limits_keep_the_xla_loop():
+    """A full layer whose cache length has no power-of-two divisor of 128 or more (4100 = 4 * 1025), and a ring
+    over 2 MiB per array, are not given to the kernel (`attention._pallas_fits`)."""
+    from model_worker.modeling.attention import _pallas_fits
+
+    full = lambda L: jnp.zeros((2, L, 1, 256), jnp.bfloat16)
+    assert _pallas_fits(full(8192), None) and _pallas_fits(full(1152), None)
+    assert not _pallas_fits(full(4100), None)
+    assert _pallas_fits(full(576), jnp.zeros((2, 576))) and not _pallas_fits(full(4160), jnp.zeros((2, 4160)))
 
 
 def test_the_kernel_lowers_for_a_tpu_v5e_at_gemma4_shapes(monkeypatch):
