@@ -3,8 +3,8 @@ compile it.
 
 A fresh worker compiling its whole grid before it answers made a new user wait minutes (37 programs, ~12 s each on
 two CPU cores: docs/performance.md, "The first minute"). The engine needs far fewer programs to serve every
-request, only slower: `serving_set` is one prompt chunk and one decode step of a full batch at the largest KV bucket
-(every position and every batch fits them), their sampling, and the slot copy. The worker reports
+request, only slower: `serving_set` is one prompt chunk at the largest KV bucket (every position fits it; a decode
+step runs as one such chunk per row until a decode program arrives), its sampling, and the slot copy. The worker reports
 SERVING once those are compiled (or loaded from the executable cache, with everything else it holds), and
 `BackgroundCompile` compiles the rest on threads, most useful first (`background_order`), handing each program to
 the engine, whose dispatch picks among the programs it has (`engine.Engine` "which programs are ready").
@@ -31,16 +31,17 @@ log = logging.getLogger(__name__)
 
 def serving_set(kv_buckets: Sequence[int], prefill_chunks: Sequence[int], num_slots: int) -> list[ProgramKey]:
     """The fewest programs with which an engine serves every request: a compute chunk of the smallest prefill
-    size and a decode step of `num_slots` rows, both at the largest KV bucket; the sample program of one row (a
-    chunk's last token) and of the full batch (it also serves greedy rows: `sampling.sample_greedy` equals it bit
-    for bit); the slot copy.
+    size at the largest KV bucket; the sample program of one row (a chunk's last token) and of the full batch (it
+    also serves greedy rows: `sampling.sample_greedy` equals it bit for bit); the slot copy.
 
-    Every decode step then runs in the full batch (padded; a lone agent's step costs a little more until the
-    B=1 programs arrive, first of the background's), every prompt in chunks of the smallest size. Mixed steps,
-    speculation and the other buckets wait for the background. Why not B=1 decode too: it was a sixth of the
-    serving set's compile time, ~5 s of the first answer on two cores (docs/performance.md, "The first minute")."""
+    Every prompt then runs in chunks of the smallest size, and a decode step as one such chunk per row, sampled
+    together (`Engine.dispatch_decode`: slower, until the first decode programs arrive, the B=1 ones first of the
+    background's). Mixed steps, speculation and the other buckets wait for the background. Why no decode program:
+    the one of the full batch was over a third of the serving set's compile time (7.7 of ~22 s on two CPU cores;
+    132 of 132 s, compiled beside the others, on a TPU v5e: docs/performance.md, "The first minute" and "On a TPU
+    v5e")."""
     largest, chunk = kv_buckets[-1], min(prefill_chunks)
-    return [ProgramKey("compute", 1, chunk, largest), ProgramKey("decode", num_slots, 1, largest)] + \
+    return [ProgramKey("compute", 1, chunk, largest)] + \
         [ProgramKey("sample", b, 0, 0) for b in sorted({1, num_slots})] + [ProgramKey("copy", 1, 0, 0)]
 
 

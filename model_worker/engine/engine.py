@@ -632,9 +632,31 @@ class Engine:
         self.kv_bucket(length)  # raises ValueError beyond max_model_len
         found = self._ready_batch("decode", len(batch.slots), 1, length)
         if found is None:
-            raise KeyError(f"no compiled decode program holds {len(batch.slots)} rows of {length} positions")
+            return self._decode_in_chunks(batch)
         d = self._decode_rows(batch, found[0])
         return d.pending(self._run(ProgramKey("decode", found[0], 1, found[1]), d.batch))
+
+    def _decode_in_chunks(self, batch: DecodeBatch) -> Pending:
+        """A decode step with no decode program ready yet (a worker serving with its serving set): each row's one
+        token as a prompt chunk of its own (the smallest ready chunk; it records its token as a chunk does), the
+        rows' logits gathered into one batch bucket whose sample program is ready. The same logits as a decode
+        step's (batch-invariant numerics), a row at a time: slower, for the seconds until a decode program arrives.
+
+        Raises:
+          KeyError: no compute program holds a row's position, or no sample program the rows.
+        """
+        n = len(batch.slots)
+        bucket = next((b for b in self.batch_buckets if b >= n and self._has(ProgramKey("sample", b, 0, 0))), None)
+        if bucket is None:
+            raise KeyError(f"no compiled decode or sample program holds {n} rows")
+        logits = []
+        for slot, token, pos, out in zip(batch.slots, batch.tokens, batch.positions, batch.is_output):
+            pending, _ = self.dispatch_compute(chunk=PromptChunk(slot, [token], pos, [out], False))
+            logits.append(pending.logits)
+        d = self._decode_rows(batch, bucket)
+        d.batch.positions[:] = -1  # each chunk recorded its own token
+        padding = jnp.zeros((bucket - n, self.cfg.vocab_size), logits[0].dtype)
+        return d.pending(jnp.concatenate(logits + [padding]))
 
     def dispatch_mixed(self, *, chunk: PromptChunk, batch: DecodeBatch) -> tuple[Pending, int, Pending]:
         """One chunk of a slot's pending tokens (as `dispatch_compute`) and a decode step of other slots (as
