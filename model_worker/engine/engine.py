@@ -391,10 +391,11 @@ class Engine:
             self._programs[key] = compiled[key]
         return time.perf_counter() - t0
 
-    def _builder(self, cache: ExecutableCache | None) -> Callable[[ProgramKey], jax.stages.Compiled]:
+    def _builder(self, cache: ExecutableCache | None, defer: bool = False
+                 ) -> Callable[[ProgramKey], jax.stages.Compiled]:
         """`_compile` for any thread, under the calling thread's JAX settings that shape a program
         (`jax.default_device`, a `jax.default_matmul_precision` block: thread-local), so a program does not
-        depend on which thread compiled it."""
+        depend on which thread compiled it; `defer`: the cache's stores wait for `store_deferred`."""
         device, precision = jax.config.jax_default_device, jax.config.jax_default_matmul_precision
 
         def build(key: ProgramKey) -> jax.stages.Compiled:
@@ -403,7 +404,7 @@ class Engine:
                     scope.enter_context(jax.default_device(device))
                 if precision is not None:
                     scope.enter_context(jax.default_matmul_precision(precision))
-                return self._compile(key, cache)
+                return self._compile(key, cache, defer)
 
         return build
 
@@ -427,8 +428,16 @@ class Engine:
         """
         order = background_order(keys, self.kv_buckets[-1], self.ecfg.prefill_chunks)
         deliver = lambda key, compiled: self._arrivals.put((key, compiled))
-        return BackgroundCompile(self._builder(cache), order, threads or compile_threads(), deliver,
+        self._deferred_cache = cache
+        return BackgroundCompile(self._builder(cache, defer=True), order, threads or compile_threads(), deliver,
                                  on_compiled).start()
+
+    def store_deferred(self, limit: int | None = 1) -> int:
+        """Store up to `limit` (None: all) programs compiled in the background into the executable cache they
+        came from; the loop calls it when it has no work (serializing holds the GIL: `ExecutableCache.get_or_compile`).
+        Returns how many. Contract: `engine_api.Engine.store_deferred`."""
+        cache = getattr(self, "_deferred_cache", None)
+        return 0 if cache is None else cache.store_deferred(limit)
 
     def adopt_programs(self) -> list[ProgramKey]:
         """Take in the programs compiled in the background since the last call, each run once on padding first
@@ -453,12 +462,13 @@ class Engine:
                 jax.block_until_ready(self._run(key, *kind.example(key, self.cfg.vocab_size), count=False))
             adopted.append(key)
 
-    def _compile(self, key: ProgramKey, cache: ExecutableCache | None) -> jax.stages.Compiled:
-        """The compiled program of `key`: from `cache` when it holds it, else lowered, compiled and stored."""
+    def _compile(self, key: ProgramKey, cache: ExecutableCache | None, defer: bool = False) -> jax.stages.Compiled:
+        """The compiled program of `key`: from `cache` when it holds it, else lowered, compiled and stored (or
+        queued for `store_deferred`)."""
         if cache is None:
             return self._lower(key).compile()
         devices = None if self.mesh is None else list(self.mesh.devices.flat)
-        return cache.get_or_compile(self._fingerprint(key), lambda: self._lower(key), devices)
+        return cache.get_or_compile(self._fingerprint(key), lambda: self._lower(key), devices, defer)
 
     def _fingerprint(self, key: ProgramKey) -> str:
         """The executable cache's key of a program (`executables.fingerprint`), over `program_config(self.ecfg)`:

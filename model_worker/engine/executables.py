@@ -30,6 +30,7 @@ directory is the user's own; the container images give /cache to their unprivile
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import functools
 import hashlib
@@ -178,14 +179,18 @@ class ExecutableCache:
         self.stored = 0
         self.unstorable = 0  # compiled programs JAX's persistent cache served (not stored: module docstring)
         self._count = threading.Lock()  # the counters, from `Engine.compile_all`'s compiling threads
+        self._deferred: collections.deque = collections.deque()  # (fingerprint, compiled) awaiting `store_deferred`
 
     def get_or_compile(self, fp: str, lower: Callable[[], jax.stages.Lowered],
-                       devices: Sequence | None = None) -> jax.stages.Compiled:
+                       devices: Sequence | None = None, defer: bool = False) -> jax.stages.Compiled:
         """The program stored under `fp`, else `lower()` compiled and stored (unless JAX's persistent cache
         served it: see the module docstring).
 
         Args:
           fp: the program's `fingerprint`; lower: lowers it (called only on a miss); devices: `load`'s.
+          defer: queue the store for `store_deferred` instead of storing now. Why: serializing an executable holds
+            the GIL throughout (a compute chunk of the embedded model: 219 ms on the 2-vCPU EPYC; seconds for a
+            whole model on a TPU host), which a worker serving while it compiles must not spend between its steps.
         """
         compiled = self.load(fp, devices)
         if compiled is not None:
@@ -195,9 +200,29 @@ class ExecutableCache:
         if getattr(_HITS, "n", 0) != hits:
             with self._count:
                 self.unstorable += 1
+        elif defer:
+            self._deferred.append((fp, compiled))
         else:
             self.store(fp, compiled)
         return compiled
+
+    def store_deferred(self, limit: int | None = 1) -> int:
+        """Store up to `limit` (None: all) of the programs whose store was deferred, oldest first. Returns how
+        many were stored or failed to (a failure is logged by `store`)."""
+        done = 0
+        while limit is None or done < limit:
+            try:
+                fp, compiled = self._deferred.popleft()
+            except IndexError:
+                break
+            self.store(fp, compiled)
+            done += 1
+        return done
+
+    @property
+    def deferred(self) -> int:
+        """Programs awaiting `store_deferred`."""
+        return len(self._deferred)
 
     def has(self, fp: str) -> bool:
         """Whether an entry is stored under `fp` (it may still fail to load: `load`)."""

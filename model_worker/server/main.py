@@ -420,18 +420,23 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("shutting down")
     await server.stop(2)
     loop.stop()
-    return await _exit(background, 0)
+    return await _exit(background, 0, engine)
 
 
 #: Seconds an exiting worker waits for the compiles still running on its background threads.
 COMPILE_EXIT_WAIT_S = 30.0
 
 
-async def _exit(background, code: int) -> int:
+async def _exit(background, code: int, engine=None) -> int:
     """Return `code` once no background compile runs. A compile in XLA cannot be interrupted, and a process whose
     interpreter finalizes while one runs aborts (SIGABRT from C++); so wait for it up to `COMPILE_EXIT_WAIT_S`
-    seconds, then end the process at once (`os._exit`, after flushing the log), skipping the finalization."""
+    seconds, then end the process at once (`os._exit`, after flushing the log), skipping the finalization.
+    With `engine` (a clean stop, its loop gone), first store the programs the loop had no idle moment to store, so
+    that a restart loads them."""
     if background is None or await asyncio.to_thread(background.stop, COMPILE_EXIT_WAIT_S):
+        stored = engine.store_deferred(None) if engine is not None else 0
+        if stored:
+            log.info("stored %d programs compiled in the background into the executable cache", stored)
         return code
     log.warning("a background compile is still running after %.0f s: exiting without waiting for it",
                 COMPILE_EXIT_WAIT_S)

@@ -326,3 +326,8 @@ class Engine(Protocol):
         (they change no token: only the speed). Called by the loop between steps, on its thread. Returns their
         keys."""
         ...
+
+    def store_deferred(self, limit: int | None = 1) -> int:
+        """Store up to `limit` (None: all) programs compiled in the background into the executable cache; called
+        by the loop when it has no work, and at exit. Returns how many."""
+        ...

@@ -281,6 +281,10 @@ class EngineLoop:
     # ----- loop thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped.is_set():
+            # Idle: store what the background compiled, one program at a time, while nothing waits (serializing
+            # holds the GIL, which a step would otherwise wait for).
+            while not self.scheduler.has_work() and self._inbox.empty() and self.engine.store_deferred():
+                pass
             self._drain_inbox(block=not self.scheduler.has_work())
             if self._stopped.is_set():
                 break

@@ -208,9 +208,23 @@ def test_programs_compiled_at_once_compute_what_programs_compiled_in_turn_do(mod
     for want, got in zip(run_steps(in_turn), run_steps(at_once)):
         np.testing.assert_array_equal(want, got)
 
-    def broken(key, cache):
+    def broken(key, cache, defer=False):
         raise RuntimeError(f"cannot compile {key.kind}")
 
     monkeypatch.setattr(at_once, "_compile", broken)
     with pytest.raises(RuntimeError, match="cannot compile"):
         at_once.compile_all(keys=keys, threads=2)
+
+
+def test_a_deferred_store_waits_for_store_deferred(tmp_path):
+    """`defer=True` (the background compiles of a serving worker): the program is compiled and returned but
+    written only by `store_deferred`, one at a time; it then loads and computes the same."""
+    cache = ExecutableCache(tmp_path)
+    c = float(np.random.default_rng().integers(1, 1 << 20))  # a program no earlier run compiled: JAX's cache misses
+    lower = lambda: jax.jit(lambda x: x * c + 1).lower(jax.ShapeDtypeStruct((8,), jnp.float32))  # no eager op
+    compiled = cache.get_or_compile("deferred", lower, defer=True)
+    assert (cache.deferred, cache.stored, cache.unstorable) == (1, 0, 0) and not list(tmp_path.glob("*.xla"))
+    assert cache.store_deferred() == 1 and cache.store_deferred() == 0
+    assert cache.stored == 1 and cache.deferred == 0
+    x = jnp.arange(8, dtype=jnp.float32)
+    assert np.array_equal(np.asarray(cache.load("deferred")(x)), np.asarray(compiled(x)))

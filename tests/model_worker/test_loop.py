@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -478,3 +479,22 @@ def test_a_sequence_of_the_fault_salt_fails_its_step_before_the_engine_runs_it(l
     loop.stop()
     assert len(fatal) == 1 and isinstance(fatal[0], RuntimeError) and FAULT_ENV in str(fatal[0])
     assert fake.chunks == [(0, 0, 2)], "bad's prompt never reached the engine"
+
+
+def test_an_idle_loop_stores_what_the_background_compiled(loops):
+    """With no work and an empty inbox the loop stores the background's compiled programs into the executable
+    cache one at a time (`store_deferred`) until none is left, then waits for commands as before."""
+    class Pending(FakeEngine):
+        left = 3
+
+        def store_deferred(self, limit=1):
+            n = min(self.left, 1 if limit is not None else self.left)
+            self.left -= n
+            return n
+
+    fake = engine(cls=Pending)
+    start(loops, EngineLoop(fake))
+    deadline = time.monotonic() + 5
+    while fake.left and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fake.left == 0
