@@ -154,6 +154,8 @@ def test_the_kernel_lowers_for_a_tpu_v5e_at_gemma4_shapes(monkeypatch):
 
     from model_worker.modeling import attention
 
+    if not all(hasattr(tpu_info, f) for f in ("get_device_kind", "get_num_device_cores")):
+        pytest.skip("this JAX's Pallas TPU lowering has no device-kind hook to state the chip on a CPU")
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
     monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
     for B, L, K, G, Dh, ring in [(8, 8192, 1, 8, 512, False), (8, 576, 1, 8, 256, True), (4, 1024, 2, 2, 128, False)]:
