@@ -287,6 +287,7 @@ class Engine:
         # Programs compiled on background threads, waiting for the loop's thread to adopt them (`adopt_programs`):
         # only that thread runs programs, since a run replaces the donated state.
         self._arrivals: queue.SimpleQueue[tuple[ProgramKey, jax.stages.Compiled]] = queue.SimpleQueue()
+        self._deferred_cache: ExecutableCache | None = None  # where the background's deferred stores go
         # The state's shapes, dtypes and shardings, for lowering on any thread: the arrays themselves are replaced
         # (donated) by every step the loop's thread runs meanwhile.
         # (Shardings only under a mesh: a single device's programs are lowered as from uncommitted arrays, with no
@@ -436,8 +437,7 @@ class Engine:
         """Store up to `limit` (None: all) programs compiled in the background into the executable cache they
         came from; the loop calls it when it has no work (serializing holds the GIL: `ExecutableCache.get_or_compile`).
         Returns how many. Contract: `engine_api.Engine.store_deferred`."""
-        cache = getattr(self, "_deferred_cache", None)
-        return 0 if cache is None else cache.store_deferred(limit)
+        return 0 if self._deferred_cache is None else self._deferred_cache.store_deferred(limit)
 
     def adopt_programs(self) -> list[ProgramKey]:
         """Take in the programs compiled in the background since the last call, each run once on padding first
