@@ -58,7 +58,7 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "floa
     `params.for_matmul_precision`) and `--attention-kernel` `attention_kernel`. A directory (checkpoint or
     prepared) is read as it is; a GGUF gets the worker's prepared weights (built once in `cache_dir`)."""
     from common import preparation
-    from model_worker.modeling.params import for_matmul_precision, to_device, with_int8_weights
+    from model_worker.modeling.params import at_matmul_mode, to_device
 
     if pathlib.Path(model).expanduser().is_dir():
         prepared = preparation.prepare(model, cache_dir, {})
@@ -77,11 +77,7 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "floa
 
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))
-    params = to_device(cfg, flat, jnp.dtype(dtype))
-    if dtype == "float32":
-        cfg, params = for_matmul_precision(cfg, params, precision, invariant)
-    elif precision == "int8":  # bfloat16 activations: int8 weights (W8A16), as the worker
-        params = with_int8_weights(params)
+    cfg, params = at_matmul_mode(cfg, to_device(cfg, flat, jnp.dtype(dtype)), dtype, precision, invariant)
     return dataclasses.replace(cfg, attention_kernel=attention_kernel), params
 
 

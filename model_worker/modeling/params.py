@@ -349,6 +349,15 @@ def for_matmul_precision(cfg: ModelConfig, params: Params, precision: str,
     return dataclasses.replace(cfg, batch_invariant=batch_invariant), with_bf16_matmuls(params, batch_invariant)
 
 
+def at_matmul_mode(cfg: ModelConfig, params: Params, dtype: str, precision: str,
+                   batch_invariant: bool) -> tuple[ModelConfig, Params]:
+    """The config and weights a worker runs with, from `matmul_mode`'s answer: `for_matmul_precision` with float32
+    activations; with bfloat16 ones their products are bfloat16 already, and "int8" means `with_int8_weights`."""
+    if dtype == "float32":
+        return for_matmul_precision(cfg, params, precision, batch_invariant)
+    return cfg, with_int8_weights(params) if precision == "int8" else params
+
+
 def matmul_mode(precision: str, batch_invariant: bool | None, dtype: str, *, tensor_parallel: int = 1,
                 gguf: bool = True) -> tuple[str, bool]:
     """The worker's (matmul precision, batch invariance) from its flags and activation dtype.

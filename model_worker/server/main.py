@@ -126,7 +126,7 @@ def load_engine(prepared, args: argparse.Namespace, weights: tuple | None = None
     from model_worker.engine.engine import Engine, EngineConfig, compile_threads
     from model_worker.engine.executables import ExecutableCache
     from model_worker.modeling.config import config_from_dict
-    from model_worker.modeling.params import for_matmul_precision, matmul_mode, to_device, with_int8_weights
+    from model_worker.modeling.params import at_matmul_mode, matmul_mode, to_device
     from model_worker.server.service import engine_facts
 
     backend = jax.default_backend()
@@ -161,17 +161,15 @@ def load_engine(prepared, args: argparse.Namespace, weights: tuple | None = None
                                                gguf=prepared.kind != "checkpoint")
         except ValueError as err:
             raise FlagsRefused(str(err)) from None
-        if getattr(args, "attention_kernel", "xla") == "pallas" and args.tensor_parallel > 1:
+        kernel = getattr(args, "attention_kernel", "xla")
+        if kernel == "pallas" and args.tensor_parallel > 1:
             raise FlagsRefused("--attention-kernel pallas runs on one device (a Mosaic kernel is not partitioned "
                                "across devices); use xla with --tensor-parallel")
         if precision == "int8" and args.tensor_parallel > 1:
             raise FlagsRefused("--matmul-precision int8 runs on one device (its products are not split across "
                                "devices); use bfloat16 with --tensor-parallel")
-        if dtype == "float32":
-            cfg, params = for_matmul_precision(cfg, params, precision, invariant)
-        elif precision == "int8":  # bfloat16 activations: int8 weights (W8A16)
-            params = with_int8_weights(params)
-        cfg = dataclasses.replace(cfg, attention_kernel=getattr(args, "attention_kernel", "xla"))
+        cfg, params = at_matmul_mode(cfg, params, dtype, precision, invariant)
+        cfg = dataclasses.replace(cfg, attention_kernel=kernel)
         if precision == "float32" and backend != "cpu":
             # float32 products mean float32 here too: a TPU (and a GPU's TF32) multiplies float32 operands at lower
             # precision by default (one bfloat16 pass on a TPU). The worker owns the process: set it for every
