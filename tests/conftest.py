@@ -60,6 +60,35 @@ if DEVICE_LANE == "chip":
 pytest_plugins = ("tests.plugins.scheduling", "tests.plugins.gguf_readers")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory():
+    """After each test module, give back what it left: its garbage, JAX's compiled-program caches (when jax was
+    imported) and the C heap's free pages (glibc's `malloc_trim`). Why: an xdist worker runs dozens of modules,
+    and their models, references and programs otherwise stayed resident until the session ended — three workers
+    reached 7.7, 5.1 and 4.5 GB, over 20 GB with the e2e stacks beside them (docs/performance.md, "Test suite"),
+    enough to be killed for memory on a smaller machine. JAX's persistent compilation cache serves a program a
+    later module compiles again."""
+    yield
+    import gc
+    import sys
+
+    gc.collect()
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    """Return the C heap's free pages to the system (glibc only; elsewhere nothing)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @pytest.fixture(autouse=True)
 def _cpu_backend(request):
     """Tests marked `cpu_backend` (the CPU kernels) run with `jax.default_device` set to the host's CPU when the
@@ -110,9 +139,11 @@ def prepared(cache_dir, gguf_path):
     return prepare("embedded", cache_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gemma3(prepared):
-    """(ModelConfig, Params) of the embedded model, float32 on the default device."""
+    """(ModelConfig, Params) of the embedded model, float32 on the default device. Per module, not per session:
+    1.1 GB each, ~1 s to load, and a session-wide copy in each of the three xdist workers stayed resident to the
+    end (see `_release_memory`)."""
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
@@ -134,11 +165,11 @@ def text_tokenizer(prepared):
     return TextTokenizer.from_prepared(prepared.dir, tokenizer_part(families.by_name("gemma3")).template_facts.end_of_turn)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_gemma3(gguf_path):
     """transformers' Gemma3ForCausalLM of the same GGUF (torch, CPU, float32, eager attention), loaded from its
     float32 copy (`hf_gemma3_float32_dir`), a small fraction of the time a load from the GGUF takes (figures:
-    docs/performance.md, "Test suite")."""
+    docs/performance.md, "Test suite"). Per module, as `gemma3`: 1.1 GB, a few seconds to load."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(

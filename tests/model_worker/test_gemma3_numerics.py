@@ -88,6 +88,40 @@ def hf_logits(hf_model, ids: np.ndarray, keep: bool = False, last: int = 0) -> n
     return logits
 
 
+# First in the module: it needs neither transformers nor its ~1 GB of kept reference logits, so its own peak
+# (a whole-sequence forward) does not add to theirs.
+@pytest.mark.parametrize("prompt_len,steps", [(7, 4), (505, 8), (700, 4)],
+                         ids=["short", "crosses-window-in-decode", "past-window"])
+def test_cached_decode_equals_full_reforward(gemma3, text_tokenizer, prompt_len, steps):
+    """Each decode step's logits equal a from-scratch forward of the whole sequence in one call (padded to one
+    chunk, the prompt tests' program, when it fits, else to FULL_LEN); 8 steps from position 505 cross the
+    512-token window. (One from-scratch forward of the final sequence serves every step: attention is causal, so
+    its logits at a step's position are those of the sequence up to that step.)"""
+    cfg, params = gemma3
+    ids = _ids(text_tokenizer, LONG)[:prompt_len]
+    logits, cache = chunked_logits(cfg, params, ids, last_only=True)
+    seq = list(ids) + [int(logits[-1].argmax())]
+    decoded = []
+    for _ in range(steps):
+        pos = len(seq) - 1
+        step, cache = forward_jit(params, np.array([[seq[-1]]], np.int32), np.array([[pos]], np.int32), cache, None,
+                                  cfg=cfg, kv_len=MAX_LEN)
+        decoded.append((pos, np.asarray(step)[0, 0]))
+        seq.append(int(decoded[-1][1].argmax()))
+    width, kv_len = (CHUNK, MAX_LEN) if len(seq) <= CHUNK else (FULL_LEN, FULL_LEN)
+    tokens = np.zeros((1, width), np.int32)
+    positions = np.full((1, width), -1, np.int32)
+    tokens[0, : len(seq)] = seq
+    positions[0, : len(seq)] = np.arange(len(seq))
+    fresh = KVCache.zeros(cfg, 1, kv_len, jnp.float32)
+    full, _ = forward_jit(params, tokens, positions, fresh, None, cfg=cfg, kv_len=kv_len)  # every position
+    refs = np.asarray(full[0, np.array([pos for pos, _ in decoded])])
+    del full
+    for (pos, step), ref in zip(decoded, refs):
+        diff = np.abs(step - ref).max()
+        assert diff < TOL, f"step at position {pos}: max |Δlogit| {diff:.2e}"
+
+
 @pytest.mark.parametrize("text", [SHORT, LONG], ids=["short", "longer-than-window"])
 def test_prompt_logits_match_transformers(gemma3, hf_gemma3, text_tokenizer, text):
     cfg, params = gemma3
@@ -127,7 +161,7 @@ def test_greedy_continuation_matches_transformers(gemma3, hf_gemma3, text_tokeni
     assert np.array_equal(np.asarray(tokens)[clear], ref.argmax(-1)[clear]), (tokens, ref.argmax(-1).tolist())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test uses it: released after it (a model-sized copy)
 def gemma3_bf16(gemma3):
     """The embedded model at bfloat16 matmul precision (`--matmul-precision bfloat16`: bfloat16 products with
     float32 sums everywhere, attention included, batch-invariant)."""
@@ -200,7 +234,7 @@ def test_bf16_matmul_logits_stay_close_to_transformers(gemma3_bf16, hf_gemma3, t
 Q8_KL, Q8_GAP = 1e-3, 0.5
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test uses it: released after it (a model-sized copy)
 def gemma3_q8(gemma3):
     """The embedded model at block-int8 matmul precision, batch-invariant (the kernel where it builds)."""
     return for_matmul_precision(*gemma3, "int8", batch_invariant=True)
@@ -230,7 +264,7 @@ def _assert_within_the_int8_bound(label: str, cfg, params, hf_gemma3, text_token
 # Weight-only int8 (`--matmul-precision int8` with bfloat16 activations, a TPU's or GPU's W8A16): every projection
 # and the LM head stored as int8 with one scale per output row. Judged by the same bound as the block-int8 products
 # above, with float32 activations so that only the weights' rounding is measured.
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test uses it: released after it (a model-sized copy)
 def gemma3_w8(gemma3):
     """The embedded model's exact float32 weight values stored again as per-row int8 (`with_int8_weights`)."""
     import dataclasses
@@ -272,35 +306,3 @@ def _top2(ref: np.ndarray) -> np.ndarray:
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64) - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-@pytest.mark.parametrize("prompt_len,steps", [(7, 4), (505, 8), (700, 4)],
-                         ids=["short", "crosses-window-in-decode", "past-window"])
-def test_cached_decode_equals_full_reforward(gemma3, text_tokenizer, prompt_len, steps):
-    """Each decode step's logits equal a from-scratch forward of the whole sequence in one call (padded to one
-    chunk, the prompt tests' program, when it fits, else to FULL_LEN); 8 steps from position 505 cross the
-    512-token window. (One from-scratch forward of the final sequence serves every step: attention is causal, so
-    its logits at a step's position are those of the sequence up to that step.)"""
-    cfg, params = gemma3
-    ids = _ids(text_tokenizer, LONG)[:prompt_len]
-    logits, cache = chunked_logits(cfg, params, ids, last_only=True)
-    seq = list(ids) + [int(logits[-1].argmax())]
-    decoded = []
-    for _ in range(steps):
-        pos = len(seq) - 1
-        step, cache = forward_jit(params, np.array([[seq[-1]]], np.int32), np.array([[pos]], np.int32), cache, None,
-                                  cfg=cfg, kv_len=MAX_LEN)
-        decoded.append((pos, np.asarray(step)[0, 0]))
-        seq.append(int(decoded[-1][1].argmax()))
-    width, kv_len = (CHUNK, MAX_LEN) if len(seq) <= CHUNK else (FULL_LEN, FULL_LEN)
-    tokens = np.zeros((1, width), np.int32)
-    positions = np.full((1, width), -1, np.int32)
-    tokens[0, : len(seq)] = seq
-    positions[0, : len(seq)] = np.arange(len(seq))
-    fresh = KVCache.zeros(cfg, 1, kv_len, jnp.float32)
-    full, _ = forward_jit(params, tokens, positions, fresh, None, cfg=cfg, kv_len=kv_len)  # every position
-    refs = np.asarray(full[0, np.array([pos for pos, _ in decoded])])
-    del full
-    for (pos, step), ref in zip(decoded, refs):
-        diff = np.abs(step - ref).max()
-        assert diff < TOL, f"step at position {pos}: max |Δlogit| {diff:.2e}"
