@@ -57,7 +57,7 @@ class GenParams:
 
     Attributes:
       sampling: worker sampling settings.
-      max_tokens: the answer's limit in tokens, decided once by the planner (`planner.answer_budget`).
+      max_tokens: the answer's limit in tokens, decided once by the planner (`answer_limit.answer_budget`).
       stop: stop strings (the match is not returned).
       stop_token_ids: extra stop ids.
       ignore_eos: do not stop on the model's default stop ids.
@@ -211,7 +211,7 @@ async def generate(
         (504), worker failure (500).
     """
     facts = backends.ready_facts()
-    max_tokens = params.max_tokens  # decided by the planner (`planner.answer_budget`); the worker checks it again
+    max_tokens = params.max_tokens  # decided by the planner (`answer_limit.answer_budget`); the worker checks it again
     rid = request_id or f"gen-{uuid.uuid4().hex}"
     stream = _AnswerText(backends, params, prompt_ids)
     clock = _Clock(backends, constrained=params.constraint is not None)

@@ -45,6 +45,7 @@ from gateway.core.openai_types import (
 )
 from gateway.generation.chat_output import ChatRoute
 from gateway.generation.generate import GenParams
+from gateway.planning.answer_limit import AnswerLimit, answer_budget, read_limit
 from gateway.planning.chat_plan import ChatPlan, constraint_factory, plan_chat
 from gateway.planning.context import RequestContext
 from gateway.structured.constraints import ConstraintError
@@ -82,7 +83,7 @@ class Plan:
       scope: the answer-history scope (the tenant and `cache_salt`: gateway/backends/history.py `history_scope`).
       asked_limit: the first prompt's answer limit when the request or the server's `--max-tokens-cap` set one,
         None when only the context bounds it (what the Responses API echoes as `max_output_tokens`); each job's
-        `params.max_tokens` holds the limit decided (`answer_budget`).
+        `params.max_tokens` holds the limit decided (`answer_limit.answer_budget`).
     """
 
     model: str
@@ -108,8 +109,7 @@ class Ask:
 
     Attributes:
       model: the served model id.
-      max_tokens: the answer limit the client sent (None: whatever fits, at most `--max-tokens-cap`).
-      limit_param: the field that sent it (`max_tokens`, `max_completion_tokens`), named in errors.
+      limit: the answer limit asked for and the field that set it (`answer_limit.read_limit`).
       top_logprobs: alternatives per token to return.
       chat: the chat plan (grammar, tool format, thinking).
       call_prefix: the prefix of tool-call ids.
@@ -117,15 +117,10 @@ class Ask:
       scope: the answer-history scope (tenant and `cache_salt`: gateway/backends/history.py).
       session: the request's session headers.
       prediction: the token ids of OpenAI Predicted Outputs, or None.
-      clamp: a `max_tokens` beyond the room the context leaves (or beyond `--max-tokens-cap`) is lowered to it
-        instead of refused (Anthropic's Messages API: Claude Code asks for 32,000 on every request).
-      sent: the client sent `max_tokens` (False: a default the server chose, `/v1/completions`' 16): only a limit
-        sent is refused for being below a grammar's shortest answer; a chosen one cuts it, as before.
     """
 
     model: str
-    max_tokens: int | None
-    limit_param: str
+    limit: AnswerLimit
     top_logprobs: int
     chat: ChatPlan
     call_prefix: str
@@ -133,8 +128,6 @@ class Ask:
     scope: str
     session: Session
     prediction: list[int] | None = None
-    clamp: bool = False
-    sent: bool = True
 
 
 # ----------------------------------------------------------------------------------------------- entry points
@@ -150,8 +143,8 @@ async def plan_completion(ctx: RequestContext, req: CompletionRequest, *, call_p
       call_prefix: prefix of tool-call ids (unused without tools; routes are still made for gRPC).
     """
     backends, limits = ctx.backends, ctx.limits
-    max_tokens = req.completion_limit(limits.max_tokens_cap)
-    check_request(req, max_tokens, "max_tokens", limits)
+    check_request(req, limits)
+    limit = read_limit(req, limits)
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, 1, req.n):
@@ -165,20 +158,18 @@ async def plan_completion(ctx: RequestContext, req: CompletionRequest, *, call_p
     chat = await _chat_plan(backends, fields)
     chat.channels = False  # raw prompts: the text as generated
     prompts = [await _completion_prompt(backends, item) for item in texts]
-    ask = Ask(model, max_tokens, "max_tokens", req.logprobs or 0, chat, call_prefix, ctx.request_id,
-              history_scope(ctx.tenant, req.cache_salt), ctx.session, sent="max_tokens" in req.model_fields_set)
+    ask = Ask(model, limit, req.logprobs or 0, chat, call_prefix, ctx.request_id,
+              history_scope(ctx.tenant, req.cache_salt), ctx.session)
     return await _finish(backends, req, limits, prompts, ask)
 
 
 async def plan_chat_completion(ctx: RequestContext, req: ChatCompletionRequest, *, call_prefix: str,
                                clamp: bool = False) -> Plan:
     """Plan a `/v1/chat/completions` request (or a gRPC `chat` input, or a translated Responses or Messages
-    request); arguments as `plan_completion`'s, and `clamp` as `Ask.clamp`."""
+    request); arguments as `plan_completion`'s, and `clamp` as `AnswerLimit.clamp`."""
     backends, limits = ctx.backends, ctx.limits
-    max_tokens, param = req.completion_limit()
-    if clamp and max_tokens is not None and limits.max_tokens_cap is not None:
-        max_tokens = min(max_tokens, limits.max_tokens_cap)
-    check_request(req, max_tokens, param, limits)
+    check_request(req, limits)
+    limit = read_limit(req, limits, clamp)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     check_chat_prompt_fields(req, limits)
@@ -188,8 +179,8 @@ async def plan_chat_completion(ctx: RequestContext, req: ChatCompletionRequest, 
     chat = await _chat_plan(backends, req)
     scope = history_scope(ctx.tenant, req.cache_salt)
     prompt = await _chat_prompt(backends, req, chat.template_kwargs, scope)
-    ask = Ask(model, max_tokens, param, req.top_logprobs or 0, chat, call_prefix, ctx.request_id, scope,
-              ctx.session, await _prediction(backends, req), clamp)
+    ask = Ask(model, limit, req.top_logprobs or 0, chat, call_prefix, ctx.request_id, scope, ctx.session,
+              await _prediction(backends, req))
     return await _finish(backends, req, limits, [(prompt, "")], ask)
 
 
@@ -268,12 +259,12 @@ async def detokenize(backends: Backends, req: DetokenizeRequest) -> str:
 # --------------------------------------------------------------------------------------------- common checks
 
 
-def check_request(req: SamplingFields, max_tokens: int | None, param: str, limits: Limits) -> None:
-    """Checks that need no backend (done first, so bad input is a 400 even while a backend is down).
+def check_request(req: SamplingFields, limits: Limits) -> None:
+    """Checks that need no backend (done first, so bad input is a 400 even while a backend is down; the answer
+    limit's come next, in `answer_limit.read_limit`).
 
     Raises:
-      ApiError: 400 for bad stop strings, stream_options without stream, or a max_tokens below 1 or above the
-        cap.
+      ApiError: 400 for bad stop strings or stream_options without stream.
     """
     if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
@@ -286,11 +277,6 @@ def check_request(req: SamplingFields, max_tokens: int | None, param: str, limit
     if size > limits.max_stop_bytes:
         raise ApiError(400, f"the stop sequences have {size} bytes together; at most {limits.max_stop_bytes} are "
                             "allowed", param="stop")
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"{param} must be at least 1, got {max_tokens}", param=param)
-    cap = limits.max_tokens_cap
-    if max_tokens is not None and cap is not None and max_tokens > cap:
-        raise ApiError(400, f"{param} must be at most {cap} on this server, got {max_tokens}", param=param)
 
 
 def check_model(backends: Backends, model: str | None) -> str:
@@ -557,9 +543,9 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
     every job's GenParams in one piece."""
     facts = backends.ready_facts()
     salt = prefix_salt(ask.scope, limits.share_prefix_cache_across_keys)
-    answer_limits = [answer_budget(len(ids), ask, limits, facts) for ids, _ in prompts]
+    answer_limits = [answer_budget(len(ids), ask.limit, limits, facts.max_model_len) for ids, _ in prompts]
     constraints = await _constraints(backends, ask.chat, [n for n in answer_limits for _ in range(req.n)],
-                                     ask.limit_param if ask.max_tokens is not None and ask.sent and not ask.clamp else None)
+                                     ask.limit.floor_param())
     session = _session(ask.session, req)
     worker = backends.route(session.key, prompts[0][0], salt, _tiebreak(req, prompts))
     reservation = backends.pool.reserve(worker, len(prompts) * req.n)
@@ -583,37 +569,8 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
                 slo_tpot_s=session.tpot_s, priority=req.priority)
             jobs.append(Job(index, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
     routes = [ask.chat.route(facts, req.stop_list(), f"{ask.call_prefix}{job.index}_") for job in jobs]
-    asked = answer_limits[0] if ask.max_tokens is not None or limits.max_tokens_cap is not None else None
-    return Plan(ask.model, prompts, req.n, jobs, ask.chat, routes, ask.scope, asked)
-
-
-def answer_budget(prompt_len: int, ask: Ask, limits: Limits, facts: ModelFacts) -> int:
-    """A prompt's answer limit in tokens, decided here once for every front door and carried in `GenParams` to
-    the worker (which checks it again at its own boundary; nothing between re-derives it): `max_tokens` (or the
-    field `ask.limit_param` names) as sent, clamped to the context's room when `ask.clamp`; when absent, what
-    fits in the context, at most `--max-tokens-cap`.
-
-    Raises:
-      ApiError: 400 (`context_length_exceeded`, naming the field) when the prompt leaves no room, or the prompt and
-        the limit asked exceed max_model_len.
-    """
-    asked, room = ask.max_tokens, facts.max_model_len - prompt_len
-    if room <= 0:
-        raise ApiError(
-            400, f"This model's maximum context length is {facts.max_model_len} tokens. However, your prompt has "
-                 f"{prompt_len} tokens, which leaves no room for a completion. Please shorten the prompt.",
-            param="messages" if ask.limit_param == "max_completion_tokens" else "prompt",
-            code="context_length_exceeded")
-    if asked is None:
-        return room if limits.max_tokens_cap is None else min(limits.max_tokens_cap, room)
-    if ask.clamp:
-        asked = min(asked, room)
-    if asked > room:
-        raise ApiError(
-            400, f"This model's maximum context length is {facts.max_model_len} tokens. However, you requested "
-                 f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} for the completion). Please "
-                 f"reduce the prompt or {ask.limit_param}.", param=ask.limit_param, code="context_length_exceeded")
-    return asked
+    return Plan(ask.model, prompts, req.n, jobs, ask.chat, routes, ask.scope,
+                ask.limit.echoed(answer_limits[0], limits))
 
 
 def _session(session: Session, req: SamplingFields) -> Session:
