@@ -59,9 +59,8 @@ class ChoiceRunner:
         self.usage.accepted_prediction_tokens += u.accepted_prediction_tokens
         self.usage.rejected_prediction_tokens += u.rejected_prediction_tokens
         if self.remember:
-            job = self.plan.jobs[index]
             remember_answer(self.backends, self.plan.scope, self.plan.routes[index], delta, self.tokens[index],
-                            job.params.stop_token_ids)
+                            self.plan.chat.end_ids)
 
     def finish_reason(self, index: int) -> str | None:
         """Choice `index`'s finish reason as the API reports it (`tool_calls` for an answer of calls), None while

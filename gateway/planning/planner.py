@@ -154,7 +154,8 @@ async def plan_completion(ctx: RequestContext, req: CompletionRequest, *, call_p
     _check_token_ids(req, backends.ready_facts())
     model = check_model(backends, req.model)
     fields = types.SimpleNamespace(response_format=req.response_format, tools=None, tool_choice=None,
-                                   parallel_tool_calls=None, chat_template_kwargs=None, reasoning_effort=None)
+                                   parallel_tool_calls=None, chat_template_kwargs=None, reasoning_effort=None,
+                                   stop_token_ids=req.stop_token_ids)
     chat = await _chat_plan(backends, fields)
     chat.channels = False  # raw prompts: the text as generated
     prompts = [await _completion_prompt(backends, item) for item in texts]
@@ -224,7 +225,7 @@ async def tokenize(ctx: RequestContext, req: TokenizeCompletionRequest | Tokeniz
         check_model(backends, req.model)
         fields = types.SimpleNamespace(response_format=None, tools=req.tools, tool_choice=req.tool_choice,
                                        parallel_tool_calls=None, chat_template_kwargs=req.chat_template_kwargs,
-                                       reasoning_effort=req.reasoning_effort)
+                                       reasoning_effort=req.reasoning_effort, stop_token_ids=None)
         chat = await _chat_plan(backends, fields)
         ids = await _chat_prompt(backends, req, chat.template_kwargs, history_scope(ctx.tenant, req.cache_salt),
                                  check_size=False)
@@ -549,7 +550,6 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
     session = _session(ask.session, req)
     worker = backends.route(session.key, prompts[0][0], salt, _tiebreak(req, prompts))
     reservation = backends.pool.reserve(worker, len(prompts) * req.n)
-    stop_ids = sorted(set(req.stop_token_ids or []) | set(ask.chat.request_stop_ids(facts)))
     jobs: list[Job] = []
     for p, (ids, _) in enumerate(prompts):
         rid0 = ask.request_id if ask.request_id and p == 0 else f"gen-{uuid.uuid4().hex}"
@@ -558,7 +558,7 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
             constraint, mask = constraints[index]
             params = GenParams(
                 sampling=sampling_params(req, j, ask.top_logprobs, ask.chat.banned_ids),
-                max_tokens=answer_limits[p], stop=req.stop_list(), stop_token_ids=stop_ids,
+                max_tokens=answer_limits[p], stop=req.stop_list(), stop_token_ids=ask.chat.stop_ids,
                 ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
                 allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
                 share_prompt_with=rid0 if j else None, constraint=constraint, initial_mask=mask,
