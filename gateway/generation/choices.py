@@ -12,14 +12,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from gateway.backends.clients import Backends
 from gateway.backends.history import answer_key
+from gateway.backends.views import AnswerBook, WorkerView
 from gateway.core.tool_format import SpecialTokens, family_format
 from gateway.generation.detokenizer import dangling, prompt_tail
 from gateway.generation.generate import Delta, generate
 
 
-async def run_choices(backends: Backends, jobs: list) -> AsyncIterator[tuple[int, Delta]]:
+async def run_choices(backends: WorkerView, jobs: list) -> AsyncIterator[tuple[int, Delta]]:
     """Run the planned jobs (gateway/planning/planner.Job) concurrently; yields (choice index, delta) as they arrive.
 
     Raises:
@@ -71,7 +71,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     return usage
 
 
-def remember_answer(backends: Backends, scope: str, route, delta: Delta, tokens: list, end_ids: list[int]) -> None:
+def remember_answer(backends: AnswerBook, scope: str, route, delta: Delta, tokens: list, end_ids: list[int]) -> None:
     """Remember an answer's exact ids under the message returned for it (content, tool calls, reasoning_content),
     within `scope`, so that message sent back renders as generated (gateway/backends/history.py) — every shape we
     return: text, calls (parallel ones too), text and calls, a thought, content null, and answers cut by `max_tokens`

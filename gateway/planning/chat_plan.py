@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from gateway.backends.clients import Backends, ModelFacts
+from gateway.backends.clients import ModelFacts
+from gateway.backends.views import PlanningView
 from gateway.core.errors import ApiError
 from gateway.core.openai_types import ChatCompletionRequest
 from gateway.core.tool_format import FamilyFormat
@@ -172,7 +173,7 @@ def _thinking(req: ChatCompletionRequest, fmt: FamilyFormat, kwargs: dict) -> bo
     return on
 
 
-async def constraint_factory(backends: Backends, plan: ChatPlan):
+async def constraint_factory(backends: PlanningView, plan: ChatPlan):
     """A function making one fresh constraint per choice for the plan's grammar, or None when unconstrained.
     `make(budget)` takes the choice's max_tokens: the answer then ends valid within it where the grammar admits a
     short enough ending (gateway/structured/endings.py `BudgetedEnding`), parallel tool calls after the last one that fits

@@ -21,8 +21,9 @@ import types
 import uuid
 
 from common.json_prefix import scan_json_prefix
-from gateway.backends.clients import Backends, ModelFacts
+from gateway.backends.clients import ModelFacts
 from gateway.backends.history import answer_key, history_scope, prefix_salt
+from gateway.backends.views import ModelFactsView, PlanningView, TokenizerView
 from gateway.backends.workers import Session, tiebreak_key
 from gateway.core.errors import ApiError
 from gateway.core.limits import (
@@ -185,7 +186,7 @@ async def plan_chat_completion(ctx: RequestContext, req: ChatCompletionRequest, 
     return await _finish(backends, req, limits, [(prompt, "")], ask)
 
 
-async def _prediction(backends: Backends, req: ChatCompletionRequest) -> list[int] | None:
+async def _prediction(backends: TokenizerView, req: ChatCompletionRequest) -> list[int] | None:
     """The token ids of a request's `prediction` (OpenAI Predicted Outputs; encoded as answer text: no BOS,
     control tokens parsed), or None without one.
 
@@ -239,7 +240,7 @@ async def tokenize(ctx: RequestContext, req: TokenizeCompletionRequest | Tokeniz
     return ids, list(reply.token_strs)
 
 
-async def detokenize(backends: Backends, req: DetokenizeRequest) -> str:
+async def detokenize(backends: TokenizerView, req: DetokenizeRequest) -> str:
     """`POST /detokenize`: the text of token ids, control tokens spelled out (as vLLM's, which decodes with
     transformers' defaults).
 
@@ -280,7 +281,7 @@ def check_request(req: SamplingFields, limits: Limits) -> None:
                             "allowed", param="stop")
 
 
-def check_model(backends: Backends, model: str | None) -> str:
+def check_model(backends: ModelFactsView, model: str | None) -> str:
     """The served model id; a request naming another model is a 404 (as vLLM does).
 
     Raises:
@@ -443,14 +444,14 @@ def _check_prompt_bytes(size: int, facts: ModelFacts, param: str) -> None:
                        code="context_length_exceeded")
 
 
-async def _encode(backends: Backends, text: str, add_bos: bool) -> list[int]:
+async def _encode(backends: TokenizerView, text: str, add_bos: bool) -> list[int]:
     """A raw prompt's ids: control tokens written in it parsed, BOS prepended with `add_bos` (exactly one)."""
     reply = await backends.call("tokenizer service", backends.tokenizer.Encode(
         tokenizer_pb2.EncodeRequest(text=text, add_bos=add_bos, parse_special=True)))
     return list(reply.token_ids)
 
 
-async def _completion_prompt(backends: Backends, item) -> tuple[list[int], str]:
+async def _completion_prompt(backends: TokenizerView, item) -> tuple[list[int], str]:
     """One completion prompt as (ids, text): text gets BOS and control-token parsing; ids are checked."""
     facts = backends.ready_facts()
     if isinstance(item, str):
@@ -484,7 +485,7 @@ def message_to_pb(m, answers=None, scope: str = "") -> tokenizer_pb2.ChatMessage
     return pb
 
 
-async def _chat_prompt(backends: Backends, req: ChatPromptFields, template_kwargs: dict, scope: str,
+async def _chat_prompt(backends: PlanningView, req: ChatPromptFields, template_kwargs: dict, scope: str,
                        check_size: bool = True) -> list[int]:
     """Render the conversation (and `req.tools`) with the model's chat template (answers sent back carry the
     exact ids remembered within the answer-history `scope`). The template learns the resolved tool_choice (the
@@ -525,7 +526,7 @@ def _text_bytes(m) -> int:
 # ---------------------------------------------------------------------------------------------- grammar, jobs
 
 
-async def _chat_plan(backends: Backends, req) -> ChatPlan:
+async def _chat_plan(backends: ModelFactsView, req) -> ChatPlan:
     """The chat plan of a request (its schema and tools checked for size and depth, then compiled off the
     event loop)."""
     if req.response_format is not None:
@@ -537,7 +538,7 @@ async def _chat_plan(backends: Backends, req) -> ChatPlan:
     return await loop.run_in_executor(_COMPILE_POOL, plan_chat, req, facts)
 
 
-async def _finish(backends: Backends, req: SamplingFields, limits: Limits, prompts: list[tuple[list[int], str]],
+async def _finish(backends: PlanningView, req: SamplingFields, limits: Limits, prompts: list[tuple[list[int], str]],
                   ask: Ask) -> Plan:
     """Resolve each prompt's answer limit, compile each choice's constraint (with its first mask), route the
     request to one worker (all its prompts and choices: `n` choices share their prompt's KV there), and build
@@ -601,7 +602,7 @@ def _tiebreak(req, prompts: list[tuple[list[int], str]]) -> str:
     return tiebreak_key([" ".join(map(str, prompts[0][0][:256]))])
 
 
-async def _constraints(backends: Backends, chat: ChatPlan, budgets: list[int],
+async def _constraints(backends: PlanningView, chat: ChatPlan, budgets: list[int],
                        limit_param: str | None = None) -> list[tuple[object, bytes | None]]:
     """(constraint, first mask) per choice, each knowing its token budget (gateway/structured/budget.py, gateway/structured/endings.py);
     (None, None) per choice without a grammar. Compiled off the event loop. `limit_param` names the request field
