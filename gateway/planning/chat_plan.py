@@ -111,7 +111,7 @@ def _stop_ids(plan: ChatPlan, requested: list[int], end_tokens, facts: ModelFact
 
 
 def _plan_output(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
-    """`plan_chat` but the stop ids: grammar, tool mode and format, thinking, banned ids."""
+    """Everything `plan_chat` decides but the stop ids: grammar, tool mode and format, thinking, banned ids."""
     fmt, ids = facts.output_format(), facts.special_tokens
     plan = ChatPlan(template_kwargs=dict(req.chat_template_kwargs or {}), channels=fmt.reasoning is not None,
                     family=facts.architecture)
