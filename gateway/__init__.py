@@ -7,14 +7,16 @@ Rooms, from the top down (an import points only down this list; `tests/test_laye
   api/          the front doors: the FastAPI app and its guard (`app`, `http_guard`, `auth`, `openapi`), gRPC
                 `Generate` (`grpc_service`), the Responses API (`responses/`) and the Messages API (`messages/`).
                 Each door parses its request, asks the planning room for a plan and renders the answer's shape.
-  planning/     one request into a plan: the answer budget decided once, the chat template's inputs, the resolved
-                tool mode, stop ids and constraint (`planner`, `chat_plan`).
+  planning/     one request into a plan: the request's context (`context`), the answer budget decided once
+                (`answer_limit`), the chat template's inputs, the resolved tool mode, the final stop ids and the
+                constraint (`planner`, `chat_plan`); its `__init__` is the planning types' glossary.
   generation/   running a plan: one generation as a stream of deltas (`generate`), the choices of a request
                 (`choices`, `choice_runner`), the chat output's split into reasoning, text and tool calls
                 (`chat_output`, `reasoning`, `tool_parsers`), detokenization, log-probabilities and answer blocks.
-  backends/     the services behind the gateway: gRPC clients and the facts fetched from them (`clients`), the
-                worker pool and the choice of a worker (`workers`, `worker_choice`), admission, answer history,
-                metrics, and the grammar tokenizer built from the model facts (structured's `build_tokenizer`).
+  backends/     the services behind the gateway, one owner (`clients.Backends`) of parts: the tokenizer service's
+                connection (`tokenizer_client`), the worker pool and the choice of a worker (`workers`,
+                `worker_choice`), the model facts, the grammar tokenizer built from them (`grammar_tokenizer`),
+                admission, answer history, metrics; the narrow views a function receives (`views`).
   structured/   structured output: JSON schemas and tools into llguidance grammars, the token-mask constraint and
                 its budget, the grammar cache (`tools/`: tool-call schemas and arguments).
   core/         the gateway's vocabulary, imported by every room: OpenAI request types, errors, limits, the model

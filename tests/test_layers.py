@@ -8,6 +8,8 @@ above the services they extend.
 
 from __future__ import annotations
 
+import ast
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -168,6 +170,35 @@ def test_the_gateways_rooms_import_only_downward(graph):
     graph = build()
     graph.add_import(importer="gateway.structured.constraints", imported="gateway.backends.clients")
     assert "gateway.structured.constraints -> gateway.backends.clients" in upward_room_imports(graph, "gateway")
+
+
+def test_the_api_doors_folders_import_only_downward(graph):
+    """Inside `api/`: its own modules (the app, gRPC `Generate`, the guard) sit above the Messages API, which reuses
+    the Responses API's parsing and rendering, which imports neither."""
+    top = sorted({m.split(".")[2] for m in graph.modules if m.count(".") == 2 and m.startswith("gateway.api.")}
+                 - {"messages", "responses"})
+    layers = (Layer(*top, independent=False), Layer("messages"), Layer("responses"))
+    found = [f"{d.importer} -> {d.imported}"
+             for d in graph.find_illegal_dependencies_for_layers(layers=layers, containers={"gateway.api"})]
+    assert not found, found
+    assert graph.chain_exists(importer="gateway.api.messages", imported="gateway.api.responses", as_packages=True)
+    graph = build()  # not vacuous
+    graph.add_import(importer="gateway.api.responses.responses_api", imported="gateway.api.messages.messages_api")
+    assert graph.find_illegal_dependencies_for_layers(layers=layers, containers={"gateway.api"})
+
+
+def test_every_room_says_what_lives_there_and_what_it_may_import():
+    """Each folder of the gateway and the worker opens with a docstring (its `__init__.py`) naming what lives
+    there and what it may import."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    rooms = [d for service in ("gateway", "model_worker") for d in sorted((root / service).rglob("*"))
+             if d.is_dir() and any(d.glob("*.py"))] + [root / "gateway", root / "model_worker"]
+    assert len(rooms) >= 16, rooms
+    for room in rooms:
+        init = room / "__init__.py"
+        assert init.exists(), init
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc) > 80 and "import" in doc.lower(), f"{init.relative_to(root)}: {doc[:80]!r}"
 
 
 def no_jax_importers() -> list[str]:

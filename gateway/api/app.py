@@ -32,6 +32,7 @@ from gateway.api.responses import responses_api
 from gateway.api.responses.response_store import ResponseStore
 from gateway.api.responses.responses_request import ResponsesRequest
 from gateway.backends.clients import Backends
+from gateway.backends.views import AnswerBook, ModelFactsView, TokenizerView
 from gateway.backends.workers import Session
 from gateway.core.errors import ApiError, error_body
 from gateway.core.limits import Limits
@@ -319,7 +320,7 @@ async def _completions(ctx: RequestContext, req: CompletionRequest):
     return {**ids.head("text_completion"), "choices": choices, "usage": usage}
 
 
-async def _echo_text(backends: Backends, ids: list[int], text: str) -> str:
+async def _echo_text(backends: TokenizerView, ids: list[int], text: str) -> str:
     """The prompt as echoed: its text, or for ids their decoded text without the bytes of a character the
     prompt leaves open (the answer emits that character whole: gateway/generation/detokenizer.py)."""
     if text:
@@ -366,7 +367,7 @@ async def _collect(stream, count: int) -> _Gathered:
     return out
 
 
-async def _completion_chunks(backends: Backends, ids: ResponseIds, stream, req: CompletionRequest, echoes,
+async def _completion_chunks(backends: ModelFactsView, ids: ResponseIds, stream, req: CompletionRequest, echoes,
                              prompt_tokens: int, prompts: list[list[int]]):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
@@ -423,7 +424,7 @@ async def _chat(ctx: RequestContext, req: ChatCompletionRequest):
     return {**ids.head("chat.completion"), "choices": choices, "usage": usage}
 
 
-async def _chat_chunks(backends: Backends, ids: ResponseIds, stream, req: ChatCompletionRequest, plan: Plan):
+async def _chat_chunks(backends: AnswerBook, ids: ResponseIds, stream, req: ChatCompletionRequest, plan: Plan):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
     head = ids.head("chat.completion.chunk")

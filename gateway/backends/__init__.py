@@ -1,5 +1,5 @@
-"""The services behind the gateway: gRPC clients of the tokenizer service and the workers and the model facts
-fetched from them (`clients`), the worker pool (`workers`) and which worker serves a request (`worker_choice`),
-admission control, the answer history and the metrics.
-Also holds the grammar tokenizer built from the facts (`structured.constraints.build_tokenizer`). Imports
-structured and core."""
+"""The services behind the gateway, with one owner for the gateway's life (`clients.Backends`) made of parts: the
+tokenizer service's connection (`tokenizer_client`), the worker pool (`workers`) and which worker serves a request
+(`worker_choice`), the model facts fetched from both (`clients`), the grammar tokenizer built from them
+(`grammar_tokenizer`, with structured's `build_tokenizer`), admission control, the answer history and the metrics.
+`views` names what each room and front door uses of them. Imports structured and core."""

@@ -13,13 +13,14 @@ import dataclasses
 import logging
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import families
-from common.network import InternalTls, aio_channel
+from common.network import InternalTls
 from gateway.backends.admission import Admission
+from gateway.backends.grammar_tokenizer import GrammarTokenizer
 from gateway.backends.history import AnswerHistory
 from gateway.backends.metrics import GatewayMetrics
+from gateway.backends.tokenizer_client import TokenizerClient
 from gateway.backends.worker_choice import NoWorkerError
 from gateway.backends.workers import WorkerPool
 from gateway.core.errors import ApiError, from_rpc_error
@@ -132,7 +133,11 @@ class RequestBackends:
 
 
 class Backends:
-    """Channels and stubs for both backends; `facts` is None until they are ready."""
+    """The gateway's backends for its whole life, as parts with one owner each: the tokenizer service's connection
+    (`tokenizer_service`: tokenizer_client.py), the model workers (`pool`: workers.py), the model facts fetched from
+    both (`facts`, None until they are ready; kept fresh by `watch`), the grammar tokenizer built from them
+    (`grammar`: grammar_tokenizer.py), the answer history, admission and the metrics. A request sees them
+    through a view (`for_request`; what each function uses: views.py)."""
 
     def __init__(self, tokenizer_addr: str, worker_addrs: list[str] | str, served_model_name: str | None = None,
                  tls: InternalTls | None = None, timeouts: Timeouts | None = None, refresh_s: float = 5.0):
@@ -144,9 +149,9 @@ class Backends:
         Raises:
           ValueError: no worker address, or a malformed one.
         """
-        self.tokenizer_addr = tokenizer_addr
         self.tls = tls
         self.timeouts = timeouts or Timeouts()
+        self.tokenizer_service = TokenizerClient(tokenizer_addr, tls, [_DefaultDeadline(self.timeouts.tokenizer)])
         targets = [worker_addrs] if isinstance(worker_addrs, str) else list(worker_addrs)
         self.pool = WorkerPool(targets, tls, [_DefaultDeadline(self.timeouts.worker)], refresh_s)
         self.served_model_name = served_model_name
@@ -155,56 +160,32 @@ class Backends:
         self.answers = AnswerHistory()
         self.admission = Admission()
         self.metrics = GatewayMetrics()
-        self._lltokenizer = None
-        self._lltokenizer_key: tuple | None = None  # (tokenizer JSON, vocabulary size, eos) it was built for
-        self._lltokenizer_lock = asyncio.Lock()
+        self.grammar = GrammarTokenizer()
         # The tokenizer service's Info and vocabulary, fetched while the worker still compiles (`wait_ready`), for
         # the next facts fetch to use once: the vocabulary and the grammar tokenizer then leave the critical path
         # of the first start.
         self._prefetched: tuple | None = None
-        self._channel: grpc.aio.Channel | None = None
         self.worker_statuses: dict[str, str] = {}  # each worker's health at the last poll, by address
 
     async def grammar_tokenizer(self):
-        """The llguidance tokenizer of the served vocabulary, built once when the backends become ready (a costly
-        build; figures: docs/performance.md). Its EOS is the tokenizer's eos only: other stop ids (end of turn,
-        `<|tool_response>`) are handled by Constraint, and tool grammars reference them as tokens.
+        """The llguidance tokenizer of the served vocabulary (grammar_tokenizer.py), built once when the backends
+        become ready.
 
         Raises:
           ApiError: 503 while the backends are not ready.
         """
         facts = self.ready_facts()
-        if self._lltokenizer is None:
+        if self.grammar.built is None:
             await self._build_grammar_tokenizer(facts)
-        return self._lltokenizer
+        return self.grammar.built
 
     async def _build_grammar_tokenizer(self, facts: ModelFacts) -> None:
-        await self._build_grammar_tokenizer_for(facts.tokenizer_json, facts.vocab_size, facts.eos_id)
-
-    async def _build_grammar_tokenizer_for(self, tokenizer_json: str, vocab_size: int, eos_id: int) -> None:
-        """Build the llguidance tokenizer unless the one held was built for the same inputs."""
-        from gateway.structured.constraints import build_tokenizer
-
-        key = (tokenizer_json, vocab_size, eos_id)
-        async with self._lltokenizer_lock:
-            if self._lltokenizer is None or self._lltokenizer_key != key:
-                self._lltokenizer = await asyncio.to_thread(build_tokenizer, tokenizer_json, vocab_size, [eos_id])
-                self._lltokenizer_key = key
-
-    def _connect(self) -> grpc.aio.Channel:
-        """Create the tokenizer channel on first use, inside the running event loop (grpc.aio binds it to it)."""
-        if self._channel is None:
-            self._channel = aio_channel(self.tokenizer_addr, self.tls,
-                                        interceptors=[_DefaultDeadline(self.timeouts.tokenizer)])
-            self._tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._channel)
-            self._tokenizer_health = health_pb2_grpc.HealthStub(self._channel)
-        return self._channel
+        await self.grammar.build(facts.tokenizer_json, facts.vocab_size, facts.eos_id)
 
     @property
     def tokenizer(self) -> tokenizer_pb2_grpc.TokenizerStub:
         """Tokenizer service stub."""
-        self._connect()
-        return self._tokenizer
+        return self.tokenizer_service.stub
 
     def worker(self, addr: str) -> model_worker_pb2_grpc.ModelWorkerStub:
         """The stub of the worker a request was routed to (`route`).
@@ -235,16 +216,7 @@ class Backends:
         """Each backend's status name ("SERVING", "NOT_SERVING" or "UNREACHABLE"): the tokenizer service, and
         the model workers as one ("SERVING" when at least one serves the gateway's model; each worker's own
         status is in `worker_statuses`)."""
-        self._connect()
-
-        async def tokenizer():
-            try:
-                reply = await self._tokenizer_health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.aio.AioRpcError:
-                return "UNREACHABLE"
-
-        tok, workers = await asyncio.gather(tokenizer(), self.pool.poll(timeout))
+        tok, workers = await asyncio.gather(self.tokenizer_service.health(timeout), self.pool.poll(timeout))
         self.worker_statuses = workers
         usable = [a for a, s in workers.items() if s == "SERVING" and a not in self.pool.refused]
         worst = "NOT_SERVING" if "NOT_SERVING" in workers.values() else "UNREACHABLE"
@@ -295,7 +267,7 @@ class Backends:
             tinfo = await self.tokenizer.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=10)
             vocab = await self.tokenizer.GetVocab(tokenizer_pb2.GetVocabRequest(), timeout=60)
             self._prefetched = (tinfo, vocab)
-            await self._build_grammar_tokenizer_for(vocab.tokenizer_json, len(vocab.token_bytes), tinfo.eos_token_id)
+            await self.grammar.build(vocab.tokenizer_json, len(vocab.token_bytes), tinfo.eos_token_id)
         except Exception as err:  # noqa: BLE001 - an optimisation only; `_fetch_facts` reports real failures
             log.debug("prefetching the vocabulary failed: %s", err)
 
@@ -420,6 +392,5 @@ class Backends:
 
     async def close(self) -> None:
         """Close every channel."""
-        if self._channel is not None:
-            await self._channel.close()
+        await self.tokenizer_service.close()
         await self.pool.close()

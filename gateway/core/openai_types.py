@@ -117,7 +117,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
-    #: OpenAI's default is 16 when the field is absent (`completion_limit`); null means "whatever fits".
+    #: Absent: OpenAI's default of 16 (gateway/planning/answer_limit.py); null means "whatever fits".
     max_tokens: Int32 | None = None
     echo: StrictBool = False
     logprobs: int_in(0, 20) | None = None
@@ -125,12 +125,6 @@ class CompletionRequest(SamplingFields):
     suffix: StrictStr | None = Field(default=None, json_schema_extra={"maxLength": 0})
     #: Only 1 or n (one answer per choice); the schema advertises 1.
     best_of: int_in(1, 16) | None = Field(default=None, json_schema_extra={"maximum": 1})
-
-    def completion_limit(self, cap: int | None = None) -> int | None:
-        """The answer's token limit: max_tokens as sent; when absent, OpenAI's default of 16 (at most `cap`)."""
-        if "max_tokens" in self.model_fields_set:
-            return self.max_tokens
-        return 16 if cap is None else min(16, cap)
 
 
 class ContentPart(_Body):
@@ -211,12 +205,6 @@ class ChatCompletionRequest(SamplingFields, ChatPromptFields):
     logprobs: StrictBool = False
     top_logprobs: int_in(0, 20) | None = None
     parallel_tool_calls: StrictBool | None = None
-
-    def completion_limit(self) -> tuple[int | None, str]:
-        """(the answer's token limit, the field that set it): `max_completion_tokens` wins over `max_tokens`."""
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
-        return self.max_tokens, "max_tokens"
 
 
 class TokenizeCompletionRequest(_Body):

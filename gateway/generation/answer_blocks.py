@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from gateway.backends.clients import Backends
+from gateway.backends.views import RunningView
 from gateway.generation.choice_runner import ChoiceRunner
 from gateway.generation.choices import run_choices
 from gateway.generation.generate import Delta
@@ -133,7 +133,7 @@ class BlockSplitter:
         return out
 
 
-async def answer_events(backends: Backends,
+async def answer_events(backends: RunningView,
                         plan) -> AsyncIterator[AnswerStart | BlockEvent | AnswerEnd]:
     """Run a planned one-choice chat request (`planner.Plan`, n = 1); yields an AnswerStart once the worker has
     the prompt, its BlockEvents, and last an AnswerEnd. The answer is remembered in the answer history, as a chat

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway.backends.clients import Backends
+from gateway.backends.views import AnswerBook
 from gateway.generation.choices import remember_answer
 
 
@@ -30,7 +30,7 @@ class Usage:
 class ChoiceRunner:
     """The per-choice bookkeeping of one planned request (`planner.Plan`). One owner: the request's handler."""
 
-    def __init__(self, backends: Backends, plan, remember: bool = True):
+    def __init__(self, backends: AnswerBook, plan, remember: bool = True):
         """Args: backends: for the answer history; plan: the planned request (its jobs and routes, one per
         choice); remember: remember each answer (chat answers: True; a raw completion's text is not a message a
         client sends back)."""
@@ -59,9 +59,8 @@ class ChoiceRunner:
         self.usage.accepted_prediction_tokens += u.accepted_prediction_tokens
         self.usage.rejected_prediction_tokens += u.rejected_prediction_tokens
         if self.remember:
-            job = self.plan.jobs[index]
             remember_answer(self.backends, self.plan.scope, self.plan.routes[index], delta, self.tokens[index],
-                            job.params.stop_token_ids)
+                            self.plan.chat.end_ids)
 
     def finish_reason(self, index: int) -> str | None:
         """Choice `index`'s finish reason as the API reports it (`tool_calls` for an answer of calls), None while

@@ -12,14 +12,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from gateway.backends.clients import Backends
 from gateway.backends.history import answer_key
+from gateway.backends.views import AnswerBook, WorkerView
 from gateway.core.tool_format import SpecialTokens, family_format
 from gateway.generation.detokenizer import dangling, prompt_tail
 from gateway.generation.generate import Delta, generate
 
 
-async def run_choices(backends: Backends, jobs: list) -> AsyncIterator[tuple[int, Delta]]:
+async def run_choices(backends: WorkerView, jobs: list) -> AsyncIterator[tuple[int, Delta]]:
     """Run the planned jobs (gateway/planning/planner.Job) concurrently; yields (choice index, delta) as they arrive.
 
     Raises:
@@ -71,13 +71,14 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     return usage
 
 
-def remember_answer(backends: Backends, scope: str, route, delta: Delta, tokens: list, stop_ids: list[int]) -> None:
+def remember_answer(backends: AnswerBook, scope: str, route, delta: Delta, tokens: list, end_ids: list[int]) -> None:
     """Remember an answer's exact ids under the message returned for it (content, tool calls, reasoning_content),
     within `scope`, so that message sent back renders as generated (gateway/backends/history.py) — every shape we
     return: text, calls (parallel ones too), text and calls, a thought, content null, and answers cut by `max_tokens`
     (a call cut off inside its arguments included).
 
-    The ids are all generated tokens but a final stop token (the template writes the end of the turn), cut to
+    The ids are all generated tokens but a final one of `end_ids` (the chat plan's: the request's stop ids and the
+    model's; the template writes the end of the turn), cut to
     what the client received: a stop string that cut the text leaves the ids of exactly the text returned (none
     are remembered when that text ends inside a token), a call cut off before its name was complete (so not
     returned; in a format whose calls open with a control token, like Gemma 4's `<|tool_call>`) is left out, an
@@ -86,7 +87,7 @@ def remember_answer(backends: Backends, scope: str, route, delta: Delta, tokens:
     also where its JSON arguments stop short of it (a key or number still being written): the model's own text."""
     facts = backends.ready_facts()
     ids = [t.token_id for t in tokens]
-    if ids and ids[-1] in set(stop_ids) | set(facts.stop_ids):
+    if ids and ids[-1] in end_ids:
         ids = ids[:-1]
     message = route.message()
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]

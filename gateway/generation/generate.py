@@ -20,7 +20,7 @@ from typing import Protocol
 import grpc
 
 from common.ngram import NGRAM_MAX, NgramIndex
-from gateway.backends.clients import Backends
+from gateway.backends.views import ModelFactsView, WorkerView
 from gateway.backends.workers import Reservation, Session
 from gateway.core.errors import ApiError, from_rpc_error
 from gateway.generation.detokenizer import IncrementalDetokenizer, StopMatcher
@@ -57,7 +57,7 @@ class GenParams:
 
     Attributes:
       sampling: worker sampling settings.
-      max_tokens: the answer's limit in tokens, decided once by the planner (`planner.answer_budget`).
+      max_tokens: the answer's limit in tokens, decided once by the planner (`answer_limit.answer_budget`).
       stop: stop strings (the match is not returned).
       stop_token_ids: extra stop ids.
       ignore_eos: do not stop on the model's default stop ids.
@@ -139,7 +139,7 @@ class _AnswerText:
     inside a character: gateway/generation/detokenizer.py), so an answer that completes that character emits it whole.
     Prompts from text or a chat template end on a character boundary, so priming changes nothing for them."""
 
-    def __init__(self, backends: Backends, params: GenParams, prompt_ids: Sequence[int] = ()):
+    def __init__(self, backends: ModelFactsView, params: GenParams, prompt_ids: Sequence[int] = ()):
         facts = backends.ready_facts()
         self.detok = IncrementalDetokenizer(facts.token_bytes, facts.special_ids, params.skip_special_tokens)
         self.detok.prime(prompt_ids)
@@ -202,7 +202,7 @@ class _AnswerText:
 
 
 async def generate(
-    backends: Backends, prompt_ids: list[int], params: GenParams, request_id: str | None = None
+    backends: WorkerView, prompt_ids: list[int], params: GenParams, request_id: str | None = None
 ) -> AsyncIterator[Delta]:
     """Generate from prompt ids; yields Deltas, the last with finish_reason and usage.
 
@@ -211,7 +211,7 @@ async def generate(
         (504), worker failure (500).
     """
     facts = backends.ready_facts()
-    max_tokens = params.max_tokens  # decided by the planner (`planner.answer_budget`); the worker checks it again
+    max_tokens = params.max_tokens  # decided by the planner (`answer_limit.answer_budget`); the worker checks it again
     rid = request_id or f"gen-{uuid.uuid4().hex}"
     stream = _AnswerText(backends, params, prompt_ids)
     clock = _Clock(backends, constrained=params.constraint is not None)
@@ -266,7 +266,7 @@ class _Routed:
     """The worker one generation was routed to: its stub, and failover (an unreachable worker leaves the ring at
     once: `WorkerPool.mark_failed`)."""
 
-    def __init__(self, backends: Backends, addr: str):
+    def __init__(self, backends: WorkerView, addr: str):
         self.backends, self.addr = backends, addr
         self.stub = backends.worker(addr)
 
@@ -350,7 +350,7 @@ async def _decode(worker: _Routed, rid: str, reply: model_worker_pb2.PrefillResp
             await _abort(worker, rid)
 
 
-def _count_budget_ending(backends: Backends, driver: ConstraintDriver | None, finish: int) -> None:
+def _count_budget_ending(backends: WorkerView, driver: ConstraintDriver | None, finish: int) -> None:
     """Count an answer that ended with a stop after the budget capped its units (gateway/structured/budget.py)."""
     capped = getattr(driver.c, "capped", None) if driver is not None else None
     if capped is not None and capped() and finish == common_pb2.FINISH_REASON_STOP:
@@ -556,7 +556,7 @@ def _allows(mask: bytes, token: int) -> bool:
 class _Clock:
     """Client-facing latency metrics of one generation (TTFT, inter-token, end to end)."""
 
-    def __init__(self, backends: Backends, constrained: bool = False):
+    def __init__(self, backends: WorkerView, constrained: bool = False):
         self.metrics = backends.metrics
         self.start = self.last = time.monotonic()
         self.first = True

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from gateway.backends.clients import Backends, ModelFacts
+from gateway.backends.clients import ModelFacts
+from gateway.backends.views import PlanningView
 from gateway.core.errors import ApiError
 from gateway.core.openai_types import ChatCompletionRequest
 from gateway.core.tool_format import FamilyFormat
@@ -43,7 +44,12 @@ class ChatPlan:
       thinking: thinking is on for this request.
       channels: route the family's thought channel to reasoning_content.
       family: the served model family (its formats route the output).
-      stop_ids: extra stop token ids: the tool grammar's end tokens (Gemma 4 calls end with `<|tool_response>`).
+      stop_ids: the final stop ids the worker receives (`_stop_ids`): the request's `stop_token_ids`, the tool
+        grammar's end tokens (Gemma 4 calls end with `<|tool_response>`) and, under a grammar, the model's own.
+      grammar_stop_ids: the ids a constraint ends with (the grammar's end tokens and the model's own; empty
+        without a grammar): allowed once the value is complete, masked inside a thought.
+      end_ids: `stop_ids` and the model's own: a final one is not part of a remembered answer (the template
+        writes the end of the turn).
       banned_ids: token ids the answer may not contain (logit bias -inf).
       template_kwargs: options for the chat template (enable_thinking derived from reasoning_effort).
       param: the request field the grammar comes from ("response_format" or "tools"), named in errors.
@@ -60,17 +66,14 @@ class ChatPlan:
     channels: bool = False
     family: str = ""
     stop_ids: list[int] = dataclasses.field(default_factory=list)
+    grammar_stop_ids: list[int] = dataclasses.field(default_factory=list)
+    end_ids: list[int] = dataclasses.field(default_factory=list)
     banned_ids: list[int] = dataclasses.field(default_factory=list)
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     param: str = "response_format"
     unit_grammar: Callable[[int], str] | None = None
     calls_only: bool = False
     unit_kind: str = ""
-
-    def request_stop_ids(self, facts: ModelFacts) -> list[int]:
-        """Stop ids to add to the request: the plan's, and under a grammar also the model's own (a constraint
-        ends with a stop token, which must end the sequence even with `ignore_eos`)."""
-        return sorted(set(self.stop_ids) | (set(facts.stop_ids) if self.grammar is not None else set()))
 
     def route(self, facts: ModelFacts, stops: list[str], id_prefix: str) -> ChatRoute:
         """A fresh ChatRoute for one choice."""
@@ -81,7 +84,8 @@ class ChatPlan:
 def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
     """Validate response_format / tools / tool_choice / thinking fields and plan the request. `req` is a
     ChatCompletionRequest, or any object with its attributes `response_format`, `tools`, `tool_choice`,
-    `parallel_tool_calls`, `chat_template_kwargs` and `reasoning_effort` (the gRPC Generate builds one).
+    `parallel_tool_calls`, `chat_template_kwargs`, `reasoning_effort` and `stop_token_ids` (the planner builds one
+    for a completion's `response_format`).
 
     Raises:
       ApiError: 400 naming the field: an unenforceable or malformed schema (response_format, or a tool's
@@ -89,6 +93,25 @@ def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
         thinking on a model without a thought channel.
       families.UnknownFamilyError: `facts.architecture` is not registered (the facts fetch refuses such a model).
     """
+    plan = _plan_output(req, facts)
+    _stop_ids(plan, req.stop_token_ids or [], facts.output_format().end_tokens if plan.tool_format else (), facts)
+    return plan
+
+
+def _stop_ids(plan: ChatPlan, requested: list[int], end_tokens, facts: ModelFacts) -> None:
+    """Set the plan's three stop-id lists (`ChatPlan` attributes), combined here once for the whole request:
+    `end_tokens` (spellings: the tool grammar's) always stop generation, whatever the checkpoint's
+    generation_config says; under a grammar the model's own stop ids are added to the request's, since a
+    constraint ends with a stop token that must end the sequence even with `ignore_eos`."""
+    grammar = set(facts.stop_ids) if plan.grammar is not None else set()
+    grammar |= {facts.special_tokens[s] for s in end_tokens}
+    plan.grammar_stop_ids = sorted(grammar)
+    plan.stop_ids = sorted(set(requested) | grammar)
+    plan.end_ids = sorted(set(plan.stop_ids) | set(facts.stop_ids))
+
+
+def _plan_output(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
+    """Everything `plan_chat` decides but the stop ids: grammar, tool mode and format, thinking, banned ids."""
     fmt, ids = facts.output_format(), facts.special_tokens
     plan = ChatPlan(template_kwargs=dict(req.chat_template_kwargs or {}), channels=fmt.reasoning is not None,
                     family=facts.architecture)
@@ -128,8 +151,6 @@ def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:
         plan.unit_grammar, plan.unit_kind = build, "tool_calls"
     plan.param = "tools"
     plan.tool_format = facts.architecture
-    # The grammar's end tokens always stop generation, whatever the checkpoint's generation_config says.
-    plan.stop_ids = [ids[s] for s in fmt.end_tokens]
     return plan
 
 
@@ -152,7 +173,7 @@ def _thinking(req: ChatCompletionRequest, fmt: FamilyFormat, kwargs: dict) -> bo
     return on
 
 
-async def constraint_factory(backends: Backends, plan: ChatPlan):
+async def constraint_factory(backends: PlanningView, plan: ChatPlan):
     """A function making one fresh constraint per choice for the plan's grammar, or None when unconstrained.
     `make(budget)` takes the choice's max_tokens: the answer then ends valid within it where the grammar admits a
     short enough ending (gateway/structured/endings.py `BudgetedEnding`), parallel tool calls after the last one that fits
@@ -167,7 +188,7 @@ async def constraint_factory(backends: Backends, plan: ChatPlan):
     tokenizer = await backends.grammar_tokenizer()
     facts = backends.ready_facts()
     fmt, ids = facts.output_format(), facts.special_tokens
-    stops = plan.request_stop_ids(facts)  # under a grammar: the plan's and the model's own, as the request's
+    stops = plan.grammar_stop_ids
     banned_in_thought = [ids[s] for s in fmt.call_markers] if plan.tool_format else []
 
     def build(max_units: int | None = None):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway.backends.clients import RequestBackends
+from gateway.backends.views import RequestView
 from gateway.backends.workers import Session
 from gateway.core.limits import Limits
 
@@ -22,14 +22,14 @@ class RequestContext:
     """One request's context (module docstring).
 
     Attributes:
-      backends: the backends as this request sees them (`Backends.for_request()`).
+      backends: the backends as this request sees them (`Backends.for_request()`; gateway/backends/views.py).
       limits: the gateway's limits.
       tenant: the caller's tenant (gateway/api/auth.py), "" when the API is open.
       session: the request's session headers (`Session.from_headers`; empty when none was sent).
       request_id: the worker request id of choice 0 of the first prompt (None: a new one).
     """
 
-    backends: RequestBackends
+    backends: RequestView
     limits: Limits
     tenant: str = ""
     session: Session = dataclasses.field(default_factory=Session)

@@ -21,8 +21,9 @@ import types
 import uuid
 
 from common.json_prefix import scan_json_prefix
-from gateway.backends.clients import Backends, ModelFacts
+from gateway.backends.clients import ModelFacts
 from gateway.backends.history import answer_key, history_scope, prefix_salt
+from gateway.backends.views import ModelFactsView, PlanningView, TokenizerView
 from gateway.backends.workers import Session, tiebreak_key
 from gateway.core.errors import ApiError
 from gateway.core.limits import (
@@ -45,6 +46,7 @@ from gateway.core.openai_types import (
 )
 from gateway.generation.chat_output import ChatRoute
 from gateway.generation.generate import GenParams
+from gateway.planning.answer_limit import AnswerLimit, answer_budget, read_limit
 from gateway.planning.chat_plan import ChatPlan, constraint_factory, plan_chat
 from gateway.planning.context import RequestContext
 from gateway.structured.constraints import ConstraintError
@@ -82,7 +84,7 @@ class Plan:
       scope: the answer-history scope (the tenant and `cache_salt`: gateway/backends/history.py `history_scope`).
       asked_limit: the first prompt's answer limit when the request or the server's `--max-tokens-cap` set one,
         None when only the context bounds it (what the Responses API echoes as `max_output_tokens`); each job's
-        `params.max_tokens` holds the limit decided (`answer_budget`).
+        `params.max_tokens` holds the limit decided (`answer_limit.answer_budget`).
     """
 
     model: str
@@ -108,8 +110,7 @@ class Ask:
 
     Attributes:
       model: the served model id.
-      max_tokens: the answer limit the client sent (None: whatever fits, at most `--max-tokens-cap`).
-      limit_param: the field that sent it (`max_tokens`, `max_completion_tokens`), named in errors.
+      limit: the answer limit asked for and the field that set it (`answer_limit.read_limit`).
       top_logprobs: alternatives per token to return.
       chat: the chat plan (grammar, tool format, thinking).
       call_prefix: the prefix of tool-call ids.
@@ -117,15 +118,10 @@ class Ask:
       scope: the answer-history scope (tenant and `cache_salt`: gateway/backends/history.py).
       session: the request's session headers.
       prediction: the token ids of OpenAI Predicted Outputs, or None.
-      clamp: a `max_tokens` beyond the room the context leaves (or beyond `--max-tokens-cap`) is lowered to it
-        instead of refused (Anthropic's Messages API: Claude Code asks for 32,000 on every request).
-      sent: the client sent `max_tokens` (False: a default the server chose, `/v1/completions`' 16): only a limit
-        sent is refused for being below a grammar's shortest answer; a chosen one cuts it, as before.
     """
 
     model: str
-    max_tokens: int | None
-    limit_param: str
+    limit: AnswerLimit
     top_logprobs: int
     chat: ChatPlan
     call_prefix: str
@@ -133,8 +129,6 @@ class Ask:
     scope: str
     session: Session
     prediction: list[int] | None = None
-    clamp: bool = False
-    sent: bool = True
 
 
 # ----------------------------------------------------------------------------------------------- entry points
@@ -150,8 +144,8 @@ async def plan_completion(ctx: RequestContext, req: CompletionRequest, *, call_p
       call_prefix: prefix of tool-call ids (unused without tools; routes are still made for gRPC).
     """
     backends, limits = ctx.backends, ctx.limits
-    max_tokens = req.completion_limit(limits.max_tokens_cap)
-    check_request(req, max_tokens, "max_tokens", limits)
+    check_request(req, limits)
+    limit = read_limit(req, limits)
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, 1, req.n):
@@ -161,24 +155,23 @@ async def plan_completion(ctx: RequestContext, req: CompletionRequest, *, call_p
     _check_token_ids(req, backends.ready_facts())
     model = check_model(backends, req.model)
     fields = types.SimpleNamespace(response_format=req.response_format, tools=None, tool_choice=None,
-                                   parallel_tool_calls=None, chat_template_kwargs=None, reasoning_effort=None)
+                                   parallel_tool_calls=None, chat_template_kwargs=None, reasoning_effort=None,
+                                   stop_token_ids=req.stop_token_ids)
     chat = await _chat_plan(backends, fields)
     chat.channels = False  # raw prompts: the text as generated
     prompts = [await _completion_prompt(backends, item) for item in texts]
-    ask = Ask(model, max_tokens, "max_tokens", req.logprobs or 0, chat, call_prefix, ctx.request_id,
-              history_scope(ctx.tenant, req.cache_salt), ctx.session, sent="max_tokens" in req.model_fields_set)
+    ask = Ask(model, limit, req.logprobs or 0, chat, call_prefix, ctx.request_id,
+              history_scope(ctx.tenant, req.cache_salt), ctx.session)
     return await _finish(backends, req, limits, prompts, ask)
 
 
 async def plan_chat_completion(ctx: RequestContext, req: ChatCompletionRequest, *, call_prefix: str,
                                clamp: bool = False) -> Plan:
     """Plan a `/v1/chat/completions` request (or a gRPC `chat` input, or a translated Responses or Messages
-    request); arguments as `plan_completion`'s, and `clamp` as `Ask.clamp`."""
+    request); arguments as `plan_completion`'s, and `clamp` as `AnswerLimit.clamp`."""
     backends, limits = ctx.backends, ctx.limits
-    max_tokens, param = req.completion_limit()
-    if clamp and max_tokens is not None and limits.max_tokens_cap is not None:
-        max_tokens = min(max_tokens, limits.max_tokens_cap)
-    check_request(req, max_tokens, param, limits)
+    check_request(req, limits)
+    limit = read_limit(req, limits, clamp)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     check_chat_prompt_fields(req, limits)
@@ -188,12 +181,12 @@ async def plan_chat_completion(ctx: RequestContext, req: ChatCompletionRequest, 
     chat = await _chat_plan(backends, req)
     scope = history_scope(ctx.tenant, req.cache_salt)
     prompt = await _chat_prompt(backends, req, chat.template_kwargs, scope)
-    ask = Ask(model, max_tokens, param, req.top_logprobs or 0, chat, call_prefix, ctx.request_id, scope,
-              ctx.session, await _prediction(backends, req), clamp)
+    ask = Ask(model, limit, req.top_logprobs or 0, chat, call_prefix, ctx.request_id, scope, ctx.session,
+              await _prediction(backends, req))
     return await _finish(backends, req, limits, [(prompt, "")], ask)
 
 
-async def _prediction(backends: Backends, req: ChatCompletionRequest) -> list[int] | None:
+async def _prediction(backends: TokenizerView, req: ChatCompletionRequest) -> list[int] | None:
     """The token ids of a request's `prediction` (OpenAI Predicted Outputs; encoded as answer text: no BOS,
     control tokens parsed), or None without one.
 
@@ -233,7 +226,7 @@ async def tokenize(ctx: RequestContext, req: TokenizeCompletionRequest | Tokeniz
         check_model(backends, req.model)
         fields = types.SimpleNamespace(response_format=None, tools=req.tools, tool_choice=req.tool_choice,
                                        parallel_tool_calls=None, chat_template_kwargs=req.chat_template_kwargs,
-                                       reasoning_effort=req.reasoning_effort)
+                                       reasoning_effort=req.reasoning_effort, stop_token_ids=None)
         chat = await _chat_plan(backends, fields)
         ids = await _chat_prompt(backends, req, chat.template_kwargs, history_scope(ctx.tenant, req.cache_salt),
                                  check_size=False)
@@ -247,7 +240,7 @@ async def tokenize(ctx: RequestContext, req: TokenizeCompletionRequest | Tokeniz
     return ids, list(reply.token_strs)
 
 
-async def detokenize(backends: Backends, req: DetokenizeRequest) -> str:
+async def detokenize(backends: TokenizerView, req: DetokenizeRequest) -> str:
     """`POST /detokenize`: the text of token ids, control tokens spelled out (as vLLM's, which decodes with
     transformers' defaults).
 
@@ -268,12 +261,12 @@ async def detokenize(backends: Backends, req: DetokenizeRequest) -> str:
 # --------------------------------------------------------------------------------------------- common checks
 
 
-def check_request(req: SamplingFields, max_tokens: int | None, param: str, limits: Limits) -> None:
-    """Checks that need no backend (done first, so bad input is a 400 even while a backend is down).
+def check_request(req: SamplingFields, limits: Limits) -> None:
+    """Checks that need no backend (done first, so bad input is a 400 even while a backend is down; the answer
+    limit's come next, in `answer_limit.read_limit`).
 
     Raises:
-      ApiError: 400 for bad stop strings, stream_options without stream, or a max_tokens below 1 or above the
-        cap.
+      ApiError: 400 for bad stop strings or stream_options without stream.
     """
     if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
@@ -286,14 +279,9 @@ def check_request(req: SamplingFields, max_tokens: int | None, param: str, limit
     if size > limits.max_stop_bytes:
         raise ApiError(400, f"the stop sequences have {size} bytes together; at most {limits.max_stop_bytes} are "
                             "allowed", param="stop")
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"{param} must be at least 1, got {max_tokens}", param=param)
-    cap = limits.max_tokens_cap
-    if max_tokens is not None and cap is not None and max_tokens > cap:
-        raise ApiError(400, f"{param} must be at most {cap} on this server, got {max_tokens}", param=param)
 
 
-def check_model(backends: Backends, model: str | None) -> str:
+def check_model(backends: ModelFactsView, model: str | None) -> str:
     """The served model id; a request naming another model is a 404 (as vLLM does).
 
     Raises:
@@ -456,14 +444,14 @@ def _check_prompt_bytes(size: int, facts: ModelFacts, param: str) -> None:
                        code="context_length_exceeded")
 
 
-async def _encode(backends: Backends, text: str, add_bos: bool) -> list[int]:
+async def _encode(backends: TokenizerView, text: str, add_bos: bool) -> list[int]:
     """A raw prompt's ids: control tokens written in it parsed, BOS prepended with `add_bos` (exactly one)."""
     reply = await backends.call("tokenizer service", backends.tokenizer.Encode(
         tokenizer_pb2.EncodeRequest(text=text, add_bos=add_bos, parse_special=True)))
     return list(reply.token_ids)
 
 
-async def _completion_prompt(backends: Backends, item) -> tuple[list[int], str]:
+async def _completion_prompt(backends: TokenizerView, item) -> tuple[list[int], str]:
     """One completion prompt as (ids, text): text gets BOS and control-token parsing; ids are checked."""
     facts = backends.ready_facts()
     if isinstance(item, str):
@@ -497,7 +485,7 @@ def message_to_pb(m, answers=None, scope: str = "") -> tokenizer_pb2.ChatMessage
     return pb
 
 
-async def _chat_prompt(backends: Backends, req: ChatPromptFields, template_kwargs: dict, scope: str,
+async def _chat_prompt(backends: PlanningView, req: ChatPromptFields, template_kwargs: dict, scope: str,
                        check_size: bool = True) -> list[int]:
     """Render the conversation (and `req.tools`) with the model's chat template (answers sent back carry the
     exact ids remembered within the answer-history `scope`). The template learns the resolved tool_choice (the
@@ -538,7 +526,7 @@ def _text_bytes(m) -> int:
 # ---------------------------------------------------------------------------------------------- grammar, jobs
 
 
-async def _chat_plan(backends: Backends, req) -> ChatPlan:
+async def _chat_plan(backends: ModelFactsView, req) -> ChatPlan:
     """The chat plan of a request (its schema and tools checked for size and depth, then compiled off the
     event loop)."""
     if req.response_format is not None:
@@ -550,20 +538,19 @@ async def _chat_plan(backends: Backends, req) -> ChatPlan:
     return await loop.run_in_executor(_COMPILE_POOL, plan_chat, req, facts)
 
 
-async def _finish(backends: Backends, req: SamplingFields, limits: Limits, prompts: list[tuple[list[int], str]],
+async def _finish(backends: PlanningView, req: SamplingFields, limits: Limits, prompts: list[tuple[list[int], str]],
                   ask: Ask) -> Plan:
     """Resolve each prompt's answer limit, compile each choice's constraint (with its first mask), route the
     request to one worker (all its prompts and choices: `n` choices share their prompt's KV there), and build
     every job's GenParams in one piece."""
     facts = backends.ready_facts()
     salt = prefix_salt(ask.scope, limits.share_prefix_cache_across_keys)
-    answer_limits = [answer_budget(len(ids), ask, limits, facts) for ids, _ in prompts]
+    answer_limits = [answer_budget(len(ids), ask.limit, limits, facts.max_model_len) for ids, _ in prompts]
     constraints = await _constraints(backends, ask.chat, [n for n in answer_limits for _ in range(req.n)],
-                                     ask.limit_param if ask.max_tokens is not None and ask.sent and not ask.clamp else None)
+                                     ask.limit.floor_param())
     session = _session(ask.session, req)
     worker = backends.route(session.key, prompts[0][0], salt, _tiebreak(req, prompts))
     reservation = backends.pool.reserve(worker, len(prompts) * req.n)
-    stop_ids = sorted(set(req.stop_token_ids or []) | set(ask.chat.request_stop_ids(facts)))
     jobs: list[Job] = []
     for p, (ids, _) in enumerate(prompts):
         rid0 = ask.request_id if ask.request_id and p == 0 else f"gen-{uuid.uuid4().hex}"
@@ -572,7 +559,7 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
             constraint, mask = constraints[index]
             params = GenParams(
                 sampling=sampling_params(req, j, ask.top_logprobs, ask.chat.banned_ids),
-                max_tokens=answer_limits[p], stop=req.stop_list(), stop_token_ids=stop_ids,
+                max_tokens=answer_limits[p], stop=req.stop_list(), stop_token_ids=ask.chat.stop_ids,
                 ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
                 allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
                 share_prompt_with=rid0 if j else None, constraint=constraint, initial_mask=mask,
@@ -583,37 +570,8 @@ async def _finish(backends: Backends, req: SamplingFields, limits: Limits, promp
                 slo_tpot_s=session.tpot_s, priority=req.priority)
             jobs.append(Job(index, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
     routes = [ask.chat.route(facts, req.stop_list(), f"{ask.call_prefix}{job.index}_") for job in jobs]
-    asked = answer_limits[0] if ask.max_tokens is not None or limits.max_tokens_cap is not None else None
-    return Plan(ask.model, prompts, req.n, jobs, ask.chat, routes, ask.scope, asked)
-
-
-def answer_budget(prompt_len: int, ask: Ask, limits: Limits, facts: ModelFacts) -> int:
-    """A prompt's answer limit in tokens, decided here once for every front door and carried in `GenParams` to
-    the worker (which checks it again at its own boundary; nothing between re-derives it): `max_tokens` (or the
-    field `ask.limit_param` names) as sent, clamped to the context's room when `ask.clamp`; when absent, what
-    fits in the context, at most `--max-tokens-cap`.
-
-    Raises:
-      ApiError: 400 (`context_length_exceeded`, naming the field) when the prompt leaves no room, or the prompt and
-        the limit asked exceed max_model_len.
-    """
-    asked, room = ask.max_tokens, facts.max_model_len - prompt_len
-    if room <= 0:
-        raise ApiError(
-            400, f"This model's maximum context length is {facts.max_model_len} tokens. However, your prompt has "
-                 f"{prompt_len} tokens, which leaves no room for a completion. Please shorten the prompt.",
-            param="messages" if ask.limit_param == "max_completion_tokens" else "prompt",
-            code="context_length_exceeded")
-    if asked is None:
-        return room if limits.max_tokens_cap is None else min(limits.max_tokens_cap, room)
-    if ask.clamp:
-        asked = min(asked, room)
-    if asked > room:
-        raise ApiError(
-            400, f"This model's maximum context length is {facts.max_model_len} tokens. However, you requested "
-                 f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} for the completion). Please "
-                 f"reduce the prompt or {ask.limit_param}.", param=ask.limit_param, code="context_length_exceeded")
-    return asked
+    return Plan(ask.model, prompts, req.n, jobs, ask.chat, routes, ask.scope,
+                ask.limit.echoed(answer_limits[0], limits))
 
 
 def _session(session: Session, req: SamplingFields) -> Session:
@@ -644,7 +602,7 @@ def _tiebreak(req, prompts: list[tuple[list[int], str]]) -> str:
     return tiebreak_key([" ".join(map(str, prompts[0][0][:256]))])
 
 
-async def _constraints(backends: Backends, chat: ChatPlan, budgets: list[int],
+async def _constraints(backends: PlanningView, chat: ChatPlan, budgets: list[int],
                        limit_param: str | None = None) -> list[tuple[object, bytes | None]]:
     """(constraint, first mask) per choice, each knowing its token budget (gateway/structured/budget.py, gateway/structured/endings.py);
     (None, None) per choice without a grammar. Compiled off the event loop. `limit_param` names the request field

@@ -255,11 +255,11 @@ def req(**kw) -> ChatCompletionRequest:
 
 def test_plans_per_model_family():
     p = plan_chat(req(tools=[WEATHER], tool_choice="required"), facts("gemma4"))
-    assert p.tool_format == "gemma4" and p.grammar_ends and set(p.stop_ids) == {50, 106} and p.channels
+    assert p.tool_format == "gemma4" and p.grammar_ends and p.stop_ids == [1, 50, 106] and p.channels
     p = plan_chat(req(tools=[WEATHER], tool_choice="none"), facts("gemma4"))
     assert p.grammar is None and p.banned_ids == [48, 49] and p.tool_format is None
     p = plan_chat(req(tools=[WEATHER]), facts("gemma3"))
-    assert p.tool_format == "gemma3" and p.stop_ids == [106] and not p.channels and p.grammar
+    assert p.tool_format == "gemma3" and p.stop_ids == [1, 106] and not p.channels and p.grammar
     p = plan_chat(req(reasoning_effort="high"), facts("gemma4"))
     assert p.thinking and p.template_kwargs == {"enable_thinking": True}
     p = plan_chat(req(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}), facts("gemma4"))
@@ -296,7 +296,14 @@ def test_a_bare_thought_label_at_the_end_is_not_reasoning():
     assert route.reasoning == "" and merge(sent)["reasoning"] == ""
 
 
-def test_grammar_requests_stop_on_the_model_stop_ids():
+def test_the_stop_ids_are_combined_once_in_the_chat_plan():
+    """The worker's stop ids: the request's, the tool grammar's end tokens, and under a grammar the model's own;
+    a constraint ends with the grammar's; a remembered answer drops a final one of them or of the model's."""
     f = facts("gemma3")
-    assert plan_chat(req(response_format={"type": "json_object"}), f).request_stop_ids(f) == [1, 106]
-    assert plan_chat(req(), f).request_stop_ids(f) == []
+    p = plan_chat(req(response_format={"type": "json_object"}, stop_token_ids=[7]), f)
+    assert (p.stop_ids, p.grammar_stop_ids, p.end_ids) == ([1, 7, 106], [1, 106], [1, 7, 106])
+    p = plan_chat(req(stop_token_ids=[7]), f)
+    assert (p.stop_ids, p.grammar_stop_ids, p.end_ids) == ([7], [], [1, 7, 106])
+    p = plan_chat(req(tools=[WEATHER]), facts("gemma4"))
+    assert (p.stop_ids, p.grammar_stop_ids, p.end_ids) == ([1, 50, 106], [1, 50, 106], [1, 50, 106])
+    assert plan_chat(req(), f).stop_ids == []

@@ -35,6 +35,18 @@ def _messages(backends, body, limits=None):
     return asyncio.run(messages_api._plan(RequestContext(backends, limits or Limits()), CallArguments(), req)).plan
 
 
+def _grpc(backends, request, limits=None):
+    """A gRPC `Generate` request planned as its servicer plans it (`request_model`, then the chat or completion
+    planner)."""
+    from gateway.api.grpc_service import request_model
+    from gateway.core.openai_types import ChatCompletionRequest
+    from gateway.planning.planner import plan_chat_completion, plan_completion
+
+    req = request_model(request)
+    plan = plan_chat_completion if isinstance(req, ChatCompletionRequest) else plan_completion
+    return asyncio.run(plan(RequestContext(backends, limits or Limits()), req, call_prefix="call_"))
+
+
 def _comparable(plan) -> tuple:
     job = plan.jobs[0]
     params = {f.name: getattr(job.params, f.name) for f in dataclasses.fields(job.params)}
@@ -123,14 +135,14 @@ class _RecordingWorker:
 @pytest.mark.parametrize("sent", [None, 5, 500], ids=["no-limit", "limit-5", "limit-500"])
 def test_the_answer_budget_is_decided_once_and_the_worker_receives_it(cap, sent):
     """Each front door's limit field (or none), with and without `--max-tokens-cap`: the planner decides one int
-    per choice (`planner.answer_budget`: as sent, the cap or the context's room when absent, a 400 past them; the
-    Messages API lowers instead of refusing), and `generate` hands the worker exactly that number: nothing between
-    the planner and the worker derives it again."""
+    per choice (`answer_limit.answer_budget`: as sent, the cap or the context's room when absent, a 400 past them;
+    the Messages API lowers instead of refusing; gRPC's 0 is "what fits"), and `generate` hands the worker exactly
+    that number: nothing between the planner and the worker derives it again."""
     import grpc
 
     from gateway.backends.clients import Backends
     from gateway.generation.generate import generate
-    from protos import model_worker_pb2_grpc
+    from protos import gateway_pb2, model_worker_pb2_grpc, tokenizer_pb2
     from tests.gateway.test_planner import _complete
     from tests.transport import grpc_listen
 
@@ -146,6 +158,11 @@ def test_the_answer_budget_is_decided_once_and_the_worker_receives_it(cap, sent)
         "responses": lambda: _responses(_Backends(), {"input": "Weather?"} | (
             {} if sent is None else {"max_output_tokens": sent}), limits),
         "messages": lambda: _messages(_Backends(), {"messages": user, "max_tokens": sent or 32_000}, limits),
+        "grpc-text": lambda: _grpc(_Backends(), gateway_pb2.GenerateRequest(text="Weather?", max_tokens=sent or 0),
+                                   limits),
+        "grpc-chat": lambda: _grpc(_Backends(), gateway_pb2.GenerateRequest(
+            chat=gateway_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content="Weather?")]),
+            max_tokens=sent or 0), limits),
     }
     planned: dict[str, int] = {}
     jobs = {}

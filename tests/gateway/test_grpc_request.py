@@ -10,7 +10,9 @@ import pytest
 
 from gateway.api.grpc_service import _UNDECODABLE, _deserialize, request_model
 from gateway.core.errors import ApiError
+from gateway.core.limits import Limits
 from gateway.core.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.planning.answer_limit import read_limit
 from protos import common_pb2, gateway_pb2, tokenizer_pb2
 
 
@@ -22,11 +24,11 @@ def test_text_and_tokens_are_completions_with_proto3_defaults():
     req = request_model(_text())
     assert isinstance(req, CompletionRequest) and req.prompt == "hi"
     assert req.temperature == 0.0 and req.top_p is None and req.top_k is None and req.repetition_penalty is None
-    assert req.completion_limit() is None  # max_tokens 0: up to max_model_len, not OpenAI's 16
+    assert read_limit(req, Limits()).asked is None  # max_tokens 0: up to max_model_len, not OpenAI's 16
     sp = common_pb2.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, logit_bias={7: -2.0}, top_logprobs=3)
     req = request_model(gateway_pb2.GenerateRequest(tokens=gateway_pb2.TokenInput(token_ids=[1, 2]), sampling=sp,
                                                     max_tokens=5, n=2, stop=["x"], cache_salt="tenant-a"))
-    assert req.prompt == [1, 2] and req.completion_limit() == 5 and req.n == 2 and req.stop == ["x"]
+    assert req.prompt == [1, 2] and read_limit(req, Limits()).asked == 5 and req.n == 2 and req.stop == ["x"]
     assert math.isclose(req.temperature, 0.7, rel_tol=1e-6) and req.top_k == 5 and req.seed == 3
     assert req.logit_bias == {"7": -2.0} and req.logprobs == 3 and req.cache_salt == "tenant-a"
 

@@ -73,9 +73,9 @@ def _tokens(ids):
 def test_remembered_answers_come_back_with_the_message_that_carries_them():
     b = _Backends()
     whole = types.SimpleNamespace(whole=True)
-    remember_answer(b, "s", _route("Hello"), whole, _tokens([7, 8, 106]), stop_ids=[])
-    remember_answer(b, "s", _route(None, [("f", '{"a": 1}')]), whole, _tokens([9, 10, 50]), stop_ids=[50])
-    remember_answer(b, "s", _route("tho", reasoning="..."), whole, _tokens([100, 11, 101, 19, 7, 14]), stop_ids=[])
+    remember_answer(b, "s", _route("Hello"), whole, _tokens([7, 8, 106]), end_ids=[1, 106])
+    remember_answer(b, "s", _route(None, [("f", '{"a": 1}')]), whole, _tokens([9, 10, 50]), end_ids=[1, 50, 106])
+    remember_answer(b, "s", _route("tho", reasoning="..."), whole, _tokens([100, 11, 101, 19, 7, 14]), end_ids=[1, 106])
     plain = message_to_pb(ChatMessage(role="assistant", content="Hello"), b.answers, "s")
     assert list(plain.generated_token_ids) == [7, 8]  # the final stop token is the template's to render
     call = ChatMessage(role="assistant", content=None, tool_calls=[
@@ -94,22 +94,22 @@ def test_answers_cut_short_are_remembered_as_the_client_received_them():
     b = _Backends()
     cut = types.SimpleNamespace(whole=False)
     # A stop string cut "cdeSTOP" to "cd" (tokens 2, 3 spell "cd"): only the ids of the text returned.
-    remember_answer(b, "s", _route("cd"), cut, _tokens([2, 3, 4, 5]), stop_ids=[])
+    remember_answer(b, "s", _route("cd"), cut, _tokens([2, 3, 4, 5]), end_ids=[1, 106])
     assert b.answers.lookup("s", answer_key("cd")) == (2, 3)
     # The text returned ends inside a token (150 spells "xy"; the stop string began at its "y"): nothing.
-    remember_answer(b, "s", _route("ax"), cut, _tokens([0, 150, 4]), stop_ids=[])
+    remember_answer(b, "s", _route("ax"), cut, _tokens([0, 150, 4]), end_ids=[1, 106])
     assert b.answers.lookup("s", answer_key("ax")) is None
     # After a thought, the text is what follows its closing control token.
-    remember_answer(b, "s", _route("hi", reasoning="x"), cut, _tokens([100, 23, 101, 7, 8, 9]), stop_ids=[])
+    remember_answer(b, "s", _route("hi", reasoning="x"), cut, _tokens([100, 23, 101, 7, 8, 9]), end_ids=[1, 106])
     assert b.answers.lookup("s", answer_key("hi", reasoning="x")) == (100, 23, 101, 7, 8)
     # max_tokens cut a call inside its arguments: every id, the call as returned is the key.
     length = types.SimpleNamespace(whole=True)
     calls = [("f", '{"a": 1}'), ("g", '{"b": "x')]
-    remember_answer(b, "s", _route(None, calls, truncated=True), length, _tokens([48, 5, 48, 6, 7]), stop_ids=[])
+    remember_answer(b, "s", _route(None, calls, truncated=True), length, _tokens([48, 5, 48, 6, 7]), end_ids=[1, 106])
     assert b.answers.lookup("s", answer_key(None, calls)) == (48, 5, 48, 6, 7)
     # ... and cut a Gemma 4 call before its name was complete (not returned): the ids end before that call.
     remember_answer(b, "s", _route(None, calls[:1], truncated=True), length, _tokens([48, 5, 49, 48, 6]),
-                    stop_ids=[])
+                    end_ids=[1, 106])
     assert b.answers.lookup("s", answer_key(None, calls[:1])) == (48, 5, 49)
 
 

@@ -139,7 +139,7 @@ def _returned(tok, fmt: str, ids: list[int], stop_ids: list[int], arch: str) -> 
     facts = types.SimpleNamespace(stop_ids=tok.stop_ids, special_ids=tok.special_ids, token_bytes=tok.token_bytes,
                                   architecture=arch)
     backends = types.SimpleNamespace(answers=AnswerHistory(), ready_facts=lambda: facts)
-    remember_answer(backends, "s", route, delta, tokens, stop_ids)
+    remember_answer(backends, "s", route, delta, tokens, sorted(set(stop_ids) | set(tok.stop_ids)))
     msg = route.message()
     calls = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
     remembered = backends.answers.lookup("s", answer_key(msg["content"], [c[1:] for c in calls],

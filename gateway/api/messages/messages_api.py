@@ -31,8 +31,8 @@ from gateway.api.messages.messages_request import (
     chat_request,
 )
 from gateway.api.responses.responses_api import has_thinking, warning_headers
-from gateway.backends.clients import Backends
 from gateway.backends.history import history_scope
+from gateway.backends.views import RunningView
 from gateway.core.errors import ApiError, anthropic_body, renamed_params
 from gateway.core.openai_types import TokenizeChatRequest
 from gateway.generation.answer_blocks import AnswerEnd, AnswerStart, Block, BlockEvent, answer_events
@@ -163,7 +163,7 @@ def _delta(event: BlockEvent) -> dict:
         {"type": "text_delta", "text": event.text}
 
 
-async def _stream(backends: Backends, calls: CallArguments, turn: _Turn) -> AsyncIterator[str]:
+async def _stream(backends: RunningView, calls: CallArguments, turn: _Turn) -> AsyncIterator[str]:
     """The Messages event stream. `message_start` waits for the worker to take the prompt, so its usage has the
     cached tokens (as Anthropic's does); the response's headers are already out."""
     blocks: list[Block] = []

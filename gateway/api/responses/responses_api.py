@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.api.responses.response_store import ResponseStore
 from gateway.api.responses.responses_request import CHAT_PARAM, ResponsesRequest, chat_request
-from gateway.backends.clients import Backends
+from gateway.backends.views import ModelFactsView, RunningView
 from gateway.core.errors import ApiError, renamed_params
 from gateway.core.openai_types import TokenizeChatRequest
 from gateway.generation.answer_blocks import AnswerEnd, Block, BlockEvent, answer_events
@@ -146,7 +146,7 @@ def _history(store: ResponseStore, tenant: str, req: ResponsesRequest):
     return entry
 
 
-def has_thinking(backends: Backends) -> bool:
+def has_thinking(backends: ModelFactsView) -> bool:
     """Whether the served model has a thinking mode (else the agent APIs ignore thinking fields, with a
     warning, instead of refusing them as chat completions do)."""
     return bool(backends.ready_facts().output_format().thinking)
@@ -213,7 +213,7 @@ def input_items(store: ResponseStore, tenant: str, response_id: str, after: str 
             "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
 
-async def _stream(backends: Backends, store: ResponseStore, tenant: str, turn: _Turn) -> AsyncIterator[str]:
+async def _stream(backends: RunningView, store: ResponseStore, tenant: str, turn: _Turn) -> AsyncIterator[str]:
     builder = _Builder(turn)
     yield builder.sse("response.created", response=builder.response(None))
     yield builder.sse("response.in_progress", response=builder.response(None))
