@@ -284,8 +284,9 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
         (`_attend_blocks`), never beyond the static bound kv_len.
       slots: [B] cache rows (None: row b is slot b).
       window, scale: as in `attend`; dtype: the activation dtype (int8 K/V are dequantized to it).
-      kernel: "pallas": a decode step (C == 1) with K/V not int8 runs `numerics.decode_attention` on a TPU
-        (`ModelConfig.attention_kernel`); otherwise, and on other backends, the loop below.
+      kernel: "pallas": a decode step, or a verify step's few queries (C <= `PALLAS_MAX_QUERIES`), with K/V not
+        int8 runs `numerics.decode_attention` on a TPU (`ModelConfig.attention_kernel`); otherwise, and on other
+        backends, the loop below.
     Returns:
       [B, C, N*D], as `attend`.
 
@@ -296,7 +297,8 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
     """
     rows = _batch_rows(slots, q.shape[0])
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
-    if kernel == "pallas" and q.shape[1] == 1 and arrays[2] is None and _pallas_fits(arrays[0], k_pos):
+    fits = q.shape[1] <= PALLAS_MAX_QUERIES and arrays[2] is None and _pallas_fits(arrays[0], k_pos)
+    if kernel == "pallas" and fits:
         xla = lambda q: attend_in_place(q, cache, src, slots, q_pos, k_pos, window, scale, dtype, kv_len)
         tpu = lambda q: _attend_pallas(q, arrays[0], arrays[1], rows, q_pos, k_pos, window, scale, kv_len)
         return lax.platform_dependent(q, tpu=tpu, default=xla)
@@ -328,6 +330,9 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
 # scoped size on a TPU v5e is 16 MiB). Outside them the XLA loop serves.
 PALLAS_MIN_BLOCK = 128
 PALLAS_RING_BYTES = 2 << 20
+#: The most queries per row the kernel takes (unrolled in it): a decode step's one, a verify step's drafted
+#: positions; a prompt chunk's keep the XLA loop.
+PALLAS_MAX_QUERIES = 16
 
 
 def _pallas_fits(keys: jax.Array, k_pos) -> bool:
@@ -340,10 +345,11 @@ def _pallas_fits(keys: jax.Array, k_pos) -> bool:
 
 def _attend_pallas(q, keys, values, rows, q_pos, k_pos, window, scale: float, kv_len: int,
                    interpret: bool = False) -> jax.Array:
-    """`attend_in_place` for a decode step (q [B, 1, N, D]) through the Pallas kernel: [B, 1, N*D] in q.dtype.
-    Key blocks: a full layer's as the loop's (`KEY_BLOCK` within the KV bucket); a ring in one block (a ring of
-    W + slack positions is small, and its positions' block must be a multiple of 128 lanes or the whole ring)."""
-    B, _, N, D = q.shape
+    """`attend_in_place` for a decode or verify step (q [B, C, N, D], C <= `PALLAS_MAX_QUERIES`; a ring only with
+    C == 1) through the Pallas kernel: [B, C, N*D] in q.dtype. Key blocks: a full layer's as the loop's
+    (`KEY_BLOCK` within the KV bucket); a ring in one block (a ring of W + slack positions is small, and its
+    positions' block must be a multiple of 128 lanes or the whole ring)."""
+    B, C, N, D = q.shape
     L = keys.shape[1]
     keys, values = (dequantize_kv(a, None, q.dtype) for a in (keys, values))  # a bfloat16 store's bits (uint16)
     if k_pos is None:
@@ -351,9 +357,9 @@ def _attend_pallas(q, keys, values, rows, q_pos, k_pos, window, scale: float, kv
         bound = -(-min(kv_len, L) // block)
     else:
         block, bound = L, None
-    out = decode_attention(q[:, 0], keys, values, rows, q_pos[:, 0], k_pos, scale=scale, window=window, block=block,
+    out = decode_attention(q, keys, values, rows, q_pos, k_pos, scale=scale, window=window, block=block,
                            num_blocks=bound, interpret=interpret)
-    return out.reshape(B, 1, N * D)
+    return out.reshape(B, C, N * D)
 
 
 def _attend_blocks(q, arrays, row, q_pos, block: int, bound: int, window, scale: float, dtype) -> jax.Array:

@@ -75,9 +75,10 @@ class ModelConfig:
       batch_invariant: a compute choice, not a checkpoint fact (the worker sets it with its matmul precision):
         attention in position-aligned key blocks with bfloat16 products (`attention.attend_invariant`), so that a
         row's result does not depend on the rows computed with it.
-      attention_kernel: a compute choice too: "pallas" runs a decode step's attention (one query per row, K/V not
-        int8, not batch-invariant) through the Pallas kernel `numerics.decode_attention` on a TPU; "xla" (the
-        default) and every other backend keep `attention.attend_in_place`.
+      attention_kernel: a compute choice too: "pallas" runs a decode step's attention, and a verify step's few
+        queries per row in full layers (K/V not int8, not batch-invariant), through the Pallas kernel
+        `numerics.decode_attention` on a TPU; "xla" (the default) and every other backend keep
+        `attention.attend_in_place`.
     """
 
     name: str

@@ -62,6 +62,27 @@ def test_full_rows_at_ragged_positions_match_softmax_attention(dtype, tol, windo
     np.testing.assert_allclose(np.asarray(ours, np.float64), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_several_queries_per_row_match_softmax_attention(window):
+    """A verify step's shape: 4 queries per row at consecutive positions, rows at ragged positions (one near a
+    block's end, so its queries straddle two blocks; one at the start), the last query of a row padding (-1)."""
+    rng = np.random.default_rng(5)
+    L, block, C = 64, 8, 4
+    keys, values, k64, v64 = _arrays(rng, L, jnp.float32)
+    rows = np.array([3, 0, 4], np.int32)
+    q_pos = np.array([[13, 14, 15, 16], [0, 1, 2, -1], [40, 41, 42, 43]], np.int32)
+    q = jnp.asarray(rng.standard_normal((len(rows), C, N, D)).astype(np.float32))
+    ours = decode_attention(q, keys, values, jnp.asarray(rows), jnp.asarray(q_pos), scale=SCALE, window=window,
+                            block=block, interpret=True)
+    assert ours.shape == q.shape
+    ours = np.asarray(ours, np.float64)
+    assert np.isfinite(ours).all()
+    for c in range(C):  # each query position alone, as a one-query row
+        ref = reference(np.asarray(q[:, c], np.float64), k64, v64, rows, q_pos[:, c], window=window)
+        valid = q_pos[:, c] >= 0
+        np.testing.assert_allclose(ours[valid, c], ref[valid], atol=2e-5, rtol=2e-5)
+
+
 def test_a_bucket_bound_and_a_padding_row():
     """`num_blocks` bounds the blocks visited (a KV bucket shorter than the row) and a padding row (position -1)
     gets finite values without disturbing the others."""
@@ -96,6 +117,10 @@ def test_a_sliding_ring_reads_the_positions_its_indices_hold():
 
 
 def test_shapes_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="ring True"):  # a ring holds one step's keys: one query per row
+        decode_attention(jnp.zeros((1, 2, N, D)), jnp.zeros((S, 16, K, D)), jnp.zeros((S, 16, K, D)),
+                         jnp.zeros(1, jnp.int32), jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 16), jnp.int32),
+                         scale=1.0, block=16, interpret=True)
     keys = jnp.zeros((S, 60, K, D))
     with pytest.raises(ValueError, match="decode_attention"):
         decode_attention(jnp.zeros((1, N, D)), keys, keys, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
@@ -103,11 +128,12 @@ def test_shapes_that_do_not_fit_are_refused():
 
 
 @pytest.mark.parametrize("store", ["float32", "bfloat16 bits"])
-@pytest.mark.parametrize("ring", [False, True])
-def test_the_model_path_chooses_blocks_as_its_xla_loop(ring, store):
-    """`attention._attend_pallas` (the kernel as a decode step calls it: blocks and KV-bucket bound chosen from
-    the cache) against `attention.attend_in_place`'s XLA loop on the same cache rows, a full layer and a ring,
-    with float32 K/V and with the bfloat16 store of bfloat16 activations (uint16 bit patterns)."""
+@pytest.mark.parametrize("ring,queries", [(False, 1), (True, 1), (False, 4)], ids=["full", "ring", "full-verify"])
+def test_the_model_path_chooses_blocks_as_its_xla_loop(ring, queries, store):
+    """`attention._attend_pallas` (the kernel as a decode or verify step calls it: blocks and KV-bucket bound
+    chosen from the cache) against `attention.attend_in_place`'s XLA loop on the same cache rows, a full layer, a
+    ring, and a full layer with a verify step's 4 queries per row (the last of one row padding), with float32 K/V
+    and with the bfloat16 store of bfloat16 activations (uint16 bit patterns)."""
     from jax import lax
 
     from model_worker.modeling import attention
@@ -126,12 +152,16 @@ def test_the_model_path_chooses_blocks_as_its_xla_loop(ring, store):
     if ring:  # index i holds the latest position p <= qp with p % L == i (-1: none yet)
         q_pos = jnp.asarray([[40], [0], [20]], jnp.int32)
         k_pos = jnp.asarray([[max(qp - (qp - i) % L, -1) for i in range(L)] for qp in (40, 0, 20)], jnp.int32)
-    q = jnp.asarray(rng.standard_normal((3, 1, N, D)).astype(np.float32), dtype)
+    if queries > 1:  # consecutive drafted positions; the second row's last query is padding
+        q_pos = jnp.asarray([[700, 701, 702, 703], [0, 1, 2, -1], [510, 511, 512, 513]], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, queries, N, D)).astype(np.float32), dtype)
     xla = attention.attend_in_place(q, cache, 0, slots, q_pos, k_pos, window, SCALE, dtype, kv_len=768)
     ours = attention._attend_pallas(q, keys, values, slots, q_pos, k_pos, window, SCALE, kv_len=768,
                                     interpret=True)
-    assert ours.dtype == xla.dtype
-    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(xla, np.float32), atol=tol, rtol=tol)
+    assert ours.dtype == xla.dtype and ours.shape == xla.shape
+    valid = np.asarray(q_pos) >= 0
+    np.testing.assert_allclose(np.asarray(ours, np.float32)[valid], np.asarray(xla, np.float32)[valid], atol=tol,
+                               rtol=tol)
 
 
 def test_layers_outside_the_kernel_limits_keep_the_xla_loop():
@@ -148,8 +178,9 @@ def test_layers_outside_the_kernel_limits_keep_the_xla_loop():
 def test_the_kernel_lowers_for_a_tpu_v5e_at_gemma4_shapes(monkeypatch):
     """Pallas's TPU lowering (to Mosaic, on this CPU: the chip's generation is stated, not detected) accepts the
     kernel at Gemma 4 E2B's decode shapes as `attention._attend_pallas` calls it: a full layer (D 512, 8K cache,
-    blocks of 512), a sliding ring (D 256, 512 + 64 positions in one block), grouped heads (K 2, D 128). Its
-    block-shape rules are checked here; Mosaic's own compile needs the chip (the device lane)."""
+    blocks of 512), a sliding ring (D 256, 512 + 64 positions in one block), grouped heads (K 2, D 128), a verify
+    step's 4 queries per row in a full layer. Its block-shape rules are checked here; Mosaic's own compile needs
+    the chip (the device lane)."""
     from jax._src.pallas.mosaic import tpu_info
 
     from model_worker.modeling import attention
@@ -158,10 +189,11 @@ def test_the_kernel_lowers_for_a_tpu_v5e_at_gemma4_shapes(monkeypatch):
         pytest.skip("this JAX's Pallas TPU lowering has no device-kind hook to state the chip on a CPU")
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
     monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
-    for B, L, K, G, Dh, ring in [(8, 8192, 1, 8, 512, False), (8, 576, 1, 8, 256, True), (4, 1024, 2, 2, 128, False)]:
-        q = jax.ShapeDtypeStruct((B, 1, K * G, Dh), jnp.bfloat16)
+    for B, C, L, K, G, Dh, ring in [(8, 1, 8192, 1, 8, 512, False), (8, 1, 576, 1, 8, 256, True),
+                                    (4, 1, 1024, 2, 2, 128, False), (8, 4, 8192, 1, 8, 512, False)]:
+        q = jax.ShapeDtypeStruct((B, C, K * G, Dh), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((16, L, K, Dh), jnp.bfloat16)
-        rows, pos = jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, 1), jnp.int32)
+        rows, pos = jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, C), jnp.int32)
         k_pos = jax.ShapeDtypeStruct((B, L), jnp.int32) if ring else None
         f = lambda q, k, v, r, p, kp, w=(512 if ring else None): attention._attend_pallas(q, k, v, r, p, kp, w, 1.0,
                                                                                           kv_len=L)
@@ -192,3 +224,25 @@ def test_the_compiled_kernel_on_a_tpu_matches_softmax_attention(ring):
     ref = reference(np.asarray(q, np.float64), np.asarray(keys, np.float64), np.asarray(values, np.float64), rows,
                     q_pos, k_pos, window, scale=Dh ** -0.5)
     np.testing.assert_allclose(np.asarray(ours, np.float64), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(jax.default_backend() != "tpu", reason="Mosaic compiles the kernel for a TPU only (the "
+                    "device lane runs this; elsewhere the interpreter tests above stand for it)")
+def test_the_compiled_kernel_on_a_tpu_takes_a_verify_step():
+    """Compiled for the chip, bfloat16: 4 consecutive drafted positions per row of a full layer (D 512, 2K cache,
+    blocks of 512), one row's queries straddling a block boundary, one row's last query padding."""
+    rng = np.random.default_rng(6)
+    B, C, Kh, Gh, Dh, L, block = 4, 4, 1, 8, 512, 2048, 512
+    keys = jnp.asarray(rng.standard_normal((8, L, Kh, Dh)), jnp.bfloat16)
+    values = jnp.asarray(rng.standard_normal((8, L, Kh, Dh)), jnp.bfloat16)
+    rows = np.array([7, 0, 3, 5], np.int32)
+    q_pos = np.array([[2044, 2045, 2046, 2047], [0, 1, 2, -1], [510, 511, 512, 513], [900, 901, 902, 903]],
+                     np.int32)
+    q = jnp.asarray(rng.standard_normal((B, C, Kh * Gh, Dh)), jnp.bfloat16)
+    ours = np.asarray(decode_attention(q, keys, values, jnp.asarray(rows), jnp.asarray(q_pos), scale=Dh ** -0.5,
+                                       block=block), np.float64)
+    for c in range(C):
+        ref = reference(np.asarray(q[:, c], np.float64), np.asarray(keys, np.float64),
+                        np.asarray(values, np.float64), rows, q_pos[:, c], scale=Dh ** -0.5)
+        valid = q_pos[:, c] >= 0
+        np.testing.assert_allclose(ours[valid, c], ref[valid], atol=3e-2, rtol=3e-2)
