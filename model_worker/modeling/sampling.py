@@ -599,19 +599,84 @@ def _sample_candidates(x: jax.Array, s: SamplingArrays, cands: Candidates,
     top_k = lambda z: jnp.where((col(s.top_k, z) <= 0) | (z >= col(kth, z)), z, -jnp.inf)  # `_top_k_filter`
     filtered = lambda v: top_k(min_p(scale(v)))  # min-p, top-k of x's values v [B, ...]
     rows = sampled & (s.top_p < 1.0)
+    contained = kth_sure & (top_k(outside) == -jnp.inf)  # min-p and top-k cut every value outside the candidates
+    clean = ~jnp.any(jnp.isnan(cands.vals), axis=-1) & ~jnp.isnan(cands.outside)
+    level, level_sure = _nucleus_in_candidates(filtered(cands.vals), s.top_p)
+    small = rows & contained & clean & level_sure  # top-p decided on the candidates alone
+    whole = rows & ~small  # top-p needs the whole row's probabilities (`_nucleus`)
     nucleus = functools.partial(_nucleus, filtered=filtered, parts=parts)
     m = cands.blocks.shape[-1]
     none = lambda x, top_p: (jnp.zeros(B, x.dtype), jnp.zeros(B, bool), cands.blocks, jnp.zeros((B, m, L), x.dtype))
-    lo, nucleus_sure, p_blocks, probs = jax.lax.cond(jnp.any(rows), nucleus, none, x, jnp.where(rows, s.top_p, 1.0))
-    blocks = jnp.where(rows[:, None], p_blocks, cands.blocks)
+    lo, nucleus_sure, p_blocks, probs = jax.lax.cond(jnp.any(whole), nucleus, none, x, jnp.where(whole, s.top_p, 1.0))
+    blocks = jnp.where(whole[:, None], p_blocks, cands.blocks)
     values = jnp.take_along_axis(x.reshape(B, V // L, L), blocks[:, :, None], axis=1)
     kept = filtered(values)
-    kept = jnp.where(~rows[:, None, None] | (probs >= lo[:, None, None]), kept, -jnp.inf)  # `_top_p_filter`
+    kept = jnp.where(~whole[:, None, None] | (probs >= lo[:, None, None]), kept, -jnp.inf)  # `_top_p_filter`
+    kept = jnp.where(~small[:, None, None] | (kept >= level[:, None, None]), kept, -jnp.inf)  # the same kept set
     kept = lax.optimization_barrier(kept)  # the block sums read it written out, as over the whole row
     best = jnp.max(kept.reshape(B, -1), axis=-1, keepdims=True)
     tokens = _draw_in_blocks(kept, best, blocks, V // L, s)
-    inside = jnp.where(rows, nucleus_sure, top_k(outside) == -jnp.inf)
+    inside = jnp.where(whole, nucleus_sure, contained)
     return tokens, kth_sure & inside
+
+
+#: Levels of `_nucleus_in_candidates`: a nucleus of at most this many of the largest filtered values.
+_NUCLEUS_LEVELS = 64
+#: `_nucleus_in_candidates`' bound on the relative error of an `exp` (the reference's or ours) against the true
+#: value: 2**-18 is 32 float32 ulps, ~10 times what XLA's and YNNPACK's float32 exp were seen to err.
+_EXP_ERROR = 2.0**-18
+
+
+def _nucleus_in_candidates(z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Top-p's kept set from the candidates alone, for rows whose filtered values (min-p, top-k) are -inf
+    everywhere outside them: z [B, C] those filtered candidate values -> (level [B]: `_top_p_filter` keeps exactly
+    the tokens with z >= level, sure bool [B]).
+
+    Why without the whole row: such a row's probabilities p = exp(z - max) / S, S their sum, are nonzero only at
+    the candidates, so their sum and every value is known here to within a bound of the reference's bits: the
+    reference computes exp and the sum with its own code and order (XLA CPU hands both to YNNPACK), we compute them
+    with ours; each exp errs by at most `_EXP_ERROR` and a float sum of n non-negative terms by (n - 1) * 2**-24
+    (relative; any order). The reference's bisection (`_bisect`) asks whether the mass of {p >= mid} reaches
+    top_p. Take K, the smallest set {z >= z_k} of the largest values whose mass surely reaches top_p: if every
+    smaller such set surely stays below top_p, then a step is "yes" exactly when mid <= q (q the least p in K),
+    so the bisection ends with lo in [q - w, q], w its final width (at most p_max * 2**-22: 30 halvings, and a
+    midpoint's rounding of at most p_max * 2**-24 each); where every p outside K is surely below q - w, the kept
+    set {p >= lo} is K: the tokens with z >= z_k, whatever the bits of lo. Every rounding in that chain is
+    bounded, so a row is `sure` only where the bounds cannot change the set; otherwise the whole row decides
+    (`_nucleus`). The reference's lo itself is not computed: the draw depends on the kept set only.
+    """
+    B, C = z.shape
+    n = _NUCLEUS_LEVELS + 1
+    top = jax.lax.top_k(z, min(n, C))[0]  # (no slice of top_k's result: XLA CPU then sorts the whole row instead)
+    if C < n:  # the candidates are the whole row: nothing beyond them
+        top = jnp.pad(top, ((0, 0), (0, n - C)), constant_values=-jnp.inf)
+    best = jnp.max(z, axis=-1, keepdims=True)
+    finite = z > -jnp.inf
+    count = jnp.sum(finite, axis=-1).astype(jnp.float32)  # the sum's nonzero terms
+    total = jnp.sum(jnp.where(finite, jnp.exp(z - best), 0.0), axis=-1, keepdims=True)
+    p = jnp.where(top > -jnp.inf, jnp.exp(top - best), 0.0) / total  # [B, n], the largest first
+    u = 2.0**-24
+    # p (the reference's bits) lies within p * (1 +- err): both exps, both sums of `count` terms, three roundings
+    err = 2.0 * (4 * _EXP_ERROR + 2 * (count + 1) * u + 4 * u)[:, None]
+    tiny = 2.0**-120  # exps that underflow: absolute
+    in_level = top[:, None, :] >= top[:, :, None]  # [B, k, j]: value j lies in level k's set {z >= top[k]}
+    size = jnp.sum(in_level, axis=-1).astype(jnp.float32)
+    gamma = 2.0 * (size + 1) * u  # the reference's float sum of the set (any order)
+    mass_lo = jnp.sum(jnp.where(in_level, p[:, None, :], 0.0), axis=-1) * (1 - err) * (1 - gamma) - size * tiny
+    mass_hi = jnp.sum(jnp.where(in_level, p[:, None, :], 0.0), axis=-1) * (1 + err) * (1 + gamma) + size * tiny
+    q_lo = p * (1 - err) - tiny  # least p in level k's set
+    below = jnp.max(jnp.where(top[:, None, :] < top[:, :, None], top[:, None, :], -jnp.inf), axis=-1)
+    r_hi = jnp.where(below > -jnp.inf, jnp.exp(below - best), 0.0) / total * (1 + err) + tiny  # largest p outside
+    first = top == best  # level k is the top one: every smaller set is empty, mass 0
+    smaller_hi = jnp.where(first, 0.0, mass_hi - q_lo * (1 - gamma))  # a proper subset of the set: without q
+    width = jnp.max(p, axis=-1, keepdims=True) * (1 + err) * 2.0**-22
+    last = jnp.min(top, axis=-1, keepdims=True)  # values past the levels are <= it: a set must end above it
+    whole = (top > last) & (top > -jnp.inf)
+    k = _first_index((mass_lo >= top_p[:, None]) & whole)  # past the levels' end: not sure
+    pick = lambda a: jnp.take_along_axis(a, jnp.minimum(k, n - 1)[:, None], axis=1)[:, 0]
+    sure = ((k < n) & (top_p > 0) & jnp.isfinite(best[:, 0]) & (pick(smaller_hi) < top_p)
+            & (pick(q_lo) - pick(r_hi) > width[:, 0]))
+    return pick(top), sure
 
 
 def _nucleus(x: jax.Array, top_p: jax.Array, filtered, parts: int = 1):
