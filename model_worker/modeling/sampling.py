@@ -34,11 +34,15 @@ candidates (`_candidates`: the 64 blocks of 512 values with the largest maxima, 
 with the largest maxima), which decide the thresholds, the top logprobs and, where the kept tokens lie in their
 blocks, the draw itself (`_sample_candidates`), with the same bits as the whole row would give (each value comes
 from the same operations; where a float sum's order matters, the decision is taken only when every order agrees).
-A row they cannot decide takes the whole-row path (`_sample_whole_rows`), under a `lax.cond` on "some row needs
-it". Every optional piece (bias, penalties, mask, the draw, top logprobs) runs under a `lax.cond` on "some row of
-the batch uses it"; the conds return [B]-sized results where they can, because XLA CPU copies the [B, V] operands
-of a cond whose result is [B, V], even a skipped one; rows that do not use a piece pass through it unchanged (bit
-for bit).
+Where min-p and top-k cut every value outside the candidates, top-p's kept set is decided on them too, without
+the row's probabilities (`_nucleus_in_candidates`: the reference's exps and sums are known within proven bounds,
+and the set is taken only where the bounds cannot change it). A row they cannot decide takes the whole-row path
+(`_sample_whole_rows`), under a `lax.cond` on "some row needs it". Every optional piece (the mask, the draw, top
+logprobs, the candidates) runs under a `lax.cond` on "some row of the batch uses it"; the conds return [B]-sized
+results where they can, because XLA CPU copies the [B, V] operands of a cond whose result is [B, V], even a
+skipped one; rows that do not use a piece pass through it unchanged (bit for bit). The penalties are one pass
+that writes the processed row, and the logit bias is computed on its entries and written into it
+(`_bias_at_ids`), not scattered over a copy of the logits.
 
 Empty mask. A row whose mask allows no token (within the vocabulary) is sampled as if it had no mask (its
 other settings still apply) and flagged in `SampleOutput.mask_empty`: the token it gets is *not* allowed, so
@@ -617,11 +621,13 @@ def _sample_candidates(x: jax.Array, s: SamplingArrays, cands: Candidates,
     sure bool [B]: the token is the whole row's).
 
     The filters' thresholds come from x's candidates: min-p's floor from the row maximum (which they hold), top-k's
-    k-th value where it is >= every value outside them (`_top_k_filter`), top-p's threshold from the candidate
-    probabilities (`_nucleus`). Where the tokens kept lie in the candidates' blocks (top-k or min-p cut everything
-    outside them; top-p's kept set lies in the blocks its candidates came from), the inverse-CDF draw runs on those
-    blocks alone (`_draw_in_blocks`): every other block's sum is 0, as over the whole row. Each value is computed
-    by the same operations as over the whole row, so the same bits.
+    k-th value where it is >= every value outside them (`_top_k_filter`), top-p's kept set from the candidates
+    alone where min-p and top-k cut everything outside them (`_nucleus_in_candidates`), else from the whole row's
+    probabilities and their candidates (`_nucleus`, under a `lax.cond` on "some row needs it"). Where the tokens
+    kept lie in the candidates' blocks (top-k or min-p cut everything outside them; top-p's kept set lies in the
+    blocks its candidates came from), the inverse-CDF draw runs on those blocks alone (`_draw_in_blocks`): every
+    other block's sum is 0, as over the whole row. Each value is computed by the same operations as over the whole
+    row, so the same bits.
     """
     B, V = x.shape
     L = _block(V, parts)
