@@ -323,7 +323,7 @@ def _process(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tupl
 
 def _unprocessed(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tuple[jax.Array, jax.Array]:
     """The branch of `process_logits` when no row uses (a)-(c): a single pass-through."""
-    return jnp.where(jnp.any(jnp.stack(uses)), -x, x), jnp.zeros(x.shape[0], bool)
+    return x, jnp.zeros(x.shape[0], bool)
 
 
 # --- (d): temperature, truncation, draw ---------------------------------------------------------------------
