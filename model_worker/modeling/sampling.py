@@ -426,15 +426,16 @@ class Candidates(NamedTuple):
     blocks_outside: jax.Array
 
 
-def _candidates(x: jax.Array, parts: int = 1) -> Candidates:
+def _candidates(x: jax.Array, parts: int = 1, maxima: jax.Array | None = None) -> Candidates:
     """Each row's candidates (`Candidates`): two levels of `_top_blocks`, the _CANDIDATES blocks of
     `_ARGMAX_BLOCK` values with the largest maxima, then the _CANDIDATES runs of `_CANDIDATE_RUN` values with the
     largest maxima inside them (C = 1,024 values a row). A whole row is one block where V is not a whole number of
-    blocks (per device part), and the candidates are the whole row where it is small.
+    blocks (per device part), and the candidates are the whole row where it is small. `maxima`: the blocks' maxima
+    [B, V / block] where the caller has them (`_candidates_and_max`).
     """
     B, V = x.shape
     L = _block(V, parts)
-    vals, blocks, outside = _top_blocks(x, L, _CANDIDATES)  # blocks: [B, m] ids of the blocks taken
+    vals, blocks, outside = _top_blocks(x, L, _CANDIDATES, maxima)  # blocks: [B, m] ids of the blocks taken
     ids = (blocks[:, :, None] * L + jnp.arange(L, dtype=jnp.int32)).reshape(B, -1)
     inner = outside
     if L % _CANDIDATE_RUN == 0 and L > _CANDIDATE_RUN:
@@ -450,16 +451,36 @@ def _no_candidates(x: jax.Array, parts: int = 1) -> Candidates:
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
+def _candidates_and_max(x: jax.Array, parts: int = 1) -> tuple[Candidates, jax.Array]:
+    """`_candidates` of x [B, V] and the row maximum [B, 1], taken from the candidates' block maxima: one pass over
+    the row fewer than a max of its own (`_normalizer` takes it). A max is exact in any order; where it differs
+    from `jnp.max`'s, a zero of the other sign, nothing computed from it does (x - best, and the log-probabilities
+    of a row whose maximum is held as both +0.0 and -0.0, which sums more than one term). The barrier keeps XLA from
+    folding the max of the maxima back into a max over the whole row."""
+    B, V = x.shape
+    L = _block(V, parts)
+    maxima = jnp.max(x.reshape(B, V // L, L), axis=-1)
+    best = jnp.max(lax.optimization_barrier(maxima), axis=-1, keepdims=True)
+    return _candidates(x, parts, maxima), best
+
+
+def _no_candidates_and_max(x: jax.Array, parts: int = 1) -> tuple[Candidates, jax.Array]:
+    """The skipped branch of `_candidates_and_max`: `_no_candidates` and the row maximum [B, 1]."""
+    return _no_candidates(x, parts), jnp.max(x, axis=-1, keepdims=True)
+
+
 def _block(V: int, parts: int = 1) -> int:
     """Values per block of a row of V (`_argmax`, `_inverse_cdf`, `_candidates`): `_ARGMAX_BLOCK` where the row
     (per device part) is a whole number of them, else the whole row."""
     return _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
 
 
-def _top_blocks(x: jax.Array, width: int, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _top_blocks(x: jax.Array, width: int, count: int,
+                maxima: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The `count` blocks of `width` values of each row of x [B, n] with the largest maxima, in the row's order ->
     (values [B, count * width], the blocks' indices [B, count] int32, the largest value outside them [B]); all of
-    x (every block, and -inf) where it has no more than `count` blocks.
+    x (every block, and -inf) where it has no more than `count` blocks. `maxima`: the blocks' maxima [B, n / width]
+    if the caller has them.
 
     Why it serves: the j largest values of a row (j <= count) lie in the j blocks with the largest maxima, and
     keeping the row's order keeps `lax.top_k`'s order among equal values (the lower index first): with ties
@@ -470,7 +491,8 @@ def _top_blocks(x: jax.Array, width: int, count: int) -> tuple[jax.Array, jax.Ar
     if n // width <= count:
         blocks = jnp.broadcast_to(jnp.arange(n // width, dtype=jnp.int32), (B, n // width))
         return x, blocks, jnp.full((B,), -jnp.inf, x.dtype)
-    maxima = jnp.max(x.reshape(B, n // width, width), axis=-1)
+    if maxima is None:
+        maxima = jnp.max(x.reshape(B, n // width, width), axis=-1)
     at = jax.lax.top_k(maxima, count)[1]  # (no slice of top_k's result: XLA CPU then sorts the whole row instead)
     taken = jnp.any(at[:, :, None] == jnp.arange(n // width, dtype=at.dtype), axis=1)  # (a scatter compiles slower)
     outside = jnp.max(jnp.where(taken, -jnp.inf, maxima), axis=-1)
@@ -779,13 +801,15 @@ def _log_probs(values: jax.Array, norm: tuple[jax.Array, jax.Array]) -> jax.Arra
     return (values - best) - log_total
 
 
-def _normalizer(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(row max [B, 1], log(sum(exp(x - row max))) [B, 1]) of x [B, V]: what `_log_probs` subtracts.
+def _normalizer(x: jax.Array, best: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(row max [B, 1], log(sum(exp(x - row max))) [B, 1]) of x [B, V]: what `_log_probs` subtracts. `best`: the
+    row max [B, 1] where the caller has it (`_candidates_and_max`).
 
     The row sum: XLA CPU's sums a row alike in every batch shape (tests/model_worker/test_sampling.py); a TPU's
     ordered its terms by the batch's shape (a row's log-probability moved by one ulp with its neighbours, seen on
     a v5e), so off CPU it is `fixed_order.fixed_order_sum`, one order for every shape."""
-    best = jnp.max(x, axis=-1, keepdims=True)
+    if best is None:
+        best = jnp.max(x, axis=-1, keepdims=True)
     terms = jnp.exp(x - best)
     total = lax.platform_dependent(terms, cpu=lambda t: jnp.sum(t, axis=-1),
                                    default=lambda t: fixed_order_sum(t))[..., None]
@@ -847,11 +871,11 @@ def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState, vocab_part
     """
     x, mask_empty = process_logits(logits, s, state)
     uses = (jnp.any(s.temperature > 0) & _filtered_only(s)) | jnp.any(s.top_logprobs > 0)
-    cands = jax.lax.cond(uses,
-                         functools.partial(_candidates, parts=vocab_parts),
-                         functools.partial(_no_candidates, parts=vocab_parts), x)
+    cands, best = jax.lax.cond(uses,
+                               functools.partial(_candidates_and_max, parts=vocab_parts),
+                               functools.partial(_no_candidates_and_max, parts=vocab_parts), x)
     tokens = _draw(x, s, cands, vocab_parts)
-    norm = _normalizer(x)
+    norm = _normalizer(x, best)
     logprobs = _chosen_logprobs(x, tokens, norm)
     top_ids, top_lps = jax.lax.cond(jnp.any(s.top_logprobs > 0), _top_logprobs, _no_top_logprobs, x,
                                     s.top_logprobs, norm, cands)

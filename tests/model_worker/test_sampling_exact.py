@@ -316,3 +316,22 @@ def test_full_settings_decide_top_p_on_candidates():
         for step in range(3):
             s.step[:] = step
             assert_same(_new(logits, s, state), _old(logits, s, state), f"top_p {top_p} step {step}")
+
+
+def test_zero_maximum_of_either_sign_equals_reference():
+    """Rows whose maximum is 0 held as -0.0, +0.0 or both (the row maximum now comes from the candidates' block
+    maxima, whose zero may have the other sign than `jnp.max`'s): the same tokens and log-probabilities, with top
+    logprobs, greedy and sampled, over the whole vocabulary and a small one."""
+    for vocab in (5000, 262_144):
+        batch = 6
+        x = np.full((batch, vocab), -np.inf, np.float32)
+        x[:, 100:110] = -3.0
+        x[0, 7], x[1, 7], x[2, [7, 9000 % vocab]], x[3, [9000 % vocab, 7]] = -0.0, 0.0, [-0.0, 0.0], [-0.0, 0.0]
+        x[4, 7], x[5, 7] = -0.0, -0.0
+        x[5, 200:] = np.where(np.arange(vocab - 200) % 3 == 0, -0.0, -40.0)
+        s = S.SamplingArrays.defaults(batch, vocab)
+        s.temperature[:] = [0, 0.7, 0, 1.0, 0.5, 1.0]
+        s.top_p[:], s.top_logprobs[:], s.top_k[:] = [1, 0.9, 1, 0.5, 1, 0.95], 5, [0, 0, 0, 3, 0, 0]
+        s.seed[:, 0], s.step[:] = np.arange(batch), 1
+        state = S.penalty_state_zeros(batch, vocab)
+        assert_same(_new(jnp.asarray(x), s, state), _old(jnp.asarray(x), s, state), f"V={vocab}")
