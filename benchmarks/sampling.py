@@ -13,10 +13,11 @@ of a few to a few dozen tokens, as a trained model's usually is), and "flat", no
 of tens of thousands of tokens: the top-p filter's slow path, `sampling._top_p_filter`).
 
     .venv/bin/python benchmarks/sampling.py [--batches 1 8 16] [--rounds 15] [--vocab 262144] [--logits peaked flat]
-        [--reference]
+        [--reference] [--baseline REV]
 
 `--reference` also times the sampler as it stood before the candidates (the tests' frozen oracle), in the same rounds:
-before and after from one run.
+before and after from one run. `--baseline REV` also times `model_worker/modeling/sampling.py` as it stands at the git
+revision REV (e.g. `main`), in the same rounds: a change's before and after from one run.
 
 A decode step of the embedded model at batch 1 takes ~13 ms on the project's 2-vCPU machine
 (benchmarks/decode_step.py): what sampling adds to it is read against that (docs/performance.md, "Sampling").
@@ -25,10 +26,13 @@ A decode step of the embedded model at batch 1 takes ~13 ms on the project's 2-v
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -110,6 +114,20 @@ def table(kind: str, args, greedy, samplers: dict) -> None:
                   " ".join(f"{ms[name] / ms['greedy']:>16.2f}x" for name in list(CASES)[1:]))
 
 
+def baseline_module(rev: str):
+    """`model_worker/modeling/sampling.py` as at git revision `rev`, imported as a module of its own (it imports the
+    rest of the tree as it is now; the settings' pytree registration, done by the current module, is left out)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    text = subprocess.run(["git", "show", f"{rev}:model_worker/modeling/sampling.py"], cwd=root, check=True,
+                          capture_output=True, text=True).stdout
+    path = pathlib.Path(tempfile.mkdtemp()) / "sampling_baseline.py"
+    path.write_text(text.replace("jax.tree_util.register_dataclass(SamplingArrays)\n", "\n"))  # registered once
+    spec = importlib.util.spec_from_file_location("sampling_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     """Print the tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -120,8 +138,12 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true",
                     help="also time the sampler before the candidates (tests/model_worker/sampling_reference.py), "
                          "interleaved")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also time model_worker/modeling/sampling.py as at this git revision, interleaved")
     args = ap.parse_args()
     samplers = {"sample": jax.jit(sampling.sample)}
+    if args.baseline:
+        samplers[args.baseline] = jax.jit(baseline_module(args.baseline).sample)
     if args.reference:
         from tests.model_worker import sampling_reference
 

@@ -34,11 +34,15 @@ candidates (`_candidates`: the 64 blocks of 512 values with the largest maxima, 
 with the largest maxima), which decide the thresholds, the top logprobs and, where the kept tokens lie in their
 blocks, the draw itself (`_sample_candidates`), with the same bits as the whole row would give (each value comes
 from the same operations; where a float sum's order matters, the decision is taken only when every order agrees).
-A row they cannot decide takes the whole-row path (`_sample_whole_rows`), under a `lax.cond` on "some row needs
-it". Every optional piece (bias, penalties, mask, the draw, top logprobs) runs under a `lax.cond` on "some row of
-the batch uses it"; the conds return [B]-sized results where they can, because XLA CPU copies the [B, V] operands
-of a cond whose result is [B, V], even a skipped one; rows that do not use a piece pass through it unchanged (bit
-for bit).
+Where min-p and top-k cut every value outside the candidates, top-p's kept set is decided on them too, without
+the row's probabilities (`_nucleus_in_candidates`: the reference's exps and sums are known within proven bounds,
+and the set is taken only where the bounds cannot change it). A row they cannot decide takes the whole-row path
+(`_sample_whole_rows`), under a `lax.cond` on "some row needs it". Every optional piece (the mask, the draw, top
+logprobs, the candidates) runs under a `lax.cond` on "some row of the batch uses it"; the conds return [B]-sized
+results where they can, because XLA CPU copies the [B, V] operands of a cond whose result is [B, V], even a
+skipped one; rows that do not use a piece pass through it unchanged (bit for bit). The penalties are one pass
+that writes the processed row, and the logit bias is computed on its entries and written into it
+(`_bias_at_ids`), not scattered over a copy of the logits.
 
 Empty mask. A row whose mask allows no token (within the vocabulary) is sampled as if it had no mask (its
 other settings still apply) and flagged in `SampleOutput.mask_empty`: the token it gets is *not* allowed, so
@@ -194,10 +198,52 @@ def _skip(x, *_):
     return x
 
 
-def _logit_bias(logits: jax.Array, ids: jax.Array, vals: jax.Array) -> jax.Array:
-    """logits[b, ids[b, j]] += vals[b, j] for every entry with a valid id (OpenAI logit_bias)."""
-    rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
-    return logits.at[rows, _valid_ids_or_oob(ids, logits.shape[-1])].add(vals, mode="drop")
+#: Columns of `SamplingArrays.bias_ids` scattered per step of `_bias_at_ids`'s loop.
+_BIAS_CHUNK = 8
+
+
+def _bias_at_ids(x: jax.Array, processed: jax.Array, s: SamplingArrays, state: PenaltyState) -> jax.Array:
+    """Steps (a) and (b) at the logit-bias ids: `processed` [B, V] (the penalties applied to x [B, V] without the
+    bias) with the value of each token given a bias replaced by the penalties applied to x[t] + its biases ->
+    [B, V] float32, what the bias scatter (`logits[b, ids[b, j]] += vals[b, j]`) then the penalties give.
+
+    Why not the scatter over the row, then the penalties: XLA CPU runs a scatter as a loop over its updates, ~1 us
+    each, and the B * MAX_LOGIT_BIAS entries (4,800 at 16 rows, most of them empty) took ~4 ms; it also needed a
+    copy of the logits to scatter into. Here the biased values are computed on the [B, MAX_LOGIT_BIAS] entries: a
+    token given twice gets its values added in column order, one add at a time, as the scatter's loop (row-major
+    over the updates) adds them, and every entry of that token ends with the same value; the penalties are the
+    same elementwise expressions on the token's history. They are written into `processed` `_BIAS_CHUNK` columns
+    at a time, for the columns up to the last one any row uses (a loop of 0 steps when none does).
+    """
+    B, V = x.shape
+    M = s.bias_ids.shape[-1]
+    pad = -M % _BIAS_CHUNK
+    ids = jnp.pad(_valid_ids_or_oob(s.bias_ids, V), ((0, 0), (0, pad)), constant_values=V)
+    vals = jnp.pad(s.bias_vals, ((0, 0), (0, pad)))
+    used = jnp.max(jnp.where(ids < V, jnp.arange(M + pad, dtype=jnp.int32) + 1, 0))  # columns to the last one used
+    at = jnp.minimum(ids, V - 1)
+    column = lambda a, j, n=1: jax.lax.dynamic_slice_in_dim(a, j, n, axis=1)
+    add = lambda j, acc: jnp.where(ids == column(ids, j), acc + column(vals, j), acc)  # in column order
+    biased = jax.lax.fori_loop(0, used, add, jnp.take_along_axis(x, at, axis=1))
+    biased = _penalties(biased, s, jnp.take_along_axis(state.seen, at, axis=1),
+                        jnp.take_along_axis(state.counts, at, axis=1))
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, _BIAS_CHUNK))
+
+    def write(c, y):
+        return y.at[rows, column(ids, c * _BIAS_CHUNK, _BIAS_CHUNK)].set(
+            column(biased, c * _BIAS_CHUNK, _BIAS_CHUNK), mode="drop")
+
+    return jax.lax.fori_loop(0, (used + _BIAS_CHUNK - 1) // _BIAS_CHUNK, write, processed)
+
+
+def _penalties(x: jax.Array, s: SamplingArrays, seen: jax.Array, counts: jax.Array) -> jax.Array:
+    """Step (b) on values x [B, n] float32 with their tokens' history (seen bool, counts int32 [B, n]) -> [B, n]: the
+    repetition penalty, then the frequency and presence penalties, one elementwise pass that leaves unchanged the
+    rows not using them (a repetition penalty of 1 divides by 1; frequency and presence penalties of 0 are skipped
+    per row)."""
+    x = _repetition_penalty(x, s.repetition_penalty, seen)
+    freq = (s.frequency_penalty != 0) | (s.presence_penalty != 0)
+    return jnp.where(freq[:, None], _frequency_presence(x, s, counts), x)
 
 
 def _repetition_penalty(logits: jax.Array, penalty: jax.Array, seen: jax.Array) -> jax.Array:
@@ -265,17 +311,14 @@ def _uses(s: SamplingArrays) -> tuple[jax.Array, ...]:
 def _process(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tuple[jax.Array, jax.Array]:
     """Steps (a)-(c). Returns (processed logits, mask_empty).
 
-    The logit bias (a scatter) and the mask (unpacking its bits costs as much as the penalties) run under their own
-    `lax.cond`s; the penalties are one elementwise pass that leaves unchanged the rows not using them (a repetition
-    penalty of 1 divides by 1; frequency and presence penalties of 0 are skipped per row) instead of two conds, whose
-    [B, V] results XLA CPU writes out one after the other.
+    The penalties are one elementwise pass over the row (`_penalties`; rows not using them pass through it
+    unchanged) that writes the processed row, the logit bias then replaces the values of its few tokens in it
+    (`_bias_at_ids`), and the mask (unpacking its bits costs as much as the penalties) runs under its own
+    `lax.cond`. Conds around the penalties, whose [B, V] results XLA CPU writes out one after the other, and a
+    scatter of the bias over a copy of the logits cost more.
     """
-    bias, _, _, mask = uses
-    x = jax.lax.cond(bias, _logit_bias, _skip, x, s.bias_ids, s.bias_vals)
-    x = _repetition_penalty(x, s.repetition_penalty, state.seen)
-    freq = (s.frequency_penalty != 0) | (s.presence_penalty != 0)
-    x = jnp.where(freq[:, None], _frequency_presence(x, s, state.counts), x)
-    return jax.lax.cond(mask, _apply_mask, _no_mask, x, s.mask, s.mask_on)
+    x = _bias_at_ids(x, _penalties(x, s, state.seen, state.counts), s, state)
+    return jax.lax.cond(uses[-1], _apply_mask, _no_mask, x, s.mask, s.mask_on)
 
 
 def _unprocessed(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tuple[jax.Array, jax.Array]:
@@ -383,15 +426,16 @@ class Candidates(NamedTuple):
     blocks_outside: jax.Array
 
 
-def _candidates(x: jax.Array, parts: int = 1) -> Candidates:
+def _candidates(x: jax.Array, parts: int = 1, maxima: jax.Array | None = None) -> Candidates:
     """Each row's candidates (`Candidates`): two levels of `_top_blocks`, the _CANDIDATES blocks of
     `_ARGMAX_BLOCK` values with the largest maxima, then the _CANDIDATES runs of `_CANDIDATE_RUN` values with the
     largest maxima inside them (C = 1,024 values a row). A whole row is one block where V is not a whole number of
-    blocks (per device part), and the candidates are the whole row where it is small.
+    blocks (per device part), and the candidates are the whole row where it is small. `maxima`: the blocks' maxima
+    [B, V / block] where the caller has them (`_candidates_and_max`).
     """
     B, V = x.shape
     L = _block(V, parts)
-    vals, blocks, outside = _top_blocks(x, L, _CANDIDATES)  # blocks: [B, m] ids of the blocks taken
+    vals, blocks, outside = _top_blocks(x, L, _CANDIDATES, maxima)  # blocks: [B, m] ids of the blocks taken
     ids = (blocks[:, :, None] * L + jnp.arange(L, dtype=jnp.int32)).reshape(B, -1)
     inner = outside
     if L % _CANDIDATE_RUN == 0 and L > _CANDIDATE_RUN:
@@ -407,16 +451,36 @@ def _no_candidates(x: jax.Array, parts: int = 1) -> Candidates:
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
+def _candidates_and_max(x: jax.Array, parts: int = 1) -> tuple[Candidates, jax.Array]:
+    """`_candidates` of x [B, V] and the row maximum [B, 1], taken from the candidates' block maxima: one pass over
+    the row fewer than a max of its own (`_normalizer` takes it). A max is exact in any order; where it differs
+    from `jnp.max`'s, a zero of the other sign, nothing computed from it does (x - best, and the log-probabilities
+    of a row whose maximum is held as both +0.0 and -0.0, which sums more than one term). The barrier keeps XLA from
+    folding the max of the maxima back into a max over the whole row."""
+    B, V = x.shape
+    L = _block(V, parts)
+    maxima = jnp.max(x.reshape(B, V // L, L), axis=-1)
+    best = jnp.max(lax.optimization_barrier(maxima), axis=-1, keepdims=True)
+    return _candidates(x, parts, maxima), best
+
+
+def _no_candidates_and_max(x: jax.Array, parts: int = 1) -> tuple[Candidates, jax.Array]:
+    """The skipped branch of `_candidates_and_max`: `_no_candidates` and the row maximum [B, 1]."""
+    return _no_candidates(x, parts), jnp.max(x, axis=-1, keepdims=True)
+
+
 def _block(V: int, parts: int = 1) -> int:
     """Values per block of a row of V (`_argmax`, `_inverse_cdf`, `_candidates`): `_ARGMAX_BLOCK` where the row
     (per device part) is a whole number of them, else the whole row."""
     return _ARGMAX_BLOCK if V % (_ARGMAX_BLOCK * parts) == 0 else V
 
 
-def _top_blocks(x: jax.Array, width: int, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _top_blocks(x: jax.Array, width: int, count: int,
+                maxima: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The `count` blocks of `width` values of each row of x [B, n] with the largest maxima, in the row's order ->
     (values [B, count * width], the blocks' indices [B, count] int32, the largest value outside them [B]); all of
-    x (every block, and -inf) where it has no more than `count` blocks.
+    x (every block, and -inf) where it has no more than `count` blocks. `maxima`: the blocks' maxima [B, n / width]
+    if the caller has them.
 
     Why it serves: the j largest values of a row (j <= count) lie in the j blocks with the largest maxima, and
     keeping the row's order keeps `lax.top_k`'s order among equal values (the lower index first): with ties
@@ -427,7 +491,8 @@ def _top_blocks(x: jax.Array, width: int, count: int) -> tuple[jax.Array, jax.Ar
     if n // width <= count:
         blocks = jnp.broadcast_to(jnp.arange(n // width, dtype=jnp.int32), (B, n // width))
         return x, blocks, jnp.full((B,), -jnp.inf, x.dtype)
-    maxima = jnp.max(x.reshape(B, n // width, width), axis=-1)
+    if maxima is None:
+        maxima = jnp.max(x.reshape(B, n // width, width), axis=-1)
     at = jax.lax.top_k(maxima, count)[1]  # (no slice of top_k's result: XLA CPU then sorts the whole row instead)
     taken = jnp.any(at[:, :, None] == jnp.arange(n // width, dtype=at.dtype), axis=1)  # (a scatter compiles slower)
     outside = jnp.max(jnp.where(taken, -jnp.inf, maxima), axis=-1)
@@ -578,11 +643,13 @@ def _sample_candidates(x: jax.Array, s: SamplingArrays, cands: Candidates,
     sure bool [B]: the token is the whole row's).
 
     The filters' thresholds come from x's candidates: min-p's floor from the row maximum (which they hold), top-k's
-    k-th value where it is >= every value outside them (`_top_k_filter`), top-p's threshold from the candidate
-    probabilities (`_nucleus`). Where the tokens kept lie in the candidates' blocks (top-k or min-p cut everything
-    outside them; top-p's kept set lies in the blocks its candidates came from), the inverse-CDF draw runs on those
-    blocks alone (`_draw_in_blocks`): every other block's sum is 0, as over the whole row. Each value is computed
-    by the same operations as over the whole row, so the same bits.
+    k-th value where it is >= every value outside them (`_top_k_filter`), top-p's kept set from the candidates
+    alone where min-p and top-k cut everything outside them (`_nucleus_in_candidates`), else from the whole row's
+    probabilities and their candidates (`_nucleus`, under a `lax.cond` on "some row needs it"). Where the tokens
+    kept lie in the candidates' blocks (top-k or min-p cut everything outside them; top-p's kept set lies in the
+    blocks its candidates came from), the inverse-CDF draw runs on those blocks alone (`_draw_in_blocks`): every
+    other block's sum is 0, as over the whole row. Each value is computed by the same operations as over the whole
+    row, so the same bits.
     """
     B, V = x.shape
     L = _block(V, parts)
@@ -599,19 +666,85 @@ def _sample_candidates(x: jax.Array, s: SamplingArrays, cands: Candidates,
     top_k = lambda z: jnp.where((col(s.top_k, z) <= 0) | (z >= col(kth, z)), z, -jnp.inf)  # `_top_k_filter`
     filtered = lambda v: top_k(min_p(scale(v)))  # min-p, top-k of x's values v [B, ...]
     rows = sampled & (s.top_p < 1.0)
+    contained = kth_sure & (top_k(outside) == -jnp.inf)  # min-p and top-k cut every value outside the candidates
+    clean = ~jnp.any(jnp.isnan(cands.vals), axis=-1) & ~jnp.isnan(cands.outside)
+    level, level_sure = _nucleus_in_candidates(filtered(cands.vals), s.top_p)
+    small = rows & contained & clean & level_sure  # top-p decided on the candidates alone
+    whole = rows & ~small  # top-p needs the whole row's probabilities (`_nucleus`)
     nucleus = functools.partial(_nucleus, filtered=filtered, parts=parts)
     m = cands.blocks.shape[-1]
     none = lambda x, top_p: (jnp.zeros(B, x.dtype), jnp.zeros(B, bool), cands.blocks, jnp.zeros((B, m, L), x.dtype))
-    lo, nucleus_sure, p_blocks, probs = jax.lax.cond(jnp.any(rows), nucleus, none, x, jnp.where(rows, s.top_p, 1.0))
-    blocks = jnp.where(rows[:, None], p_blocks, cands.blocks)
+    lo, nucleus_sure, p_blocks, probs = jax.lax.cond(jnp.any(whole), nucleus, none, x, jnp.where(whole, s.top_p, 1.0))
+    blocks = jnp.where(whole[:, None], p_blocks, cands.blocks)
     values = jnp.take_along_axis(x.reshape(B, V // L, L), blocks[:, :, None], axis=1)
     kept = filtered(values)
-    kept = jnp.where(~rows[:, None, None] | (probs >= lo[:, None, None]), kept, -jnp.inf)  # `_top_p_filter`
+    kept = jnp.where(~whole[:, None, None] | (probs >= lo[:, None, None]), kept, -jnp.inf)  # `_top_p_filter`
+    kept = jnp.where(~small[:, None, None] | (kept >= level[:, None, None]), kept, -jnp.inf)  # the same kept set
     kept = lax.optimization_barrier(kept)  # the block sums read it written out, as over the whole row
     best = jnp.max(kept.reshape(B, -1), axis=-1, keepdims=True)
     tokens = _draw_in_blocks(kept, best, blocks, V // L, s)
-    inside = jnp.where(rows, nucleus_sure, top_k(outside) == -jnp.inf)
+    inside = jnp.where(whole, nucleus_sure, contained)
     return tokens, kth_sure & inside
+
+
+#: Levels of `_nucleus_in_candidates`: a nucleus of at most this many of the largest filtered values.
+_NUCLEUS_LEVELS = 64
+#: `_nucleus_in_candidates`' bound on the relative error of an `exp` (the reference's or ours) against the true
+#: value of its float32 argument: 2**-18 is 32 float32 ulps, ~20 times what XLA CPU's float32 exp was seen to err
+#: (1.6 ulps at most over 4M arguments in 0..-87, both in the softmax's YNNPACK fusion and in a small loop fusion).
+_EXP_ERROR = 2.0**-18
+
+
+def _nucleus_in_candidates(z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Top-p's kept set from the candidates alone, for rows whose filtered values (min-p, top-k) are -inf
+    everywhere outside them: z [B, C] those filtered candidate values -> (level [B]: `_top_p_filter` keeps exactly
+    the tokens with z >= level, sure bool [B]).
+
+    Why without the whole row: such a row's probabilities p = exp(z - max) / S, S their sum, are nonzero only at
+    the candidates, so their sum and every value is known here to within a bound of the reference's bits: the
+    reference computes exp and the sum with its own code and order (XLA CPU hands both to YNNPACK), we compute them
+    with ours; each exp errs by at most `_EXP_ERROR` and a float sum of n non-negative terms by (n - 1) * 2**-24
+    (relative; any order). The reference's bisection (`_bisect`) asks whether the mass of {p >= mid} reaches
+    top_p. Take K, the smallest set {z >= z_k} of the largest values whose mass surely reaches top_p: if every
+    smaller such set surely stays below top_p, then a step is "yes" exactly when mid <= q (q the least p in K),
+    so the bisection ends with lo in [q - w, q], w its final width (at most p_max * 2**-22: 30 halvings, and a
+    midpoint's rounding of at most p_max * 2**-24 each); where every p outside K is surely below q - w, the kept
+    set {p >= lo} is K: the tokens with z >= z_k, whatever the bits of lo. Every rounding in that chain is
+    bounded, so a row is `sure` only where the bounds cannot change the set; otherwise the whole row decides
+    (`_nucleus`). The reference's lo itself is not computed: the draw depends on the kept set only.
+    """
+    B, C = z.shape
+    n = _NUCLEUS_LEVELS + 1
+    top = jax.lax.top_k(z, min(n, C))[0]  # (no slice of top_k's result: XLA CPU then sorts the whole row instead)
+    if C < n:  # the candidates are the whole row: nothing beyond them
+        top = jnp.pad(top, ((0, 0), (0, n - C)), constant_values=-jnp.inf)
+    best = jnp.max(z, axis=-1, keepdims=True)
+    finite = z > -jnp.inf
+    count = jnp.sum(finite, axis=-1).astype(jnp.float32)  # the sum's nonzero terms
+    total = jnp.sum(jnp.where(finite, jnp.exp(z - best), 0.0), axis=-1, keepdims=True)
+    p = jnp.where(top > -jnp.inf, jnp.exp(top - best), 0.0) / total  # [B, n], the largest first
+    u = 2.0**-24
+    # p (the reference's bits) lies within p * (1 +- err): both exps, both sums of `count` terms, three roundings
+    err = 2.0 * (4 * _EXP_ERROR + 2 * (count + 1) * u + 4 * u)[:, None]
+    tiny = 2.0**-120  # exps that underflow: absolute
+    in_level = top[:, None, :] >= top[:, :, None]  # [B, k, j]: value j lies in level k's set {z >= top[k]}
+    size = jnp.sum(in_level, axis=-1).astype(jnp.float32)
+    gamma = 2.0 * (size + 1) * u  # the reference's float sum of the set (any order)
+    mass_lo = jnp.sum(jnp.where(in_level, p[:, None, :], 0.0), axis=-1) * (1 - err) * (1 - gamma) - size * tiny
+    mass_hi = jnp.sum(jnp.where(in_level, p[:, None, :], 0.0), axis=-1) * (1 + err) * (1 + gamma) + size * tiny
+    q_lo = p * (1 - err) - tiny  # least p in level k's set
+    below = jnp.max(jnp.where(top[:, None, :] < top[:, :, None], top[:, None, :], -jnp.inf), axis=-1)
+    r_hi = jnp.where(below > -jnp.inf, jnp.exp(below - best), 0.0) / total * (1 + err) + tiny  # largest p outside
+    first = top == best  # level k is the top one: every smaller set is empty, mass 0
+    smaller_hi = jnp.where(first, 0.0, mass_hi - q_lo * (1 - gamma))  # a proper subset of the set: without q
+    width = jnp.max(p, axis=-1, keepdims=True) * (1 + err) * 2.0**-22
+    last = jnp.min(top, axis=-1, keepdims=True)  # values past the levels are <= it: a set must end above it
+    whole = (top > last) & (top > -jnp.inf)
+    k = _first_index((mass_lo >= top_p[:, None]) & whole)  # past the levels' end: not sure
+    pick = lambda a: jnp.take_along_axis(a, jnp.minimum(k, n - 1)[:, None], axis=1)[:, 0]
+    sure = ((k < n) & (top_p > 0) & jnp.isfinite(best[:, 0]) & (pick(smaller_hi) < top_p)
+            & (pick(q_lo) - pick(r_hi) > width[:, 0]))
+    return pick(top), sure
 
 
 def _nucleus(x: jax.Array, top_p: jax.Array, filtered, parts: int = 1):
@@ -668,13 +801,15 @@ def _log_probs(values: jax.Array, norm: tuple[jax.Array, jax.Array]) -> jax.Arra
     return (values - best) - log_total
 
 
-def _normalizer(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(row max [B, 1], log(sum(exp(x - row max))) [B, 1]) of x [B, V]: what `_log_probs` subtracts.
+def _normalizer(x: jax.Array, best: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(row max [B, 1], log(sum(exp(x - row max))) [B, 1]) of x [B, V]: what `_log_probs` subtracts. `best`: the
+    row max [B, 1] where the caller has it (`_candidates_and_max`).
 
     The row sum: XLA CPU's sums a row alike in every batch shape (tests/model_worker/test_sampling.py); a TPU's
     ordered its terms by the batch's shape (a row's log-probability moved by one ulp with its neighbours, seen on
     a v5e), so off CPU it is `fixed_order.fixed_order_sum`, one order for every shape."""
-    best = jnp.max(x, axis=-1, keepdims=True)
+    if best is None:
+        best = jnp.max(x, axis=-1, keepdims=True)
     terms = jnp.exp(x - best)
     total = lax.platform_dependent(terms, cpu=lambda t: jnp.sum(t, axis=-1),
                                    default=lambda t: fixed_order_sum(t))[..., None]
@@ -736,11 +871,11 @@ def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState, vocab_part
     """
     x, mask_empty = process_logits(logits, s, state)
     uses = (jnp.any(s.temperature > 0) & _filtered_only(s)) | jnp.any(s.top_logprobs > 0)
-    cands = jax.lax.cond(uses,
-                         functools.partial(_candidates, parts=vocab_parts),
-                         functools.partial(_no_candidates, parts=vocab_parts), x)
+    cands, best = jax.lax.cond(uses,
+                               functools.partial(_candidates_and_max, parts=vocab_parts),
+                               functools.partial(_no_candidates_and_max, parts=vocab_parts), x)
     tokens = _draw(x, s, cands, vocab_parts)
-    norm = _normalizer(x)
+    norm = _normalizer(x, best)
     logprobs = _chosen_logprobs(x, tokens, norm)
     top_ids, top_lps = jax.lax.cond(jnp.any(s.top_logprobs > 0), _top_logprobs, _no_top_logprobs, x,
                                     s.top_logprobs, norm, cands)

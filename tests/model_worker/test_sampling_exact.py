@@ -216,3 +216,122 @@ def test_nucleus_threshold_has_the_reference_bits():
     np.testing.assert_array_equal(np.asarray(lo).view(np.uint32)[sure], np.asarray(lo_ref).view(np.uint32)[sure])
     ref_blocks = np.take_along_axis(np.asarray(probs_ref).reshape(batch, -1, 512), np.asarray(blocks)[:, :, None], 1)
     np.testing.assert_array_equal(np.asarray(probs).view(np.uint32), ref_blocks.view(np.uint32))
+
+
+def test_logit_bias_entries_equal_reference():
+    """The logit bias computed on its entries and written into the penalized row (`_bias_at_ids`) gives the
+    reference's scatter-then-penalties bits: up to every column used, ids out of range, a token given many times
+    (its values added in column order), penalties on biased tokens, logits of +-0.0 and tiny values."""
+    rng = np.random.default_rng(5)
+    new, old = jax.jit(S.process_logits), jax.jit(R.process_logits)
+    for vocab in (13, 5000):
+        batch = 8
+        x = jnp.asarray(rng.standard_normal((batch, vocab)).astype(np.float32) * 3)
+        x = x.at[:, :4].set(jnp.array([0.0, -0.0, 1e-30, -1e-30]))
+        state = random_history(batch, vocab, rng)
+        state = S.PenaltyState(counts=state.counts.at[:, :6].set(jnp.array([0, 3, 1, 0, 2, 7])),
+                               seen=state.seen.at[:, :6].set(jnp.array([True, False, True, True, True, True])))
+        for trial in range(8):
+            s = random_settings(batch, vocab, rng)
+            s.bias_ids[:], s.bias_vals[:] = -1, 0.0
+            for r in range(batch):
+                n = rng.integers(0, S.MAX_LOGIT_BIAS + 1) if trial % 3 == 0 else rng.integers(0, 10)
+                cols = rng.choice(S.MAX_LOGIT_BIAS, n, replace=False) if trial % 2 else np.arange(n)
+                s.bias_ids[r, cols] = rng.integers(-3, vocab + 3, n) if trial % 4 else rng.integers(0, 6, n)
+                s.bias_vals[r, cols] = rng.choice([100.0, -100.0, 3.5, -2.0, 0.25, 1e-7, 1 / 3, 0.0, -0.0], n)
+            a, b = new(x, s, state), old(x, s, state)
+            for got, want, name in zip(a, b, ("logits", "mask_empty")):
+                got, want = np.asarray(got), np.asarray(want)
+                if got.dtype.kind == "f":
+                    got, want = got.view(np.uint32), want.view(np.uint32)
+                np.testing.assert_array_equal(got, want, f"V={vocab} trial {trial}: {name}")
+
+
+def _kept_by_reference(z: jax.Array, top_p: jax.Array) -> np.ndarray:
+    """The reference's top-p kept set of rows of filtered values z."""
+    return np.asarray(jax.jit(R._top_p_filter)(z, top_p) > -jnp.inf)
+
+
+def test_nucleus_in_candidates_keeps_the_reference_set():
+    """Where `_nucleus_in_candidates` is sure, {z >= level} is the set the reference's bisection keeps, over rows
+    of many shapes (peaked, ties, bfloat16 steps, a few tokens 1 ulp apart, flat after top-k) and top-p values
+    at and next to the masses of the rows' largest tokens; where it is not, `sample` takes the whole row."""
+    rng = np.random.default_rng(6)
+    fn = jax.jit(S._nucleus_in_candidates)
+    sure_rows = rows = 0
+    for kind in ("peaked", "ties", "bf16", "ulps", "flat"):
+        for _ in range(4):
+            batch, n = 64, 1024
+            z = logits_of("peaked" if kind in ("ulps", "flat") else kind, batch, n, rng)
+            if kind == "ulps":  # the largest values one or two ulps apart
+                z[:, :6] = np.nextafter(np.float32(20.0), np.float32(30.0), dtype=np.float32)
+                z[:, 1] = np.float32(20.0)
+                z[:, 3] = np.nextafter(z[:, 3], np.float32(0), dtype=np.float32)
+            k = rng.choice([1, 5, 30, 64, 200], batch)
+            kth = -np.sort(-z, axis=1)[np.arange(batch), k - 1]
+            z = np.where(z >= kth[:, None], z, -np.inf).astype(np.float32)
+            probs = np.asarray(jax.nn.softmax(jnp.asarray(z), axis=-1))
+            top = -np.sort(-probs, axis=1)
+            mass = np.cumsum(top, axis=1, dtype=np.float32)[np.arange(batch), rng.integers(0, 8, batch)]
+            top_p = np.where(rng.random(batch) < 0.5, mass * rng.choice([1.0, 1 - 2**-23, 1 + 2**-23, 1 - 2**-12],
+                                                                          batch),
+                             rng.choice([0.5, 0.9, 0.95, 0.99, 1e-6], batch)).astype(np.float32)
+            top_p = np.minimum(top_p, np.float32(0.999999))
+            level, sure = fn(jnp.asarray(z), jnp.asarray(top_p))
+            sure = np.asarray(sure)
+            want = _kept_by_reference(jnp.asarray(z), jnp.asarray(top_p))
+            got = z >= np.asarray(level)[:, None]
+            np.testing.assert_array_equal(got[sure], want[sure], kind)
+            sure_rows, rows = sure_rows + sure.sum(), rows + batch
+    assert sure_rows >= rows // 2, (sure_rows, rows)
+
+
+def test_full_settings_decide_top_p_on_candidates():
+    """Temperature, top-p, top-k, min-p, penalties, logit bias and top logprobs at once over a language model's
+    logits: top-p is decided on the candidates in every row (no whole-row pass), with the reference's tokens and
+    log-probabilities; and top-p values right at the mass of the rows' largest tokens give the reference's too."""
+    rng = np.random.default_rng(7)
+    batch, vocab = 16, 262_144
+    logits = jnp.asarray(logits_of("peaked", batch, vocab, rng))
+    state = random_history(batch, vocab, rng)
+    s = S.SamplingArrays.defaults(batch, vocab)
+    s.temperature[:], s.top_p[:], s.top_k[:], s.min_p[:], s.top_logprobs[:] = 0.7, 0.95, 50, 0.05, 5
+    s.repetition_penalty[:], s.frequency_penalty[:], s.presence_penalty[:] = 1.1, 0.2, 0.1
+    s.bias_ids[:, :3], s.bias_vals[:, :3] = [7, 1000, 2000], [2.0, -100.0, 1.5]
+    s.seed[:, 0], s.step[:] = np.arange(batch), 11
+    x, _ = jax.jit(S.process_logits)(logits, s, state)
+
+    @jax.jit
+    def small(x, s):
+        cands = S._candidates(x)
+        z = cands.vals / jnp.maximum(s.temperature, 1e-6)[:, None]
+        z = R._min_p_filter(z, s.min_p)
+        z = jnp.where(z >= S._kth_largest(z, s.top_k)[:, None], z, -jnp.inf)
+        return S._nucleus_in_candidates(z, s.top_p)[1]
+
+    assert np.asarray(small(x, s)).all()
+    assert_same(_new(logits, s, state), _old(logits, s, state), "full")
+    for top_p in (0.3, 0.5, 0.8, 0.99):
+        s.top_p[:] = top_p
+        for step in range(3):
+            s.step[:] = step
+            assert_same(_new(logits, s, state), _old(logits, s, state), f"top_p {top_p} step {step}")
+
+
+def test_zero_maximum_of_either_sign_equals_reference():
+    """Rows whose maximum is 0 held as -0.0, +0.0 or both (the row maximum now comes from the candidates' block
+    maxima, whose zero may have the other sign than `jnp.max`'s): the same tokens and log-probabilities, with top
+    logprobs, greedy and sampled, over the whole vocabulary and a small one."""
+    for vocab in (5000, 262_144):
+        batch = 6
+        x = np.full((batch, vocab), -np.inf, np.float32)
+        x[:, 100:110] = -3.0
+        x[0, 7], x[1, 7], x[2, [7, 9000 % vocab]], x[3, [9000 % vocab, 7]] = -0.0, 0.0, [-0.0, 0.0], [-0.0, 0.0]
+        x[4, 7], x[5, 7] = -0.0, -0.0
+        x[5, 200:] = np.where(np.arange(vocab - 200) % 3 == 0, -0.0, -40.0)
+        s = S.SamplingArrays.defaults(batch, vocab)
+        s.temperature[:] = [0, 0.7, 0, 1.0, 0.5, 1.0]
+        s.top_p[:], s.top_logprobs[:], s.top_k[:] = [1, 0.9, 1, 0.5, 1, 0.95], 5, [0, 0, 0, 3, 0, 0]
+        s.seed[:, 0], s.step[:] = np.arange(batch), 1
+        state = S.penalty_state_zeros(batch, vocab)
+        assert_same(_new(jnp.asarray(x), s, state), _old(jnp.asarray(x), s, state), f"V={vocab}")
