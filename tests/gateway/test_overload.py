@@ -20,6 +20,8 @@ def test_resource_exhausted_is_429_with_retry_after():
     async def refuse(backend, call):
         if hasattr(call, "cancel"):
             call.cancel()
+        elif hasattr(call, "close"):  # a coroutine wrapping the worker's call: closed, as it is never awaited
+            call.close()
         err = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                    details="queue full: 64 requests are already waiting")
         raise from_rpc_error(err, backend)

@@ -89,8 +89,8 @@ def test_kernel_equals_the_twin_on_every_path(mode, shape):
 
 def reference(q, qpos, keys, vals, rows, kpos, start, mode, block, ring, window, scale, first, count):
     """numpy float64 softmax attention of each valid query over the keys it sees: [B, C, N, D] (NaN for padding)."""
-    q, keys, vals = (np.asarray(jnp.asarray(jax.lax.bitcast_convert_type(x, jnp.bfloat16), jnp.float64))
-                     for x in (q, keys, vals))
+    q, keys, vals = (np.asarray(jnp.asarray(jax.lax.bitcast_convert_type(x, jnp.bfloat16), jnp.float32), np.float64)
+                     for x in (q, keys, vals))  # bfloat16 -> float32 is exact; the sums below run in float64
     B, C, N, D = q.shape
     L, K = keys.shape[1:3]
     out = np.full((B, C, N, D), np.nan)
