@@ -286,7 +286,8 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
       window, scale: as in `attend`; dtype: the activation dtype (int8 K/V are dequantized to it).
       kernel: "pallas": a decode step, or a verify step's few queries (C <= `PALLAS_MAX_QUERIES`), with K/V not
         int8 runs `numerics.decode_attention` on a TPU (`ModelConfig.attention_kernel`); otherwise, and on other
-        backends, the loop below.
+        backends, the loop below. "pallas-interpret": the same calls of the kernel in Pallas's interpreter on any
+        backend (how the CPU tests run whole models through it).
     Returns:
       [B, C, N*D], as `attend`.
 
@@ -302,6 +303,8 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
         xla = lambda q: attend_in_place(q, cache, src, slots, q_pos, k_pos, window, scale, dtype, kv_len)
         tpu = lambda q: _attend_pallas(q, arrays[0], arrays[1], rows, q_pos, k_pos, window, scale, kv_len)
         return lax.platform_dependent(q, tpu=tpu, default=xla)
+    if kernel == "pallas-interpret" and fits:
+        return _attend_pallas(q, arrays[0], arrays[1], rows, q_pos, k_pos, window, scale, kv_len, interpret=True)
     if k_pos is None:
         T = arrays[0].shape[1]
         block = min(KEY_BLOCK, T)

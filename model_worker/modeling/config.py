@@ -78,7 +78,8 @@ class ModelConfig:
       attention_kernel: a compute choice too: "pallas" runs a decode step's attention, and a verify step's few
         queries per row in full layers (K/V not int8, not batch-invariant), through the Pallas kernel
         `numerics.decode_attention` on a TPU; "xla" (the default) and every other backend keep
-        `attention.attend_in_place`.
+        `attention.attend_in_place`. "pallas-interpret" runs the kernel's calls in Pallas's interpreter on any
+        backend (the CPU tests of whole models through it; not a serving choice).
     """
 
     name: str

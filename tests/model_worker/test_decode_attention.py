@@ -246,3 +246,61 @@ def test_the_compiled_kernel_on_a_tpu_takes_a_verify_step():
                         np.asarray(values, np.float64), rows, q_pos[:, c], scale=Dh ** -0.5)
         valid = q_pos[:, c] >= 0
         np.testing.assert_allclose(ours[valid, c], ref[valid], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.slow
+def test_a_whole_model_through_the_kernel_gives_the_xla_loops_logits(tmp_path, monkeypatch):
+    """The tiny Gemma 4 model (sliding and full layers, KV shared across both, PLE) with every in-place attention
+    the kernel takes run through it (`attention_kernel="pallas-interpret"`: Pallas's interpreter, as a TPU runs
+    the kernel) against XLA's loop: prompt chunks of 16 (a verify step's size: the kernel in the full layers), a
+    chunk of 4 with every position's logits (a verify step's shape), then one-token decode steps beside an idle
+    row (the kernel in the full layers and the sliding rings). Same logits to float32 summation order."""
+    import dataclasses
+    import functools
+
+    from model_worker.checkpoints.hf_loader import load_checkpoint
+    from model_worker.modeling import attention, model
+    from model_worker.modeling.kv_cache import KVCache
+    from model_worker.modeling.params import to_device
+    from tests.gemma4_tiny import SHARED, write_checkpoint
+
+    write_checkpoint(SHARED, tmp_path)
+    cfg, flat = load_checkpoint(tmp_path, jnp.float32)
+    params = to_device(cfg, flat, jnp.float32)
+    prompt = np.random.default_rng(7).integers(0, 512, 40).tolist()
+    taken = []  # (queries per row, ring) of each call the kernel took, as traced
+    through = attention._attend_pallas
+
+    def counted(q, keys, values, rows, q_pos, k_pos, *args, **kwargs):
+        taken.append((q.shape[1], k_pos is not None))
+        return through(q, keys, values, rows, q_pos, k_pos, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "_attend_pallas", counted)
+
+    def run(kernel: str) -> np.ndarray:
+        forward = jax.jit(functools.partial(model.forward, cfg=dataclasses.replace(cfg, attention_kernel=kernel),
+                                            kv_len=128))
+        cache = KVCache.zeros(cfg, 2, 128, jnp.float32, slack=4)
+        out = []
+        for start in range(0, 32, 16):  # prompt chunks of 16
+            pos = np.arange(start, start + 16, dtype=np.int32)[None]
+            logits, cache = forward(params, jnp.asarray([prompt[start:start + 16]]), jnp.asarray(pos), cache,
+                                    jnp.asarray([1]), logit_rows=jnp.asarray([15]))
+            out.append(np.asarray(logits))
+        pos = np.arange(32, 36, dtype=np.int32)[None]  # 4 tokens, every position's logits: a verify step
+        logits, cache = forward(params, jnp.asarray([prompt[32:36]]), jnp.asarray(pos), cache, jnp.asarray([1]))
+        out.append(np.asarray(logits)[0])
+        token = int(np.argmax(out[-1][-1]))
+        for p in range(36, 40):  # decode beside an idle row
+            logits, cache = forward(params, jnp.asarray([[token], [0]]), jnp.asarray([[p], [-1]]), cache,
+                                    jnp.asarray([1, 0]), logit_rows=jnp.asarray([0, 0]))
+            out.append(np.asarray(logits)[:1])
+            token = int(np.argmax(out[-1][0]))
+        return np.concatenate(out)
+
+    xla = run("xla")
+    assert not taken
+    kernel = run("pallas-interpret")
+    assert {(16, False), (4, False), (1, False), (1, True)} <= set(taken), taken  # chunk, verify, decode, ring
+    assert xla.shape == kernel.shape == (2 + 4 + 4, cfg.vocab_size)
+    np.testing.assert_allclose(kernel, xla, atol=2e-4, rtol=0)
