@@ -1,6 +1,6 @@
-"""The OpenAI-compatible REST API: routes only; planning is in planner.py, running in completions.py and
-generate.py, the rules every request obeys (request ids, body and connection limits, JSON checks, a 500 that
-keeps the connection) in http_guard.py.
+"""The OpenAI-compatible REST API: the endpoints only; planning is in gateway/planning/, running in
+gateway/generation/ (`choices`, `choice_runner`, `generate`), the rules every request obeys (request ids, body and
+connection limits, JSON checks, a 500 that keeps the connection) in http_guard.py.
 
 Errors are OpenAI-shaped (`{"error": {message, type, param, code}}`) on every path, unknown routes and methods
 included: 400 for bad values, 404 for an unknown model or route, 405 for a wrong method, 413 for a body over the
@@ -412,12 +412,12 @@ async def _chat(ctx: RequestContext, req: ChatCompletionRequest):
         runner.feed(index, delta)
     facts = backends.ready_facts()
     choices = []
-    for i, route in enumerate(plan.routes):
+    for i, splitter in enumerate(plan.splitters):
         lp = None
         if req.logprobs:
             lp = {"content": chat_content(facts, visible(facts, runner.tokens[i], req.skip_special_tokens),
                                           req.top_logprobs or 0)}
-        choices.append({"index": i, "message": route.message(), "logprobs": lp,
+        choices.append({"index": i, "message": splitter.message(), "logprobs": lp,
                         "finish_reason": runner.finish_reason(i)})
     usage = usage_dict(plan.prompt_tokens, runner.usage.completion_tokens, runner.usage.cached_tokens,
                        runner.predicted() if req.prediction is not None else None)
