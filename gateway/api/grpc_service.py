@@ -1,4 +1,4 @@
-"""The gateway's gRPC `Generate`: the request becomes the same pydantic request model the REST routes validate
+"""The gateway's gRPC `Generate`: the request becomes the same pydantic request model the REST endpoints validate
 (`request_model`), then goes through the same planner (gateway/planning/planner.py) — so every check and limit,
 template, stop string, constraint (response_format, tools) and output split (reasoning, tool calls) is REST's by
 construction. Errors are gRPC statuses: INVALID_ARGUMENT for what REST answers 400, NOT_FOUND, RESOURCE_EXHAUSTED

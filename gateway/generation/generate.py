@@ -1,6 +1,6 @@
 """One generation, as an async stream of deltas: Prefill -> Decode stream -> detokenize -> stop strings.
 
-Shared by the REST routes and the gRPC Generate API, so streamed and non-streamed answers come from the same
+Shared by the REST endpoints and the gRPC Generate API, so streamed and non-streamed answers come from the same
 code. Token counts come from the worker's tokens: `completion_tokens` counts every generated token up to and
 including the one that ended the sequence (a stop token, or the token that completed a stop string); tokens the
 worker produced after a stop string matched are discarded, whatever the timing. Leaving the stream early (client

@@ -2,12 +2,12 @@
 answer it out — prompts as token ids, one job per choice (GenParams, request id), grammars, output splitters.
 
 Both APIs go through here (gRPC `Generate` first turns its message into the same pydantic request models the REST
-routes validate, `gateway/api/grpc_service.py` `request_model`), so every limit and check holds on both by construction. Order of
-checks: what needs no backend (types and ranges, stop strings, max_tokens against the cap, message and tool
-counts, choices against the worker's queue), then the model name, the chat plan (schemas and tool grammars,
-compiled off the event loop under llguidance's budgets), the prompt's size before it is tokenized, the tokens,
-the context length, and last the grammar's first mask (so a grammar over its budget is a 400, not a failure
-mid-generation). Everything raises `ApiError`.
+endpoints validate, `gateway/api/grpc_service.py` `request_model`), so every limit and check holds on both by
+construction. Order of checks: what needs no backend (types and ranges, stop strings, max_tokens against the cap,
+message and tool counts, choices against the worker's queue), then the model name, the chat plan (schemas and
+tool grammars, compiled off the event loop under llguidance's budgets), the prompt's size before it is tokenized,
+the tokens, the context length, and last the grammar's first mask (so a grammar over its budget is a 400, not a
+failure mid-generation). Everything raises `ApiError`.
 """
 
 from __future__ import annotations
