@@ -15,8 +15,9 @@ Rooms, from the top down (an import points only down this list; `tests/test_laye
                 (`chat_output`, `reasoning`, `tool_parsers`), detokenization, log-probabilities and answer blocks.
   backends/     the services behind the gateway, one owner (`clients.Backends`) of parts: the tokenizer service's
                 connection (`tokenizer_client`), the worker pool and the choice of a worker (`workers`,
-                `worker_choice`), the model facts, the grammar tokenizer built from them (`grammar_tokenizer`),
-                admission, answer history, metrics; the narrow views a function receives (`views`).
+                `worker_choice`), the model facts (`model_facts`), the grammar tokenizer built from them
+                (`grammar_tokenizer`), admission, answer history, metrics; the narrow views a function receives
+                (`views`).
   structured/   structured output: JSON schemas and tools into llguidance grammars, the token-mask constraint and
                 its budget, the grammar cache (`tools/`: tool-call schemas and arguments).
   core/         the gateway's vocabulary, imported by every room: OpenAI request types, errors, limits, the model

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from gateway.backends.clients import ModelFacts
+from gateway.backends.model_facts import ModelFacts
 from gateway.backends.views import PlanningView
 from gateway.core.errors import ApiError
 from gateway.core.openai_types import ChatCompletionRequest

@@ -21,8 +21,8 @@ import types
 import uuid
 
 from common.json_prefix import scan_json_prefix
-from gateway.backends.clients import ModelFacts
 from gateway.backends.history import answer_key, history_scope, prefix_salt
+from gateway.backends.model_facts import ModelFacts
 from gateway.backends.views import ModelFactsView, PlanningView, TokenizerView
 from gateway.backends.workers import Session, tiebreak_key
 from gateway.core.errors import ApiError

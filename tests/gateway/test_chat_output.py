@@ -13,7 +13,7 @@ import pytest
 from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
 from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.gateway import gemma4_tool_grammar
-from gateway.backends.clients import ModelFacts
+from gateway.backends.model_facts import ModelFacts
 from gateway.core.errors import ApiError
 from gateway.core.openai_types import ChatCompletionRequest
 from gateway.generation.chat_output import ChatSplitter

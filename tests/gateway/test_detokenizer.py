@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gateway.backends.clients import ModelFacts
+from gateway.backends.model_facts import ModelFacts
 from gateway.generation.detokenizer import IncrementalDetokenizer, StopMatcher, Utf8Decoder
 from gateway.generation.generate import GenParams, _AnswerText
 from gateway.generation.logprobs import CompletionLogprobs, TokenStrings, chat_content

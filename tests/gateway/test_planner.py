@@ -23,8 +23,8 @@ import llguidance
 import numpy as np
 import pytest
 
-from gateway.backends.clients import ModelFacts
 from gateway.backends.history import AnswerHistory, answer_key, history_scope
+from gateway.backends.model_facts import ModelFacts
 from gateway.backends.workers import Session
 from gateway.core.errors import ApiError
 from gateway.core.limits import Limits

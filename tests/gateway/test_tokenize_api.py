@@ -12,8 +12,9 @@ from fastapi.testclient import TestClient
 
 from gateway.api.app import create_app
 from gateway.api.auth import ApiKeys
-from gateway.backends.clients import Backends, ModelFacts
+from gateway.backends.clients import Backends
 from gateway.backends.history import answer_key, history_scope
+from gateway.backends.model_facts import ModelFacts
 from gateway.core.limits import Limits
 from gateway.core.openai_types import ChatCompletionRequest, TokenizeChatRequest
 from gateway.planning.context import RequestContext
