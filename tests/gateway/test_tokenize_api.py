@@ -1,7 +1,7 @@
 """`/tokenize` and `/detokenize` (vLLM's shapes) and the chat fields agents send (`continue_final_message`,
 `add_generation_prompt`, `tools[].function.strict`), against a recording tokenizer service: the chat form of
 /tokenize asks the tokenizer exactly what a chat completion asks, bad input is a 4xx naming the field, and with
-API keys both routes need one. (The real services: tests/e2e/test_agent_fields.py.)"""
+API keys both endpoints need one. (The real services: tests/e2e/test_agent_fields.py.)"""
 
 from __future__ import annotations
 
