@@ -1,9 +1,9 @@
-"""The OpenAI-compatible REST API: routes only; planning is in planner.py, running in completions.py and
-generate.py, the rules every request obeys (request ids, body and connection limits, JSON checks, a 500 that
-keeps the connection) in http_guard.py.
+"""The OpenAI-compatible REST API: the endpoints only; planning is in gateway/planning/, running in
+gateway/generation/ (`choices`, `choice_runner`, `generate`), the rules every request obeys (request ids, body and
+connection limits, JSON checks, a 500 that keeps the connection) in http_guard.py.
 
-Errors are OpenAI-shaped (`{"error": {message, type, param, code}}`) on every path, unknown routes and methods
-included: 400 for bad values, 404 for an unknown model or route, 405 for a wrong method, 413 for a body over the
+Errors are OpenAI-shaped (`{"error": {message, type, param, code}}`) on every path, unknown paths and methods
+included: 400 for bad values, 404 for an unknown model or path, 405 for a wrong method, 413 for a body over the
 limit, 429 when the worker's queue is full, 503 while a backend is down or loading (or beyond the connection
 limit), and a generic 500 naming the request id (never internals) for our own bugs. A client that disconnects
 aborts its generation on the worker.
@@ -124,17 +124,17 @@ _STREAM_RESPONSES = {200: {"description": "The completion, or with `stream: true
 
 def create_app(backends: Backends, limits: Limits | None = None,
                open_connections: Callable[[], int] | None = None, keys: ApiKeys | None = None):
-    """The ASGI application over `backends`: the FastAPI routes wrapped in RequestGuard (and CORS when
+    """The ASGI application over `backends`: the FastAPI endpoints wrapped in RequestGuard (and CORS when
     `limits.cors_origins` names origins).
 
     Args:
       limits: the gateway's limits (default: Limits()).
       open_connections: the HTTP server's open connection count, for `limits.max_connections` (None: unchecked).
-      keys: the API keys every `/v1` route requires (None or empty: the API is open).
+      keys: the API keys every `/v1` endpoint requires (None or empty: the API is open).
     """
     limits = limits or Limits()
     app = FastAPI(title="gemma-serve", description="OpenAI-compatible API of gemma-serve")
-    app.router.redirect_slashes = False  # "/v1/models/" is an unknown route (404 JSON), not a redirect
+    app.router.redirect_slashes = False  # "/v1/models/" is an unknown path (404 JSON), not a redirect
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -272,17 +272,17 @@ def create_app(backends: Backends, limits: Limits | None = None,
     if limits.cors_origins:
         asgi = CORSMiddleware(asgi, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],
                               allow_headers=["*"], expose_headers=["X-Request-Id"])
-    count = lambda route, status: backends.metrics.requests.labels(route, str(status)).inc()
+    count = lambda template, status: backends.metrics.requests.labels(template, str(status)).inc()
     paths = frozenset(getattr(route, "path", "") for route in app.routes)
     guard = RequestGuard(asgi, limits, open_connections, count, keys, paths, backends.admission)
-    guard.fastapi = app  # the routes, for tests and the OpenAPI schema
+    guard.fastapi = app  # the endpoints, for tests and the OpenAPI schema
     return guard
 
 
 # ----- /v1/completions -----------------------------------------------------------------------------------------
 def _context(request: Request, backends: Backends, limits: Limits, session: bool = True) -> RequestContext:
     """The request's context (gateway/planning/context.py): the backends' view for it, the limits, the tenant
-    RequestGuard found for its key and, unless `session` is False (the token-counting routes, which place
+    RequestGuard found for its key and, unless `session` is False (the token-counting endpoints, which place
     nothing), its session headers (`x-session-id`, `-ttl`, `-release`, `x-slo-*`: gateway/backends/workers.py
     `Session`): its conversation's turns go to one worker (gateway/backends/worker_choice.py), which may keep its
     KV between turns.
@@ -412,12 +412,12 @@ async def _chat(ctx: RequestContext, req: ChatCompletionRequest):
         runner.feed(index, delta)
     facts = backends.ready_facts()
     choices = []
-    for i, route in enumerate(plan.routes):
+    for i, splitter in enumerate(plan.splitters):
         lp = None
         if req.logprobs:
             lp = {"content": chat_content(facts, visible(facts, runner.tokens[i], req.skip_special_tokens),
                                           req.top_logprobs or 0)}
-        choices.append({"index": i, "message": route.message(), "logprobs": lp,
+        choices.append({"index": i, "message": splitter.message(), "logprobs": lp,
                         "finish_reason": runner.finish_reason(i)})
     usage = usage_dict(plan.prompt_tokens, runner.usage.completion_tokens, runner.usage.cached_tokens,
                        runner.predicted() if req.prediction is not None else None)

@@ -2,7 +2,7 @@
 
 Keys come from `--api-key` (repeatable), `--api-key-file` (one key per line; blank lines and `#` comments skipped)
 and the environment variable `GEMMA_SERVE_API_KEY` (one key, or several separated by commas). With none, the API is
-open, as vLLM's is without `--api-key`. With any, every `/v1/...` route needs `Authorization: Bearer <key>` on REST
+open, as vLLM's is without `--api-key`. With any, every `/v1/...` endpoint needs `Authorization: Bearer <key>` on REST
 (401, an OpenAI-shaped error with code `invalid_api_key`, as OpenAI answers) and the metadata `authorization:
 Bearer <key>` on gRPC `Generate` (UNAUTHENTICATED); `/health` and `/metrics` stay open for probes and scrapers.
 

@@ -1,6 +1,6 @@
-"""The gateway's gRPC `Generate`: the request becomes the same pydantic request model the REST routes validate
+"""The gateway's gRPC `Generate`: the request becomes the same pydantic request model the REST endpoints validate
 (`request_model`), then goes through the same planner (gateway/planning/planner.py) — so every check and limit,
-template, stop string, constraint (response_format, tools) and output route (reasoning, tool calls) is REST's by
+template, stop string, constraint (response_format, tools) and output split (reasoning, tool calls) is REST's by
 construction. Errors are gRPC statuses: INVALID_ARGUMENT for what REST answers 400, NOT_FOUND, RESOURCE_EXHAUSTED
 (the worker's queue, or a message over the size limit), UNAVAILABLE, DEADLINE_EXCEEDED, and INTERNAL with a generic
 message (never internals) for our own bugs.
@@ -199,15 +199,15 @@ def _metadata(context, key: str) -> str | None:
 
 
 def _reply(runner: ChoiceRunner, index: int, delta) -> gateway_pb2.GenerateResponse:
-    """One GenerateResponse from a Delta routed like the REST chat deltas (text = content), through the request's
+    """One GenerateResponse from a Delta split like the REST chat deltas (text = content), through the request's
     choice runner (which also remembers a chat answer at its end)."""
-    route = runner.plan.routes[index]
+    splitter = runner.plan.splitters[index]
     reply = gateway_pb2.GenerateResponse(tokens=delta.tokens, index=index)
-    if not route.tokens_path:
+    if not splitter.tokens_path:
         reply.text = delta.text
     out = runner.feed(index, delta)
     for d in out:
-        reply.text += d.get("content", "") if route.tokens_path else ""
+        reply.text += d.get("content", "") if splitter.tokens_path else ""
         reply.reasoning_text += d.get("reasoning_content", "")
         for call in d.get("tool_calls", []):
             fn = call.get("function", {})
@@ -215,7 +215,7 @@ def _reply(runner: ChoiceRunner, index: int, delta) -> gateway_pb2.GenerateRespo
                                                               name=fn.get("name", ""),
                                                               arguments=fn.get("arguments", "")))
     if delta.finish_reason:
-        reply.finish_reason = _FINISH[route.finish_reason(delta.finish_reason)]
+        reply.finish_reason = _FINISH[splitter.finish_reason(delta.finish_reason)]
         reply.usage.CopyFrom(delta.usage)
     return reply
 

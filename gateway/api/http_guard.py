@@ -1,9 +1,9 @@
-"""The ASGI middleware in front of every REST route: what must hold for any request, whatever its route.
+"""The ASGI middleware in front of every REST endpoint: what must hold for any request, whatever its endpoint.
 
 - **Request id.** Every response carries `X-Request-Id`: the client's own when it sent a well-formed one (at most
   128 characters of `[A-Za-z0-9._:-]`), else a new one; logs of that request name it.
 - **API keys.** With keys set (gateway/api/auth.py), every `/v1/...` request needs one (401 before its body is read);
-  the request's tenant goes to the routes as `request.state.tenant`.
+  the request's tenant goes to the endpoints as `request.state.tenant`.
 - **Drain.** While the gateway drains (gateway/backends/admission.py) a `/v1` request gets a 503; admitted ones are
   counted until their response ends.
 - **Connections.** Beyond `Limits.max_connections` open connections a request gets an OpenAI-shaped 503 with
@@ -12,11 +12,11 @@
   Content-Length cannot bypass it (413), and in time: a body that stalls for `BODY_IDLE_TIMEOUT` seconds or takes
   longer than `BODY_TIMEOUT` in all is a 408 (a client cannot hold a connection by dripping bytes). A non-empty body
   must be JSON that `limits.parse_json` accepts (400): UTF-8, no NaN, no overflowing number, nesting and surrogates
-  checked, before any route parses it.
-- **Errors.** An exception escaping a route is our bug: it is logged with the request id and answered with a
+  checked, before any endpoint parses it.
+- **Errors.** An exception escaping an endpoint is our bug: it is logged with the request id and answered with a
   generic OpenAI-shaped 500 (an SSE error event when a stream had started) and the connection stays usable —
   nothing is re-raised to the server, which would close the connection.
-- **Metrics.** Requests are counted by route template (`/v1/chat/completions`, also when refused before routing;
+- **Metrics.** Requests are counted by path template (`/v1/chat/completions`, also when refused before matching;
   `unmatched` for unknown paths), so junk URLs add no time series.
 """
 
@@ -69,12 +69,12 @@ class RequestGuard:
                  paths: frozenset[str] = frozenset(), admission: Admission | None = None):
         """
         Args:
-          app: the ASGI app (the FastAPI routes).
+          app: the ASGI app (the FastAPI endpoints).
           limits: the gateway's limits.
           open_connections: the server's open connection count (None: not enforced).
-          count: called with (route template, status) once per answered request, or None.
+          count: called with (path template, status) once per answered request, or None.
           keys: the accepted API keys (None or empty: the API is open).
-          paths: the app's route paths (a request refused before routing is still counted under its path).
+          paths: the app's endpoint paths (a request refused before matching is still counted under its path).
           admission: the drain state; `/v1` requests are admitted and counted through it (None: always admitted).
         """
         self.app, self.limits = app, limits
@@ -116,8 +116,8 @@ class RequestGuard:
             log.exception("request %s (%s %s) failed", rid, scope["method"], scope.get("path"))
             await response.error(ApiError(500, f"internal server error (request id {rid})", code="internal_error"))
         if self.count is not None and response.status is not None:
-            route = getattr(scope.get("route"), "path", None)
-            self.count(route or (path if path in self.paths else "unmatched"), response.status)
+            template = getattr(scope.get("route"), "path", None)  # Starlette's matched route
+            self.count(template or (path if path in self.paths else "unmatched"), response.status)
         if api or path in ("/tokenize", "/detokenize"):  # one access line per API request (not probes)
             log.info("%s %s %s %.3f s (request %s)", scope["method"], path[:200], response.status,
                      time.monotonic() - started, rid)

@@ -1,4 +1,4 @@
-"""The gateway's OpenAPI document: FastAPI's, made true to what the routes do, so that clients and API fuzzers
+"""The gateway's OpenAPI document: FastAPI's, made true to what the endpoints do, so that clients and API fuzzers
 (schemathesis) generating requests from it produce mostly valid ones.
 
 - Errors are documented as they are sent: the OpenAI error object for 400, 404, 413, 429 and 503 (FastAPI's
@@ -10,9 +10,9 @@
   a conversation starting with a user message (after at most one system message), tools as OpenAI's tool
   objects. What a schema cannot say (roles alternating later on, a tool message following its call) is checked
   by the chat template, and a 400 names it.
-- Streamed answers are `text/event-stream` (declared on the routes).
+- Streamed answers are `text/event-stream` (declared on the endpoints).
 - `/tokenize` (a raw prompt, or chat messages described as for chat completions) and `/detokenize` are documented
-  with vLLM's request and response shapes; with API keys they declare bearer authentication like the `/v1` routes.
+  with vLLM's request and response shapes; with API keys they declare bearer authentication like the `/v1` endpoints.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _model_facts(schemas: dict, facts) -> None:
             props["reasoning_effort"]["anyOf"][0]["enum"] = ["none", "minimal"]
 
 
-#: The request models of the routes at the root (vLLM's /tokenize and /detokenize).
+#: The request models of the endpoints at the root (vLLM's /tokenize and /detokenize).
 _ROOT_REQUESTS = ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest")
 
 
@@ -196,15 +196,15 @@ def openapi_schema(app, backends, limits, keyed: bool = False, keyed_paths: tupl
     schema["components"]["schemas"]["AnthropicError"] = _ANTHROPIC_ERROR
     if keyed:
         schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
-    for route, path in schema.get("paths", {}).items():
-        for op in path.values():
+    for path, item in schema.get("paths", {}).items():
+        for op in item.values():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             errors = dict(_ERRORS)
-            if keyed and (route.startswith("/v1/") or route in keyed_paths):
+            if keyed and (path.startswith("/v1/") or path in keyed_paths):
                 op["security"] = [{"apiKey": []}]
                 errors["401"] = "missing or wrong API key"
-            shape = "AnthropicError" if route.startswith("/v1/messages") else "Error"
+            shape = "AnthropicError" if path.startswith("/v1/messages") else "Error"
             for status, text in errors.items():
                 responses[status] = {"description": text, "content": {"application/json": {
                     "schema": {"$ref": f"#/components/schemas/{shape}"}}}}

@@ -1,7 +1,7 @@
 """Prometheus metrics of the gateway (client-facing latencies), served at GET /metrics.
 
 Time to first token, inter-token latency and end-to-end latency are measured per generation as the client sees
-them (from the request reaching the gateway), plus request counts by route template (`/v1/chat/completions`;
+them (from the request reaching the gateway), plus request counts by path template (`/v1/chat/completions`;
 `unmatched` for any unknown path, so junk URLs add no series) and HTTP status, the generations waiting for their
 first token and running (one per choice), and constrained decoding's token counts (constrained, forced, forced runs:
 forced tokens / generated tokens is the share of the answer the grammar wrote without the model) and budget-aware

@@ -1,6 +1,6 @@
 """The tokenizer service's connection: its channel, made on first use inside the running event loop (grpc.aio
-binds a channel to it), its stub and its health check. Owned by `Backends` (clients.py), which adds the model
-facts fetched through it."""
+binds a channel to it), its stub and its health check. Owned by `Backends` (clients.py); the model facts are
+fetched through it (model_facts.py)."""
 
 from __future__ import annotations
 

@@ -23,9 +23,10 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
-    from gateway.backends.clients import ModelFacts, Timeouts
+    from gateway.backends.clients import Timeouts
     from gateway.backends.history import AnswerHistory
     from gateway.backends.metrics import GatewayMetrics
+    from gateway.backends.model_facts import ModelFacts
     from gateway.backends.workers import WorkerPool
     from protos import model_worker_pb2_grpc, tokenizer_pb2_grpc
 

@@ -99,7 +99,7 @@ def anthropic_body(err: ApiError) -> dict:
 
 
 def is_anthropic_path(path: str) -> bool:
-    """Whether errors on `path` take the Anthropic shape (the Messages API's routes)."""
+    """Whether errors on `path` take the Anthropic shape (the Messages API's endpoints)."""
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 

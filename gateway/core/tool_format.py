@@ -57,7 +57,7 @@ class SpecialTokens(Mapping):
     """A vocabulary's control tokens by spelling: `tokens["<|tool_call>"]` -> its id.
 
     Built from what `GetVocab` sends: each token's bytes (a control token's bytes are its spelling) and the set of
-    control-token ids. The table is built on first use (one pass over the special ids), so a route or plan that
+    control-token ids. The table is built on first use (one pass over the special ids), so a splitter or plan that
     needs no control token costs nothing.
     """
 
@@ -143,7 +143,7 @@ class FamilyFormat:
         inside a thought (empty for a format without call tokens); the first one opens a call.
       budget_close: `(tokenize) -> int`: how many tokens closing an answer after its last complete call may take,
         given a function tokenizing text to ids (budget-aware endings, gateway/structured/budget.py).
-      reasoning: the thought channel routed to `reasoning_content`, or None.
+      reasoning: the thought channel split into `reasoning_content`, or None.
       thinking: the chat template has a thinking mode (`enable_thinking`, `reasoning_effort`); needs `reasoning`.
       published_ids: every control token the format names, spelling -> its id in the family's published
         vocabulary: the spellings the gateway checks against the served vocabulary when it fetches the facts, and

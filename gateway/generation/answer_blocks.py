@@ -1,8 +1,8 @@
 """One chat answer as a sequence of blocks — thought, text, tool call — for the APIs whose answers are lists of
 typed parts: the Responses API's output items and the Messages API's content blocks.
 
-Both front doors run the same planned chat request (gateway/planning/planner.py) and route its tokens through the same
-`ChatRoute` as Chat Completions; this module only regroups the route's chat deltas (`reasoning_content`,
+Both front doors run the same planned chat request (gateway/planning/planner.py) and split its tokens with the same
+`ChatSplitter` as Chat Completions; this module only regroups the splitter's chat deltas (`reasoning_content`,
 `content`, `tool_calls[i]` fragments) into blocks that open, grow and close in order. A block closes when the
 next one opens, so a client sees the blocks one after another, never interleaved. The unary answer is the list
 of blocks the stream would have produced, so streamed and unary answers are identical by construction.
@@ -68,7 +68,7 @@ class AnswerEnd:
       finish_reason: the chat finish reason (`stop`, `length`, `tool_calls`, `abort`).
       stop_string: the stop string that ended it, or None.
       prompt_tokens, completion_tokens, cached_tokens: usage (cached: prompt tokens whose KV was reused).
-      reasoning_tokens: generated tokens inside the thought channel, counted from the route's thought text.
+      reasoning_tokens: generated tokens inside the thought channel, counted from the splitter's thought text.
     """
 
     finish_reason: str
@@ -80,7 +80,7 @@ class AnswerEnd:
 
 
 class BlockSplitter:
-    """Chat deltas of one choice (`ChatRoute.feed`/`finish` output) -> BlockEvents, keeping every block."""
+    """Chat deltas of one choice (`ChatSplitter.feed`/`finish` output) -> BlockEvents, keeping every block."""
 
     def __init__(self):
         self.blocks: list[Block] = []
@@ -142,7 +142,7 @@ async def answer_events(backends: RunningView,
     Raises:
       ApiError: from planning's leftovers or the backends (before or during the stream).
     """
-    route = plan.routes[0]
+    splitter = plan.splitters[0]
     runner = ChoiceRunner(backends, plan)
     splitter = BlockSplitter()
     started = False
@@ -155,11 +155,11 @@ async def answer_events(backends: RunningView,
         if delta.finish_reason:
             for event in splitter.close(incomplete=delta.finish_reason == "length"):
                 yield event
-            yield _end(route, delta, runner.tokens[0], plan.prompt_tokens)
+            yield _end(splitter, delta, runner.tokens[0], plan.prompt_tokens)
 
 
-def _end(route, delta: Delta, tokens: list, prompt_tokens: int) -> AnswerEnd:
+def _end(splitter, delta: Delta, tokens: list, prompt_tokens: int) -> AnswerEnd:
     usage = delta.usage
-    return AnswerEnd(route.finish_reason(delta.finish_reason), delta.stop_string, prompt_tokens,
+    return AnswerEnd(splitter.finish_reason(delta.finish_reason), delta.stop_string, prompt_tokens,
                      usage.completion_tokens, usage.cached_tokens,
-                     route.thought_tokens([t.token_id for t in tokens]))
+                     splitter.thought_tokens([t.token_id for t in tokens]))

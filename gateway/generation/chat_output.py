@@ -1,13 +1,13 @@
 """One chat choice's generated tokens -> OpenAI chat deltas and the final message: `content`,
 `reasoning_content` (a family's thought channel: Gemma 4 thinking) and `tool_calls`.
 
-Streamed and non-streamed responses both run every Delta of a choice through one `ChatRoute`; the non-streamed
+Streamed and non-streamed responses both run every Delta of a choice through one `ChatSplitter`; the non-streamed
 message is the merge of the deltas the stream would have sent, so the two are identical by construction.
 
 Two paths:
 - text (no tools, a model without a thought channel): `content` is the generated text as `generate` produced it
   (detokenized, stop strings cut).
-- tokens (tools requested, or a model with a thought channel): every token is routed by id — the family's thought
+- tokens (tools requested, or a model with a thought channel): every token is split by id — the family's thought
   channel (Gemma 4's `<|channel>`...`<channel|>`) to `reasoning_content` (gateway/generation/reasoning.py), the rest
   through the family's tool-call parser (its gateway part's `PART.tool_parser`, gateway/core/tool_format.py), which
   emits content and tool-call deltas as the grammar's structure arrives (the first argument fragment leaves before the
@@ -21,17 +21,17 @@ from gateway.core.errors import ApiError
 from gateway.core.tool_format import TokenIds, family_format
 from gateway.generation.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.generation.generate import Delta
-from gateway.generation.reasoning import ReasoningRouter
+from gateway.generation.reasoning import ReasoningSplitter
 from gateway.structured.tools.tool_calls import ToolCallParseError
 
 
-class ChatRoute:
-    """Routes one choice's Deltas to OpenAI chat `delta` objects and accumulates the final message.
+class ChatSplitter:
+    """Splits one choice's Deltas into OpenAI chat `delta` objects and accumulates the final message.
 
     Args:
       token_bytes: each token's bytes (the vocabulary); special_ids: control tokens (no text).
       tool_format: a family's name ("gemma4", "gemma3") to parse tool calls in its format, None for no tool parsing.
-      channels: route the family's thought channel to reasoning_content (also takes the token path).
+      channels: split the family's thought channel into reasoning_content (also takes the token path).
       stops: the request's stop strings (cut content on the token path).
       id_prefix: prefix of the tool-call ids of this choice (unique per response and choice).
       calls_only: the answer is only calls (tool_choice required or named): an answer cut before its call
@@ -52,19 +52,19 @@ class ChatRoute:
                  calls_only: bool = False, family: str | None = None, ids: TokenIds | None = None):
         self.tokens_path = tool_format is not None or channels
         self._bytes = token_bytes
-        self._router, self._parser = None, None
+        self._thoughts, self._parser = None, None
         family = tool_format or family
         if self.tokens_path and family is None:
-            raise ValueError("routing a thought channel needs the model family")
+            raise ValueError("splitting out a thought channel needs the model family")
         if self.tokens_path:
             fmt = family_format(family)
             if ids is None:
-                raise ValueError("routing tool calls or a thought channel needs the control tokens' ids")
+                raise ValueError("splitting out tool calls or a thought channel needs the control tokens' ids")
             if channels:
                 if fmt.reasoning is None:
                     raise ValueError(f"model family {family!r} has no thought channel")
-                self._router = ReasoningRouter(token_bytes, special_ids, ids[fmt.reasoning.open],
-                                               ids[fmt.reasoning.close], fmt.reasoning.label)
+                self._thoughts = ReasoningSplitter(token_bytes, special_ids, ids[fmt.reasoning.open],
+                                                   ids[fmt.reasoning.close], fmt.reasoning.label)
             if tool_format is not None:
                 self._parser = fmt.tool_parser(ids, id_prefix, special_ids, calls_only)
         self._content = IncrementalDetokenizer(token_bytes, special_ids)
@@ -89,8 +89,8 @@ class ChatRoute:
         if not self.tokens_path:
             return []
         out: list[dict] = []
-        if self._router is not None:
-            reasoning, content = self._router.flush()
+        if self._thoughts is not None:
+            reasoning, content = self._thoughts.flush()
             out += [{"reasoning_content": reasoning}] if reasoning else []
             out += self._text(content)
         if self._parser is not None:
@@ -103,9 +103,9 @@ class ChatRoute:
         return self._record(out)
 
     def _token(self, tid: int) -> list[dict]:
-        router = self._router
-        if router is not None and (router.inside or tid in (router.open_id, router.close_id)):
-            reasoning, _ = router.push(tid)
+        thoughts = self._thoughts
+        if thoughts is not None and (thoughts.inside or tid in (thoughts.open_id, thoughts.close_id)):
+            reasoning, _ = thoughts.push(tid)
             return [{"reasoning_content": reasoning}] if reasoning else []
         if self._parser is not None:
             try:
@@ -160,13 +160,13 @@ class ChatRoute:
     def thought_tokens(self, token_ids: list[int]) -> int:
         """How many of a choice's generated `token_ids` belong to its thought channel, markers included (the
         Responses API's `reasoning_tokens`); 0 without a thought channel."""
-        if self._router is None:
+        if self._thoughts is None:
             return 0
         inside, count = False, 0
         for t in token_ids:
-            inside = inside or t == self._router.open_id
+            inside = inside or t == self._thoughts.open_id
             count += inside
-            inside = inside and t != self._router.close_id
+            inside = inside and t != self._thoughts.close_id
         return count
 
     def plain(self) -> bool:

@@ -1,5 +1,5 @@
-"""One choice runner behind every chat front door: it feeds each choice's deltas through its output route, gathers
-its tokens, and at the choice's end closes the route, adds its usage to the request's and remembers the answer in
+"""One choice runner behind every chat front door: it feeds each choice's deltas through its output splitter, gathers
+its tokens, and at the choice's end closes the splitter, adds its usage to the request's and remembers the answer in
 the answer history (gateway/backends/history.py: every answer returned is remembered, so a conversation sent back
 renders as generated). The doors (`app` streamed and whole chat completions, `answer_blocks` under the Responses and
 Messages APIs, gRPC `Generate`) then only render their own shapes.
@@ -31,7 +31,7 @@ class ChoiceRunner:
     """The per-choice bookkeeping of one planned request (`planner.Plan`). One owner: the request's handler."""
 
     def __init__(self, backends: AnswerBook, plan, remember: bool = True):
-        """Args: backends: for the answer history; plan: the planned request (its jobs and routes, one per
+        """Args: backends: for the answer history; plan: the planned request (its jobs and splitters, one per
         choice); remember: remember each answer (chat answers: True; a raw completion's text is not a message a
         client sends back)."""
         self.backends, self.plan, self.remember = backends, plan, remember
@@ -41,13 +41,13 @@ class ChoiceRunner:
         self.usage = Usage()
 
     def feed(self, index: int, delta) -> list[dict]:
-        """One delta of choice `index`: its chat deltas (the route's output; at the end, with the route's last
+        """One delta of choice `index`: its chat deltas (the splitter's output; at the end, with the splitter's last
         ones). At the choice's end its usage is added and its answer remembered."""
-        route = self.plan.routes[index]
+        splitter = self.plan.splitters[index]
         self.tokens[index].extend(delta.tokens)
-        out = route.feed(delta)
+        out = splitter.feed(delta)
         if delta.finish_reason:
-            out += route.finish()
+            out += splitter.finish()
             self._finished(index, delta)
         return out
 
@@ -59,14 +59,14 @@ class ChoiceRunner:
         self.usage.accepted_prediction_tokens += u.accepted_prediction_tokens
         self.usage.rejected_prediction_tokens += u.rejected_prediction_tokens
         if self.remember:
-            remember_answer(self.backends, self.plan.scope, self.plan.routes[index], delta, self.tokens[index],
+            remember_answer(self.backends, self.plan.scope, self.plan.splitters[index], delta, self.tokens[index],
                             self.plan.chat.end_ids)
 
     def finish_reason(self, index: int) -> str | None:
         """Choice `index`'s finish reason as the API reports it (`tool_calls` for an answer of calls), None while
         it runs."""
         last = self.last[index]
-        return None if last is None else self.plan.routes[index].finish_reason(last.finish_reason)
+        return None if last is None else self.plan.splitters[index].finish_reason(last.finish_reason)
 
     def predicted(self) -> tuple[int, int]:
         """(accepted, rejected) prediction tokens over the finished choices."""

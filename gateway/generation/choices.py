@@ -71,7 +71,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     return usage
 
 
-def remember_answer(backends: AnswerBook, scope: str, route, delta: Delta, tokens: list, end_ids: list[int]) -> None:
+def remember_answer(backends: AnswerBook, scope: str, splitter, delta: Delta, tokens: list, end_ids: list[int]) -> None:
     """Remember an answer's exact ids under the message returned for it (content, tool calls, reasoning_content),
     within `scope`, so that message sent back renders as generated (gateway/backends/history.py) — every shape we
     return: text, calls (parallel ones too), text and calls, a thought, content null, and answers cut by `max_tokens`
@@ -89,14 +89,14 @@ def remember_answer(backends: AnswerBook, scope: str, route, delta: Delta, token
     ids = [t.token_id for t in tokens]
     if ids and ids[-1] in end_ids:
         ids = ids[:-1]
-    message = route.message()
+    message = splitter.message()
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
-    if not delta.whole and not route.truncated:  # a stop string cut the content (a cut call is returned whole)
+    if not delta.whole and not splitter.truncated:  # a stop string cut the content (a cut call is returned whole)
         ids = _ids_of_text(ids, message["content"] or "", facts)
-    opener = _call_opener(facts) if route.truncated else None
+    opener = _call_opener(facts) if splitter.truncated else None
     if opener is not None and ids.count(opener) > len(calls):
         ids = ids[:len(ids) - ids[::-1].index(opener) - 1]
-    elif route.truncated and not calls:  # cut before any call was returned: keep only the content's ids
+    elif splitter.truncated and not calls:  # cut before any call was returned: keep only the content's ids
         ids = _ids_of_text(ids, message["content"] or "", facts)
     ids = _without_dangling_bytes(ids, facts)
     if ids:

@@ -1,6 +1,6 @@
 """One generation, as an async stream of deltas: Prefill -> Decode stream -> detokenize -> stop strings.
 
-Shared by the REST routes and the gRPC Generate API, so streamed and non-streamed answers come from the same
+Shared by the REST endpoints and the gRPC Generate API, so streamed and non-streamed answers come from the same
 code. Token counts come from the worker's tokens: `completion_tokens` counts every generated token up to and
 including the one that ended the sequence (a stop token, or the token that completed a stop string); tokens the
 worker produced after a stop string matched are discarded, whatever the timing. Leaving the stream early (client
@@ -246,7 +246,7 @@ async def generate(
     addr = params.worker or backends.route(None, prompt_ids, params.cache_salt, "")
     reservation = params.reservation or backends.pool.reserve(addr, 1)
     try:
-        worker = _Routed(backends, addr)
+        worker = _RoutedWorker(backends, addr)
         metrics.waiting.inc()
         try:
             reply = await worker.call(worker.stub.Prefill(prefill))
@@ -262,7 +262,7 @@ async def generate(
         reservation.release()
 
 
-class _Routed:
+class _RoutedWorker:
     """The worker one generation was routed to: its stub, and failover (an unreachable worker leaves the ring at
     once: `WorkerPool.mark_failed`)."""
 
@@ -296,7 +296,7 @@ class _Routed:
         return await self.backends.call("model worker", self._noting(coro))
 
 
-async def _decode(worker: _Routed, rid: str, reply: model_worker_pb2.PrefillResponse, stream: _AnswerText,
+async def _decode(worker: _RoutedWorker, rid: str, reply: model_worker_pb2.PrefillResponse, stream: _AnswerText,
                   clock: _Clock, driver: ConstraintDriver | None) -> AsyncIterator[Delta]:
     """The rest of a generation after its Prefill reply: the Decode stream, the constraint's masks, the deltas."""
     prompt_tokens = reply.usage.prompt_tokens
@@ -598,7 +598,7 @@ def allowed_mask_bytes(token_ids: list[int], vocab_size: int) -> bytes:
     return bytes(bits)
 
 
-async def _abort(worker: _Routed, rid: str) -> None:
+async def _abort(worker: _RoutedWorker, rid: str) -> None:
     """Best-effort Abort (the request may already have ended)."""
     try:
         await worker.stub.Abort(model_worker_pb2.AbortRequest(request_id=rid), timeout=5)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.backends.clients import ModelFacts
+from gateway.backends.model_facts import ModelFacts
 from gateway.generation.detokenizer import IncrementalDetokenizer
 from protos import common_pb2
 

@@ -1,8 +1,8 @@
-"""Thought channels: route `<open>label ... <close>` to `reasoning_content`, the rest to `content`.
+"""Thought channels: split `<open>label ... <close>` into `reasoning_content`, the rest into `content`.
 
 A family with a thought channel names its markers and label in its `ReasoningFormat` (gateway/core/tool_format.py);
 Gemma 4's (families/gemma4/gateway.py, docs/formats.md §4.3 point 5) is `<|channel>`, the label `thought\\n`, the
-reasoning, `<channel|>`, then the answer. The router works on token ids as they arrive (the channel markers are
+reasoning, `<channel|>`, then the answer. The splitter works on token ids as they arrive (the channel markers are
 control tokens, matched by the ids the served vocabulary gives them, never by text), so streamed and non-streamed
 responses split identically: text before the open marker or after the close marker is content; text inside is
 reasoning with the label removed.
@@ -15,10 +15,10 @@ import copy
 from gateway.generation.detokenizer import Utf8Decoder
 
 LABEL = "thought\n"
-"""Gemma 4's label, the default of `ReasoningRouter(label=)`."""
+"""Gemma 4's label, the default of `ReasoningSplitter(label=)`."""
 
 
-class ReasoningRouter:
+class ReasoningSplitter:
     """Splits one generation's tokens into (reasoning, content) text deltas."""
 
     def __init__(self, token_bytes: list[bytes], special_ids: set[int], open_id: int, close_id: int,

@@ -7,9 +7,9 @@ The planning types, one line each, in the order a request meets them:
   AnswerLimit     answer_limit.py  the answer limit asked for and the field that set it; `answer_budget` decides
                                    each choice's int from it, once.
   Ask             planner.py       what a request asks beyond its prompts, every default and limit resolved once.
-  ChatPlan        chat_plan.py     how to generate and route the answer: grammar, tool mode and format, thinking,
+  ChatPlan        chat_plan.py     how to generate the answer and split it: grammar, tool mode and format, thinking,
                                    the final stop ids.
-  Plan            planner.py       the planned request: prompts, one `Job` per choice, output routes, the
+  Plan            planner.py       the planned request: prompts, one `Job` per choice, output splitters, the
                                    answer-history scope.
   Job             planner.py       one choice: its index, prompt ids, `GenParams` and worker request id.
   GenParams       generation/generate.py  what the worker is asked for one choice, complete when built.

@@ -1,5 +1,5 @@
 """What a chat request asks beyond plain text — response_format, tools/tool_choice, thinking — turned into how it
-is generated (grammar, extra stop ids, banned ids, template options) and how its output is routed (ChatRoute).
+is generated (grammar, extra stop ids, banned ids, template options) and how its output is split (ChatSplitter).
 
 Per model family (ModelFacts.architecture), from its gateway part's `PART` (gateway/core/tool_format.py), with its
 control tokens' ids looked up in the served vocabulary: tools in the family's format (its grammar; the grammar's
@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from gateway.backends.clients import ModelFacts
+from gateway.backends.model_facts import ModelFacts
 from gateway.backends.views import PlanningView
 from gateway.core.errors import ApiError
 from gateway.core.openai_types import ChatCompletionRequest
 from gateway.core.tool_format import FamilyFormat
-from gateway.generation.chat_output import ChatRoute
+from gateway.generation.chat_output import ChatSplitter
 from gateway.generation.reasoning import ThoughtFirst
 from gateway.structured.budget import BudgetedUnits, JsonArrayProgress
 from gateway.structured.constraints import Constraint
@@ -35,15 +35,15 @@ THINKING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True
 
 @dataclasses.dataclass
 class ChatPlan:
-    """How to generate and route one chat request.
+    """How to generate one chat request and split its output.
 
     Attributes:
       grammar: llguidance grammar of the answer, or None (unconstrained).
       grammar_ends: the grammar consumes its own end token (tool grammars).
       tool_format: the family's name ("gemma4", "gemma3") when the output is parsed for tool calls, else None.
       thinking: thinking is on for this request.
-      channels: route the family's thought channel to reasoning_content.
-      family: the served model family (its formats route the output).
+      channels: split the family's thought channel into reasoning_content.
+      family: the served model family (its formats split the output).
       stop_ids: the final stop ids the worker receives (`_stop_ids`): the request's `stop_token_ids`, the tool
         grammar's end tokens (Gemma 4 calls end with `<|tool_response>`) and, under a grammar, the model's own.
       grammar_stop_ids: the ids a constraint ends with (the grammar's end tokens and the model's own; empty
@@ -75,10 +75,10 @@ class ChatPlan:
     calls_only: bool = False
     unit_kind: str = ""
 
-    def route(self, facts: ModelFacts, stops: list[str], id_prefix: str) -> ChatRoute:
-        """A fresh ChatRoute for one choice."""
-        return ChatRoute(facts.token_bytes, facts.special_ids, self.tool_format, self.channels, stops, id_prefix,
-                         calls_only=self.calls_only, family=self.family, ids=facts.special_tokens)
+    def splitter(self, facts: ModelFacts, stops: list[str], id_prefix: str) -> ChatSplitter:
+        """A fresh ChatSplitter for one choice."""
+        return ChatSplitter(facts.token_bytes, facts.special_ids, self.tool_format, self.channels, stops, id_prefix,
+                            calls_only=self.calls_only, family=self.family, ids=facts.special_tokens)
 
 
 def plan_chat(req: ChatCompletionRequest, facts: ModelFacts) -> ChatPlan:

@@ -1,13 +1,13 @@
 """One request planner for the REST API and gRPC `Generate`: a validated request in, everything needed to run and
-answer it out — prompts as token ids, one job per choice (GenParams, request id), grammars, output routes.
+answer it out — prompts as token ids, one job per choice (GenParams, request id), grammars, output splitters.
 
 Both APIs go through here (gRPC `Generate` first turns its message into the same pydantic request models the REST
-routes validate, `gateway/api/grpc_service.py` `request_model`), so every limit and check holds on both by construction. Order of
-checks: what needs no backend (types and ranges, stop strings, max_tokens against the cap, message and tool
-counts, choices against the worker's queue), then the model name, the chat plan (schemas and tool grammars,
-compiled off the event loop under llguidance's budgets), the prompt's size before it is tokenized, the tokens,
-the context length, and last the grammar's first mask (so a grammar over its budget is a 400, not a failure
-mid-generation). Everything raises `ApiError`.
+endpoints validate, `gateway/api/grpc_service.py` `request_model`), so every limit and check holds on both by
+construction. Order of checks: what needs no backend (types and ranges, stop strings, max_tokens against the cap,
+message and tool counts, choices against the worker's queue), then the model name, the chat plan (schemas and
+tool grammars, compiled off the event loop under llguidance's budgets), the prompt's size before it is tokenized,
+the tokens, the context length, and last the grammar's first mask (so a grammar over its budget is a 400, not a
+failure mid-generation). Everything raises `ApiError`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import types
 import uuid
 
 from common.json_prefix import scan_json_prefix
-from gateway.backends.clients import ModelFacts
 from gateway.backends.history import answer_key, history_scope, prefix_salt
+from gateway.backends.model_facts import ModelFacts
 from gateway.backends.views import ModelFactsView, PlanningView, TokenizerView
 from gateway.backends.workers import Session, tiebreak_key
 from gateway.core.errors import ApiError
@@ -44,7 +44,7 @@ from gateway.core.openai_types import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from gateway.generation.chat_output import ChatRoute
+from gateway.generation.chat_output import ChatSplitter
 from gateway.generation.generate import GenParams
 from gateway.planning.answer_limit import AnswerLimit, answer_budget, read_limit
 from gateway.planning.chat_plan import ChatPlan, constraint_factory, plan_chat
@@ -80,7 +80,7 @@ class Plan:
       n: choices per prompt.
       jobs: one per choice, prompt-major (prompt p's choices are jobs p*n .. p*n+n-1).
       chat: the chat plan (grammar, tool format, thinking), also for a completion with `response_format`.
-      routes: one ChatRoute per job (chat answers; gRPC routes every input through them).
+      splitters: one ChatSplitter per job (chat answers; gRPC splits every answer with them).
       scope: the answer-history scope (the tenant and `cache_salt`: gateway/backends/history.py `history_scope`).
       asked_limit: the first prompt's answer limit when the request or the server's `--max-tokens-cap` set one,
         None when only the context bounds it (what the Responses API echoes as `max_output_tokens`); each job's
@@ -92,7 +92,7 @@ class Plan:
     n: int
     jobs: list[Job]
     chat: ChatPlan
-    routes: list[ChatRoute]
+    splitters: list[ChatSplitter]
     scope: str
     asked_limit: int | None = None
 
@@ -141,7 +141,7 @@ async def plan_completion(ctx: RequestContext, req: CompletionRequest, *, call_p
       ctx: the request's context (gateway/planning/context.py): its backends' view, limits, tenant (part of the
         answer-history scope), session (its key, else the request's `user` field, decides which worker serves it
         and names the KV lease it may ask the worker for) and worker request id.
-      call_prefix: prefix of tool-call ids (unused without tools; routes are still made for gRPC).
+      call_prefix: prefix of tool-call ids (unused without tools; splitters are still made for gRPC).
     """
     backends, limits = ctx.backends, ctx.limits
     check_request(req, limits)
@@ -162,7 +162,7 @@ async def plan_completion(ctx: RequestContext, req: CompletionRequest, *, call_p
     prompts = [await _completion_prompt(backends, item) for item in texts]
     ask = Ask(model, limit, req.logprobs or 0, chat, call_prefix, ctx.request_id,
               history_scope(ctx.tenant, req.cache_salt), ctx.session)
-    return await _finish(backends, req, limits, prompts, ask)
+    return await _build_jobs(backends, req, limits, prompts, ask)
 
 
 async def plan_chat_completion(ctx: RequestContext, req: ChatCompletionRequest, *, call_prefix: str,
@@ -183,7 +183,7 @@ async def plan_chat_completion(ctx: RequestContext, req: ChatCompletionRequest, 
     prompt = await _chat_prompt(backends, req, chat.template_kwargs, scope)
     ask = Ask(model, limit, req.top_logprobs or 0, chat, call_prefix, ctx.request_id, scope, ctx.session,
               await _prediction(backends, req))
-    return await _finish(backends, req, limits, [(prompt, "")], ask)
+    return await _build_jobs(backends, req, limits, [(prompt, "")], ask)
 
 
 async def _prediction(backends: TokenizerView, req: ChatCompletionRequest) -> list[int] | None:
@@ -538,7 +538,7 @@ async def _chat_plan(backends: ModelFactsView, req) -> ChatPlan:
     return await loop.run_in_executor(_COMPILE_POOL, plan_chat, req, facts)
 
 
-async def _finish(backends: PlanningView, req: SamplingFields, limits: Limits, prompts: list[tuple[list[int], str]],
+async def _build_jobs(backends: PlanningView, req: SamplingFields, limits: Limits, prompts: list[tuple[list[int], str]],
                   ask: Ask) -> Plan:
     """Resolve each prompt's answer limit, compile each choice's constraint (with its first mask), route the
     request to one worker (all its prompts and choices: `n` choices share their prompt's KV there), and build
@@ -569,8 +569,8 @@ async def _finish(backends: PlanningView, req: SamplingFields, limits: Limits, p
                 prediction=ask.prediction, draft_scope=ask.scope, slo_ttft_s=session.ttft_s,
                 slo_tpot_s=session.tpot_s, priority=req.priority)
             jobs.append(Job(index, ids, params, rid0 if j == 0 else f"{rid0}-{j}"))
-    routes = [ask.chat.route(facts, req.stop_list(), f"{ask.call_prefix}{job.index}_") for job in jobs]
-    return Plan(ask.model, prompts, req.n, jobs, ask.chat, routes, ask.scope,
+    splitters = [ask.chat.splitter(facts, req.stop_list(), f"{ask.call_prefix}{job.index}_") for job in jobs]
+    return Plan(ask.model, prompts, req.n, jobs, ask.chat, splitters, ask.scope,
                 ask.limit.echoed(answer_limits[0], limits))
 
 

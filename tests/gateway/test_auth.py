@@ -91,7 +91,7 @@ def test_rest_routes_need_a_key_but_health_and_metrics_do_not(keyed):
 
 
 def _tenant_seen(monkeypatch, target, name: str) -> list[str]:
-    """Make `target.<name>` (the planner entry point a route calls) record its tenant and refuse the request."""
+    """Make `target.<name>` (the planner entry point an endpoint calls) record its tenant and refuse the request."""
     seen: list[str] = []
 
     async def plan(ctx, *args, **kwargs):

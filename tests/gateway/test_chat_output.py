@@ -1,4 +1,4 @@
-"""Chat output routing (gateway/generation/chat_output.py), the chat plan (gateway/planning/chat_plan.py) and the
+"""Chat output splitting (gateway/generation/chat_output.py), the chat plan (gateway/planning/chat_plan.py) and the
 constraints a plan builds: thought channels to reasoning_content, tool calls to OpenAI deltas, streamed == merged, the
 first argument fragment before the call's closing marker, stop strings on the token path; ThoughtFirst and grammar-ended
 tool constraints on the Gemma 4 test vocabulary; plan errors as 400s."""
@@ -13,10 +13,10 @@ import pytest
 from families.gemma3.gateway import PUBLISHED_IDS as GEMMA3_IDS
 from families.gemma4.gateway import PUBLISHED_IDS as GEMMA4_IDS
 from families.gemma4.gateway import gemma4_tool_grammar
-from gateway.backends.clients import ModelFacts
+from gateway.backends.model_facts import ModelFacts
 from gateway.core.errors import ApiError
 from gateway.core.openai_types import ChatCompletionRequest
-from gateway.generation.chat_output import ChatRoute
+from gateway.generation.chat_output import ChatSplitter
 from gateway.generation.generate import Delta
 from gateway.generation.reasoning import ThoughtFirst
 from gateway.planning.chat_plan import plan_chat
@@ -65,14 +65,14 @@ def deltas(ids: list[int], split: int, finish: str = "stop") -> list[Delta]:
     return out
 
 
-def run(vocab: Vocab, ids: list[int], split: int, **kw) -> tuple[ChatRoute, list[dict]]:
+def run(vocab: Vocab, ids: list[int], split: int, **kw) -> tuple[ChatSplitter, list[dict]]:
     published = GEMMA3_IDS if kw.get("tool_format") == "gemma3" else GEMMA4_IDS  # the family's own spellings
-    route = ChatRoute(vocab.bytes, CONTROL, family="gemma4", **({"ids": published} | kw))
+    splitter = ChatSplitter(vocab.bytes, CONTROL, family="gemma4", **({"ids": published} | kw))
     sent = []
     for d in deltas(ids, split):
-        sent += route.feed(d)
-    sent += route.finish()
-    return route, sent
+        sent += splitter.feed(d)
+    sent += splitter.finish()
+    return splitter, sent
 
 
 def merge(sent: list[dict]) -> dict:
@@ -93,12 +93,12 @@ def test_thought_channel_goes_to_reasoning_content_in_any_chunking():
     ids = v(100, "thought", "\n", "Two plus", " two", 101, "It is", " 4.", 106)
     results = []
     for split in (1, 2, 3, len(ids)):
-        route, sent = run(v, ids, split, channels=True)
-        assert merge(sent)["reasoning"] == route.reasoning == "Two plus two"
-        assert merge(sent)["content"] == route.content == "It is 4."
-        assert route.message() == {"role": "assistant", "content": "It is 4.", "reasoning_content": "Two plus two"}
-        assert not route.plain()
-        results.append(route.message())
+        splitter, sent = run(v, ids, split, channels=True)
+        assert merge(sent)["reasoning"] == splitter.reasoning == "Two plus two"
+        assert merge(sent)["content"] == splitter.content == "It is 4."
+        assert splitter.message() == {"role": "assistant", "content": "It is 4.", "reasoning_content": "Two plus two"}
+        assert not splitter.plain()
+        results.append(splitter.message())
     assert all(r == results[0] for r in results)
 
 
@@ -106,22 +106,22 @@ def test_gemma4_tool_call_deltas_stream_before_the_closing_marker():
     v = Vocab()
     ids = v("Let me check.", 48, "call:get", "_weather{", "city:", 52, "Par", "is \"", "x", 52, ",days:", "3",
             "}", 49, 48, "call:get_weather{city:", 52, "Oslo", 52, "}", 49, 50)
-    route, sent = run(v, ids, 1, tool_format="gemma4", channels=True, id_prefix="call_x_")
+    splitter, sent = run(v, ids, 1, tool_format="gemma4", channels=True, id_prefix="call_x_")
     got = merge(sent)
     assert got["content"] == "Let me check."
     assert [c["name"] for c in got["calls"]] == ["get_weather", "get_weather"]
     assert json.loads(got["calls"][0]["arguments"]) == {"city": 'Paris "x', "days": 3}
     assert json.loads(got["calls"][1]["arguments"]) == {"city": "Oslo"}
     assert got["calls"][0]["id"] == "call_x_0" and got["calls"][1]["id"] == "call_x_1"
-    assert route.finish_reason("stop") == "tool_calls" and route.finish_reason("length") == "length"
-    message = route.message()
+    assert splitter.finish_reason("stop") == "tool_calls" and splitter.finish_reason("length") == "length"
+    message = splitter.message()
     assert message["content"] == "Let me check."
     assert [c["function"]["arguments"] for c in message["tool_calls"]] == [c["arguments"] for c in got["calls"]]
     # Token by token: the first argument fragment leaves before `<tool_call|>` (id 49) is generated.
-    route = ChatRoute(v.bytes, CONTROL, tool_format="gemma4", ids=GEMMA4_IDS)
+    splitter = ChatSplitter(v.bytes, CONTROL, tool_format="gemma4", ids=GEMMA4_IDS)
     first_args = None
     for n, d in enumerate(deltas(ids, 1)):
-        out = route.feed(d)
+        out = splitter.feed(d)
         if first_args is None and any(c.get("function", {}).get("arguments") for x in out
                                       for c in x.get("tool_calls", [])):
             first_args = n
@@ -134,36 +134,36 @@ def test_gemma4_tool_call_deltas_stream_before_the_closing_marker():
 
 def test_only_tool_calls_give_null_content():
     v = Vocab()
-    route, _ = run(v, v(48, "call:get_weather{city:", 52, "Rome", 52, "}", 49, 50), 3, tool_format="gemma4")
-    assert route.message()["content"] is None and len(route.message()["tool_calls"]) == 1
+    splitter, _ = run(v, v(48, "call:get_weather{city:", 52, "Rome", 52, "}", 49, 50), 3, tool_format="gemma4")
+    assert splitter.message()["content"] is None and len(splitter.message()["tool_calls"]) == 1
 
 
 def test_truncated_call_is_reported_as_length():
     v = Vocab()
-    route, _ = run(v, v(48, "call:get_weather{city:", 52, "Ro"), 2, tool_format="gemma4")
-    assert route.truncated and route.finish_reason("length") == "length" and not route.plain()
+    splitter, _ = run(v, v(48, "call:get_weather{city:", 52, "Ro"), 2, tool_format="gemma4")
+    assert splitter.truncated and splitter.finish_reason("length") == "length" and not splitter.plain()
 
 
 def test_gemma3_json_calls_and_plain_text():
     v = Vocab()
-    route, sent = run(v, v('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}', 106), 1,
+    splitter, sent = run(v, v('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}', 106), 1,
                       tool_format="gemma3")
     assert merge(sent)["calls"][0]["name"] == "get_weather"
-    assert json.loads(route.message()["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
-    route, sent = run(v, v("Just text", " here", 106), 1, tool_format="gemma3")
-    assert route.message() == {"role": "assistant", "content": "Just text here"} and route.plain()
+    assert json.loads(splitter.message()["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    splitter, sent = run(v, v("Just text", " here", 106), 1, tool_format="gemma3")
+    assert splitter.message() == {"role": "assistant", "content": "Just text here"} and splitter.plain()
 
 
 def test_stop_strings_cut_content_on_the_token_path():
     v = Vocab()
-    route, sent = run(v, v("Hello ", "wor", "ld", " STOP", " more"), 1, channels=True, stops=["STOP"])
-    assert route.content == merge(sent)["content"] == "Hello world "
+    splitter, sent = run(v, v("Hello ", "wor", "ld", " STOP", " more"), 1, channels=True, stops=["STOP"])
+    assert splitter.content == merge(sent)["content"] == "Hello world "
 
 
 def test_text_path_passes_generate_text_through():
-    route = ChatRoute([b""] * 10, set())
-    assert route.feed(Delta(text="abc", token_ids=[1], logprobs=[0.0])) == [{"content": "abc"}]
-    assert route.finish() == [] and route.message() == {"role": "assistant", "content": "abc"}
+    splitter = ChatSplitter([b""] * 10, set())
+    assert splitter.feed(Delta(text="abc", token_ids=[1], logprobs=[0.0])) == [{"content": "abc"}]
+    assert splitter.finish() == [] and splitter.message() == {"role": "assistant", "content": "abc"}
 
 
 # ----------------------------------------------------------------------------------------- constraints
@@ -221,18 +221,18 @@ def test_tool_grammar_ends_with_its_own_stop_token(g4_lltok):
         generated.append(pick)
         assert len(generated) < 200
     assert generated[0] == 48 and generated[-1] == 50 and 49 in generated
-    route = ChatRoute([g4_lltok.decode_bytes([i]) for i in range(N)], CONTROL, tool_format="gemma4",
-                      ids=GEMMA4_IDS)
-    _, sent = run_with(route, generated)
+    splitter = ChatSplitter([g4_lltok.decode_bytes([i]) for i in range(N)], CONTROL, tool_format="gemma4",
+                            ids=GEMMA4_IDS)
+    _, sent = run_with(splitter, generated)
     args = json.loads(merge(sent)["calls"][0]["arguments"])
     assert set(args) <= {"city", "days"} and isinstance(args["city"], str)
 
 
-def run_with(route: ChatRoute, ids: list[int]):
+def run_with(splitter: ChatSplitter, ids: list[int]):
     sent = []
     for d in deltas(ids, 1):
-        sent += route.feed(d)
-    return route, sent + route.finish()
+        sent += splitter.feed(d)
+    return splitter, sent + splitter.finish()
 
 
 # ---------------------------------------------------------------------------------------------- plans
@@ -286,14 +286,14 @@ def test_plan_errors_are_400s_naming_the_field(kw, param, words):
 
 def test_a_call_cut_by_a_stop_string_is_not_reported_as_tool_calls():
     v = Vocab()
-    route, _ = run(v, v(48, "call:get_weather{city:", 52, "Ro"), 1, tool_format="gemma4")
-    assert route.finish_reason("stop") == "stop"
+    splitter, _ = run(v, v(48, "call:get_weather{city:", 52, "Ro"), 1, tool_format="gemma4")
+    assert splitter.finish_reason("stop") == "stop"
 
 
 def test_a_bare_thought_label_at_the_end_is_not_reasoning():
     v = Vocab()
-    route, sent = run(v, v(100, "thought\n"), 1, channels=True)
-    assert route.reasoning == "" and merge(sent)["reasoning"] == ""
+    splitter, sent = run(v, v(100, "thought\n"), 1, channels=True)
+    assert splitter.reasoning == "" and merge(sent)["reasoning"] == ""
 
 
 def test_the_stop_ids_are_combined_once_in_the_chat_plan():

@@ -1,6 +1,6 @@
 """The choice runner behind every chat front door (gateway/generation/choice_runner.py): a choice's deltas go through
-its output route; at its end the usage is summed (cached prompt tokens of choice 0 only) and the answer is remembered in
-the answer history under the message returned, unless the door asks not to (a raw completion). Against
+its output splitter; at its end the usage is summed (cached prompt tokens of choice 0 only) and the answer is
+remembered in the answer history under the message returned, unless the door asks not to (a raw completion). Against
 test_planner's fake backends and a planned two-choice chat request."""
 
 from __future__ import annotations

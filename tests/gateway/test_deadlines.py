@@ -8,7 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.backends.clients import Backends, ModelFacts, Timeouts
+from gateway.backends.clients import Backends, Timeouts
+from gateway.backends.model_facts import ModelFacts
 from gateway.core.errors import ApiError
 from gateway.generation.generate import GenParams, generate
 from protos import common_pb2, model_worker_pb2, model_worker_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc

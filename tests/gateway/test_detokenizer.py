@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from gateway.backends.clients import ModelFacts
+from gateway.backends.model_facts import ModelFacts
 from gateway.generation.detokenizer import IncrementalDetokenizer, StopMatcher, Utf8Decoder
 from gateway.generation.generate import GenParams, _AnswerText
 from gateway.generation.logprobs import CompletionLogprobs, TokenStrings, chat_content
-from gateway.generation.reasoning import ReasoningRouter
+from gateway.generation.reasoning import ReasoningSplitter
 from gateway.generation.tool_parsers import _TokenText
 from protos import common_pb2
 
@@ -210,12 +210,12 @@ def test_stream_primes_from_the_prompt_and_drops_a_cut_tail(vocab, text_tokenize
 
 def test_reasoning_and_tool_text_drop_a_cut_character(vocab):
     facts, byte_ids = vocab
-    router = ReasoningRouter(facts.token_bytes, facts.special_ids, 100, 101)
-    pieces = [router.push(i) for i in [100] + as_bytes(byte_ids, b"thought\n" + EMOJI[:2])]
-    assert pieces[-1] == ("", "") and router.flush() == ("", "")
-    router = ReasoningRouter(facts.token_bytes, facts.special_ids, 100, 101)
-    assert [router.push(i) for i in as_bytes(byte_ids, CJK + EMOJI[:3])][2:4] == [("", "語"), ("", "")]
-    assert router.flush() == ("", "")
+    splitter = ReasoningSplitter(facts.token_bytes, facts.special_ids, 100, 101)
+    pieces = [splitter.push(i) for i in [100] + as_bytes(byte_ids, b"thought\n" + EMOJI[:2])]
+    assert pieces[-1] == ("", "") and splitter.flush() == ("", "")
+    splitter = ReasoningSplitter(facts.token_bytes, facts.special_ids, 100, 101)
+    assert [splitter.push(i) for i in as_bytes(byte_ids, CJK + EMOJI[:3])][2:4] == [("", "語"), ("", "")]
+    assert splitter.flush() == ("", "")
     text = _TokenText()
     assert [text.chars(bytes([b])) for b in CJK + EMOJI[:1]] + [text.flush()] == ["", "", "語", "", ""]
 

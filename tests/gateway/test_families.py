@@ -18,7 +18,8 @@ import pytest
 
 from common import families
 from common.families import UnknownFamilyError
-from gateway.backends.clients import Backends, ModelFacts
+from gateway.backends.clients import Backends
+from gateway.backends.model_facts import ModelFacts
 from gateway.core.errors import ApiError
 from gateway.core.tool_format import (
     FamilyFormat,
@@ -91,10 +92,6 @@ def test_an_unknown_family_is_a_clear_error_naming_the_supported_ones():
         facts.output_format()
 
 
-class _Backends(Backends):
-    worker = tokenizer = None  # instance attributes here, not the gRPC stub properties
-
-
 class _Stub:
     """A backend stub answering each unary call with a fixed reply."""
 
@@ -115,15 +112,14 @@ class _Stub:
     ("gemma3", [b"<end_of_turn>"], ["'gemma4'", "'gemma3'", "same model"], "gemma4"),  # backends disagree
 ])
 def test_the_facts_fetch_refuses_a_model_the_gateway_cannot_serve(architecture, vocab, words, tokenizer_family):
-    backends = _Backends(*(f"127.0.0.1:{port}" for port in free_ports(2)))
+    backends = Backends(*(f"127.0.0.1:{port}" for port in free_ports(2)))
     worker = _Stub(Info=model_worker_pb2.WorkerInfoResponse(
         model_name="m", max_model_len=64, vocab_size=8, default_stop_token_ids=[0], architecture=architecture))
     backends.pool.serving = lambda: [types.SimpleNamespace(addr="w:1", stub=worker)]  # one worker, serving
-    backends.tokenizer = _Stub(Info=tokenizer_pb2.TokenizerInfoResponse(bos_token_id=1, eos_token_id=0,
-                                                                        family=tokenizer_family),
-                               GetVocab=tokenizer_pb2.GetVocabResponse(token_bytes=vocab + [b"a"] * 7,
-                                                                       special_token_ids=[0]))
-    assert not asyncio.run(backends._refresh_facts())
+    tokenizer = _Stub(Info=tokenizer_pb2.TokenizerInfoResponse(bos_token_id=1, eos_token_id=0, family=tokenizer_family),
+                      GetVocab=tokenizer_pb2.GetVocabResponse(token_bytes=vocab + [b"a"] * 7, special_token_ids=[0]))
+    backends.served.tokenizer_service = types.SimpleNamespace(stub=tokenizer)
+    assert not asyncio.run(backends.served.refresh())
     with pytest.raises(ApiError) as err:
         backends.ready_facts()
     assert err.value.status == 503 and all(w in err.value.message for w in words), err.value.message

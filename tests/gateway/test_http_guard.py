@@ -20,7 +20,8 @@ from fastapi.testclient import TestClient
 from gateway.api import http_guard
 from gateway.api.app import create_app
 from gateway.api.http_protocol import GuardedH11Protocol
-from gateway.backends.clients import Backends, ModelFacts
+from gateway.backends.clients import Backends
+from gateway.backends.model_facts import ModelFacts
 from gateway.core.errors import from_rpc_error
 from gateway.core.limits import Limits
 from tests.e2e.stacks import free_ports

@@ -6,7 +6,8 @@ import grpc
 from fastapi.testclient import TestClient
 
 from gateway.api.app import create_app
-from gateway.backends.clients import Backends, ModelFacts
+from gateway.backends.clients import Backends
+from gateway.backends.model_facts import ModelFacts
 from gateway.core.errors import from_rpc_error
 from tests.e2e.stacks import free_ports
 

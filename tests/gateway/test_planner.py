@@ -23,8 +23,8 @@ import llguidance
 import numpy as np
 import pytest
 
-from gateway.backends.clients import ModelFacts
 from gateway.backends.history import AnswerHistory, answer_key, history_scope
+from gateway.backends.model_facts import ModelFacts
 from gateway.backends.workers import Session
 from gateway.core.errors import ApiError
 from gateway.core.limits import Limits
@@ -336,7 +336,7 @@ def test_jobs_are_prompt_major_and_choices_share_their_prompts_request():
     assert plan.jobs[1].request_id == "req-1-1"
     assert [job.params.share_prompt_with for job in plan.jobs] == [None, "req-1", None, second]
     assert [job.params.sampling.seed for job in plan.jobs] == [7, 8, 7, 8]
-    assert len(plan.routes) == 4 and backends.pool.reservations == [(WORKER, 4)]
+    assert len(plan.splitters) == 4 and backends.pool.reservations == [(WORKER, 4)]
 
 
 # -------------------------------------------------------------------------------------------------- prompts

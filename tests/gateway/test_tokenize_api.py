@@ -1,7 +1,7 @@
 """`/tokenize` and `/detokenize` (vLLM's shapes) and the chat fields agents send (`continue_final_message`,
 `add_generation_prompt`, `tools[].function.strict`), against a recording tokenizer service: the chat form of
 /tokenize asks the tokenizer exactly what a chat completion asks, bad input is a 4xx naming the field, and with
-API keys both routes need one. (The real services: tests/e2e/test_agent_fields.py.)"""
+API keys both endpoints need one. (The real services: tests/e2e/test_agent_fields.py.)"""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from fastapi.testclient import TestClient
 
 from gateway.api.app import create_app
 from gateway.api.auth import ApiKeys
-from gateway.backends.clients import Backends, ModelFacts
+from gateway.backends.clients import Backends
 from gateway.backends.history import answer_key, history_scope
+from gateway.backends.model_facts import ModelFacts
 from gateway.core.limits import Limits
 from gateway.core.openai_types import ChatCompletionRequest, TokenizeChatRequest
 from gateway.planning.context import RequestContext

@@ -1,6 +1,6 @@
 """Every answer the server returns renders back, sent verbatim as the next turn, as the model generated it.
 
-Pipeline per case: generated ids -> the gateway's own `ChatRoute` (the message a client gets) and
+Pipeline per case: generated ids -> the gateway's own `ChatSplitter` (the message a client gets) and
 `remember_answer` (the ids the gateway keeps for it) -> that message with (or without) its remembered ids in
 the next turn -> the template (built-in Gemma 3 / Gemma 4, and Gemma 4's official Jinja template as a checkpoint
 template). The prefix-cache property: the new prompt starts with the previous prompt plus the generated ids.
@@ -27,7 +27,7 @@ from families.gemma4.gateway import Gemma4ToolCallParser
 from families.gemma4.tokenizer import gemma4_arguments_prefix
 from families.gemma4.tokenizer import render as render_gemma4
 from gateway.backends.history import AnswerHistory, answer_key
-from gateway.generation.chat_output import ChatRoute
+from gateway.generation.chat_output import ChatSplitter
 from gateway.generation.choices import remember_answer
 from gateway.generation.generate import Delta
 from protos import common_pb2
@@ -128,19 +128,19 @@ def _ids(tok, spelled: str, control: re.Pattern) -> list[int]:
 
 
 def _returned(tok, fmt: str, ids: list[int], stop_ids: list[int], arch: str) -> tuple[Message, list[int]]:
-    """What the gateway returns for `ids` (ChatRoute) as a template Message carrying the ids it remembered
+    """What the gateway returns for `ids` (ChatSplitter) as a template Message carrying the ids it remembered
     (`remember_answer`), and those ids."""
-    route = ChatRoute(tok.token_bytes, tok.special_ids, tool_format=fmt, channels=arch == "gemma4",
-                      ids=GEMMA4_IDS if arch == "gemma4" else GEMMA3_IDS)
+    splitter = ChatSplitter(tok.token_bytes, tok.special_ids, tool_format=fmt, channels=arch == "gemma4",
+                            ids=GEMMA4_IDS if arch == "gemma4" else GEMMA3_IDS)
     tokens = [common_pb2.GeneratedToken(token_id=t) for t in ids]
     delta = Delta(text="", token_ids=ids, logprobs=[], tokens=tokens, whole=True)
-    route.feed(delta)
-    route.finish()
+    splitter.feed(delta)
+    splitter.finish()
     facts = types.SimpleNamespace(stop_ids=tok.stop_ids, special_ids=tok.special_ids, token_bytes=tok.token_bytes,
                                   architecture=arch)
     backends = types.SimpleNamespace(answers=AnswerHistory(), ready_facts=lambda: facts)
-    remember_answer(backends, "s", route, delta, tokens, sorted(set(stop_ids) | set(tok.stop_ids)))
-    msg = route.message()
+    remember_answer(backends, "s", splitter, delta, tokens, sorted(set(stop_ids) | set(tok.stop_ids)))
+    msg = splitter.message()
     calls = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
     remembered = backends.answers.lookup("s", answer_key(msg["content"], [c[1:] for c in calls],
                                                          msg.get("reasoning_content")))
@@ -155,7 +155,7 @@ def _follow(answer: Message) -> list[Message]:
     return [Message("user", "And tomorrow?")]
 
 
-# Gemma 4 answers (spelled with control tokens; the stop token, if any, last). All come back from the route
+# Gemma 4 answers (spelled with control tokens; the stop token, if any, last). All come back from the splitter
 # as messages; "thought" and "cut_call" need the ids to hit the cache (the template writes the thought with a
 # label and newline the model did not, and a cut call closed), the others need them for the split.
 G4_ANSWERS = {

@@ -54,7 +54,7 @@ async def create(ctx: RequestContext, calls: CallArguments, req: MessagesRequest
 
     Raises:
       ApiError: 400 for bad fields (named as the Messages API names them) and the chat path's errors; the
-        routes answer them in Anthropic's shape.
+        endpoints answer them in Anthropic's shape.
     """
     backends = ctx.backends
     turn = await _plan(ctx, calls, req)

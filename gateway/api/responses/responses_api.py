@@ -169,9 +169,9 @@ async def _plan(ctx: RequestContext, store: ResponseStore, req: ResponsesRequest
 
 def _keep(store: ResponseStore, tenant: str, turn: _Turn, builder: _Builder, response: dict) -> None:
     """Store a finished response (with `store: true`) with its conversation and the answer as one assistant
-    message (exactly the chat message the route returns, so the next turn renders it as generated)."""
+    message (exactly the chat message the splitter returns, so the next turn renders it as generated)."""
     if turn.req.store:
-        store.put(tenant, response, turn.conversation + [turn.plan.routes[0].message()], turn.session_key,
+        store.put(tenant, response, turn.conversation + [turn.plan.splitters[0].message()], turn.session_key,
                   _input_items(turn))
 
 
