@@ -77,8 +77,8 @@ def remember_answer(backends: AnswerBook, scope: str, splitter, delta: Delta, to
     return: text, calls (parallel ones too), text and calls, a thought, content null, and answers cut by `max_tokens`
     (a call cut off inside its arguments included).
 
-    The ids are all generated tokens but a final one of `end_ids` (the chat plan's: the request's stop ids and the
-    model's; the template writes the end of the turn), cut to
+    The ids are all generated tokens but a final one of `end_ids` (the chat plan's: the request's stop ids, the
+    model's and a tool grammar's end tokens; the template writes the end of the turn), cut to
     what the client received: a stop string that cut the text leaves the ids of exactly the text returned (none
     are remembered when that text ends inside a token), a call cut off before its name was complete (so not
     returned; in a format whose calls open with a control token, like Gemma 4's `<|tool_call>`) is left out, an

@@ -284,8 +284,9 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
         (`_attend_blocks`), never beyond the static bound kv_len.
       slots: [B] cache rows (None: row b is slot b).
       window, scale: as in `attend`; dtype: the activation dtype (int8 K/V are dequantized to it).
-      kernel: "pallas": a decode step, or a verify step's few queries (C <= `PALLAS_MAX_QUERIES`), with K/V not
-        int8 runs `numerics.decode_attention` on a TPU (`ModelConfig.attention_kernel`); otherwise, and on other
+      kernel: "pallas": a step of at most `PALLAS_MAX_QUERIES` queries per row (a decode step, a verify step's
+        drafts, a short prompt chunk; a sliding ring only at one query per row), with K/V not int8, runs
+        `numerics.decode_attention` on a TPU (`ModelConfig.attention_kernel`); otherwise, and on other
         backends, the loop below. "pallas-interpret": the same calls of the kernel in Pallas's interpreter on any
         backend (how the CPU tests run whole models through it).
     Returns:
@@ -298,7 +299,8 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
     """
     rows = _batch_rows(slots, q.shape[0])
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
-    fits = q.shape[1] <= PALLAS_MAX_QUERIES and arrays[2] is None and _pallas_fits(arrays[0], k_pos)
+    fits = (q.shape[1] <= PALLAS_MAX_QUERIES and (k_pos is None or q.shape[1] == 1) and arrays[2] is None
+            and _pallas_fits(arrays[0], k_pos))
     if kernel == "pallas" and fits:
         xla = lambda q: attend_in_place(q, cache, src, slots, q_pos, k_pos, window, scale, dtype, kv_len)
         tpu = lambda q: _attend_pallas(q, arrays[0], arrays[1], rows, q_pos, k_pos, window, scale, kv_len)
@@ -334,7 +336,7 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
 PALLAS_MIN_BLOCK = 128
 PALLAS_RING_BYTES = 2 << 20
 #: The most queries per row the kernel takes (unrolled in it): a decode step's one, a verify step's drafted
-#: positions; a prompt chunk's keep the XLA loop.
+#: positions, a prompt chunk of at most this many tokens (a short tail chunk); longer chunks keep the XLA loop.
 PALLAS_MAX_QUERIES = 16
 
 

@@ -75,8 +75,9 @@ class ModelConfig:
       batch_invariant: a compute choice, not a checkpoint fact (the worker sets it with its matmul precision):
         attention in position-aligned key blocks with bfloat16 products (`attention.attend_invariant`), so that a
         row's result does not depend on the rows computed with it.
-      attention_kernel: a compute choice too: "pallas" runs a decode step's attention, and a verify step's few
-        queries per row in full layers (K/V not int8, not batch-invariant), through the Pallas kernel
+      attention_kernel: a compute choice too: "pallas" runs a decode step's attention, and in full layers any
+        step of at most 16 queries per row (a verify step's drafts, a short prompt chunk; K/V not int8, not
+        batch-invariant), through the Pallas kernel
         `numerics.decode_attention` on a TPU; "xla" (the default) and every other backend keep
         `attention.attend_in_place`. "pallas-interpret" runs the kernel's calls in Pallas's interpreter on any
         backend (the CPU tests of whole models through it; not a serving choice).

@@ -10,6 +10,7 @@ import pathlib
 
 from gateway.backends import views
 from gateway.backends.clients import Backends, RequestBackends
+from gateway.backends.model_facts import ModelFacts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VIEWS = ROOT / "gateway" / "backends" / "views.py"
@@ -51,6 +52,11 @@ def gateway_sources() -> list[pathlib.Path]:
     return sorted((ROOT / "gateway").rglob("*.py"))
 
 
+def _facts(name: str) -> ModelFacts:
+    return ModelFacts(name=name, max_model_len=100, vocab_size=10, token_bytes=[b"a"] * 10, special_ids=set(),
+                      bos_id=2, stop_ids=[1], architecture="gemma3")
+
+
 def test_backends_and_a_requests_view_have_every_member_of_every_view():
     backends = Backends("localhost:1", "localhost:2")
     request = RequestBackends(backends)
@@ -58,8 +64,13 @@ def test_backends_and_a_requests_view_have_every_member_of_every_view():
         assert hasattr(views, view)
         for member in members:
             assert hasattr(Backends, member) or member in vars(backends), (view, member)
-            if member != "tokenizer":  # a property that opens the channel: the class has it, the view delegates
-                assert hasattr(request, member), (view, member)
+    # A request's view answers every member through `Backends` (`__getattr__`) but the facts, which it pins: its
+    # own `ready_facts` keeps the first snapshot when the shared facts are replaced.
+    assert "ready_facts" in vars(RequestBackends) and "__getattr__" in vars(RequestBackends)
+    backends.facts = first = _facts("first")
+    assert request.ready_facts() is first
+    backends.facts = _facts("second")
+    assert request.ready_facts() is first and backends.ready_facts().name == "second"
 
 
 def test_a_function_taking_a_view_uses_only_its_members():

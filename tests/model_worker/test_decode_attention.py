@@ -164,6 +164,25 @@ def test_the_model_path_chooses_blocks_as_its_xla_loop(ring, queries, store):
                                rtol=tol)
 
 
+def test_a_ring_read_by_several_queries_keeps_the_xla_loop():
+    """The kernel takes a sliding ring at one query per row only (a ring holds one step's keys): with two, the
+    in-place read stays on XLA's loop, on every backend, instead of failing when the kernel's branch is traced."""
+    from model_worker.modeling import attention
+    from model_worker.modeling.kv_cache import KVCache
+
+    rng = np.random.default_rng(8)
+    L = 32
+    keys, values, _, _ = _arrays(rng, L, jnp.float32)
+    cache = KVCache([keys], [values], [None], [None])
+    q_pos = jnp.asarray([[38, 39], [4, 5]], jnp.int32)
+    k_pos = jnp.asarray([[max(qp - (qp - i) % L, -1) for i in range(L)] for qp in (39, 5)], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 2, N, D)).astype(np.float32))
+    args = (q, cache, 0, jnp.asarray([1, 3], jnp.int32), q_pos, k_pos, 16, SCALE, jnp.float32, 768)
+    xla = attention.attend_in_place(*args)
+    for kernel in ("pallas", "pallas-interpret"):
+        np.testing.assert_array_equal(np.asarray(attention.attend_in_place(*args, kernel=kernel)), np.asarray(xla))
+
+
 def test_layers_outside_the_kernel_limits_keep_the_xla_loop():
     """A full layer whose cache length has no power-of-two divisor of 128 or more (4100 = 4 * 1025), and a ring
     over 2 MiB per array, are not given to the kernel (`attention._pallas_fits`)."""
