@@ -27,7 +27,7 @@ from model_worker.modeling.attention import KEY_BLOCK
 from model_worker.modeling.config import ModelConfig
 from model_worker.modeling.kv_cache import KVCache
 from model_worker.modeling.params import LOOKUP_TABLES, Params, param_shapes
-from model_worker.modeling.sampling import penalty_state_zeros
+from model_worker.modeling.sampling import penalty_capacity, penalty_history_zeros
 from model_worker.numerics.q8 import TWIN_BLOCK_BYTES, Q8Weight
 from model_worker.numerics.quant import CPU_BLOCK_BYTES, Int4Weight, Int8Weight
 
@@ -51,7 +51,8 @@ class Footprint:
     Attributes:
       weights: the weights (split as the engine splits them).
       kv_per_slot: KV cache bytes per slot (full-attention rows of max_model_len plus the sliding rings).
-      penalty_per_slot: penalty state bytes per slot ([V] int32 counts + bool seen, split over the vocabulary).
+      penalty_per_slot: penalty state bytes per slot (`sampling.PenaltyHistory`: int32 ids and counts of
+        `sampling.penalty_capacity` distinct tokens, whole on every device).
       temp_fixed: step temporaries that do not grow with the slots (estimated: `estimate_temporaries`).
       temp_per_slot: step temporaries per slot (estimated: the [B, V] sampling rows and a decode row's
         activations).
@@ -151,16 +152,16 @@ def abstract_params(cfg: ModelConfig, dtype, int4_group: int | None = None) -> P
 
 def abstract_state(cfg: ModelConfig, num_slots: int, max_len: int, dtype, kv_int8: bool, slack: int,
                    layout: sharding.Layout | None = None) -> tuple[KVCache, object]:
-    """(KV cache, penalty state) as `Engine` allocates them (`KVCache.zeros`, `penalty_state_zeros`, split by
+    """(KV cache, penalty state) as `Engine` allocates them (`KVCache.zeros`, `penalty_history_zeros`, split by
     `layout` when given), as `jax.ShapeDtypeStruct`s: nothing is allocated."""
     cache = jax.eval_shape(lambda: KVCache.zeros(cfg, num_slots, max_len, jnp.dtype(dtype), int8=kv_int8,
                                                  slack=slack))
-    pstate = jax.eval_shape(lambda: penalty_state_zeros(num_slots, cfg.vocab_size))
+    pstate = jax.eval_shape(lambda: penalty_history_zeros(num_slots, penalty_capacity(max_len, cfg.vocab_size)))
     if layout is None:
         return cache, pstate
     shapes = KVCache.shapes(cfg, num_slots, max_len, slack)
     return (with_shardings(cache, layout.cache_shardings(shapes, kv_int8)),
-            with_shardings(pstate, layout.penalty_shardings(num_slots)))
+            with_shardings(pstate, layout.penalty_shardings(num_slots, max_len)))
 
 
 # ----- the footprint -------------------------------------------------------------------------------------------
