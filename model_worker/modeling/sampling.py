@@ -388,8 +388,8 @@ def process_logits(
     bias_ids = _valid_ids_or_oob(s.bias_ids, V)
     used = jnp.max(jnp.where(bias_ids < V, jnp.arange(bias_ids.shape[-1], dtype=jnp.int32) + 1, 0))
     s = dataclasses.replace(s, bias_ids=bias_ids)
-    y = _correct_history(x, y, s, state, used, on)
-    return _correct_biased(x, y, s, state, used, on), empty
+    y, seen, counts = _correct_history(x, y, s, state, used, on)
+    return _correct_biased(x, y, s, seen, counts, used, on), empty
 
 
 def _zeros_flipped(s: SamplingArrays) -> jax.Array:
@@ -397,8 +397,8 @@ def _zeros_flipped(s: SamplingArrays) -> jax.Array:
     and presence penalties subtract f * 0 and p * 0 from each unseen token, which turns -0.0 into +0.0 where such
     a product is -0.0 (the sign of f, as XLA CPU computes them: the presence term becomes a select of +0.0). Which
     rows: the penalties' own expression (`_penalties`) on a -0.0 of each row, so the rule is XLA's, not restated
-    here (the barrier keeps XLA from folding the probe's zeros). Their other columns get that +0.0 in `_mask_and_zeros`, as the reference's pass over the whole row
-    gives."""
+    here (the barrier keeps XLA from folding the probe's zeros). Their other columns get that +0.0 in
+    `_mask_and_zeros`, as the reference's pass over the whole row gives."""
     B = s.frequency_penalty.shape[0]
     unseen = lax.optimization_barrier((jnp.full((B, 1), -0.0, jnp.float32), jnp.zeros((B, 1), bool),
                                        jnp.zeros((B, 1), jnp.int32)))  # not folded as constants: as at run time
@@ -425,10 +425,12 @@ def _penalized(s: SamplingArrays) -> jax.Array:
 
 
 def _correct_history(x: jax.Array, y: jax.Array, s: SamplingArrays, state: PenaltyHistory, used: jax.Array,
-                     on: jax.Array) -> jax.Array:
+                     on: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """y [B, V] (x [B, V] masked) with each token of each row's history set to its processed value
-    (`_corrected`), `_HISTORY_CHUNK` entries a step up to the longest row's last one (no step when no row uses a
-    penalty). A token the row also biases is left to `_correct_biased`, so every column is written once."""
+    (`_corrected`), `_HISTORY_CHUNK` entries a step up to the longest row's last one, no step when no row uses a
+    penalty -> (y, and the history of each logit-bias column's token: seen bool, counts int32 [B, MAX_LOGIT_BIAS],
+    found in the same steps). A token the row also biases is left to `_correct_biased`, so every column is
+    written once and a history entry needs no bias."""
     B, V = x.shape
     ids, counts = state.ids, state.counts
     pad = -ids.shape[-1] % _HISTORY_CHUNK
@@ -437,50 +439,51 @@ def _correct_history(x: jax.Array, y: jax.Array, s: SamplingArrays, state: Penal
     entries = jnp.max(jnp.sum(ids >= 0, axis=1, dtype=jnp.int32))
     steps = jnp.where(_penalized(s), (entries + _HISTORY_CHUNK - 1) // _HISTORY_CHUNK, 0)
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, _HISTORY_CHUNK))
-    column = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * _HISTORY_CHUNK, _HISTORY_CHUNK, axis=1)
+    chunk = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * _HISTORY_CHUNK, _HISTORY_CHUNK, axis=1)
+    column = lambda a, c: jax.lax.dynamic_slice_in_dim(a, c, 1, axis=1)
+    put = lambda a, c, v: jax.lax.dynamic_update_slice_in_dim(a, v, c, axis=1)
 
-    def step(j, y):
-        t, k = column(ids, j), column(counts, j)
+    def step(j, carry):
+        y, seen, found = carry
+        t, k = chunk(ids, j), chunk(counts, j)
+
+        def bias_column(c, inner):  # the entries that are bias column c's token, and that token's history
+            hit, seen, found = inner
+            match = t == column(s.bias_ids, c)
+            seen = put(seen, c, column(seen, c) | jnp.any(match, axis=1, keepdims=True))
+            found = put(found, c, column(found, c) + jnp.sum(jnp.where(match, k, 0), axis=1, keepdims=True))
+            return hit | match, seen, found
+
+        hit, seen, found = jax.lax.fori_loop(0, used, bias_column, (jnp.zeros(t.shape, bool), seen, found))
         at = jnp.clip(t, 0, V - 1)
-        biased = jax.lax.fori_loop(0, used, lambda c, hit: hit | (t == s.bias_ids[:, c, None]),
-                                   jnp.zeros(t.shape, bool))
-        v = _corrected(jnp.take_along_axis(x, at, axis=1), at, s, used, t >= 0, k, on)
-        return y.at[rows, jnp.where((t >= 0) & (t < V) & ~biased, t, V)].set(v, mode="drop")
+        v = _corrected(jnp.take_along_axis(x, at, axis=1), at, s, 0, t >= 0, k, on)
+        return y.at[rows, jnp.where((t >= 0) & (t < V) & ~hit, t, V)].set(v, mode="drop"), seen, found
 
-    return jax.lax.fori_loop(0, steps, step, y)
+    start = (y, jnp.zeros(s.bias_ids.shape, bool), jnp.zeros(s.bias_ids.shape, jnp.int32))
+    return jax.lax.fori_loop(0, steps, step, start)
 
 
-def _correct_biased(x: jax.Array, y: jax.Array, s: SamplingArrays, state: PenaltyHistory, used: jax.Array,
-                    on: jax.Array) -> jax.Array:
-    """y [B, V] with each token given a logit bias set to its processed value (`_corrected`, its history looked up
-    in the row's), `_BIAS_CHUNK` columns at a time up to the last column any row uses (no step when none does).
+def _correct_biased(x: jax.Array, y: jax.Array, s: SamplingArrays, seen: jax.Array, counts: jax.Array,
+                    used: jax.Array, on: jax.Array) -> jax.Array:
+    """y [B, V] with each token given a logit bias set to its processed value (`_corrected`, with its history
+    seen, counts [B, MAX_LOGIT_BIAS] from `_correct_history`), `_BIAS_CHUNK` columns at a time up to the last
+    column any row uses (no step when none does).
 
     Why not the scatter over the row, then the penalties: XLA CPU runs a scatter as a loop over its updates, and
     the B * MAX_LOGIT_BIAS entries (4,800 at 16 rows, most of them empty) took ~4 ms; here only the used columns
     are written. A token given twice gets the same value in each of its entries (`_bias_sums`).
     """
     B, V = x.shape
-    M = s.bias_ids.shape[-1]
-    pad = -M % _BIAS_CHUNK
-    ids = jnp.pad(s.bias_ids, ((0, 0), (0, pad)), constant_values=V)
+    pad = -s.bias_ids.shape[-1] % _BIAS_CHUNK
+    widen = lambda a, fill: jnp.pad(a, ((0, 0), (0, pad)), constant_values=fill)
+    ids = widen(s.bias_ids, V)
     at = jnp.minimum(ids, V - 1)
-    column = lambda a, j, n=1: jax.lax.dynamic_slice_in_dim(a, j, n, axis=1)
-
-    def look(j, found):  # the history of bias column j's token, into every entry of that token
-        seen, counts = found
-        match = state.ids == column(ids, j)
-        same = ids == column(ids, j)
-        hit = jnp.any(match, axis=1, keepdims=True)
-        return seen | (same & hit), jnp.where(same, jnp.sum(jnp.where(match, state.counts, 0), axis=1,
-                                                             keepdims=True), counts)
-
-    seen, counts = jax.lax.fori_loop(0, used, look, (jnp.zeros(ids.shape, bool), jnp.zeros(ids.shape, jnp.int32)))
-    vals = _corrected(jnp.take_along_axis(x, at, axis=1), at, s, used, seen, counts, on)
+    vals = _corrected(jnp.take_along_axis(x, at, axis=1), at, s, used, widen(seen, False), widen(counts, 0), on)
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, _BIAS_CHUNK))
+    column = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j, _BIAS_CHUNK, axis=1)
 
     def write(c, y):
-        return y.at[rows, column(ids, c * _BIAS_CHUNK, _BIAS_CHUNK)].set(
-            column(vals, c * _BIAS_CHUNK, _BIAS_CHUNK), mode="drop")
+        return y.at[rows, column(ids, c * _BIAS_CHUNK)].set(column(vals, c * _BIAS_CHUNK), mode="drop")
 
     return jax.lax.fori_loop(0, (used + _BIAS_CHUNK - 1) // _BIAS_CHUNK, write, y)
 
