@@ -292,7 +292,7 @@ def size_slots(cfg: ModelConfig, params: Params, ecfg, auto: bool, devices=None)
 
 def slots_text(slots: int, auto: bool, fp: Footprint, capacity: int | None) -> str:
     """How the slots were decided, for the start log: "37 slots (auto: 0.9 x the 79 GiB limit): weights 9.5 GiB;
-    per slot KV 1.2 GiB, penalty state 1.3 MiB, temporaries 6.1 MiB; fixed temporaries 178 MiB (estimated)"."""
+    per slot KV 1.2 GiB, penalty state 128 KiB, temporaries 6.1 MiB; fixed temporaries 178 MiB (estimated)"."""
     how = ("as given" if not auto else f"auto: {UTILISATION:g} x the {size_text(capacity)} limit" if capacity
            else "auto: the device reports no memory limit")
     return (f"{slots} slot{'s' * (slots != 1)} ({how}): weights {size_text(fp.weights)}; per slot KV {size_text(fp.kv_per_slot)}, "
@@ -321,7 +321,7 @@ class DeviceUsage:
     capacity: int | None
 
     def line(self) -> str:
-        """One log line, e.g. "device 0 (cpu): weights 149 MiB, KV 18 MiB, penalty state 1.0 MiB, temporaries
+        """One log line, e.g. "device 0 (cpu): weights 149 MiB, KV 18 MiB, penalty state 512 KiB, temporaries
         26 MiB"."""
         size = size_text
         limit = "" if self.capacity is None else f" (of a {size(self.capacity)} limit)"
