@@ -233,23 +233,51 @@ def record_tokens(history: PenaltyHistory, tokens: jax.Array, valid: jax.Array,
 
     A token new to its row is appended after the row's ids (a token repeated within `tokens` once, at its first
     occurrence), so ids stay distinct and packed; one already there only has its count added to. Tokens past the
-    capacity are dropped (see `PenaltyHistory`). Cost: [B, C, M] and [B, C, C] comparisons, no [B, V] work.
+    capacity are dropped (see `PenaltyHistory`). Cost: [B, C, C] comparisons, and [B, C, n] ones for the rows'
+    n entries, searched `_SEARCH_CHUNK` at a time up to the longest row's end (`_search`), not over all M.
     """
     B, M = history.ids.shape
     C = tokens.shape[1]
     valid = valid & (tokens >= 0)
-    match = history.ids[:, None, :] == tokens[:, :, None]  # [B, C, M]
-    at_row = _first_index(match)  # M where the row does not hold it
+    at_row, size = _search(history.ids, tokens)
     same = (tokens[:, None, :] == tokens[:, :, None]) & valid[:, None, :]  # [B, c, c']
     first = _first_index(same)  # the first valid occurrence within the chunk (c itself or earlier)
     new = valid & (at_row == M) & (first == jnp.arange(C, dtype=jnp.int32))
-    size = jnp.sum(history.ids >= 0, axis=1, dtype=jnp.int32)
     place = size[:, None] + jnp.cumsum(new, axis=1, dtype=jnp.int32) - 1  # where each new token goes
     at = jnp.where(at_row < M, at_row, jnp.take_along_axis(place, jnp.minimum(first, C - 1), axis=1))
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, C))
     ids = history.ids.at[rows, jnp.where(new, place, M)].set(tokens, mode="drop")
     counts = history.counts.at[rows, jnp.where(valid & output, at, M)].add(1, mode="drop")
     return PenaltyHistory(ids=ids, counts=counts)
+
+
+#: Entries of a row's history compared per step of `_search` (and walked per step of `_entries`).
+_SEARCH_CHUNK = 2048
+
+
+def _search(ids: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Where each of tokens [B, C] sits in its row of ids [B, M] (packed, distinct) and each row's size ->
+    (int32 [B, C]: the index, M where absent; int32 [B]: the entries), `_SEARCH_CHUNK` entries a step while some
+    row's last chunk was full: a table of M = V slots (a long context) costs its rows' entries, not M."""
+    B, M = ids.shape
+    n = min(_SEARCH_CHUNK, M)
+
+    def more(carry):
+        j, _, _, full = carry
+        return (j * n < M) & full
+
+    def step(carry):
+        j, at, size, _ = carry
+        start = jnp.minimum(j * n, M - n)  # the last chunk may overlap the one before: ids are packed
+        chunk = jax.lax.dynamic_slice_in_dim(ids, start, n, axis=1)
+        first = _first_index(chunk[:, None, :] == tokens[:, :, None])
+        at = jnp.where((at == M) & (first < n), start + first, at)
+        filled = jnp.sum(chunk >= 0, axis=1, dtype=jnp.int32)
+        return j + 1, at, jnp.maximum(size, start + filled), jnp.any(filled == n)
+
+    start = (jnp.int32(0), jnp.full(tokens.shape, M, jnp.int32), jnp.zeros(B, jnp.int32), jnp.bool_(True))
+    _, at, size, _ = jax.lax.while_loop(more, step, start)
+    return at, size
 
 
 def clear_rows(history: PenaltyHistory, clear: jax.Array) -> PenaltyHistory:
@@ -427,8 +455,8 @@ def _penalized(s: SamplingArrays) -> jax.Array:
 def _correct_history(x: jax.Array, y: jax.Array, s: SamplingArrays, state: PenaltyHistory, used: jax.Array,
                      on: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """y [B, V] (x [B, V] masked) with each token of each row's history set to its processed value
-    (`_corrected`), `_HISTORY_CHUNK` entries a step up to the longest row's last one, no step when no row uses a
-    penalty -> (y, and the history of each logit-bias column's token: seen bool, counts int32 [B, MAX_LOGIT_BIAS],
+    (`_corrected`), `_HISTORY_CHUNK` entries a step while some row's last chunk was full (to the longest row's
+    end, not over all M), no step when no row uses a penalty -> (y, and the history of each logit-bias column's token: seen bool, counts int32 [B, MAX_LOGIT_BIAS],
     found in the same steps). A token the row also biases is left to `_correct_biased`, so every column is
     written once and a history entry needs no bias."""
     B, V = x.shape
@@ -436,15 +464,18 @@ def _correct_history(x: jax.Array, y: jax.Array, s: SamplingArrays, state: Penal
     pad = -ids.shape[-1] % _HISTORY_CHUNK
     if pad:
         ids, counts = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=-1), jnp.pad(counts, ((0, 0), (0, pad)))
-    entries = jnp.max(jnp.sum(ids >= 0, axis=1, dtype=jnp.int32))
-    steps = jnp.where(_penalized(s), (entries + _HISTORY_CHUNK - 1) // _HISTORY_CHUNK, 0)
+    steps = ids.shape[-1] // _HISTORY_CHUNK
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, _HISTORY_CHUNK))
     chunk = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * _HISTORY_CHUNK, _HISTORY_CHUNK, axis=1)
     column = lambda a, c: jax.lax.dynamic_slice_in_dim(a, c, 1, axis=1)
     put = lambda a, c, v: jax.lax.dynamic_update_slice_in_dim(a, v, c, axis=1)
 
-    def step(j, carry):
-        y, seen, found = carry
+    def more(carry):
+        j, alive = carry[0], carry[-1]
+        return (j < steps) & alive
+
+    def step(carry):
+        j, y, seen, found, _ = carry
         t, k = chunk(ids, j), chunk(counts, j)
 
         def bias_column(c, inner):  # the entries that are bias column c's token, and that token's history
@@ -457,10 +488,12 @@ def _correct_history(x: jax.Array, y: jax.Array, s: SamplingArrays, state: Penal
         hit, seen, found = jax.lax.fori_loop(0, used, bias_column, (jnp.zeros(t.shape, bool), seen, found))
         at = jnp.clip(t, 0, V - 1)
         v = _corrected(jnp.take_along_axis(x, at, axis=1), at, s, 0, t >= 0, k, on)
-        return y.at[rows, jnp.where((t >= 0) & (t < V) & ~hit, t, V)].set(v, mode="drop"), seen, found
+        y = y.at[rows, jnp.where((t >= 0) & (t < V) & ~hit, t, V)].set(v, mode="drop")
+        return j + 1, y, seen, found, jnp.any(t[:, -1] >= 0)  # a full chunk: the row may go on (ids are packed)
 
-    start = (y, jnp.zeros(s.bias_ids.shape, bool), jnp.zeros(s.bias_ids.shape, jnp.int32))
-    return jax.lax.fori_loop(0, steps, step, start)
+    start = (jnp.int32(0), y, jnp.zeros(s.bias_ids.shape, bool), jnp.zeros(s.bias_ids.shape, jnp.int32),
+             _penalized(s))
+    return jax.lax.while_loop(more, step, start)[1:4]
 
 
 def _correct_biased(x: jax.Array, y: jax.Array, s: SamplingArrays, seen: jax.Array, counts: jax.Array,

@@ -378,3 +378,31 @@ def test_recorded_histories_equal_reference():
         s.bias_vals[:, :4] = [0.0, -0.0, 2.5, -1.0]
         x = jnp.asarray(logits)
         assert_same(_sample(x, s, history), _old(x, s, dense), f"trial {trial}")
+
+
+def test_histories_longer_than_a_search_chunk_equal_reference():
+    """Rows of thousands of distinct tokens (past `_SEARCH_CHUNK` and many `_HISTORY_CHUNK`s; one row every
+    token of the vocabulary, generated twice over): `record_tokens` keeps the counts a dense history would, chunk
+    by chunk, and the draw and log-probabilities equal the reference's on it."""
+    rng = np.random.default_rng(12)
+    batch, vocab = 3, 8192
+    history = S.penalty_history_zeros(batch, vocab)
+    counts, seen = np.zeros((batch, vocab), np.int32), np.zeros((batch, vocab), bool)
+    for step in range(40):
+        tokens = np.full((batch, 512), -1, np.int32)
+        tokens[0] = np.arange(512 * (step % 16), 512 * (step % 16 + 1))  # every token, twice
+        tokens[1] = rng.integers(0, 3000, 512)  # repeats within and across chunks
+        output = np.broadcast_to(np.arange(batch) == 0, (512, batch)).T | (rng.random((batch, 512)) < 0.5)
+        history = S.record_tokens(history, jnp.asarray(tokens), jnp.asarray(tokens >= 0), jnp.asarray(output))
+        for b in range(batch):
+            ok = tokens[b] >= 0
+            seen[b, tokens[b, ok]] = True
+            np.add.at(counts[b], tokens[b, ok & output[b]], 1)
+    dense = S.dense_from_history(history, vocab)
+    np.testing.assert_array_equal(np.asarray(dense.seen), seen)
+    np.testing.assert_array_equal(np.asarray(dense.counts), counts)
+    for trial in range(3):
+        s = random_settings(batch, vocab, rng)
+        s.repetition_penalty[:], s.frequency_penalty[:], s.presence_penalty[:] = 1.2, [0.3, -0.2, 0.1], 0.4
+        x = jnp.asarray(logits_of("peaked", batch, vocab, rng))
+        assert_same(_sample(x, s, history), _old(x, s, dense), f"trial {trial}")
