@@ -126,9 +126,10 @@ class PenaltyHistory:
         at the front in the order first recorded; -1 past them.
       counts: int32 [B, M]; how many times each was generated (frequency and presence penalties; 0: seen in the
         prompt only); 0 past the ids.
-    M, the capacity, bounds the distinct tokens a row can hold: the engine gives each slot min(max_model_len,
-    vocabulary), and a slot's history holds tokens of its sequence (at most max_model_len positions), so it
-    never fills; a token recorded into a full row is dropped (`record_tokens`).
+    M, the capacity, bounds the distinct tokens a row can hold: the engine gives each slot `penalty_capacity`
+    (twice max_model_len, at most the vocabulary): room for its sequence's tokens and those of a sequence it was
+    copied from. A token new to a full row is dropped (`record_tokens`): only a chain of prefix copies whose
+    sources' histories ran past the shared prefix could fill one (not seen; not refused either).
     """
 
     ids: jax.Array
