@@ -79,11 +79,22 @@ def logits_of(kind: str, batch: int, vocab: int) -> np.ndarray:
 
 
 def history(batch: int, vocab: int) -> sampling.PenaltyState:
-    """A prompt's and an answer's tokens: 0.2% of the vocabulary seen, 0.1% generated one to three times."""
+    """A prompt's and an answer's tokens: 0.2% of the vocabulary seen, 0.1% generated one to three times (~800
+    distinct tokens a row), as dense [B, V] arrays (`state_for` turns them into what a sampler reads)."""
     rng = np.random.default_rng(0)
     counts = np.where(rng.random((batch, vocab)) < 0.001, rng.integers(1, 4, (batch, vocab)), 0).astype(np.int32)
     seen = (rng.random((batch, vocab)) < 0.002) | (counts > 0)
     return sampling.PenaltyState(counts=jax.numpy.asarray(counts), seen=jax.numpy.asarray(seen))
+
+
+def state_for(module, dense: sampling.PenaltyState, max_model_len: int = 8192):
+    """The history `module.sample` reads: the dense arrays for a sampler that takes them (a revision before the
+    sparse history), else its `PenaltyHistory` with the engine's capacity for `max_model_len` (the default
+    context limit)."""
+    if not hasattr(module, "history_from_dense"):
+        return dense
+    vocab = dense.seen.shape[-1]
+    return module.history_from_dense(dense, module.penalty_capacity(max_model_len, vocab))
 
 
 def table(kind: str, args, greedy, samplers: dict) -> None:
@@ -95,11 +106,12 @@ def table(kind: str, args, greedy, samplers: dict) -> None:
           " ".join(f"{name + ' /g':>17}" for name in list(CASES)[1:]))
     for batch in args.batches:
         logits = jax.numpy.asarray(logits_of(kind, batch, args.vocab))
-        state = history(batch, args.vocab)
+        dense = history(batch, args.vocab)
+        states = {label: state_for(module, dense) for label, (_, module) in samplers.items()}
         rows = {name: settings(batch, args.vocab, *case) for name, case in CASES.items()}
-        runs = {(label, name): (lambda f=f, name=name: greedy(logits, rows[name]) if name == "greedy"
-                                else f(logits, rows[name], state))
-                for label, f in samplers.items() for name in CASES}
+        runs = {(label, name): (lambda f=f, name=name, state=states[label]: greedy(logits, rows[name])
+                                if name == "greedy" else f(logits, rows[name], state))
+                for label, (f, _) in samplers.items() for name in CASES}
         times: dict[tuple, list[float]] = {key: [] for key in runs}
         for run in runs.values():
             jax.block_until_ready(run())
@@ -141,13 +153,14 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="REV",
                     help="also time model_worker/modeling/sampling.py as at this git revision, interleaved")
     args = ap.parse_args()
-    samplers = {"sample": jax.jit(sampling.sample)}
+    samplers = {"sample": (jax.jit(sampling.sample), sampling)}  # label -> (jitted sample, its module)
     if args.baseline:
-        samplers[args.baseline] = jax.jit(baseline_module(args.baseline).sample)
+        module = baseline_module(args.baseline)
+        samplers[args.baseline] = (jax.jit(module.sample), module)
     if args.reference:
         from tests.model_worker import sampling_reference
 
-        samplers["reference"] = jax.jit(sampling_reference.sample)
+        samplers["reference"] = (jax.jit(sampling_reference.sample), sampling_reference)
     for kind in args.logits:
         table(kind, args, jax.jit(sampling.sample_greedy), samplers)
 

@@ -72,7 +72,13 @@ from model_worker.modeling.config import ModelConfig
 from model_worker.modeling.kv_cache import KVCache
 from model_worker.modeling.model import Batch
 from model_worker.modeling.params import Params
-from model_worker.modeling.sampling import SampleOutput, SamplingArrays, is_plain_greedy, penalty_state_zeros
+from model_worker.modeling.sampling import (
+    SampleOutput,
+    SamplingArrays,
+    is_plain_greedy,
+    penalty_capacity,
+    penalty_history_zeros,
+)
 from model_worker.serving.engine_api import (
     DecodeBatch,
     HostOutput,
@@ -274,13 +280,13 @@ class Engine:
             self.params = self.layout.place_params(params)
             self.cache = self.layout.zeros_cache(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype,
                                                  ecfg.kv_int8, ecfg.prefix_slack)
-            self.pstate = self.layout.zeros_penalties(ecfg.num_slots)
+            self.pstate = self.layout.zeros_penalties(ecfg.num_slots, ecfg.max_model_len)
             for note in self.layout.summary():  # a split that frees less memory than asked: worth a warning
                 log.warning("tensor parallel %d: %s", ecfg.tensor_parallel, note)
         else:
             self.cache = KVCache.zeros(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype, int8=ecfg.kv_int8,
                                        slack=ecfg.prefix_slack)
-            self.pstate = penalty_state_zeros(ecfg.num_slots, cfg.vocab_size)
+            self.pstate = penalty_history_zeros(ecfg.num_slots, penalty_capacity(ecfg.max_model_len, cfg.vocab_size))
         self.kv_buckets = ecfg.kv_buckets(cfg.sliding_window)
         self.batch_buckets = ecfg.batch_buckets()
         self._programs: dict[ProgramKey, jax.stages.Compiled] = {}

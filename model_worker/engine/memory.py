@@ -27,7 +27,7 @@ from model_worker.modeling.attention import KEY_BLOCK
 from model_worker.modeling.config import ModelConfig
 from model_worker.modeling.kv_cache import KVCache
 from model_worker.modeling.params import LOOKUP_TABLES, Params, param_shapes
-from model_worker.modeling.sampling import penalty_state_zeros
+from model_worker.modeling.sampling import penalty_capacity, penalty_history_zeros
 from model_worker.numerics.q8 import TWIN_BLOCK_BYTES, Q8Weight
 from model_worker.numerics.quant import CPU_BLOCK_BYTES, Int4Weight, Int8Weight
 
@@ -51,7 +51,8 @@ class Footprint:
     Attributes:
       weights: the weights (split as the engine splits them).
       kv_per_slot: KV cache bytes per slot (full-attention rows of max_model_len plus the sliding rings).
-      penalty_per_slot: penalty state bytes per slot ([V] int32 counts + bool seen, split over the vocabulary).
+      penalty_per_slot: penalty state bytes per slot (`sampling.PenaltyHistory`: int32 ids and counts of
+        `sampling.penalty_capacity` distinct tokens, whole on every device).
       temp_fixed: step temporaries that do not grow with the slots (estimated: `estimate_temporaries`).
       temp_per_slot: step temporaries per slot (estimated: the [B, V] sampling rows and a decode row's
         activations).
@@ -151,16 +152,16 @@ def abstract_params(cfg: ModelConfig, dtype, int4_group: int | None = None) -> P
 
 def abstract_state(cfg: ModelConfig, num_slots: int, max_len: int, dtype, kv_int8: bool, slack: int,
                    layout: sharding.Layout | None = None) -> tuple[KVCache, object]:
-    """(KV cache, penalty state) as `Engine` allocates them (`KVCache.zeros`, `penalty_state_zeros`, split by
+    """(KV cache, penalty state) as `Engine` allocates them (`KVCache.zeros`, `penalty_history_zeros`, split by
     `layout` when given), as `jax.ShapeDtypeStruct`s: nothing is allocated."""
     cache = jax.eval_shape(lambda: KVCache.zeros(cfg, num_slots, max_len, jnp.dtype(dtype), int8=kv_int8,
                                                  slack=slack))
-    pstate = jax.eval_shape(lambda: penalty_state_zeros(num_slots, cfg.vocab_size))
+    pstate = jax.eval_shape(lambda: penalty_history_zeros(num_slots, penalty_capacity(max_len, cfg.vocab_size)))
     if layout is None:
         return cache, pstate
     shapes = KVCache.shapes(cfg, num_slots, max_len, slack)
     return (with_shardings(cache, layout.cache_shardings(shapes, kv_int8)),
-            with_shardings(pstate, layout.penalty_shardings(num_slots)))
+            with_shardings(pstate, layout.penalty_shardings(num_slots, max_len)))
 
 
 # ----- the footprint -------------------------------------------------------------------------------------------
@@ -291,7 +292,7 @@ def size_slots(cfg: ModelConfig, params: Params, ecfg, auto: bool, devices=None)
 
 def slots_text(slots: int, auto: bool, fp: Footprint, capacity: int | None) -> str:
     """How the slots were decided, for the start log: "37 slots (auto: 0.9 x the 79 GiB limit): weights 9.5 GiB;
-    per slot KV 1.2 GiB, penalty state 1.3 MiB, temporaries 6.1 MiB; fixed temporaries 178 MiB (estimated)"."""
+    per slot KV 1.2 GiB, penalty state 128 KiB, temporaries 6.1 MiB; fixed temporaries 178 MiB (estimated)"."""
     how = ("as given" if not auto else f"auto: {UTILISATION:g} x the {size_text(capacity)} limit" if capacity
            else "auto: the device reports no memory limit")
     return (f"{slots} slot{'s' * (slots != 1)} ({how}): weights {size_text(fp.weights)}; per slot KV {size_text(fp.kv_per_slot)}, "
@@ -320,7 +321,7 @@ class DeviceUsage:
     capacity: int | None
 
     def line(self) -> str:
-        """One log line, e.g. "device 0 (cpu): weights 149 MiB, KV 18 MiB, penalty state 1.0 MiB, temporaries
+        """One log line, e.g. "device 0 (cpu): weights 149 MiB, KV 18 MiB, penalty state 512 KiB, temporaries
         26 MiB"."""
         size = size_text
         limit = "" if self.capacity is None else f" (of a {size(self.capacity)} limit)"

@@ -37,7 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_worker.modeling.model import Batch, forward, forward_batches
-from model_worker.modeling.sampling import PenaltyState, SamplingArrays, sample, sample_greedy
+from model_worker.modeling.sampling import (
+    PenaltyHistory,
+    SamplingArrays,
+    clear_rows,
+    record_tokens,
+    sample,
+    sample_greedy,
+)
 from model_worker.serving.engine_api import ProgramKey
 
 
@@ -151,25 +158,22 @@ class CopyInputs:
 
 
 # ----- program bodies -------------------------------------------------------------------------------------------
-def _record_inputs(state: PenaltyState, tokens, positions, is_output, rows=None) -> PenaltyState:
-    """Note the step's input tokens [B, C]: every valid one (position >= 0) is `seen` (repetition penalty), output
-    ones also `counts`. `rows`: [B] state row of each batch row (default: row b is state row b)."""
+def _record_inputs(state: PenaltyHistory, tokens, positions, is_output, rows=None) -> PenaltyHistory:
+    """Note the step's input tokens [B, C]: every valid one (position >= 0) is seen (repetition penalty), output
+    ones also counted (`sampling.record_tokens`). `rows`: [B] state row of each batch row, distinct (default: row
+    b is state row b); their [B, M] rows are taken, recorded and written back (no [S, V] work)."""
     valid = positions >= 0
-    vocab = state.seen.shape[1]
-    rows = jnp.arange(tokens.shape[0]) if rows is None else rows
-    rows = jnp.broadcast_to(rows[:, None], tokens.shape)
-    ids = jnp.where(valid, tokens, vocab)  # out of range -> dropped
-    seen = state.seen.at[rows, ids].set(True, mode="drop")
-    counts = state.counts.at[rows, jnp.where(valid & is_output, tokens, vocab)].add(1, mode="drop")
-    return PenaltyState(counts=counts, seen=seen)
+    if rows is None:
+        return record_tokens(state, tokens, valid, valid & is_output)
+    taken = jax.tree_util.tree_map(lambda a: jnp.take(a, rows, axis=0), state)
+    new = record_tokens(taken, tokens, valid, valid & is_output)
+    return jax.tree_util.tree_map(lambda a, r: a.at[rows].set(r), state, new)
 
 
-def _record_chunk(pstate: PenaltyState, chunk: ChunkInputs) -> PenaltyState:
+def _record_chunk(pstate: PenaltyHistory, chunk: ChunkInputs) -> PenaltyHistory:
     """A chunk's tokens recorded in its rows' penalty history (cleared first where `clear_penalties`)."""
     b = chunk.batch
-    rows = jax.tree_util.tree_map(lambda a: jnp.take(a, b.slots, axis=0), pstate)
-    rows = jax.tree_util.tree_map(
-        lambda a: jnp.where(chunk.clear_penalties.reshape((-1,) + (1,) * (a.ndim - 1)), 0, a).astype(a.dtype), rows)
+    rows = clear_rows(jax.tree_util.tree_map(lambda a: jnp.take(a, b.slots, axis=0), pstate), chunk.clear_penalties)
     rows = _record_inputs(rows, b.tokens, b.positions, chunk.is_output)
     return jax.tree_util.tree_map(lambda a, r: a.at[b.slots].set(r), pstate, rows)
 
@@ -219,7 +223,7 @@ def sample_program(pstate, inputs: SampleInputs, *, vocab_parts: int = 1):
     slots = inputs.slots
     old = jax.tree_util.tree_map(lambda a: jnp.take(a, slots, axis=0), pstate)
     expand = lambda flag, a: flag.reshape((-1,) + (1,) * (a.ndim - 1))
-    rows = jax.tree_util.tree_map(lambda a: jnp.where(expand(inputs.clear_penalties, a), 0, a).astype(a.dtype), old)
+    rows = clear_rows(old, inputs.clear_penalties)
     rows = _record_inputs(rows, inputs.tokens, inputs.positions, inputs.is_output)
     out = sample(inputs.logits, inputs.sampling, rows, vocab_parts)
     kept = jax.tree_util.tree_map(lambda new, prev: jnp.where(expand(inputs.active, new), new, prev), rows, old)
@@ -259,7 +263,7 @@ def verify_sample_program(pstate, inputs: SampleInputs, *, vocab_parts: int = 1)
     slots = inputs.slots
     old = jax.tree_util.tree_map(lambda a: jnp.take(a, slots, axis=0), pstate)
     expand = lambda flag, a: flag.reshape((-1,) + (1,) * (a.ndim - 1))
-    rows = jax.tree_util.tree_map(lambda a: jnp.where(expand(inputs.clear_penalties, a), 0, a).astype(a.dtype), old)
+    rows = clear_rows(old, inputs.clear_penalties)
     nxt, has = _next_inputs(inputs)
     tokens, positions, is_output = (jnp.asarray(a) for a in (inputs.tokens, inputs.positions, inputs.is_output))
 

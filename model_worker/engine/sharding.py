@@ -15,9 +15,10 @@ head when the layer's KV heads divide N, else replicated (then TP frees only wei
 the whole cache); the MLP's gate and up by their output columns, down by its input rows (one sum per layer); the
 embedding, the tied LM head (`embed`, and `lm_head` when present) and Gemma 4's per-layer table `ple_embed` by
 vocabulary rows (a lookup is a masked local lookup plus a sum; the LM head yields logits split over the
-vocabulary, which stay split into the sample programs, as does the [S, V] penalty state). Norms, the layer
-scalar and Gemma 4's small per-layer-input projections are replicated. A dimension whose count (heads, KV heads,
-MLP width, vocabulary rows) N does not divide is replicated for that array and listed in `Layout.notes`.
+vocabulary, which stay split into the sample programs; the penalty state, a few token ids a slot, is kept whole).
+Norms, the layer scalar and Gemma 4's small per-layer-input projections are replicated. A dimension whose count
+(heads, KV heads, MLP width, vocabulary rows) N does not divide is replicated for that array and listed in
+`Layout.notes`.
 
 Quantized weights (`Int4Weight`, `Int8Weight`, `Bf16Weight`, stored [out, in]) split along the same logical
 dimension as the dense weight they replace, every leaf alike (packed words, scales, zero points, offsets). A
@@ -50,7 +51,7 @@ from model_worker.engine.programs import SampleInputs
 from model_worker.modeling.config import ModelConfig
 from model_worker.modeling.kv_cache import KVCache
 from model_worker.modeling.params import LOOKUP_TABLES, LayerParams, Params
-from model_worker.modeling.sampling import PenaltyState, penalty_state_zeros
+from model_worker.modeling.sampling import PenaltyHistory, penalty_capacity, penalty_history_zeros
 from model_worker.numerics.quant import Bf16Weight, Int4Weight, Int8Weight
 
 #: The mesh axis tensor parallelism splits over.
@@ -63,7 +64,7 @@ class ShardingRules:
     """Logical axis -> mesh axis (None: replicated), after jax-llm-examples' `ShardingRules`.
 
     Attributes (logical axes):
-      vocab: vocabulary rows of `embed`, `lm_head`, `ple_embed`; the logits' and the penalty state's last axis.
+      vocab: vocabulary rows of `embed`, `lm_head`, `ple_embed`; the logits' last axis.
       embed: the residual stream H.
       q_heads: query heads (Wq's output, Wo's input).
       kv_heads: KV heads (Wk / Wv output, the KV cache's head axis and its int8 scales).
@@ -120,8 +121,8 @@ LAYER_AXES: dict[str, tuple[str | None, ...]] = {
 }
 #: KV cache K and V [S, T or R, K, D]; their int8 scales [S, T or R, K] take the first three.
 CACHE_AXES: tuple[str, ...] = ("batch", "seq", "kv_heads", "head_dim")
-#: Penalty state (`sampling.PenaltyState`: counts, seen) [S, V].
-PENALTY_AXES: tuple[str, ...] = ("batch", "vocab")
+#: Penalty state (`sampling.PenaltyHistory`: ids, counts) [S, M]: a few distinct tokens a slot, kept whole.
+PENALTY_AXES: tuple[str | None, ...] = ("batch", None)
 #: Logits [B, V] out of the forward programs and into the sample programs.
 LOGITS_AXES: tuple[str, ...] = ("batch", "vocab")
 
@@ -300,15 +301,18 @@ class Layout:
         make = lambda: KVCache.zeros(cfg, num_slots, max_len, dtype, int8=int8, slack=slack)
         return jax.jit(make, out_shardings=shardings)()
 
-    def penalty_shardings(self, num_slots: int) -> PenaltyState:
-        """PenaltyState-shaped NamedShardings ([S, V] split over the vocabulary like the logits)."""
-        s = self.named(self.resolve("penalty state", PENALTY_AXES, (num_slots, self.cfg.vocab_size)))
-        return PenaltyState(counts=s, seen=s)
+    def penalty_shardings(self, num_slots: int, max_model_len: int) -> PenaltyHistory:
+        """PenaltyHistory-shaped NamedShardings ([S, M], M = `sampling.penalty_capacity`; not split: the sample
+        programs gather and scatter the few columns it names in the vocabulary-split logits)."""
+        shape = (num_slots, penalty_capacity(max_model_len, self.cfg.vocab_size))
+        s = self.named(self.resolve("penalty state", PENALTY_AXES, shape))
+        return PenaltyHistory(ids=s, counts=s)
 
-    def zeros_penalties(self, num_slots: int) -> PenaltyState:
-        """`sampling.penalty_state_zeros` created already split."""
-        return jax.jit(lambda: penalty_state_zeros(num_slots, self.cfg.vocab_size),
-                       out_shardings=self.penalty_shardings(num_slots))()
+    def zeros_penalties(self, num_slots: int, max_model_len: int) -> PenaltyHistory:
+        """`sampling.penalty_history_zeros` created with its shardings."""
+        capacity = penalty_capacity(max_model_len, self.cfg.vocab_size)
+        return jax.jit(lambda: penalty_history_zeros(num_slots, capacity),
+                       out_shardings=self.penalty_shardings(num_slots, max_model_len))()
 
     @property
     def vocab_parts(self) -> int:

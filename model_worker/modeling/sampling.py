@@ -1,7 +1,7 @@
 """Batched token sampling: every row has its own settings, all of them runtime arrays (no recompilation).
 
 One call, `sample(logits, s, state)`, turns a batch of next-token logits [B, V] into one token per row.
-Every row carries its own settings (`SamplingArrays`) and its own penalty history (`PenaltyState`); changing a
+Every row carries its own settings (`SamplingArrays`) and its own penalty history (`PenaltyHistory`); changing a
 setting never recompiles, and a row's result never depends on its batch neighbours or its slot.
 
 Processing order (it mirrors vLLM v1's `Sampler.forward`: allowed-token mask, logit bias, penalties, then
@@ -40,9 +40,10 @@ and the set is taken only where the bounds cannot change it). A row they cannot 
 (`_sample_whole_rows`), under a `lax.cond` on "some row needs it". Every optional piece (the mask, the draw, top
 logprobs, the candidates) runs under a `lax.cond` on "some row of the batch uses it"; the conds return [B]-sized
 results where they can, because XLA CPU copies the [B, V] operands of a cond whose result is [B, V], even a
-skipped one; rows that do not use a piece pass through it unchanged (bit for bit). The penalties are one pass
-that writes the processed row, and the logit bias is computed on its entries and written into it
-(`_bias_at_ids`), not scattered over a copy of the logits.
+skipped one; rows that do not use a piece pass through it unchanged (bit for bit). The penalty history is sparse
+(`PenaltyHistory`: the distinct tokens a row has seen, with their counts): the bias and the penalties are computed
+on the few tokens they change and scattered over the masked row (`process_logits`), not a pass over a dense
+[B, V] history.
 
 Empty mask. A row whose mask allows no token (within the vocabulary) is sampled as if it had no mask (its
 other settings still apply) and flagged in `SampleOutput.mask_empty`: the token it gets is *not* allowed, so
@@ -55,9 +56,9 @@ token's log-probability, nothing else, with the same results. The host picks it 
 XLA CPU copies the [B, V] operands of every `lax.cond`, even a skipped one, which made the full program cost far
 more than the greedy one (mask step under its own cond) (figures: docs/performance.md).
 
-Vocabulary split across devices (tensor parallelism, `model_worker.engine.sharding`): the logits [B, V] and the penalty
-state [S, V] arrive split over V, and XLA's SPMD partitioner runs every step on each device's part: bias,
-penalties, masks and the min-p / top-p thresholds are elementwise work plus all-reduced row sums and maxima
+Vocabulary split across devices (tensor parallelism, `model_worker.engine.sharding`): the logits [B, V] arrive split
+over V (the penalty history, a few ids a row, whole on every device), and XLA's SPMD partitioner runs every step on
+each device's part: the bias's and penalties' gathers and scatters of a few columns, masks and the min-p / top-p thresholds are elementwise work plus all-reduced row sums and maxima
 (softmax, log_softmax, the top-p bisection's masses, the inverse-CDF's block sums). `sample` and `sample_greedy`
 take the number of parts (`vocab_parts`, static): the greedy argmax is a row maximum, the first block holding it
 and the first index in that block (`_argmax`, the same on one device), and the inverse-CDF draw locates its block
@@ -70,7 +71,8 @@ greedy batch (`sample_greedy`) gathers nothing of size V.
 
 Host helpers: `SamplingArrays.defaults(batch, vocab)` (greedy, everything off), `pack_mask` (bool [V] -> the
 uint32 words of `SamplingArrays.mask`), `mask_words_from_bytes` (the protocol's `TokenMask.allowed` bytes ->
-the same words), `penalty_state_zeros`.
+the same words), `penalty_history_zeros`, `penalty_capacity`, and for the tests' dense form (the oracle's)
+`penalty_state_zeros`, `history_from_dense`, `dense_from_history`.
 """
 
 from __future__ import annotations
@@ -112,8 +114,33 @@ jax.tree_util.register_dataclass(SamplingArrays)
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class PenaltyHistory:
+    """Per-row token history for the penalties, sparse: the distinct tokens a row has seen and their counts.
+
+    The penalties change only the logits of tokens a row has seen (or biased), so `sample` corrects those few
+    columns of the row (`process_logits`) instead of a pass over a dense [B, V] history: the engine holds this
+    table, not [S, V] arrays (docs/performance.md, "Sampling").
+
+    Attributes:
+      ids: int32 [B, M]; the distinct token ids the row has seen (in its prompt or generated), each once, packed
+        at the front in the order first recorded; -1 past them.
+      counts: int32 [B, M]; how many times each was generated (frequency and presence penalties; 0: seen in the
+        prompt only); 0 past the ids.
+    M, the capacity, bounds the distinct tokens a row can hold: the engine gives each slot `penalty_capacity`
+    (twice max_model_len, at most the vocabulary): room for its sequence's tokens and those of a sequence it was
+    copied from. A token new to a full row is dropped (`record_tokens`): only a chain of prefix copies whose
+    sources' histories ran past the shared prefix could fill one (not seen; not refused either).
+    """
+
+    ids: jax.Array
+    counts: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class PenaltyState:
-    """Per-row token history for the penalties.
+    """Per-row token history as dense [B, V] arrays: the frozen oracle's form (tests/model_worker/), turned into
+    the `PenaltyHistory` `sample` reads by `history_from_dense`.
 
     Attributes:
       counts: int32 [B, V]; how many times each token was generated (frequency and presence penalties).
@@ -151,38 +178,125 @@ class SampleOutput:
 
 
 def penalty_state_zeros(batch: int, vocab: int) -> PenaltyState:
-    """Empty history for `batch` rows over `vocab` tokens (jax arrays)."""
+    """Empty dense history for `batch` rows over `vocab` tokens (jax arrays): the oracle's form (`PenaltyState`)."""
     return PenaltyState(counts=jnp.zeros((batch, vocab), jnp.int32), seen=jnp.zeros((batch, vocab), bool))
+
+
+def penalty_history_zeros(batch: int, capacity: int) -> PenaltyHistory:
+    """Empty history for `batch` rows of `capacity` distinct tokens each (jax arrays: ids -1, counts 0)."""
+    return PenaltyHistory(ids=jnp.full((batch, capacity), -1, jnp.int32),
+                          counts=jnp.zeros((batch, capacity), jnp.int32))
+
+
+def penalty_capacity(max_model_len: int, vocab: int) -> int:
+    """Distinct tokens a slot's `PenaltyHistory` holds: min(2 * max_model_len, vocab). A slot's history is its
+    sequence's tokens (at most max_model_len positions), plus, after a prefix copy (`Engine.copy_slot`), those of
+    the sequence it was copied from; no slot holds more distinct tokens than the vocabulary."""
+    return min(2 * max_model_len, vocab)
+
+
+def history_from_dense(state: PenaltyState, capacity: int | None = None) -> PenaltyHistory:
+    """Host helper (numpy): the `PenaltyHistory` of a dense history, ids ascending -> [B, capacity] (default: the
+    most tokens any row has seen, at least 1). Raises ValueError when a row has seen more than `capacity`, or
+    counts a token it has not seen (`record_tokens` never leaves one: a generated token is seen)."""
+    seen, counts = np.asarray(state.seen), np.asarray(state.counts)
+    if np.any((counts != 0) & ~seen):
+        raise ValueError("a token is counted but not seen")
+    n = int(seen.sum(axis=1).max(initial=0))
+    capacity = max(n, 1) if capacity is None else capacity
+    if n > capacity:
+        raise ValueError(f"a row has seen {n} tokens, more than the capacity {capacity}")
+    ids = np.full((seen.shape[0], capacity), -1, np.int32)
+    out = np.zeros((seen.shape[0], capacity), np.int32)
+    for b in range(seen.shape[0]):
+        at = np.flatnonzero(seen[b])
+        ids[b, : len(at)], out[b, : len(at)] = at, counts[b, at]
+    return PenaltyHistory(ids=jnp.asarray(ids), counts=jnp.asarray(out))
+
+
+def dense_from_history(history: PenaltyHistory, vocab: int) -> PenaltyState:
+    """Host helper (numpy): the dense `PenaltyState` [B, vocab] of a history (ids outside 0..vocab-1 ignored)."""
+    ids, counts = np.asarray(history.ids), np.asarray(history.counts)
+    seen, out = np.zeros((ids.shape[0], vocab), bool), np.zeros((ids.shape[0], vocab), np.int32)
+    for b in range(ids.shape[0]):
+        ok = (ids[b] >= 0) & (ids[b] < vocab)
+        seen[b, ids[b, ok]], out[b, ids[b, ok]] = True, counts[b, ok]
+    return PenaltyState(counts=jnp.asarray(out), seen=jnp.asarray(seen))
 
 
 # --- penalty history ----------------------------------------------------------------------------------------
 
 
-def record(state: PenaltyState, tokens: jax.Array, active: jax.Array) -> PenaltyState:
-    """Add one generated token per row: counts[b, tokens[b]] += 1, seen[b, tokens[b]] = True where active[b].
+def record_tokens(history: PenaltyHistory, tokens: jax.Array, valid: jax.Array,
+                  output: jax.Array) -> PenaltyHistory:
+    """Record tokens [B, C] int32 in rows [B] of `history`: each valid one (valid bool [B, C], id >= 0) is seen,
+    each valid `output` one (bool [B, C]) also counted (generated) -> the updated history.
 
-    Args:
-      state: [B, V] history.
-      tokens: int32 [B]; ids outside 0..V-1 are ignored.
-      active: bool [B]; inactive rows are left unchanged.
+    A token new to its row is appended after the row's ids (a token repeated within `tokens` once, at its first
+    occurrence), so ids stay distinct and packed; one already there only has its count added to. Tokens past the
+    capacity are dropped (see `PenaltyHistory`). Cost: [B, C, C] comparisons, and [B, C, n] ones for the rows'
+    n entries, searched `_SEARCH_CHUNK` at a time up to the longest row's end (`_search`), not over all M.
     """
-    rows = jnp.arange(tokens.shape[0])
-    ids = _valid_ids_or_oob(tokens, state.counts.shape[-1])
-    counts = state.counts.at[rows, ids].add(active.astype(jnp.int32), mode="drop")
-    seen = state.seen.at[rows, ids].max(active, mode="drop")
-    return PenaltyState(counts=counts, seen=seen)
+    B, M = history.ids.shape
+    C = tokens.shape[1]
+    valid = valid & (tokens >= 0)
+    at_row, size = _search(history.ids, tokens)
+    same = (tokens[:, None, :] == tokens[:, :, None]) & valid[:, None, :]  # [B, c, c']
+    first = _first_index(same)  # the first valid occurrence within the chunk (c itself or earlier)
+    new = valid & (at_row == M) & (first == jnp.arange(C, dtype=jnp.int32))
+    place = size[:, None] + jnp.cumsum(new, axis=1, dtype=jnp.int32) - 1  # where each new token goes
+    at = jnp.where(at_row < M, at_row, jnp.take_along_axis(place, jnp.minimum(first, C - 1), axis=1))
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, C))
+    ids = history.ids.at[rows, jnp.where(new, place, M)].set(tokens, mode="drop")
+    counts = history.counts.at[rows, jnp.where(valid & output, at, M)].add(1, mode="drop")
+    return PenaltyHistory(ids=ids, counts=counts)
 
 
-def record_prompt(state: PenaltyState, token_ids: jax.Array) -> PenaltyState:
-    """Mark prompt tokens as seen (repetition penalty only; prompt tokens are not counted as generated).
+#: Entries of a row's history compared per step of `_search` (and walked per step of `_entries`).
+_SEARCH_CHUNK = 2048
 
-    Args:
-      state: [B, V] history.
-      token_ids: int32 [B, N]; -1 (or any id outside 0..V-1) is padding. Call once per prompt chunk.
-    """
-    rows = jnp.broadcast_to(jnp.arange(token_ids.shape[0])[:, None], token_ids.shape)
-    ids = _valid_ids_or_oob(token_ids, state.seen.shape[-1])
-    return PenaltyState(counts=state.counts, seen=state.seen.at[rows, ids].set(True, mode="drop"))
+
+def _search(ids: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Where each of tokens [B, C] sits in its row of ids [B, M] (packed, distinct) and each row's size ->
+    (int32 [B, C]: the index, M where absent; int32 [B]: the entries), `_SEARCH_CHUNK` entries a step while some
+    row's last chunk was full: a table of M = V slots (a long context) costs its rows' entries, not M."""
+    B, M = ids.shape
+    n = min(_SEARCH_CHUNK, M)
+
+    def more(carry):
+        j, _, _, full = carry
+        return (j * n < M) & full
+
+    def step(carry):
+        j, at, size, _ = carry
+        start = jnp.minimum(j * n, M - n)  # the last chunk may overlap the one before: ids are packed
+        chunk = jax.lax.dynamic_slice_in_dim(ids, start, n, axis=1)
+        first = _first_index(chunk[:, None, :] == tokens[:, :, None])
+        at = jnp.where((at == M) & (first < n), start + first, at)
+        filled = jnp.sum(chunk >= 0, axis=1, dtype=jnp.int32)
+        return j + 1, at, jnp.maximum(size, start + filled), jnp.any(filled == n)
+
+    start = (jnp.int32(0), jnp.full(tokens.shape, M, jnp.int32), jnp.zeros(B, jnp.int32), jnp.bool_(True))
+    _, at, size, _ = jax.lax.while_loop(more, step, start)
+    return at, size
+
+
+def clear_rows(history: PenaltyHistory, clear: jax.Array) -> PenaltyHistory:
+    """`history` [B, M] with the rows where clear [B] bool emptied (ids -1, counts 0): a fresh sequence."""
+    return PenaltyHistory(ids=jnp.where(clear[:, None], -1, history.ids),
+                          counts=jnp.where(clear[:, None], 0, history.counts))
+
+
+def record(history: PenaltyHistory, tokens: jax.Array, active: jax.Array) -> PenaltyHistory:
+    """Add one generated token per row (seen and counted) where active[b]: tokens int32 [B], active bool [B];
+    negative ids are ignored (`record_tokens`)."""
+    return record_tokens(history, tokens[:, None], active[:, None], jnp.ones_like(active)[:, None])
+
+
+def record_prompt(history: PenaltyHistory, token_ids: jax.Array) -> PenaltyHistory:
+    """Mark prompt tokens [B, N] int32 as seen (repetition penalty only; not counted as generated); -1 is
+    padding. Call once per prompt chunk."""
+    return record_tokens(history, token_ids, token_ids >= 0, jnp.zeros(token_ids.shape, bool))
 
 
 def _valid_ids_or_oob(ids: jax.Array, vocab: int) -> jax.Array:
@@ -198,42 +312,37 @@ def _skip(x, *_):
     return x
 
 
-#: Columns of `SamplingArrays.bias_ids` scattered per step of `_bias_at_ids`'s loop.
+#: Columns of `SamplingArrays.bias_ids` scattered per step of `_correct_biased`'s loop.
 _BIAS_CHUNK = 8
+#: History entries gathered, corrected and scattered per step of `_correct_history`'s loop.
+_HISTORY_CHUNK = 256
 
 
-def _bias_at_ids(x: jax.Array, processed: jax.Array, s: SamplingArrays, state: PenaltyState) -> jax.Array:
-    """Steps (a) and (b) at the logit-bias ids: `processed` [B, V] (the penalties applied to x [B, V] without the
-    bias) with the value of each token given a bias replaced by the penalties applied to x[t] + its biases ->
-    [B, V] float32, what the bias scatter (`logits[b, ids[b, j]] += vals[b, j]`) then the penalties give.
+def _allowed_at(s: SamplingArrays, ids: jax.Array) -> jax.Array:
+    """Whether the rows' masks allow tokens ids [B, n] (in 0..vocab-1) -> bool [B, n]: the bits of `s.mask` that
+    `unpack_mask` would give at those ids."""
+    words = jnp.take_along_axis(s.mask, jnp.minimum(ids // 32, s.mask.shape[-1] - 1), axis=1)
+    return ((words >> (ids % 32).astype(jnp.uint32)) & 1).astype(bool)
 
-    Why not the scatter over the row, then the penalties: XLA CPU runs a scatter as a loop over its updates, ~1 us
-    each, and the B * MAX_LOGIT_BIAS entries (4,800 at 16 rows, most of them empty) took ~4 ms; it also needed a
-    copy of the logits to scatter into. Here the biased values are computed on the [B, MAX_LOGIT_BIAS] entries: a
-    token given twice gets its values added in column order, one add at a time, as the scatter's loop (row-major
-    over the updates) adds them, and every entry of that token ends with the same value; the penalties are the
-    same elementwise expressions on the token's history. They are written into `processed` `_BIAS_CHUNK` columns
-    at a time, for the columns up to the last one any row uses (a loop of 0 steps when none does).
-    """
-    B, V = x.shape
-    M = s.bias_ids.shape[-1]
-    pad = -M % _BIAS_CHUNK
-    ids = jnp.pad(_valid_ids_or_oob(s.bias_ids, V), ((0, 0), (0, pad)), constant_values=V)
-    vals = jnp.pad(s.bias_vals, ((0, 0), (0, pad)))
-    used = jnp.max(jnp.where(ids < V, jnp.arange(M + pad, dtype=jnp.int32) + 1, 0))  # columns to the last one used
-    at = jnp.minimum(ids, V - 1)
-    column = lambda a, j, n=1: jax.lax.dynamic_slice_in_dim(a, j, n, axis=1)
-    add = lambda j, acc: jnp.where(ids == column(ids, j), acc + column(vals, j), acc)  # in column order
-    biased = jax.lax.fori_loop(0, used, add, jnp.take_along_axis(x, at, axis=1))
-    biased = _penalties(biased, s, jnp.take_along_axis(state.seen, at, axis=1),
-                        jnp.take_along_axis(state.counts, at, axis=1))
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, _BIAS_CHUNK))
 
-    def write(c, y):
-        return y.at[rows, column(ids, c * _BIAS_CHUNK, _BIAS_CHUNK)].set(
-            column(biased, c * _BIAS_CHUNK, _BIAS_CHUNK), mode="drop")
+def _bias_sums(x: jax.Array, ids: jax.Array, s: SamplingArrays, used: jax.Array) -> jax.Array:
+    """x [B, n] (the logits at tokens ids [B, n]) with every logit bias of each token added, one add at a time in
+    column order, as the reference's scatter (`logits[b, bias_ids[b, j]] += bias_vals[b, j]`, a loop over the
+    updates in row-major order) adds them -> [B, n] float32. `used`: the bias columns to the last one any row
+    uses (columns past it hold none)."""
+    column = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j, 1, axis=1)
+    add = lambda j, acc: jnp.where(ids == column(s.bias_ids, j), acc + column(s.bias_vals, j), acc)
+    return jax.lax.fori_loop(0, used, add, x)
 
-    return jax.lax.fori_loop(0, (used + _BIAS_CHUNK - 1) // _BIAS_CHUNK, write, processed)
+
+def _corrected(x: jax.Array, ids: jax.Array, s: SamplingArrays, used: jax.Array, seen: jax.Array,
+               counts: jax.Array, on: jax.Array) -> jax.Array:
+    """Steps (a)-(c) on the logits x [B, n] of tokens ids [B, n] (in 0..V-1) with their history (seen bool,
+    counts int32 [B, n]) -> their processed values [B, n] float32, as the reference computes them over the whole
+    row: the biases added (`_bias_sums`), the penalties (`_penalties`), then -inf where the row's mask is in force
+    (`on` [B, 1]) and does not allow the token."""
+    v = _penalties(_bias_sums(x, ids, s, used), s, seen, counts)
+    return jnp.where(on & ~_allowed_at(s, ids), -jnp.inf, v)
 
 
 def _penalties(x: jax.Array, s: SamplingArrays, seen: jax.Array, counts: jax.Array) -> jax.Array:
@@ -282,48 +391,135 @@ def _no_mask(logits, mask, mask_on):
 
 
 def process_logits(
-    logits: jax.Array, s: SamplingArrays, state: PenaltyState
+    logits: jax.Array, s: SamplingArrays, state: PenaltyHistory
 ) -> tuple[jax.Array, jax.Array]:
     """Steps (a)-(c): logit bias, repetition / frequency / presence penalties, allowed-token mask.
+
+    The mask is applied to the whole row (under a `lax.cond` on "some row has one"), then the few columns the
+    bias and the penalties change are corrected in that buffer: each token of a row's history or logit bias gets
+    the value the reference's order (bias, penalties, mask) gives it, computed from the logits (`_corrected`) and
+    scattered over the masked row (`_correct_history`, `_correct_biased`). The other columns are the same
+    either way: the penalties change nothing a row has not seen, and a masked -inf stays -inf. No pass over a
+    dense [B, V] history, and no [B, V] write besides the one XLA makes for the cond.
 
     Args:
       logits: [B, V] float32 model output.
       s: per-row settings.
-      state: [B, V] token history (read only when some row uses a penalty).
+      state: the rows' history [B, M] (`PenaltyHistory`).
     Returns:
       processed logits [B, V] float32 (-inf where masked), and mask_empty bool [B] (see the module docstring).
     """
-    uses = _uses(s)
     x = logits.astype(jnp.float32)
-    return jax.lax.cond(jnp.any(jnp.stack(uses)), _process, _unprocessed, x, s, state, uses)
+    B, V = x.shape
+    flip = _zeros_flipped(s)
+    y, empty = jax.lax.cond(jnp.any(s.mask_on) | jnp.any(flip), _mask_and_zeros, _no_mask_or_zeros, x, s, flip)
+    on = (s.mask_on & ~empty)[:, None]
+    bias_ids = _valid_ids_or_oob(s.bias_ids, V)
+    used = jnp.max(jnp.where(bias_ids < V, jnp.arange(bias_ids.shape[-1], dtype=jnp.int32) + 1, 0))
+    s = dataclasses.replace(s, bias_ids=bias_ids)
+    y, seen, counts = _correct_history(x, y, s, state, used, on)
+    return _correct_biased(x, y, s, seen, counts, used, on), empty
 
 
-def _uses(s: SamplingArrays) -> tuple[jax.Array, ...]:
-    """Whether some row uses: logit bias, repetition penalty, frequency / presence penalty, mask (scalars)."""
-    return (
-        jnp.any(s.bias_ids >= 0),
-        jnp.any((s.repetition_penalty != 1.0) & (s.repetition_penalty > 0)),
-        jnp.any((s.frequency_penalty != 0) | (s.presence_penalty != 0)),
-        jnp.any(s.mask_on),
-    )
+def _zeros_flipped(s: SamplingArrays) -> jax.Array:
+    """Rows whose penalties turn a logit of -0.0 into +0.0 at every token, seen or not (bool [B]): the frequency
+    and presence penalties subtract f * 0 and p * 0 from each unseen token, which turns -0.0 into +0.0 where such
+    a product is -0.0 (the sign of f, as XLA CPU computes them: the presence term becomes a select of +0.0). Which
+    rows: the penalties' own expression (`_penalties`) on a -0.0 of each row, so the rule is XLA's, not restated
+    here (the barrier keeps XLA from folding the probe's zeros). Their other columns get that +0.0 in
+    `_mask_and_zeros`, as the reference's pass over the whole row gives."""
+    B = s.frequency_penalty.shape[0]
+    unseen = lax.optimization_barrier((jnp.full((B, 1), -0.0, jnp.float32), jnp.zeros((B, 1), bool),
+                                       jnp.zeros((B, 1), jnp.int32)))  # not folded as constants: as at run time
+    probe = _penalties(*unseen[:1], s, *unseen[1:])[:, 0]
+    return ~jnp.signbit(probe)
 
 
-def _process(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tuple[jax.Array, jax.Array]:
-    """Steps (a)-(c). Returns (processed logits, mask_empty).
+def _mask_and_zeros(x: jax.Array, s: SamplingArrays, flip: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The masked row (`_apply_mask`) with -0.0 made +0.0 in the rows `flip` [B] (`_zeros_flipped`) -> (y [B, V],
+    mask_empty [B]): what the penalties and the mask leave at the tokens a row has neither seen nor biased."""
+    y, empty = _apply_mask(x, s.mask, s.mask_on)
+    return jnp.where(flip[:, None] & (y == 0), 0.0, y), empty
 
-    The penalties are one elementwise pass over the row (`_penalties`; rows not using them pass through it
-    unchanged) that writes the processed row, the logit bias then replaces the values of its few tokens in it
-    (`_bias_at_ids`), and the mask (unpacking its bits costs as much as the penalties) runs under its own
-    `lax.cond`. Conds around the penalties, whose [B, V] results XLA CPU writes out one after the other, and a
-    scatter of the bias over a copy of the logits cost more.
+
+def _no_mask_or_zeros(x: jax.Array, s: SamplingArrays, flip: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The skipped branch of `_mask_and_zeros`: x, no row empty."""
+    return _no_mask(x, s.mask, s.mask_on)
+
+
+def _penalized(s: SamplingArrays) -> jax.Array:
+    """Whether some row uses a repetition, frequency or presence penalty (scalar bool)."""
+    return jnp.any(((s.repetition_penalty != 1.0) & (s.repetition_penalty > 0))
+                   | (s.frequency_penalty != 0) | (s.presence_penalty != 0))
+
+
+def _correct_history(x: jax.Array, y: jax.Array, s: SamplingArrays, state: PenaltyHistory, used: jax.Array,
+                     on: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """y [B, V] (x [B, V] masked) with each token of each row's history set to its processed value
+    (`_corrected`), `_HISTORY_CHUNK` entries a step while some row's last chunk was full (to the longest row's
+    end, not over all M), no step when no row uses a penalty -> (y, and the history of each logit-bias column's token: seen bool, counts int32 [B, MAX_LOGIT_BIAS],
+    found in the same steps). A token the row also biases is left to `_correct_biased`, so every column is
+    written once and a history entry needs no bias."""
+    B, V = x.shape
+    ids, counts = state.ids, state.counts
+    pad = -ids.shape[-1] % _HISTORY_CHUNK
+    if pad:
+        ids, counts = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=-1), jnp.pad(counts, ((0, 0), (0, pad)))
+    steps = ids.shape[-1] // _HISTORY_CHUNK
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, _HISTORY_CHUNK))
+    chunk = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * _HISTORY_CHUNK, _HISTORY_CHUNK, axis=1)
+    column = lambda a, c: jax.lax.dynamic_slice_in_dim(a, c, 1, axis=1)
+    put = lambda a, c, v: jax.lax.dynamic_update_slice_in_dim(a, v, c, axis=1)
+
+    def more(carry):
+        j, alive = carry[0], carry[-1]
+        return (j < steps) & alive
+
+    def step(carry):
+        j, y, seen, found, _ = carry
+        t, k = chunk(ids, j), chunk(counts, j)
+
+        def bias_column(c, inner):  # the entries that are bias column c's token, and that token's history
+            hit, seen, found = inner
+            match = t == column(s.bias_ids, c)
+            seen = put(seen, c, column(seen, c) | jnp.any(match, axis=1, keepdims=True))
+            found = put(found, c, column(found, c) + jnp.sum(jnp.where(match, k, 0), axis=1, keepdims=True))
+            return hit | match, seen, found
+
+        hit, seen, found = jax.lax.fori_loop(0, used, bias_column, (jnp.zeros(t.shape, bool), seen, found))
+        at = jnp.clip(t, 0, V - 1)
+        v = _corrected(jnp.take_along_axis(x, at, axis=1), at, s, 0, t >= 0, k, on)
+        y = y.at[rows, jnp.where((t >= 0) & (t < V) & ~hit, t, V)].set(v, mode="drop")
+        return j + 1, y, seen, found, jnp.any(t[:, -1] >= 0)  # a full chunk: the row may go on (ids are packed)
+
+    start = (jnp.int32(0), y, jnp.zeros(s.bias_ids.shape, bool), jnp.zeros(s.bias_ids.shape, jnp.int32),
+             _penalized(s))
+    return jax.lax.while_loop(more, step, start)[1:4]
+
+
+def _correct_biased(x: jax.Array, y: jax.Array, s: SamplingArrays, seen: jax.Array, counts: jax.Array,
+                    used: jax.Array, on: jax.Array) -> jax.Array:
+    """y [B, V] with each token given a logit bias set to its processed value (`_corrected`, with its history
+    seen, counts [B, MAX_LOGIT_BIAS] from `_correct_history`), `_BIAS_CHUNK` columns at a time up to the last
+    column any row uses (no step when none does).
+
+    Why not the scatter over the row, then the penalties: XLA CPU runs a scatter as a loop over its updates, and
+    the B * MAX_LOGIT_BIAS entries (4,800 at 16 rows, most of them empty) took ~4 ms; here only the used columns
+    are written. A token given twice gets the same value in each of its entries (`_bias_sums`).
     """
-    x = _bias_at_ids(x, _penalties(x, s, state.seen, state.counts), s, state)
-    return jax.lax.cond(uses[-1], _apply_mask, _no_mask, x, s.mask, s.mask_on)
+    B, V = x.shape
+    pad = -s.bias_ids.shape[-1] % _BIAS_CHUNK
+    widen = lambda a, fill: jnp.pad(a, ((0, 0), (0, pad)), constant_values=fill)
+    ids = widen(s.bias_ids, V)
+    at = jnp.minimum(ids, V - 1)
+    vals = _corrected(jnp.take_along_axis(x, at, axis=1), at, s, used, widen(seen, False), widen(counts, 0), on)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, _BIAS_CHUNK))
+    column = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j, _BIAS_CHUNK, axis=1)
 
+    def write(c, y):
+        return y.at[rows, column(ids, c * _BIAS_CHUNK)].set(column(vals, c * _BIAS_CHUNK), mode="drop")
 
-def _unprocessed(x: jax.Array, s: SamplingArrays, state: PenaltyState, uses) -> tuple[jax.Array, jax.Array]:
-    """The branch of `process_logits` when no row uses (a)-(c): a single pass-through."""
-    return x, jnp.zeros(x.shape[0], bool)
+    return jax.lax.fori_loop(0, (used + _BIAS_CHUNK - 1) // _BIAS_CHUNK, write, y)
 
 
 # --- (d): temperature, truncation, draw ---------------------------------------------------------------------
@@ -856,14 +1052,15 @@ def sample_greedy(logits: jax.Array, s: SamplingArrays, vocab_parts: int = 1) ->
                         mask_empty=mask_empty)
 
 
-def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyState, vocab_parts: int = 1) -> SampleOutput:
+def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyHistory, vocab_parts: int = 1) -> SampleOutput:
     """Choose one token per row (processing order in the module docstring).
 
     Args:
       logits: [B, V] float32 model output.
       s: per-row settings.
-      state: [B, V] token history of the rows (`penalty_state_zeros`, `record_prompt`, `record`); only read
-        when some row uses a penalty. `sample` does not update it: call `record` with the returned tokens.
+      state: [B, M] token history of the rows (`penalty_history_zeros`, `record_prompt`, `record`); only read
+        when some row uses a penalty or a logit bias. `sample` does not update it: call `record` with the
+        returned tokens.
       vocab_parts: static; the vocabulary's split across devices (module docstring), 1 on one device.
     Returns:
       SampleOutput; logprobs and top logprobs are log_softmax(processed logits), before temperature and

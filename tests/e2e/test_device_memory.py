@@ -21,7 +21,8 @@ def test_info_reports_each_devices_share_and_the_log_has_a_line_per_device(tp_st
     cache = info.num_slots * (info.kv_bytes_per_token * info.max_model_len + info.kv_bytes_per_sequence)
     for d in devices:
         assert d.kv_bytes == cache  # replicated: one KV head
-        assert d.penalty_bytes == info.num_slots * info.vocab_size * 5 // 2  # split over the vocabulary
+        # the sparse history (int32 ids and counts of min(2 * max_model_len, V) tokens a slot), whole on each
+        assert d.penalty_bytes == info.num_slots * min(2 * info.max_model_len, info.vocab_size) * 8
         assert 0.4 * info.weight_bytes < d.weight_bytes < 0.6 * info.weight_bytes
         assert d.temp_bytes > 0 and d.capacity_bytes == 0  # XLA's CPU reports no limit
     assert devices[0].weight_bytes == devices[1].weight_bytes

@@ -5,8 +5,8 @@ over devices), the single-device stack the CPU default, int8 products with Q8_0 
 part, the split's token must be one of the single-device stack's five best at that position, within TIE of its
 best (both paths' logits sit near float32's: mean KL 2e-5 for bfloat16, 4e-4 for int8 over the long test text,
 tests/model_worker/test_gemma3_numerics.py, so two tokens closer than about twice int8's logprob error may swap).
-The worker splits weights, logits and penalties over both devices (its log says what it kept whole: the model has
-one KV head)."""
+The worker splits weights and logits over both devices (its log says what it kept whole: the model has
+one KV head; the penalty history, a few token ids a slot, is kept whole on each)."""
 
 from __future__ import annotations
 

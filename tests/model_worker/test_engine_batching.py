@@ -396,12 +396,19 @@ def test_greedy_sampler_keeps_the_penalty_history_like_the_full_one():
     """The greedy program records input tokens by point updates; the history it leaves equals the full
     program's (active rows record their input token, generated ones also count; inactive rows and padding none)."""
     from model_worker.engine.programs import SampleInputs, greedy_program, sample_program
-    from model_worker.modeling.sampling import PenaltyState, SamplingArrays
+    from model_worker.modeling.sampling import (
+        PenaltyState,
+        SamplingArrays,
+        dense_from_history,
+        history_from_dense,
+    )
 
     rng = np.random.default_rng(3)
     S_, V_ = 6, 300
-    pstate = PenaltyState(counts=jnp.asarray(rng.integers(0, 3, (S_, V_)), jnp.int32),
-                          seen=jnp.asarray(rng.random((S_, V_)) < 0.1))
+    seen = rng.random((S_, V_)) < 0.1
+    dense = PenaltyState(counts=jnp.asarray(np.where(seen, rng.integers(0, 3, (S_, V_)), 0), jnp.int32),
+                         seen=jnp.asarray(seen))
+    pstate = history_from_dense(dense, capacity=int(seen.sum(axis=1).max()) + 4)
     logits = jnp.asarray(rng.standard_normal((4, V_)), jnp.float32)
     tokens = np.array([[5], [7], [7], [9]], np.int32)
     positions = np.array([[10], [3], [-1], [4]], np.int32)  # row 2: padding
@@ -414,9 +421,47 @@ def test_greedy_sampler_keeps_the_penalty_history_like_the_full_one():
     fast_out, fast_state = jax.jit(greedy_program)(jax.tree.map(jnp.copy, pstate), inputs)
     np.testing.assert_array_equal(np.asarray(fast_out.tokens), np.asarray(full_out.tokens))
     np.testing.assert_array_equal(np.asarray(fast_state.counts), np.asarray(full_state.counts))
-    np.testing.assert_array_equal(np.asarray(fast_state.seen), np.asarray(full_state.seen))
-    changed = np.asarray(full_state.counts) != np.asarray(pstate.counts)
+    np.testing.assert_array_equal(np.asarray(fast_state.ids), np.asarray(full_state.ids))
+    after = dense_from_history(full_state, V_)
+    changed = np.asarray(after.counts) != np.asarray(dense.counts)
     assert changed.sum() == 1 and changed[4, 5], "only slot 4's generated token 5 is counted"
+    seen_now = np.asarray(after.seen) != np.asarray(dense.seen)
+    assert not seen_now[[1, 2, 3, 5]].any(), "only slots 4 and 0 (active, not padding) record a token"
+
+
+def test_a_copied_slot_keeps_the_history_and_a_cleared_one_starts_empty():
+    """A slot copy (prefix reuse, `n` > 1 forks) gives the destination the source's sparse history as it is; the
+    destination then records its own tokens on top (a repeated token counted again, not added twice), and a row
+    with `clear_penalties` (a fresh sequence in a reused slot) starts from an empty history."""
+    from model_worker.engine.programs import CopyInputs, SampleInputs, copy_program, sample_program
+    from model_worker.modeling.sampling import (
+        SamplingArrays,
+        dense_from_history,
+        penalty_history_zeros,
+        record_tokens,
+    )
+
+    V_ = 64
+    pstate = penalty_history_zeros(3, 8)
+    tokens = jnp.array([[3, 9, 3, 5]], jnp.int32)
+    first = record_tokens(jax.tree.map(lambda a: a[:1], pstate), tokens, tokens >= 0,
+                          jnp.array([[False, False, True, True]]))  # prompt 3 9, then 3 and 5 generated
+    pstate = jax.tree.map(lambda a, r: a.at[0].set(r[0]), pstate, first)
+    _, _, pstate = jax.jit(copy_program)(None, pstate, CopyInputs(np.int32(0), np.int32(2)))
+    np.testing.assert_array_equal(np.asarray(pstate.ids[2]), np.asarray(pstate.ids[0]))
+    np.testing.assert_array_equal(np.asarray(pstate.counts[2]), np.asarray(pstate.counts[0]))
+    s = SamplingArrays.defaults(2, V_)
+    s.frequency_penalty[:] = 0.5
+    inputs = SampleInputs(jnp.zeros((2, V_), jnp.float32), np.array([[9], [7]], np.int32),
+                          np.array([[4], [4]], np.int32), np.array([2, 0], np.int32), np.ones((2, 1), bool),
+                          np.array([False, True]), np.ones(2, bool), s)
+    out, pstate = jax.jit(sample_program)(pstate, inputs)
+    dense = dense_from_history(pstate, V_)
+    counts, seen = np.asarray(dense.counts), np.asarray(dense.seen)
+    assert np.flatnonzero(seen[2]).tolist() == [3, 5, 9] and counts[2, [3, 5, 9]].tolist() == [1, 1, 1]
+    assert np.flatnonzero(seen[0]).tolist() == [7] and counts[0, 7] == 1  # cleared, then its own token
+    assert not seen[1].any()
+    assert int(out.tokens[0]) not in (3, 5, 9) and int(out.tokens[1]) != 7  # penalized tokens lose the argmax
 
 
 def test_a_burst_of_identical_prompts_costs_one_prefill(engine):

@@ -18,6 +18,7 @@ from model_worker.engine import memory
 from model_worker.engine.engine import Engine, EngineConfig
 from model_worker.engine.programs import ProgramKey
 from model_worker.modeling.params import random_flat, to_device
+from model_worker.modeling.sampling import penalty_capacity
 from tests.gemma4_tiny import SHARED
 
 GiB = 2**30
@@ -86,7 +87,8 @@ def test_size_slots_against_a_device_limit_and_on_cpu(tiny):
         assert (sized.num_slots, limit) == (4, None)  # XLA's CPU reports no limit
     else:  # an accelerator reports its limit, and `auto` fills it
         assert limit > fp.weights and sized.num_slots == memory.fit_slots(limit, fp)
-    assert fp.weights == params.nbytes() and fp.penalty_per_slot == cfg.vocab_size * 5  # int32 counts + bool seen
+    # int32 ids and counts of min(2 * max_model_len, V) distinct tokens
+    assert fp.weights == params.nbytes() and fp.penalty_per_slot == penalty_capacity(64, cfg.vocab_size) * 8
     cap = fp.weights + fp.temp_fixed + 10 * fp.per_slot
     sized, _, limit = memory.size_slots(cfg, params, ecfg, auto=True, devices=[_Device(cap)])
     assert limit == cap and sized.num_slots == memory.fit_slots(cap, fp) < 10
@@ -106,7 +108,7 @@ def test_a_running_engine_reports_its_arrays_and_compiled_temporaries(tiny):
     on_cpu = jax.default_backend() == "cpu"
     assert usage.device == jax.devices()[0] and (usage.capacity is None) == on_cpu  # XLA's CPU reports no limit
     assert usage.weights == params.nbytes() and usage.kv == engine.cache.nbytes()
-    assert usage.penalties == 2 * cfg.vocab_size * 5
+    assert usage.penalties == 2 * penalty_capacity(64, cfg.vocab_size) * 8  # ids and counts, int32
     temporaries = engine._lower(key).compile().memory_analysis().temp_size_in_bytes
     assert usage.temporaries == temporaries
     # XLA's CPU program of this tiny greedy step keeps a scratch buffer; the TPU compiler fuses it into no device

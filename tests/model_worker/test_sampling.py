@@ -21,8 +21,23 @@ V = 5000  # > MAX_TOP_K, and not a multiple of 32 (the last mask word is partial
 # Log-probabilities against numpy's float64 reference: XLA CPU's exp and log stay within 1e-5 relative; a TPU's are
 # hardware approximations, a few ulps looser (a v5e measured 2.5e-5 and 3.8e-5 relative in the device lane).
 LP_RTOL = 1e-5 if jax.default_backend() == "cpu" else 1e-4
-_sample = jax.jit(S.sample)
-_process = jax.jit(S.process_logits)
+_sample_jit = jax.jit(S.sample)
+_process_jit = jax.jit(S.process_logits)
+
+
+def _sparse(state):
+    """The `PenaltyHistory` `sample` reads, from a dense `PenaltyState` (empty histories of the tests) or as is."""
+    return S.history_from_dense(state) if isinstance(state, S.PenaltyState) else state
+
+
+def _sample(logits, s, state):
+    """`sampling.sample`, jitted, on a dense or sparse history."""
+    return _sample_jit(logits, s, _sparse(state))
+
+
+def _process(logits, s, state):
+    """`sampling.process_logits`, jitted, on a dense or sparse history."""
+    return _process_jit(logits, s, _sparse(state))
 
 
 # --- numpy reference ----------------------------------------------------------------------------------------
@@ -120,10 +135,10 @@ def random_logits(batch: int, vocab: int = V, seed: int = 0, scale: float = 3.0)
     return (np.random.default_rng(seed).standard_normal((batch, vocab)) * scale).astype(np.float32)
 
 
-def history(batch: int, vocab: int, logits: np.ndarray) -> S.PenaltyState:
+def history(batch: int, vocab: int, logits: np.ndarray) -> S.PenaltyHistory:
     """A penalty history: a prompt, then a few generated tokens (some of them the rows' most likely)."""
     rng = np.random.default_rng(7)
-    state = S.penalty_state_zeros(batch, vocab)
+    state = S.penalty_history_zeros(batch, 64)
     prompt = rng.integers(0, vocab, (batch, 40)).astype(np.int32)
     prompt[:, -5:] = np.argsort(-logits, axis=1)[:, 5:10]
     prompt[:, :3] = -1  # padding
@@ -216,10 +231,11 @@ def test_defaults_shapes_and_dtypes():
 
 
 def test_record_updates_active_rows_only():
-    state = S.penalty_state_zeros(3, 10)
+    state = S.penalty_history_zeros(3, 4)
     state = S.record(state, jnp.array([1, 2, 3], jnp.int32), jnp.array([True, False, True]))
     state = S.record(state, jnp.array([1, 2, -1], jnp.int32), jnp.array([True, True, True]))
-    counts, seen = np.asarray(state.counts), np.asarray(state.seen)
+    dense = S.dense_from_history(state, 10)
+    counts, seen = np.asarray(dense.counts), np.asarray(dense.seen)
     expected = np.zeros((3, 10), np.int32)
     expected[0, 1], expected[1, 2], expected[2, 3] = 2, 1, 1
     np.testing.assert_array_equal(counts, expected)
@@ -228,10 +244,25 @@ def test_record_updates_active_rows_only():
 
 def test_record_prompt_marks_seen_without_counting():
     prompt = jnp.array([[4, 4, 9, -1], [-1, -1, -1, 0]], jnp.int32)
-    state = S.record_prompt(S.penalty_state_zeros(2, 10), prompt)
+    state = S.record_prompt(S.penalty_history_zeros(2, 4), prompt)
     assert not np.asarray(state.counts).any()
-    np.testing.assert_array_equal(np.flatnonzero(state.seen[0]), [4, 9])
-    np.testing.assert_array_equal(np.flatnonzero(state.seen[1]), [0])
+    np.testing.assert_array_equal(np.asarray(state.ids), [[4, 9, -1, -1], [0, -1, -1, -1]])  # distinct, packed
+
+
+def test_record_tokens_repeats_capacity_and_clear():
+    """Repeated tokens (within one call and across calls) keep one entry each with their counts summed; prompt
+    tokens are seen but not counted; a token past the capacity is dropped; cleared rows start empty."""
+    state = S.penalty_history_zeros(2, 3)
+    tokens = jnp.array([[5, 7, 5, 5, -1], [1, 1, 2, 3, 4]], jnp.int32)
+    output = jnp.array([[True, False, True, False, True], [True, True, True, True, True]])
+    state = S.record_tokens(state, tokens, tokens >= 0, output)
+    np.testing.assert_array_equal(np.asarray(state.ids), [[5, 7, -1], [1, 2, 3]])
+    np.testing.assert_array_equal(np.asarray(state.counts), [[2, 0, 0], [2, 1, 1]])  # token 4: past capacity
+    state = S.record(state, jnp.array([7, 2], jnp.int32), jnp.array([True, True]))
+    np.testing.assert_array_equal(np.asarray(state.counts), [[2, 1, 0], [2, 2, 1]])
+    state = S.clear_rows(state, jnp.array([True, False]))
+    np.testing.assert_array_equal(np.asarray(state.ids), [[-1, -1, -1], [1, 2, 3]])
+    np.testing.assert_array_equal(np.asarray(state.counts), [[0, 0, 0], [2, 2, 1]])
 
 
 # --- processed logits ---------------------------------------------------------------------------------------
@@ -241,7 +272,7 @@ def test_penalties_hand_checked():
     logits = jnp.array([[2.0, -2.0, 1.0, 0.5, 0.0]], jnp.float32)
     s = S.SamplingArrays.defaults(1, 5)
     s.repetition_penalty[0], s.frequency_penalty[0], s.presence_penalty[0] = 2.0, 0.5, 0.25
-    state = S.record_prompt(S.penalty_state_zeros(1, 5), jnp.array([[0, 1]], jnp.int32))
+    state = S.record_prompt(S.penalty_history_zeros(1, 5), jnp.array([[0, 1]], jnp.int32))
     for _ in range(3):
         state = S.record(state, jnp.array([2], jnp.int32), jnp.ones(1, bool))
     x, empty = _process(logits, s, state)
@@ -253,7 +284,8 @@ def test_penalties_hand_checked():
 def test_processed_logits_match_reference(mixed):
     logits, s, state, _ = mixed
     x, empty = np_tree(_process(jnp.asarray(logits), s, state))
-    counts, seen = np.asarray(state.counts), np.asarray(state.seen)
+    dense = S.dense_from_history(state, logits.shape[-1])
+    counts, seen = np.asarray(dense.counts), np.asarray(dense.seen)
     for r in range(8):
         np.testing.assert_allclose(x[r], ref_process(logits, s, r, counts, seen), rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(empty, np.arange(8) == 6)
@@ -264,7 +296,8 @@ def test_processed_logits_match_reference(mixed):
 
 def test_mixed_batch_matches_reference(mixed):
     logits, s, state, out = mixed
-    counts, seen = np.asarray(state.counts), np.asarray(state.seen)
+    dense = S.dense_from_history(state, logits.shape[-1])
+    counts, seen = np.asarray(dense.counts), np.asarray(dense.seen)
     for r in range(8):
         x = ref_process(logits, s, r, counts, seen)
         lp = log_softmax(x)
@@ -324,7 +357,7 @@ def test_argmax_is_the_first_index_of_the_maximum_over_blocks():
 
 def test_settings_are_runtime_arrays():
     f = jax.jit(lambda *args: S.sample(*args))  # a fresh function: its own compilation cache
-    logits, state = jnp.asarray(random_logits(2, seed=2)), S.penalty_state_zeros(2, V)
+    logits, state = jnp.asarray(random_logits(2, seed=2)), S.penalty_history_zeros(2, 16)
     f(logits, S.SamplingArrays.defaults(2, V), state)
     f(logits, mixed_settings_rows(2), state)
     assert f._cache_size() == 1
@@ -521,7 +554,7 @@ def test_greedy_sampler_equals_the_full_one():
     an empty mask (flagged, mask ignored), with and without any mask in the batch."""
     rng = np.random.default_rng(11)
     logits = jnp.asarray(rng.standard_normal((4, V)).astype(np.float32) * 3)
-    state = S.penalty_state_zeros(4, V)
+    state = S.penalty_history_zeros(4, 16)
     for masked in (False, True):
         s = S.SamplingArrays.defaults(4, V)
         if masked:

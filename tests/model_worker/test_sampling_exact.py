@@ -19,8 +19,13 @@ import pytest
 from model_worker.modeling import sampling as S
 from tests.model_worker import sampling_reference as R
 
-_new = jax.jit(S.sample)
+_sample = jax.jit(S.sample)
 _old = jax.jit(R.sample)
+
+
+def _new(logits: jax.Array, s: S.SamplingArrays, state: S.PenaltyState) -> S.SampleOutput:
+    """`sampling.sample` on the sparse history of the dense one the reference reads."""
+    return _sample(logits, s, S.history_from_dense(state))
 
 
 def logits_of(kind: str, batch: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
@@ -219,17 +224,18 @@ def test_nucleus_threshold_has_the_reference_bits():
 
 
 def test_logit_bias_entries_equal_reference():
-    """The logit bias computed on its entries and written into the penalized row (`_bias_at_ids`) gives the
+    """The logit bias computed on its entries and written into the masked row (`_correct_biased`) gives the
     reference's scatter-then-penalties bits: up to every column used, ids out of range, a token given many times
     (its values added in column order), penalties on biased tokens, logits of +-0.0 and tiny values."""
     rng = np.random.default_rng(5)
-    new, old = jax.jit(S.process_logits), jax.jit(R.process_logits)
+    process, old = jax.jit(S.process_logits), jax.jit(R.process_logits)
+    new = lambda x, s, state: process(x, s, S.history_from_dense(state))
     for vocab in (13, 5000):
         batch = 8
         x = jnp.asarray(rng.standard_normal((batch, vocab)).astype(np.float32) * 3)
         x = x.at[:, :4].set(jnp.array([0.0, -0.0, 1e-30, -1e-30]))
         state = random_history(batch, vocab, rng)
-        state = S.PenaltyState(counts=state.counts.at[:, :6].set(jnp.array([0, 3, 1, 0, 2, 7])),
+        state = S.PenaltyState(counts=state.counts.at[:, :6].set(jnp.array([0, 0, 1, 0, 2, 7])),
                                seen=state.seen.at[:, :6].set(jnp.array([True, False, True, True, True, True])))
         for trial in range(8):
             s = random_settings(batch, vocab, rng)
@@ -299,7 +305,7 @@ def test_full_settings_decide_top_p_on_candidates():
     s.repetition_penalty[:], s.frequency_penalty[:], s.presence_penalty[:] = 1.1, 0.2, 0.1
     s.bias_ids[:, :3], s.bias_vals[:, :3] = [7, 1000, 2000], [2.0, -100.0, 1.5]
     s.seed[:, 0], s.step[:] = np.arange(batch), 11
-    x, _ = jax.jit(S.process_logits)(logits, s, state)
+    x, _ = jax.jit(S.process_logits)(logits, s, S.history_from_dense(state))
 
     @jax.jit
     def small(x, s):
@@ -335,3 +341,68 @@ def test_zero_maximum_of_either_sign_equals_reference():
         s.seed[:, 0], s.step[:] = np.arange(batch), 1
         state = S.penalty_state_zeros(batch, vocab)
         assert_same(_new(jnp.asarray(x), s, state), _old(jnp.asarray(x), s, state), f"V={vocab}")
+
+
+def test_recorded_histories_equal_reference():
+    """Histories built as the engine builds them (`record_tokens`: prompt chunks, then generated tokens, each
+    repeated within a chunk and across steps, -1 padding), one row holding every token of the vocabulary (the
+    most `penalty_capacity` can ask for) and one empty: the sparse history's draw and log-probabilities equal the
+    reference's on the same history, dense, with penalties of either sign, logit biases on seen and unseen tokens,
+    masks, and logits of +-0.0."""
+    rng = np.random.default_rng(11)
+    batch, vocab = 6, 512
+    history = S.penalty_history_zeros(batch, vocab)
+    for _ in range(3):  # prompt chunks: ids drawn from a few, so they repeat
+        history = S.record_prompt(history, jnp.asarray(rng.integers(-1, 40, (batch, 24)), jnp.int32))
+    every = np.full((batch, vocab), -1, np.int32)
+    every[1] = np.arange(vocab)  # row 1: every token of the vocabulary
+    history = S.record_prompt(history, jnp.asarray(every))
+    for step in range(20):  # generated tokens, some repeated, some new
+        tokens = rng.integers(0, 60, batch).astype(np.int32)
+        history = S.record(history, jnp.asarray(tokens), jnp.asarray(np.arange(batch) != 5))  # row 5: nothing
+    history = S.clear_rows(history, jnp.asarray(np.arange(batch) == 4))  # row 4: a fresh sequence
+    dense = S.dense_from_history(history, vocab)
+    ids = np.asarray(history.ids)
+    assert (ids[1] >= 0).all() and not (ids[4] >= 0).any()
+    for row in ids:  # distinct, packed at the front
+        kept = row[row >= 0]
+        assert len(set(kept.tolist())) == len(kept) and (row[len(kept):] == -1).all()
+    for trial in range(6):
+        logits = logits_of(["peaked", "ties", "flat"][trial % 3], batch, vocab, rng)
+        logits[:, :6] = [0.0, -0.0, -0.0, 0.0, 1e-30, -1e-30]
+        s = random_settings(batch, vocab, rng)
+        s.frequency_penalty[:] = rng.choice([0.0, 0.5, -0.3, -0.0], batch)
+        s.presence_penalty[:] = rng.choice([0.0, 0.4, -1.0, -0.0], batch)
+        s.repetition_penalty[:] = rng.choice([1.0, 1.3, 0.8], batch)
+        s.bias_ids[:, :4] = [1, 2, int(ids[0, 0]), vocab - 1]
+        s.bias_vals[:, :4] = [0.0, -0.0, 2.5, -1.0]
+        x = jnp.asarray(logits)
+        assert_same(_sample(x, s, history), _old(x, s, dense), f"trial {trial}")
+
+
+def test_histories_longer_than_a_search_chunk_equal_reference():
+    """Rows of thousands of distinct tokens (past `_SEARCH_CHUNK` and many `_HISTORY_CHUNK`s; one row every
+    token of the vocabulary, generated twice over): `record_tokens` keeps the counts a dense history would, chunk
+    by chunk, and the draw and log-probabilities equal the reference's on it."""
+    rng = np.random.default_rng(12)
+    batch, vocab = 3, 8192
+    history = S.penalty_history_zeros(batch, vocab)
+    counts, seen = np.zeros((batch, vocab), np.int32), np.zeros((batch, vocab), bool)
+    for step in range(40):
+        tokens = np.full((batch, 512), -1, np.int32)
+        tokens[0] = np.arange(512 * (step % 16), 512 * (step % 16 + 1))  # every token, twice
+        tokens[1] = rng.integers(0, 3000, 512)  # repeats within and across chunks
+        output = np.broadcast_to(np.arange(batch) == 0, (512, batch)).T | (rng.random((batch, 512)) < 0.5)
+        history = S.record_tokens(history, jnp.asarray(tokens), jnp.asarray(tokens >= 0), jnp.asarray(output))
+        for b in range(batch):
+            ok = tokens[b] >= 0
+            seen[b, tokens[b, ok]] = True
+            np.add.at(counts[b], tokens[b, ok & output[b]], 1)
+    dense = S.dense_from_history(history, vocab)
+    np.testing.assert_array_equal(np.asarray(dense.seen), seen)
+    np.testing.assert_array_equal(np.asarray(dense.counts), counts)
+    for trial in range(3):
+        s = random_settings(batch, vocab, rng)
+        s.repetition_penalty[:], s.frequency_penalty[:], s.presence_penalty[:] = 1.2, [0.3, -0.2, 0.1], 0.4
+        x = jnp.asarray(logits_of("peaked", batch, vocab, rng))
+        assert_same(_sample(x, s, history), _old(x, s, dense), f"trial {trial}")

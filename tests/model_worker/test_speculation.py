@@ -352,4 +352,4 @@ def test_verify_steps_equal_decode_steps_on_the_embedded_model(gemma3, precision
         lg, out = decode(1, sampled[t - 1], 599 + t, t)
         assert np.array_equal(lg, logits[t]) and int(out.tokens[0]) == sampled[t]
     # the same tokens committed to both slots' penalty histories, the rejected drafts' not among them
-    assert all(np.array_equal(np.asarray(a)[0], np.asarray(a)[1]) for a in (eng.pstate.counts, eng.pstate.seen))
+    assert all(np.array_equal(np.asarray(a)[0], np.asarray(a)[1]) for a in (eng.pstate.ids, eng.pstate.counts))

@@ -133,10 +133,11 @@ def test_per_device_bytes_from_abstract_shapes_equal_the_placed_arrays(tiny):
         assert all(len(devices) == tp for devices in r["placed"]), label
         assert r["footprint"] == r["fullest"], label
     assert memory["ct/tp1"]["int4_leaves"] > 0
-    # split weights shrink per device; the 1-KV-head caches do not (replicated), the penalty state halves
+    # split weights shrink per device; the 1-KV-head caches do not (replicated), nor does the penalty state (a few
+    # token ids a slot, kept whole)
     for model in ("ple", "ct"):
         one, two = memory[f"{model}/tp1"]["fullest"], memory[f"{model}/tp2"]["fullest"]
-        assert one[0] * 0.4 < two[0] < one[0] * 0.6 and two[1] == one[1] and 2 * two[2] == one[2], (model, one, two)
+        assert one[0] * 0.4 < two[0] < one[0] * 0.6 and two[1] == one[1] and two[2] == one[2], (model, one, two)
 
 
 def test_the_estimated_temporaries_bound_the_compiled_programs(tiny):
