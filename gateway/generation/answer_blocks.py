@@ -142,24 +142,24 @@ async def answer_events(backends: RunningView,
     Raises:
       ApiError: from planning's leftovers or the backends (before or during the stream).
     """
-    splitter = plan.splitters[0]
+    chat = plan.splitters[0]  # the chat output's splitter (thought, text, calls); `blocks` regroups its deltas
     runner = ChoiceRunner(backends, plan)
-    splitter = BlockSplitter()
+    blocks = BlockSplitter()
     started = False
     async for _, delta in run_choices(backends, plan.jobs):
         if not started:
             started = True
             yield AnswerStart(delta.cached_tokens)
-        for event in splitter.feed(runner.feed(0, delta)):
+        for event in blocks.feed(runner.feed(0, delta)):
             yield event
         if delta.finish_reason:
-            for event in splitter.close(incomplete=delta.finish_reason == "length"):
+            for event in blocks.close(incomplete=delta.finish_reason == "length"):
                 yield event
-            yield _end(splitter, delta, runner.tokens[0], plan.prompt_tokens)
+            yield _end(chat, delta, runner.tokens[0], plan.prompt_tokens)
 
 
-def _end(splitter, delta: Delta, tokens: list, prompt_tokens: int) -> AnswerEnd:
+def _end(chat, delta: Delta, tokens: list, prompt_tokens: int) -> AnswerEnd:
     usage = delta.usage
-    return AnswerEnd(splitter.finish_reason(delta.finish_reason), delta.stop_string, prompt_tokens,
+    return AnswerEnd(chat.finish_reason(delta.finish_reason), delta.stop_string, prompt_tokens,
                      usage.completion_tokens, usage.cached_tokens,
-                     splitter.thought_tokens([t.token_id for t in tokens]))
+                     chat.thought_tokens([t.token_id for t in tokens]))
