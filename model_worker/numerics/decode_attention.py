@@ -155,7 +155,9 @@ def _kernel(rows_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, queries: int, heads:
     @pl.when(needed)
     def _fold():
         dtype = q_ref.dtype
-        precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+        # Stated, never read from the process's setting: Mosaic refuses a 16-bit product at HIGHEST ("Bad lhs
+        # type"), which tests and float32 workers set process-wide; 16-bit products are exact at DEFAULT.
+        precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
         keys, vals = k_ref[...].astype(dtype), v_ref[...].astype(dtype)  # [block, K * D]
         for c, qp in enumerate(qps):  # static: a verify step's few queries
             visible = held & (kp <= qp)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from model_worker.numerics.decode_attention import decode_attention
 
@@ -214,10 +215,39 @@ def test_the_kernel_lowers_for_a_tpu_v5e_at_gemma4_shapes(monkeypatch):
         kv = jax.ShapeDtypeStruct((16, L, K, Dh), jnp.bfloat16)
         rows, pos = jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, C), jnp.int32)
         k_pos = jax.ShapeDtypeStruct((B, L), jnp.int32) if ring else None
-        f = lambda q, k, v, r, p, kp, w=(512 if ring else None): attention._attend_pallas(q, k, v, r, p, kp, w, 1.0,
-                                                                                          kv_len=L)
+        f = lambda q, k, v, r, p, kp, w=(512 if ring else None), L=L: attention._attend_pallas(q, k, v, r, p, kp, w,
+                                                                                               1.0, kv_len=L)
         text = jax.jit(f).trace(q, kv, kv, rows, pos, k_pos).lower(lowering_platforms=("tpu",)).as_text()
         assert "tpu_custom_call" in text
+
+
+def _dots(jaxpr):
+    """Every dot_general equation in `jaxpr` and the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _dots(inner)
+
+
+def test_16_bit_products_in_the_kernel_ask_no_float32_precision():
+    """Mosaic refuses a bfloat16 product asked for at HIGHEST ("Bad lhs type", seen on a v5e), and the tests and a
+    float32 worker set HIGHEST process-wide: the kernel's bfloat16 products state DEFAULT (exact for 16-bit
+    operands), its float32 ones HIGHEST, whatever the process's setting."""
+    for dtype, wanted in [(jnp.bfloat16, lax.Precision.DEFAULT), (jnp.float32, lax.Precision.HIGHEST)]:
+        q = jax.ShapeDtypeStruct((2, 4, 8, 128), dtype)
+        kv = jax.ShapeDtypeStruct((4, 1024, 1, 128), dtype)
+        rows, pos = jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 4), jnp.int32)
+        with jax.default_matmul_precision("highest"):
+            jaxpr = jax.make_jaxpr(lambda q, k, v, r, p: decode_attention(q, k, v, r, p, None, scale=1.0, block=512))(
+                q, kv, kv, rows, pos)
+        dots = list(_dots(jaxpr.jaxpr))
+        assert len(dots) >= 2, dots
+        for eqn in dots:
+            assert eqn.params["precision"] in (wanted, (wanted, wanted)), (dtype, eqn.params["precision"])
 
 
 @pytest.mark.skipif(jax.default_backend() != "tpu", reason="Mosaic compiles the kernel for a TPU only (the "
