@@ -19,7 +19,10 @@ Imports the program keys only: no JAX here (the engine hands in its compile func
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -91,6 +94,7 @@ class BackgroundCompile:
         self._stopped = threading.Event()
         self.done = threading.Event()  # set when every program is compiled or failed, or after `stop`
         self._running = 0
+        self._yielding = False
         self._started = time.perf_counter()
         self.seconds: float | None = None  # from `start` to the last program (None until then)
         self._threads = [threading.Thread(target=self._work, name=f"compile-bg-{i}", daemon=True)
@@ -102,9 +106,22 @@ class BackgroundCompile:
         if not self._queue:
             self.seconds = 0.0
             self.done.set()
-        for t in self._threads if self._queue else ():
+            return self
+        self._yielding = YIELD_TO_SERVING
+        if self._yielding:
+            _shorter_gil_turns(+1)
+        for t in self._threads:
             t.start()
         return self
+
+    def _finish(self) -> None:
+        """Set `done` once, giving back the GIL's switch interval (`_shorter_gil_turns`)."""
+        with self._lock:
+            if self.done.is_set():
+                return
+            self.done.set()
+        if self._yielding:
+            _shorter_gil_turns(-1)
 
     @property
     def pending(self) -> int:
@@ -124,10 +141,12 @@ class BackgroundCompile:
                 t.join(max(0.0, deadline - time.monotonic()))
         idle = not any(t.is_alive() for t in self._threads)
         if idle:
-            self.done.set()
+            self._finish()
         return idle
 
     def _work(self) -> None:
+        if self._yielding:
+            _lower_priority()
         while not self._stopped.is_set():
             with self._lock:
                 if not self._queue:
@@ -154,4 +173,54 @@ class BackgroundCompile:
             if self._on_compiled is not None:
                 self._on_compiled(key, ok)
             if finished:
-                self.done.set()
+                self._finish()
+
+
+# Serving first: the background must not starve the loop's thread. On a TPU host a small model's step is bound by
+# its dispatch (the host's CPU and the GIL): beside 13 compiling threads the embedded model's decode step took
+# ~10x its time (docs/performance.md, "Serving while compiling on the chip"). Three measures, while the
+# background compiles (`YIELD_TO_SERVING`; off only to measure them, benchmarks/compile_interference.py):
+#   - compiling threads run at the lowest CPU priority (`_lower_priority`);
+#   - one thread at a time traces and lowers (`lowering`): that part is Python holding the GIL, so more threads
+#     there only add contenders for it, while XLA's compile (without the GIL) still runs on every thread;
+#   - the GIL changes hands every `GIL_TURN_S` instead of every 5 ms (`_shorter_gil_turns`), so the loop's
+#     thread waits at most that long each time it takes the GIL back after dispatching.
+YIELD_TO_SERVING = True
+COMPILE_NICENESS = 19
+GIL_TURN_S = 0.0005
+_LOWERING = threading.Lock()
+_TURNS_LOCK = threading.Lock()
+_turns = {"jobs": 0, "saved": None}
+
+
+@contextlib.contextmanager
+def lowering():
+    """Hold while tracing and lowering a program on a background thread: one at a time (see above) while
+    `YIELD_TO_SERVING`; a no-op otherwise."""
+    if not YIELD_TO_SERVING:
+        yield
+        return
+    with _LOWERING:
+        yield
+
+
+def _lower_priority() -> None:
+    """The calling thread to `COMPILE_NICENESS` (Linux: each thread has its own nice value, and threads XLA starts
+    from it inherit it). Elsewhere, or if refused, it keeps its priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):
+        pass
+
+
+def _shorter_gil_turns(delta: int) -> None:
+    """Count a background compile in (+1) or out (-1): the first in sets the switch interval to `GIL_TURN_S`, the
+    last out restores the process's own."""
+    with _TURNS_LOCK:
+        _turns["jobs"] += delta
+        if delta > 0 and _turns["jobs"] == 1:
+            _turns["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(GIL_TURN_S, _turns["saved"]))
+        elif delta < 0 and _turns["jobs"] == 0 and _turns["saved"] is not None:
+            sys.setswitchinterval(_turns["saved"])
+            _turns["saved"] = None

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model_worker.engine import sharding
+from model_worker.engine import background_compile, sharding
 from model_worker.engine.background_compile import BackgroundCompile, background_order, serving_set
 from model_worker.engine.executables import ExecutableCache, fingerprint
 from model_worker.engine.programs import (
@@ -470,11 +470,16 @@ class Engine:
 
     def _compile(self, key: ProgramKey, cache: ExecutableCache | None, defer: bool = False) -> jax.stages.Compiled:
         """The compiled program of `key`: from `cache` when it holds it, else lowered, compiled and stored (or
-        queued for `store_deferred`)."""
+        queued for `store_deferred`); `defer` (the background's compiles) also lowers one at a time
+        (`background_compile.lowering`: the GIL-bound part, beside a serving loop)."""
+        def lower() -> jax.stages.Lowered:
+            with background_compile.lowering() if defer else contextlib.nullcontext():
+                return self._lower(key)
+
         if cache is None:
-            return self._lower(key).compile()
+            return lower().compile()
         devices = None if self.mesh is None else list(self.mesh.devices.flat)
-        return cache.get_or_compile(self._fingerprint(key), lambda: self._lower(key), devices, defer)
+        return cache.get_or_compile(self._fingerprint(key), lower, devices, defer)
 
     def _fingerprint(self, key: ProgramKey) -> str:
         """The executable cache's key of a program (`executables.fingerprint`), over `program_config(self.ecfg)`:

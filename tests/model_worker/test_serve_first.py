@@ -136,6 +136,44 @@ def test_answers_while_the_rest_compiles_in_the_background_are_the_same(model, c
     assert set(eng.calls) - set(eng.serving_set()), "the adopted programs were used"
 
 
+def test_the_background_yields_to_the_serving_loop(model):
+    """While the rest compiles: one program at a time is lowered (the GIL-bound part), on threads at the lowest CPU
+    priority where the OS allows it, with the GIL changing hands every `GIL_TURN_S`; the switch interval is the
+    process's own again once the background is done."""
+    import os
+
+    from model_worker.engine import background_compile
+
+    eng, main = engine(model, "serving"), threading.get_native_id()
+    lower, lock, seen = eng._lower, threading.Lock(), {"now": 0, "most": 0, "turns": set(), "nice": set()}
+
+    def recording(key):
+        with lock:
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+        seen["turns"].add(sys.getswitchinterval())
+        if hasattr(os, "getpriority"):
+            seen["nice"].add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+                             - os.getpriority(os.PRIO_PROCESS, main))
+        try:
+            time.sleep(0.05)  # long enough for the other threads to arrive
+            return lower(key)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    eng._lower = recording
+    before = sys.getswitchinterval()
+    rest = [k for k in eng.grid() if k not in eng.ready_programs()][:6]
+    job = eng.compile_in_background(rest, threads=3)
+    assert job.done.wait(300) and not job.failed and job.compiled == len(rest)
+    assert seen["most"] == 1, "lowered one at a time"
+    assert seen["turns"] == {min(background_compile.GIL_TURN_S, before)}
+    assert sys.getswitchinterval() == before
+    if sys.platform == "linux":
+        assert seen["nice"] and all(n > 0 for n in seen["nice"]), seen["nice"]
+
+
 def test_a_program_that_fails_to_compile_in_the_background_is_left_out(model, compiled, caplog):
     _, answers = compiled
     eng = engine(model, "serving")
