@@ -56,19 +56,29 @@ def _free_port() -> int:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Poll `url` until it answers 200; raise if the process exits or the time runs out."""
+    """Poll `url` until it answers 200 at full speed (a worker that serves first answers 200 while the rest of its
+    programs compile; its body's `programs_compiling` says how many: wait for 0, or a fleet measures the compile);
+    raise if the process exits or the time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
         try:
             with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
+                if r.status == 200 and _compiling(r.read()) == 0:
                     return
         except OSError:
             pass
         time.sleep(2)
     raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def _compiling(body: bytes) -> int:
+    """Programs a /health body says are still compiling (0 when it does not say: llama.cpp, an older stack)."""
+    try:
+        return int(json.loads(body).get("programs_compiling", 0) or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0
 
 
 def run_ours(args, out_dir: pathlib.Path, workers: int = 1) -> pathlib.Path:
