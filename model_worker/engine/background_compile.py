@@ -178,7 +178,7 @@ class BackgroundCompile:
 
 # Serving first: the background must not starve the loop's thread. On a TPU host a small model's step is bound by
 # its dispatch (the host's CPU and the GIL): beside 13 compiling threads the embedded model's decode step took
-# ~10x its time (docs/performance.md, "Serving while compiling on the chip"). Three measures, while the
+# ~10x its time (docs/performance.md, "Fifteenth session on the chip"). Three measures, while the
 # background compiles (`YIELD_TO_SERVING`; off only to measure them, benchmarks/compile_interference.py):
 #   - compiling threads run at the lowest CPU priority (`_lower_priority`);
 #   - one thread at a time traces and lowers (`lowering`): that part is Python holding the GIL, so more threads
