@@ -120,6 +120,14 @@ def embedded_gguf(cache_dir: pathlib.Path) -> pathlib.Path:
     return target
 
 
+def check_exists(spec: str) -> None:
+    """Raise FileNotFoundError ("model path ... does not exist") for a model spec naming a path that does not
+    exist (the embedded model always does): `prepare`'s first check, cheap enough for a launcher to make before it
+    starts anything."""
+    if spec != EMBEDDED and not pathlib.Path(spec).expanduser().exists():
+        raise FileNotFoundError(f"model path {pathlib.Path(spec).expanduser()} does not exist")
+
+
 def prepare(spec: str, cache_dir: pathlib.Path | None, parts: Mapping[str, PartBuilder]) -> PreparedModel:
     """Resolve a model spec and make sure the prepared files of `parts` exist (a GGUF's; a checkpoint directory
     needs none).
@@ -136,9 +144,8 @@ def prepare(spec: str, cache_dir: pathlib.Path | None, parts: Mapping[str, PartB
     cache_dir = pathlib.Path(cache_dir or default_cache_dir())
     if spec == EMBEDDED:
         return _prepare_gguf(embedded_gguf(cache_dir), cache_dir, EMBEDDED_NAME, parts, source=EMBEDDED)
+    check_exists(spec)
     path = pathlib.Path(spec).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
     if path.is_file() and path.suffix == ".gguf":
         return _prepare_gguf(path, cache_dir, path.stem, parts, source=str(path))
     if path.is_dir() and (path / MANIFEST).exists():

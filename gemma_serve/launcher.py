@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import network, uds
+from common.preparation import check_exists
 from gateway.api.auth import ApiKeys, child_env
 from gateway.core.limits import limit_args
 from gemma_serve.models import prepare
@@ -325,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         launcher = Launcher(args)
-    except ValueError as err:
+        check_exists(args.model)  # a typo in the path: refused before any service starts
+    except (ValueError, FileNotFoundError) as err:
         log.error("%s", err)
         return 2
     # The services start at once, on the model spec itself: each imports its libraries (JAX alone takes seconds on

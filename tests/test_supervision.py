@@ -160,8 +160,9 @@ def test_the_worker_command_re_executes_itself_with_huge_pages(monkeypatch, tmp_
 
 
 def test_up_on_a_model_that_does_not_exist_says_so_and_leaves_no_service(tmp_path):
-    """`up` starts its services before it prepares the model (their start overlaps the preparation), so a model
-    path that does not exist must still end in one line and exit 2, with every service it started stopped."""
+    """A model path that does not exist ends `up` in one line and exit 2 (checked before the services start, which
+    otherwise start before the model is prepared: their start overlaps the preparation), no service left behind and
+    no traceback from one that got as far as loading (each service says a wrong model spec in one line too)."""
     import psutil
 
     from tests.transport import socket_folder
@@ -186,3 +187,18 @@ def test_up_on_a_model_that_does_not_exist_says_so_and_leaves_no_service(tmp_pat
     assert proc.returncode == 2 and f"model path {missing} does not exist" in err, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_service_given_a_model_that_does_not_exist_says_so_in_one_line(tmp_path):
+    """The tokenizer service started on its own (as `up` or an operator's manifest starts it) on a missing model
+    path: exit 1 with "failed to load the tokenizer: model path ... does not exist", and no traceback (a wrong model
+    spec is the operator's mistake, not a crash)."""
+    from tests.transport import socket_folder
+
+    missing = tmp_path / "nowhere" / "model.gguf"
+    r = subprocess.run([sys.executable, "-m", "gemma_serve.cli", "tokenizer", "--uds",
+                        str(socket_folder() / "tokenizer.sock"), "--cache-dir", str(tmp_path / "cache"),
+                        "--model", str(missing)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"failed to load the tokenizer: model path {missing} does not exist" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -150,7 +150,8 @@ async def serve(args: argparse.Namespace) -> int:
         tok, template, render = await asyncio.to_thread(load_tokenizer, args.model, pathlib.Path(args.cache_dir))
         servicer.set_ready(tok, template, render)
     except Exception as err:
-        if isinstance(err, families.UnknownFamilyError):  # an unsupported model: its message says it all
+        # An unsupported model, a path that does not exist or is no model: the message says it all.
+        if isinstance(err, (families.UnknownFamilyError, FileNotFoundError, ValueError)):
             log.error("failed to load the tokenizer: %s", err)
         else:
             log.exception("failed to load the tokenizer")

@@ -95,6 +95,8 @@ class BackgroundCompile:
         self.done = threading.Event()  # set when every program is compiled or failed, or after `stop`
         self._running = 0
         self._yielding = False
+        self._finished = False
+        self._alive = 0  # compiling threads started and not yet ended
         self._started = time.perf_counter()
         self.seconds: float | None = None  # from `start` to the last program (None until then)
         self._threads = [threading.Thread(target=self._work, name=f"compile-bg-{i}", daemon=True)
@@ -110,18 +112,33 @@ class BackgroundCompile:
         self._yielding = YIELD_TO_SERVING
         if self._yielding:
             _shorter_gil_turns(+1)
+        self._alive = len(self._threads)
         for t in self._threads:
-            t.start()
+            try:
+                t.start()
+            except RuntimeError:  # no thread to be had: those that never started count as ended
+                self._thread_ended()
         return self
 
-    def _finish(self) -> None:
-        """Set `done` once, giving back the GIL's switch interval (`_shorter_gil_turns`)."""
+    def _thread_ended(self) -> None:
+        """A compiling thread is done (its queue empty, stopped, or failed outside a compile): the last one out
+        finishes the job, whatever ended it."""
         with self._lock:
-            if self.done.is_set():
+            self._alive -= 1
+            last = self._alive == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Once: give back the GIL's switch interval (`_shorter_gil_turns`), then set `done` (so that a caller woken
+        by `done` finds the process's own interval)."""
+        with self._lock:
+            if self._finished:
                 return
-            self.done.set()
+            self._finished = True
         if self._yielding:
             _shorter_gil_turns(-1)
+        self.done.set()
 
     @property
     def pending(self) -> int:
@@ -145,6 +162,12 @@ class BackgroundCompile:
         return idle
 
     def _work(self) -> None:
+        try:
+            self._compile_queue()
+        finally:
+            self._thread_ended()
+
+    def _compile_queue(self) -> None:
         if self._yielding:
             _lower_priority()
         while not self._stopped.is_set():
@@ -177,14 +200,16 @@ class BackgroundCompile:
 
 
 # Serving first: the background must not starve the loop's thread. On a TPU host a small model's step is bound by
-# its dispatch (the host's CPU and the GIL): beside 13 compiling threads the embedded model's decode step took
-# ~10x its time (docs/performance.md, "Fifteenth session on the chip"). Three measures, while the
-# background compiles (`YIELD_TO_SERVING`; off only to measure them, benchmarks/compile_interference.py):
+# its dispatch (the host's CPU and the GIL): beside 13 compiling threads the embedded model was served ~10x slower
+# than alone (docs/performance.md, "Fifteenth session on the chip"; host contention the suspected cause, not yet
+# isolated there). Three measures, while the background compiles (`YIELD_TO_SERVING`; off only to measure them,
+# benchmarks/compile_interference.py):
 #   - compiling threads run at the lowest CPU priority (`_lower_priority`);
 #   - one thread at a time traces and lowers (`lowering`): that part is Python holding the GIL, so more threads
 #     there only add contenders for it, while XLA's compile (without the GIL) still runs on every thread;
-#   - the GIL changes hands every `GIL_TURN_S` instead of every 5 ms (`_shorter_gil_turns`), so the loop's
-#     thread waits at most that long each time it takes the GIL back after dispatching.
+#   - a thread waiting for the GIL asks its holder to drop it after `GIL_TURN_S` instead of 5 ms
+#     (`_shorter_gil_turns`), so the loop's thread gets it back sooner after each dispatch (when the holder is
+#     running: a low-priority holder may itself wait for a core).
 YIELD_TO_SERVING = True
 COMPILE_NICENESS = 19
 GIL_TURN_S = 0.0005
@@ -206,7 +231,9 @@ def lowering():
 
 def _lower_priority() -> None:
     """The calling thread to `COMPILE_NICENESS` (Linux: each thread has its own nice value, and threads XLA starts
-    from it inherit it). Elsewhere, or if refused, it keeps its priority."""
+    from it inherit it). Elsewhere (where a thread id is not a task id), or if refused, it keeps its priority."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
     except (AttributeError, OSError):

@@ -156,7 +156,8 @@ def _kernel(rows_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, queries: int, heads:
     def _fold():
         dtype = q_ref.dtype
         # Stated, never read from the process's setting: Mosaic refuses a 16-bit product at HIGHEST ("Bad lhs
-        # type"), which tests and float32 workers set process-wide; 16-bit products are exact at DEFAULT.
+        # type"), which tests and float32 workers set process-wide; bfloat16 products (the kernel's only 16-bit
+        # dtype: the model's activations are bfloat16 or float32) are exact at DEFAULT.
         precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
         keys, vals = k_ref[...].astype(dtype), v_ref[...].astype(dtype)  # [block, K * D]
         for c, qp in enumerate(qps):  # static: a verify step's few queries

@@ -371,6 +371,10 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("%s", err)
         await server.stop(0)
         return 2
+    except (FileNotFoundError, ValueError) as err:  # a model spec that is no model (`preparation.prepare`): one line
+        log.error("failed to load the model: %s", err)
+        await server.stop(0)
+        return 1
     except Exception:
         log.exception("failed to load the model")
         await server.stop(0)
@@ -392,6 +396,7 @@ async def serve(args: argparse.Namespace) -> int:
              sum(t for _, t in timed))
     loop.start()
     servicer.set_ready(loop, info)
+    servicer.programs_compiling = len(later)  # before SERVING: a load report in between would say 0 (full speed)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("model worker SERVING %s on %s%s", info.model_name, address,

@@ -144,7 +144,7 @@ def test_the_background_yields_to_the_serving_loop(model):
 
     from model_worker.engine import background_compile
 
-    eng, main = engine(model, "serving"), threading.get_native_id()
+    eng = engine(model, "serving")
     lower, lock, seen = eng._lower, threading.Lock(), {"now": 0, "most": 0, "turns": set(), "nice": set()}
 
     def recording(key):
@@ -152,9 +152,8 @@ def test_the_background_yields_to_the_serving_loop(model):
             seen["now"] += 1
             seen["most"] = max(seen["most"], seen["now"])
         seen["turns"].add(sys.getswitchinterval())
-        if hasattr(os, "getpriority"):
-            seen["nice"].add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-                             - os.getpriority(os.PRIO_PROCESS, main))
+        if sys.platform.startswith("linux"):  # a thread's own nice value (a task id there)
+            seen["nice"].add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         try:
             time.sleep(0.05)  # long enough for the other threads to arrive
             return lower(key)
@@ -170,8 +169,8 @@ def test_the_background_yields_to_the_serving_loop(model):
     assert seen["most"] == 1, "lowered one at a time"
     assert seen["turns"] == {min(background_compile.GIL_TURN_S, before)}
     assert sys.getswitchinterval() == before
-    if sys.platform == "linux":
-        assert seen["nice"] and all(n > 0 for n in seen["nice"]), seen["nice"]
+    if sys.platform.startswith("linux"):  # raising one's own nice value is always allowed
+        assert seen["nice"] == {background_compile.COMPILE_NICENESS}, seen["nice"]
 
 
 def test_a_program_that_fails_to_compile_in_the_background_is_left_out(model, compiled, caplog):
