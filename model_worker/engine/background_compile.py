@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -168,8 +167,6 @@ class BackgroundCompile:
             self._thread_ended()
 
     def _compile_queue(self) -> None:
-        if self._yielding:
-            _lower_priority()
         while not self._stopped.is_set():
             with self._lock:
                 if not self._queue:
@@ -202,16 +199,16 @@ class BackgroundCompile:
 # Serving first: the background must not starve the loop's thread. On a TPU host a small model's step is bound by
 # its dispatch (the host's CPU and the GIL): beside 13 compiling threads the embedded model was served ~10x slower
 # than alone (docs/performance.md, "Fifteenth session on the chip"; host contention the suspected cause, not yet
-# isolated there). Three measures, while the background compiles (`YIELD_TO_SERVING`; off only to measure them,
-# benchmarks/compile_interference.py):
-#   - compiling threads run at the lowest CPU priority (`_lower_priority`);
+# isolated there). Two measures on the GIL, while the background compiles (`YIELD_TO_SERVING`; off only to measure
+# them, benchmarks/compile_interference.py):
 #   - one thread at a time traces and lowers (`lowering`): that part is Python holding the GIL, so more threads
 #     there only add contenders for it, while XLA's compile (without the GIL) still runs on every thread;
 #   - a thread waiting for the GIL asks its holder to drop it after `GIL_TURN_S` instead of 5 ms
-#     (`_shorter_gil_turns`), so the loop's thread gets it back sooner after each dispatch (when the holder is
-#     running: a low-priority holder may itself wait for a core).
+#     (`_shorter_gil_turns`), so the loop's thread gets it back sooner after each dispatch.
+# Not the threads' CPU priority: a lower one (nice 19) also yielded to every other process, so on a shared host (CI,
+# the test suite's three workers) the grid reached full speed minutes later; on the chip's host the 13 compiling
+# threads leave the loop's thread most of a core anyway.
 YIELD_TO_SERVING = True
-COMPILE_NICENESS = 19
 GIL_TURN_S = 0.0005
 _LOWERING = threading.Lock()
 _TURNS_LOCK = threading.Lock()
@@ -227,17 +224,6 @@ def lowering():
         return
     with _LOWERING:
         yield
-
-
-def _lower_priority() -> None:
-    """The calling thread to `COMPILE_NICENESS` (Linux: each thread has its own nice value, and threads XLA starts
-    from it inherit it). Elsewhere (where a thread id is not a task id), or if refused, it keeps its priority."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
-    except (AttributeError, OSError):
-        pass
 
 
 def _shorter_gil_turns(delta: int) -> None:
