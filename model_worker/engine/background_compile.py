@@ -205,8 +205,8 @@ class BackgroundCompile:
 #     there only add contenders for it, while XLA's compile (without the GIL) still runs on every thread;
 #   - a thread waiting for the GIL asks its holder to drop it after `GIL_TURN_S` instead of 5 ms
 #     (`_shorter_gil_turns`), so the loop's thread gets it back sooner after each dispatch.
-# Not the threads' CPU priority: a lower one (nice 19) also yielded to every other process, so on a shared host (CI,
-# the test suite's three workers) the grid reached full speed minutes later; on the chip's host the 13 compiling
+# Not the threads' CPU priority: a lower one (nice 19) yields to every other process too, which on a shared host
+# (CI, the test suite's workers) delays full speed for nothing the loop gains; on the chip's host the 13 compiling
 # threads leave the loop's thread most of a core anyway.
 YIELD_TO_SERVING = True
 GIL_TURN_S = 0.0005
