@@ -52,10 +52,10 @@ from model_worker.serving.engine_api import VerifyBatch  # noqa: E402
 
 
 def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "float32", invariant: bool = False,
-         attention_kernel: str = "xla"):
+         attention_kernel: str = "xla", matmul_kernel: str = "xla"):
     """(config, params) for the embedded model, a .gguf, or a checkpoint directory, at the worker's
     `--matmul-precision` `precision` ("float32", "bfloat16" or "int8"), `--batch-invariant` `invariant` (see
-    `params.for_matmul_precision`) and `--attention-kernel` `attention_kernel`. A directory (checkpoint or
+    `params.for_matmul_precision`), `--attention-kernel` `attention_kernel` and `--matmul-kernel` `matmul_kernel`. A directory (checkpoint or
     prepared) is read as it is; a GGUF gets the worker's prepared weights (built once in `cache_dir`)."""
     from common import preparation
     from model_worker.modeling.params import at_matmul_mode, to_device
@@ -77,7 +77,8 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "floa
 
         cfg = config_from_dict(json.loads((prepared.dir / "config.json").read_text()))
         flat = load_file(str(prepared.dir / "model.safetensors"))
-    cfg, params = at_matmul_mode(cfg, to_device(cfg, flat, jnp.dtype(dtype)), dtype, precision, invariant)
+    cfg, params = at_matmul_mode(cfg, to_device(cfg, flat, jnp.dtype(dtype)), dtype, precision, invariant,
+                                 matmul_kernel)
     return dataclasses.replace(cfg, attention_kernel=attention_kernel), params
 
 
@@ -233,6 +234,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-kernel", choices=["xla", "pallas"], default="xla",
                         help="the worker's --attention-kernel (pallas: decode attention through a Pallas kernel on "
                         "a TPU)")
+    parser.add_argument("--matmul-kernel", choices=["xla", "pallas"], default="xla",
+                        help="the worker's --matmul-kernel (pallas: int8 weights' products through the Pallas W8A16 "
+                        "kernel on a TPU; with --matmul-precision int8)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the engine over N devices (EngineConfig.tensor_parallel); bytes per step and "
                              "the bandwidth fraction are then per device (the fullest)")
@@ -329,7 +333,7 @@ def main() -> None:
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))
     cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir), args.matmul_precision,
-                       args.batch_invariant, args.attention_kernel)
+                       args.batch_invariant, args.attention_kernel, args.matmul_kernel)
     slots = max(args.batches)
     kv_buckets = sorted(set(args.kv))
     ecfg = EngineConfig(num_slots=slots, max_model_len=max(kv_buckets), prefill_chunks=(min(kv_buckets),),

@@ -7,7 +7,8 @@
 #
 # Variants (VARIANTS, ";"-separated "name:flags"): xla-bf16 (XLA's decode attention, bfloat16 weights: today's
 # default on a TPU), pallas-bf16 (--attention-kernel pallas), xla-int8 and pallas-int8 (--matmul-precision int8:
-# int8 weights, one scale per output row). Output: $OUT/decode_variants.md (each run's table) and the ratio
+# int8 weights, one scale per output row), pallas-int8k (both Pallas kernels: attention and --matmul-kernel pallas,
+# the int8 weights' products). Output: $OUT/decode_variants.md (each run's table) and the ratio
 # table on stdout. A dry run on a CPU: MODEL=<a small synthetic checkpoint> BATCHES="1 2" CONTEXT=512.
 set -uo pipefail
 
@@ -19,7 +20,7 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 BATCHES=${BATCHES:-1 8 32}
 CONTEXT=${CONTEXT:-8192}
 STEPS=${STEPS:-20}
-VARIANTS=${VARIANTS:-"xla-bf16:--attention-kernel xla --matmul-precision bfloat16;pallas-bf16:--attention-kernel pallas --matmul-precision bfloat16;xla-int8:--attention-kernel xla --matmul-precision int8;pallas-int8:--attention-kernel pallas --matmul-precision int8"}
+VARIANTS=${VARIANTS:-"xla-bf16:--attention-kernel xla --matmul-precision bfloat16;pallas-bf16:--attention-kernel pallas --matmul-precision bfloat16;xla-int8:--attention-kernel xla --matmul-precision int8;pallas-int8:--attention-kernel pallas --matmul-precision int8;pallas-int8k:--attention-kernel pallas --matmul-precision int8 --matmul-kernel pallas"}
 mkdir -p "$WORK" "$OUT"
 cd "$ROOT"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -89,7 +89,7 @@ def main() -> None:
     dtype = "float32" if backend == "cpu" else "bfloat16"
     enable_compilation_cache(str(pathlib.Path(args.cache_dir) / "jax"))
     cfg, params = load(args.model, dtype, pathlib.Path(args.cache_dir), args.matmul_precision,
-                       args.batch_invariant, args.attention_kernel)
+                       args.batch_invariant, args.attention_kernel, args.matmul_kernel)
     ecfg = EngineConfig(num_slots=max(args.batches) + 1, max_model_len=args.max_model_len,
                         prefill_chunks=(args.chunk,), dtype=dtype, tensor_parallel=args.tensor_parallel)
     engine = Engine(cfg, params, ecfg)

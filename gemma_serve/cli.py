@@ -219,6 +219,12 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "blocks; not with --batch-invariant or an int8 KV cache, which keep XLA's); other backends ignore it "
         "(default: %(default)s)",
     )
+    p.add_argument(
+        "--matmul-kernel", choices=["xla", "pallas"], default="xla",
+        help="pallas: with int8 weights and bfloat16 activations (--matmul-precision int8 on a TPU), the products "
+        "of decode and verify steps through a Pallas kernel that streams the int8 weight in tiles (W8A16); other "
+        "backends ignore it (default: %(default)s)",
+    )
 
 
 def _add_gateway(p: argparse.ArgumentParser, with_addrs: bool) -> None:

@@ -78,6 +78,8 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
         engine += ["--batch-invariant" if args.batch_invariant else "--no-batch-invariant"]
     if getattr(args, "attention_kernel", "xla") != "xla":
         engine += ["--attention-kernel", args.attention_kernel]
+    if getattr(args, "matmul_kernel", "xla") != "xla":
+        engine += ["--matmul-kernel", args.matmul_kernel]
     if args.max_draft_tokens is not None:
         engine += ["--max-draft-tokens", str(args.max_draft_tokens)]
     engine += ["--prefill-chunks", *map(str, args.prefill_chunks)]

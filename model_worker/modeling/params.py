@@ -247,17 +247,22 @@ def with_bf16_matmuls(params: Params, row_invariant: bool = False) -> Params:
 
 
 
-def with_int8_weights(params: Params) -> Params:
+def with_int8_weights(params: Params, kernel: str = "xla") -> Params:
     """`params` with weight-only int8 projections (`--matmul-precision int8` with bfloat16 activations, a TPU's or
     GPU's default): each dense layer projection ([in, out]) and the tied LM head become a per-row `Int8Weight`
     (`quant.int8_per_channel`), half the bytes a decode step reads; the embedding lookups keep the exact table.
     Int4Weight and Int8Weight projections (a quantized checkpoint's own) are left as they are.
 
+    Args:
+      params: the model's weights.
+      kernel: the new weights' `Int8Weight.kernel` (`--matmul-kernel`): "xla", "pallas" (the Pallas W8A16 kernel
+        on a TPU) or "pallas-interpret".
     Returns:
       New Params sharing every untouched array with `params`.
     """
-    quantize = jax.jit(int8_per_channel)  # compiled: only the int8 result is materialized, no float32 temporaries
-    transposed = jax.jit(lambda w: int8_per_channel(w.T))
+    quantize = jax.jit(lambda w: dataclasses.replace(int8_per_channel(w), kernel=kernel))  # compiled: only the
+    # int8 result is materialized, no float32 temporaries
+    transposed = jax.jit(lambda w: dataclasses.replace(int8_per_channel(w.T), kernel=kernel))
 
     def convert(lp: LayerParams) -> LayerParams:
         dense = {n: getattr(lp, n) for n in _LINEARS}
@@ -350,12 +355,21 @@ def for_matmul_precision(cfg: ModelConfig, params: Params, precision: str,
 
 
 def at_matmul_mode(cfg: ModelConfig, params: Params, dtype: str, precision: str,
-                   batch_invariant: bool) -> tuple[ModelConfig, Params]:
+                   batch_invariant: bool, matmul_kernel: str = "xla") -> tuple[ModelConfig, Params]:
     """The config and weights a worker runs with, from `matmul_mode`'s answer: `for_matmul_precision` with float32
-    activations; with bfloat16 ones their products are bfloat16 already, and "int8" means `with_int8_weights`."""
+    activations; with bfloat16 ones their products are bfloat16 already, and "int8" means `with_int8_weights`
+    (whose products `matmul_kernel`, `--matmul-kernel`, runs: see `Int8Weight.kernel`).
+
+    Raises:
+      ValueError: a `matmul_kernel` other than "xla" where it does not apply (not int8 weights with bfloat16
+        activations).
+    """
+    if matmul_kernel != "xla" and (dtype == "float32" or precision != "int8"):
+        raise ValueError("--matmul-kernel pallas applies to int8 weights with bfloat16 activations "
+                         "(--matmul-precision int8 on a TPU or GPU)")
     if dtype == "float32":
         return for_matmul_precision(cfg, params, precision, batch_invariant)
-    return cfg, with_int8_weights(params) if precision == "int8" else params
+    return cfg, with_int8_weights(params, matmul_kernel) if precision == "int8" else params
 
 
 def matmul_mode(precision: str, batch_invariant: bool | None, dtype: str, *, tensor_parallel: int = 1,

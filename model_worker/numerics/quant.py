@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from model_worker.numerics import int8_matmul
 from model_worker.numerics.q8 import Q8Weight, q8_linear
 
 # Target size of one dequantized row block on CPU (bytes of the activation dtype): the middle of a range of sizes
@@ -103,6 +104,9 @@ class Int8Weight:
       group_size: G (static); K % G == 0.
       row_shards, col_shards: static; rows / input columns split into this many parts across devices (tensor
         parallelism), as `Int4Weight`'s.
+      kernel: static; "xla" (XLA's product), or for a per-row weight (`int8_per_channel`) "pallas": its products of
+        at most `int8_matmul.MAX_ROWS` rows through the Pallas kernel `numerics.int8_matmul` on a TPU (other
+        backends keep XLA's), "pallas-interpret": that kernel in Pallas's interpreter on any backend (tests).
     """
 
     q: jax.Array
@@ -111,6 +115,7 @@ class Int8Weight:
     group_size: int = dataclasses.field(metadata={"static": True})
     row_shards: int = dataclasses.field(default=1, metadata={"static": True})
     col_shards: int = dataclasses.field(default=1, metadata={"static": True})
+    kernel: str = dataclasses.field(default="xla", metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -503,8 +508,25 @@ def int8_linear(x: jax.Array, w: Int8Weight, block_bytes: int = 2 * CPU_BLOCK_BY
             return int8_row_scaled(x, dataclasses.replace(w, q=q, scale=s + _zero_after(x, w, s.dtype)), out_dtype)
         return dot(x, _dequant_int8(q, s + _zero_after(x, w, s.dtype), o, g, x.dtype))
 
+    if _takes_kernel(w, x2.shape[0]):
+        kernel = lambda x, q, s, o: int8_matmul.int8_matmul(x, q, s, out_dtype=out_dtype,
+                                                            interpret=w.kernel == "pallas-interpret")
+        if w.kernel == "pallas":  # Mosaic's kernel on a TPU; XLA's product on every other backend
+            y = lax.platform_dependent(x2, w.q, w.scale, w.offset, tpu=kernel, cpu=cpu, default=plain)
+        else:
+            y = kernel(x2, w.q, w.scale, w.offset)
+        return y.reshape(*lead, n)
     y = lax.platform_dependent(x2, w.q, w.scale, w.offset, cpu=cpu, default=plain)
     return y.reshape(*lead, n)
+
+
+def _takes_kernel(w: Int8Weight, rows: int) -> bool:
+    """Whether `int8_linear` runs a product of `rows` rows through the Pallas kernel: the weight asks for it
+    (`Int8Weight.kernel`), has one scale per row and no offset, is not split across devices, and the shapes fit
+    (`int8_matmul.fits`); otherwise XLA's product."""
+    n, k = w.shape
+    return (w.kernel != "xla" and w.group_size == k and w.offset is None and w.row_shards == w.col_shards == 1
+            and int8_matmul.fits(rows, n, k))
 
 
 # The batch-invariant path runs every bfloat16 GEMM on a row count that is a multiple of this. XLA CPU's bfloat16

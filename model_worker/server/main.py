@@ -168,7 +168,13 @@ def load_engine(prepared, args: argparse.Namespace, weights: tuple | None = None
         if precision == "int8" and args.tensor_parallel > 1:
             raise FlagsRefused("--matmul-precision int8 runs on one device (its products are not split across "
                                "devices); use bfloat16 with --tensor-parallel")
-        cfg, params = at_matmul_mode(cfg, params, dtype, precision, invariant)
+        if getattr(args, "matmul_kernel", "xla") != "xla" and args.tensor_parallel > 1:
+            raise FlagsRefused("--matmul-kernel pallas runs on one device; use xla with --tensor-parallel")
+        try:
+            cfg, params = at_matmul_mode(cfg, params, dtype, precision, invariant,
+                                         getattr(args, "matmul_kernel", "xla"))
+        except ValueError as err:
+            raise FlagsRefused(str(err)) from None
         cfg = dataclasses.replace(cfg, attention_kernel=kernel)
         if precision == "float32" and backend != "cpu":
             # float32 products mean float32 here too: a TPU (and a GPU's TF32) multiplies float32 operands at lower
