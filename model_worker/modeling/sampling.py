@@ -886,9 +886,17 @@ def _sample_candidates(x: jax.Array, s: SamplingArrays, cands: Candidates,
 #: Levels of `_nucleus_in_candidates`: a nucleus of at most this many of the largest filtered values.
 _NUCLEUS_LEVELS = 64
 #: `_nucleus_in_candidates`' bound on the relative error of an `exp` (the reference's or ours) against the true
-#: value of its float32 argument: 2**-18 is 32 float32 ulps, ~20 times what XLA CPU's float32 exp was seen to err
-#: (1.6 ulps at most over 4M arguments in 0..-87, both in the softmax's YNNPACK fusion and in a small loop fusion).
-_EXP_ERROR = 2.0**-18
+#: value of its float32 argument, per backend (`_exp_error`): on CPU 2**-18, 32 float32 ulps, ~20 times what XLA
+#: CPU's float32 exp was seen to err (1.6 ulps at most over 4M arguments in 0..-87, both in the softmax's YNNPACK
+#: fusion and in a small loop fusion); elsewhere 2**-14, ~9 times what a TPU v5e's float32 exp was seen to err
+#: (6.5e-6 over the same arguments, in the device lane: its exp is coarser than 32 ulps).
+_EXP_ERROR = {"cpu": 2.0**-18}
+_EXP_ERROR_ELSEWHERE = 2.0**-14
+
+
+def _exp_error(backend: str | None = None) -> float:
+    """The `exp` error bound of `backend` (default: JAX's default backend, the one the programs are traced for)."""
+    return _EXP_ERROR.get(backend or jax.default_backend(), _EXP_ERROR_ELSEWHERE)
 
 
 def _nucleus_in_candidates(z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -899,7 +907,7 @@ def _nucleus_in_candidates(z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, j
     Why without the whole row: such a row's probabilities p = exp(z - max) / S, S their sum, are nonzero only at
     the candidates, so their sum and every value is known here to within a bound of the reference's bits: the
     reference computes exp and the sum with its own code and order (XLA CPU hands both to YNNPACK), we compute them
-    with ours; each exp errs by at most `_EXP_ERROR` and a float sum of n non-negative terms by (n - 1) * 2**-24
+    with ours; each exp errs by at most `_exp_error()` and a float sum of n non-negative terms by (n - 1) * 2**-24
     (relative; any order). The reference's bisection (`_bisect`) asks whether the mass of {p >= mid} reaches
     top_p. Take K, the smallest set {z >= z_k} of the largest values whose mass surely reaches top_p: if every
     smaller such set surely stays below top_p, then a step is "yes" exactly when mid <= q (q the least p in K),
@@ -921,7 +929,7 @@ def _nucleus_in_candidates(z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, j
     p = jnp.where(top > -jnp.inf, jnp.exp(top - best), 0.0) / total  # [B, n], the largest first
     u = 2.0**-24
     # p (the reference's bits) lies within p * (1 +- err): both exps, both sums of `count` terms, three roundings
-    err = 2.0 * (4 * _EXP_ERROR + 2 * (count + 1) * u + 4 * u)[:, None]
+    err = 2.0 * (4 * _exp_error() + 2 * (count + 1) * u + 4 * u)[:, None]
     tiny = 2.0**-120  # exps that underflow: absolute
     in_level = top[:, None, :] >= top[:, :, None]  # [B, k, j]: value j lies in level k's set {z >= top[k]}
     size = jnp.sum(in_level, axis=-1).astype(jnp.float32)
