@@ -9,8 +9,9 @@ docs/performance.md, "Executable cache"). This cache stores each compiled progra
   * the program's key, the model and engine configurations (`repr` of the frozen dataclasses);
   * the abstract arguments: the pytree structures (static fields included) and each leaf's shape, dtype and
     sharding, for the engine state and the example inputs;
-  * the code that builds programs: a digest of the sources of `model_worker.engine.programs`, `model_worker.engine.engine`
-    and every repository module they import, transitively;
+  * the code that builds programs: a digest of the code of `model_worker.engine.programs`, `model_worker.engine.engine`
+    and every repository module they import, transitively (their syntax trees without docstrings: a comment, a
+    docstring or a line's layout changes no program, so editing one keeps every stored program);
   * the toolchain: jax and jaxlib versions, backend, platform version and device kinds (on CPU the host's
     instruction-set flags), `XLA_FLAGS` /
     `LIBTPU_INIT_ARGS`, and every `jax.config` value but the compilation caches' own settings.
@@ -72,10 +73,11 @@ def _module_file(name: str) -> pathlib.Path | None:
     return None
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """The absolute module names `path` imports (`import a.b`, `from a.b import c`: a.b and a.b.c)."""
+def _imports(tree: ast.Module) -> set[str]:
+    """The absolute module names a module's syntax tree imports (`import a.b`, `from a.b import c`: a.b and
+    a.b.c)."""
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -87,9 +89,22 @@ def _imports(path: pathlib.Path) -> set[str]:
 _DIGEST_LOCK = threading.Lock()
 
 
+def code_of(tree: ast.Module) -> str:
+    """A module's code as one string: its syntax tree (`ast.dump`, no line numbers) without docstrings (a string
+    constant opening a module, class or function body). Comments and layout are not in a tree, so editing them, or
+    a docstring, leaves it unchanged; any change to what the code does changes it."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
+                    isinstance(first.value.value, str):
+                node.body = node.body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 def _source_digest() -> str:
-    """sha256 over the sources of the program modules and every repository module they import, transitively
-    (name and bytes, sorted): a change to code that can reach a program misses; the scheduler, the servicer and
+    """sha256 over the code (`code_of`) of the program modules and every repository module they import,
+    transitively (name and code, sorted): a change to code that can reach a program misses; the scheduler, the servicer and
     the other host-side modules are not part of it, so editing them keeps the cache. Computed once per process,
     under a lock: `Engine.compile_all`'s threads ask at once, and CPython 3.11's `ast.parse` is not safe to run in
     two threads together (SystemError "AST constructor recursion depth mismatch", seen here)."""
@@ -99,18 +114,18 @@ def _source_digest() -> str:
 
 @functools.cache
 def _digest_sources() -> str:
-    seen: dict[str, pathlib.Path] = {}
+    seen: dict[str, ast.Module] = {}
     todo = list(_PROGRAM_ROOTS)
     while todo:
         name = todo.pop()
         path = _module_file(name)
         if name in seen or path is None:
             continue
-        seen[name] = path
-        todo.extend(_imports(path))
+        seen[name] = ast.parse(path.read_text())
+        todo.extend(_imports(seen[name]))
     h = hashlib.sha256()
     for name in sorted(seen):
-        h.update(name.encode() + b"\0" + seen[name].read_bytes() + b"\0")
+        h.update(name.encode() + b"\0" + code_of(seen[name]).encode() + b"\0")
     return h.hexdigest()
 
 

@@ -8,6 +8,7 @@ tests/conftest.py)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
@@ -151,10 +152,34 @@ def test_the_program_code_digest_covers_the_model_and_not_the_scheduler():
         name = todo.pop()
         if name not in names and executables._module_file(name) is not None:
             names.add(name)
-            todo.extend(executables._imports(executables._module_file(name)))
+            todo.extend(executables._imports(ast.parse(executables._module_file(name).read_text())))
     assert {"model_worker.modeling.model", "model_worker.modeling.attention", "model_worker.numerics.quant", "model_worker.modeling.sampling",
             "model_worker.modeling.kv_cache"} <= names
     assert not names & {"model_worker.serving.scheduler", "model_worker.server.service", "model_worker.serving.loop"}
+
+
+def test_the_digest_reads_code_not_comments_docstrings_or_layout():
+    """Editing a comment, a docstring or a line's layout in a program module keeps every stored program; any change
+    to what the code does (a constant, a name, an operator) misses."""
+    source = '''"""A module."""
+import jax.numpy as jnp
+
+
+def f(x):
+    """Doubles x."""
+    return x * 2  # twice
+'''
+    code = lambda text: executables.code_of(ast.parse(text))
+    same = [source.replace("A module.", "Another docstring."), source.replace("# twice", "# two times"),
+            source.replace("Doubles x.", "Twice x, shapes kept."), source.replace("return x * 2", "return (x\n* 2)"),
+            source + "\n\n# a trailing comment\n"]
+    changed = [source.replace("x * 2", "x * 3"), source.replace("x * 2", "x + x"),
+               source.replace("import jax.numpy as jnp", "import numpy as jnp"),
+               source.replace('"""Doubles x."""', '"""Doubles x."""\n    x = x + 0')]
+    assert all(code(s) == code(source) for s in same)
+    assert len({code(s) for s in changed} | {code(source)}) == len(changed) + 1
+    # A function whose body is only its docstring still has a body.
+    assert "Pass" in code('def g():\n    """Nothing."""\n')
 
 
 def test_a_damaged_entry_is_a_miss_and_is_replaced(model, tmp_path, caplog):
