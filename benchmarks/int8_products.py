@@ -2,7 +2,8 @@
 """The projections of one Gemma 4 E2B decode step without attention, three ways, on whatever device JAX has (the
 question is a TPU's): bfloat16 weights (XLA's product), int8 weights converted inside XLA's product
 (`quant.int8_row_scaled`, today's `--matmul-precision int8` off CPU) and int8 weights through the Pallas kernel
-(`numerics.int8_matmul`, at a few tile sizes). Prints, per batch of rows, each variant's time per pass, the
+(`numerics.int8_matmul`, at a few tile sizes), and (`--w8a8`, the default) with the activations also quantized to
+int8 per row, int8 x int8 on the MXU (XLA's product and the kernel's). Prints, per batch of rows, each variant's time per pass, the
 weight bytes it streamed per second as a fraction of the measured copy bandwidth, and its ratio to bfloat16.
 Not a test: one run, medians of timed repeats.
 
@@ -26,7 +27,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax
 import jax.numpy as jnp
 
-from model_worker.numerics.int8_matmul import int8_matmul
+from jax import lax
+
+from model_worker.numerics.int8_matmul import int8_matmul, quantize_rows
 from model_worker.numerics.quant import int8_per_channel, int8_row_scaled
 
 HIDDEN = 1536
@@ -85,6 +88,8 @@ def main() -> None:
     ap.add_argument("--tiles", nargs="+", default=["512x2048", "1024x1536", "256x1536", "2048x768"],
                     help="Pallas tiles NxK (the largest divisors at most these)")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--w8a8", action=argparse.BooleanOptionalAction, default=True,
+                    help="also int8 activations (one scale per row) times the int8 weights, XLA's and the kernel's")
     ap.add_argument("--interpret", action="store_true", help="Pallas in its interpreter (a CPU check of the script)")
     args = ap.parse_args()
 
@@ -104,6 +109,19 @@ def main() -> None:
     variants = {"bf16 (XLA)": (dense, lambda x, w, out=None: jnp.matmul(
         x, w.T, preferred_element_type=jnp.float32).astype(out or x.dtype), bytes_bf16),
         "int8 (XLA)": (qs, lambda x, w, out=None: int8_row_scaled(x, w, out), bytes_int8)}
+    def w8a8_xla(x, w, out=None):
+        xq, xs = quantize_rows(x)
+        acc = lax.dot_general(xq, w.q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+        return (acc.astype(jnp.float32) * xs * w.scale[:, 0]).astype(out or x.dtype)
+
+    def w8a8_pallas(x, w, out=None):
+        xq, xs = quantize_rows(x)
+        return int8_matmul(xq, w.q, w.scale, x_scale=xs, out_dtype=out or x.dtype, block_n=1024, block_k=1536,
+                           interpret=args.interpret)
+
+    if args.w8a8:
+        variants["int8 x int8 (XLA)"] = (qs, w8a8_xla, bytes_int8)
+        variants["int8 x int8 Pallas 1024x1536"] = (qs, w8a8_pallas, bytes_int8)
     for tile in args.tiles:
         bn, bk = (int(v) for v in tile.split("x"))
         variants[f"int8 Pallas {tile}"] = (qs, lambda x, w, out=None, bn=bn, bk=bk: int8_matmul(

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The embedded model served from the accelerator over unix sockets, as on the TPU host (no TCP there): start
 # `gemma-serve up --uds`, put the official clients through every door (scripts/socket_clients.py), run the agent
-# fleet at the given sizes, stop the stack. Uses the venv scripts/device_check.sh installs (VENV) and its cache.
+# fleet at the given sizes while the background compiles, then again once the worker is at full speed (every
+# program compiled), stop the stack. Uses the venv scripts/device_check.sh installs (VENV) and its cache. The
+# stack's milestones (ready, full speed) and the background's progress at each fleet's start and end are printed
+# on stdout too, so that a caller that gets only stdout back can still tell which fleet ran beside the compile.
 #
 #   scripts/device_serve.sh [AGENTS...]        (default: 1 8 32)
 #
-# Environment: OUT (default .device/results: serve.log, clients.jsonl, fleet.json, fleet.txt), VENV (default
+# Environment: OUT (default .device/results: serve.log, clients.jsonl, fleet.json and fleet.txt (beside the
+# background), fleet-full.json and fleet-full.txt (at full speed)), SECOND (0: no full-speed fleet), VENV (default
 # .device/venv), GEMMA_SERVE_CACHE (default .device/cache), SERVE_ARGS (more `up` flags; default
 # "--num-slots 32 --max-model-len 4096"), FLEET_ARGS (more agent_fleet.py flags; default "--quick").
 set -uo pipefail
@@ -37,9 +41,26 @@ done
 echo "ready after $((SECONDS - t0)) s: $(grep -m1 'gemma-serve is ready' "$OUT/serve.log")"
 status=0
 "$PY" scripts/socket_clients.py "$SOCKETS/api.sock" | tee "$OUT/clients.jsonl" || status=1
-# shellcheck disable=SC2086
-"$PY" benchmarks/agent_fleet.py --uds "$SOCKETS/api.sock" --agents "${AGENTS[@]}" $FLEET_ARGS \
-  --json "$OUT/fleet.json" | tee "$OUT/fleet.txt" || status=1
+compiled() {  # the background's progress so far, from the worker's log lines
+  echo "$1 at $((SECONDS - t0)) s: $(grep -c 'compiled in the background' "$OUT/serve.log") programs compiled in the" \
+    "background$(grep -q 'full speed' "$OUT/serve.log" && echo ', full speed reached')"
+}
+fleet() {  # fleet NAME: one fleet run at every size, bracketed by the background's progress
+  compiled "fleet $1 starts"
+  # shellcheck disable=SC2086
+  "$PY" benchmarks/agent_fleet.py --uds "$SOCKETS/api.sock" --agents "${AGENTS[@]}" $FLEET_ARGS \
+    --json "$OUT/$1.json" | tee "$OUT/$1.txt" | grep -A8 "== overview" || status=1
+  compiled "fleet $1 ends"
+}
+fleet fleet
+if [ "${SECOND:-1}" != 0 ]; then
+  until grep -q "full speed" "$OUT/serve.log"; do
+    kill -0 $up 2>/dev/null || { echo "gemma-serve up exited"; exit 1; }
+    sleep 2
+  done
+  fleet fleet-full
+fi
+grep -E "ready in|full speed|compiled [0-9]+ programs in" "$OUT/serve.log" | cut -c1-200
 kill -TERM $up
 wait $up
 echo "stopped (up exit $?); the stack's log: $OUT/serve.log"

@@ -60,6 +60,29 @@ def test_the_kernel_is_the_exact_product_within_the_summation_bound(m, n, k, blo
     assert np.all(np.abs(low.astype(np.float64) - exact) <= bound + ulp * np.abs(exact) + 1e-30)
 
 
+@pytest.mark.parametrize("m,n,k,block_n,block_k", [(1, 256, 384, 128, 128), (8, 1536, 2048, 512, 1024)])
+def test_int8_activations_give_the_exact_integer_product_scaled(m, n, k, block_n, block_k):
+    """W8A8: the int32 sums are exact, so y is the float64 product of the same integers up to the int32 sum's
+    conversion to float32 and the two scale multiplies (three roundings) and the output's."""
+    rng = np.random.default_rng(k)
+    w = _weight(rng, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.linspace(0.1, 3.0, m)[:, None], jnp.float32)
+    xq, xs = im.quantize_rows(x)
+    assert xq.dtype == jnp.int8 and xs.shape == (m, 1)
+    assert np.all(np.abs(np.asarray(xq, np.float64) * np.asarray(xs) - np.asarray(x)) <= np.asarray(xs) / 2 + 1e-7)
+    exact = (np.asarray(xq, np.float64) @ np.asarray(w.q, np.float64).T) * np.asarray(xs, np.float64) * \
+        np.asarray(w.scale, np.float64)[:, 0]
+    y = np.asarray(im.int8_matmul(xq, w.q, w.scale, x_scale=xs, out_dtype=jnp.float32, block_n=block_n,
+                                  block_k=block_k, interpret=not ON_TPU), np.float64)
+    assert np.all(np.abs(y - exact) <= 4 * 2.0**-24 * np.abs(exact) + 1e-30)
+    assert im.int8_matmul(xq, w.q, w.scale, x_scale=xs, block_n=block_n, block_k=block_k,
+                          interpret=not ON_TPU).dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="x_scale"):
+        im.int8_matmul(xq, w.q, w.scale, interpret=True)
+    with pytest.raises(ValueError, match="x_scale"):
+        im.int8_matmul(x, w.q, w.scale, x_scale=xs, interpret=True)
+
+
 def test_shapes_the_kernel_cannot_tile_are_refused_and_left_to_xla():
     rng = np.random.default_rng(0)
     w = _weight(rng, 200, 256)  # 200 rows: not a multiple of 128
