@@ -26,7 +26,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
-
 from jax import lax
 
 from model_worker.numerics.int8_matmul import int8_matmul, quantize_rows

@@ -43,7 +43,7 @@ status=0
 "$PY" scripts/socket_clients.py "$SOCKETS/api.sock" | tee "$OUT/clients.jsonl" || status=1
 compiled() {  # the background's progress so far, from the worker's log lines
   echo "$1 at $((SECONDS - t0)) s: $(grep -c 'compiled in the background' "$OUT/serve.log") programs compiled in the" \
-    "background$(grep -q 'full speed' "$OUT/serve.log" && echo ', full speed reached')"
+    "background$(grep -q "full speed in [0-9]" "$OUT/serve.log" && echo ', full speed reached')"
 }
 fleet() {  # fleet NAME: one fleet run at every size, bracketed by the background's progress
   compiled "fleet $1 starts"
@@ -54,13 +54,13 @@ fleet() {  # fleet NAME: one fleet run at every size, bracketed by the backgroun
 }
 fleet fleet
 if [ "${SECOND:-1}" != 0 ]; then
-  until grep -q "full speed" "$OUT/serve.log"; do
+  until grep -q "full speed in [0-9]" "$OUT/serve.log"; do
     kill -0 $up 2>/dev/null || { echo "gemma-serve up exited"; exit 1; }
     sleep 2
   done
   fleet fleet-full
 fi
-grep -E "ready in|full speed|compiled [0-9]+ programs in" "$OUT/serve.log" | cut -c1-200
+grep -E "ready in|full speed in [0-9]|compiled [0-9]+ programs in" "$OUT/serve.log" | cut -c1-200
 kill -TERM $up
 wait $up
 echo "stopped (up exit $?); the stack's log: $OUT/serve.log"
