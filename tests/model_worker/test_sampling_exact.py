@@ -223,6 +223,32 @@ def test_nucleus_threshold_has_the_reference_bits():
     np.testing.assert_array_equal(np.asarray(probs).view(np.uint32), ref_blocks.view(np.uint32))
 
 
+def test_rows_on_candidates_and_whole_rows_mixed_equal_reference():
+    """One batch whose rows take every way through the draw: top-p decided on the candidates (top-k or min-p cut
+    the rest), top-p from the whole row's probabilities (`_nucleus`: top-p alone on flat logits), both in one batch,
+    beside greedy rows, top-p 1.0 and tiny, top-k past the vocabulary, a NaN row and a row of -inf but a few
+    tokens: the reference's tokens and log-probabilities over the whole vocabulary, for several seeds."""
+    rng = np.random.default_rng(11)
+    batch, vocab = 16, 262_144
+    x = logits_of("peaked", batch, vocab, rng)
+    x[8:14] = logits_of("flat", 6, vocab, rng)
+    x[14] = np.nan
+    x[15] = -np.inf
+    x[15, rng.choice(vocab, 5, replace=False)] = [3.0, 3.0, 1.0, -2.0, 7.5]
+    logits = jnp.asarray(x)
+    state = random_history(batch, vocab, rng)
+    s = S.SamplingArrays.defaults(batch, vocab)
+    s.temperature[:] = [0.7, 1.0, 0.0, 1.5, 0.7, 1.0, 0.3, 1.0, 1.0, 0.7, 1.0, 0.0, 1.5, 1.0, 1.0, 0.8]
+    s.top_p[:] = [0.95, 0.9, 1.0, 0.5, 1e-6, 0.95, 0.999, 1.0, 0.95, 0.9, 0.5, 0.95, 1e-6, 0.95, 0.9, 0.7]
+    s.top_k[:] = [50, 0, 0, 5, 0, 300_000, 0, 40, 0, 0, 50, 0, 0, 300_000, 50, 0]
+    s.min_p[:] = [0.05, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    s.top_logprobs[:] = rng.choice([0, 5, 20], batch)
+    for seed in range(4):
+        s.seed[:] = rng.integers(0, 2**32, (batch, 2), dtype=np.uint64).astype(np.uint32)
+        s.step[:] = rng.integers(0, 10_000, batch)
+        assert_same(_new(logits, s, state), _old(logits, s, state), f"seed round {seed}")
+
+
 def test_logit_bias_entries_equal_reference():
     """The logit bias computed on its entries and written into the masked row (`_correct_biased`) gives the
     reference's scatter-then-penalties bits: up to every column used, ids out of range, a token given many times
