@@ -629,7 +629,7 @@ def _candidates(x: jax.Array, parts: int = 1, maxima: jax.Array | None = None) -
     `_ARGMAX_BLOCK` values with the largest maxima, then the _CANDIDATES runs of `_CANDIDATE_RUN` values with the
     largest maxima inside them (C = 1,024 values a row). A whole row is one block where V is not a whole number of
     blocks (per device part), and the candidates are the whole row where it is small. `maxima`: the blocks' maxima
-    [B, V / block] where the caller has them (`_maxima_and_max`).
+    [B, V / block] where the caller has them (`_candidates_and_max`).
     """
     B, V = x.shape
     L = _block(V, parts)
@@ -649,25 +649,22 @@ def _no_candidates(x: jax.Array, parts: int = 1) -> Candidates:
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
-def _maxima_and_max(x: jax.Array, parts: int = 1) -> tuple[jax.Array, jax.Array]:
-    """The maxima of x [B, V]'s blocks of `_block` values [B, V / block] (what `_candidates` starts from) and the row
-    maximum [B, 1] taken from them: one pass over the row fewer than a max of its own (`_normalizer` takes it). A
-    max is exact in any order; where it differs from `jnp.max`'s, a zero of the other sign, nothing computed from
-    it does (x - best, and the log-probabilities of a row whose maximum is held as both +0.0 and -0.0, which sums
-    more than one term). The barrier keeps XLA from folding the max of the maxima back into a max over the whole
-    row."""
+def _candidates_and_max(x: jax.Array, parts: int = 1) -> tuple[Candidates, jax.Array]:
+    """`_candidates` of x [B, V] and the row maximum [B, 1], taken from the candidates' block maxima: one pass over
+    the row fewer than a max of its own (`_normalizer` takes it). A max is exact in any order; where it differs
+    from `jnp.max`'s, a zero of the other sign, nothing computed from it does (x - best, and the log-probabilities
+    of a row whose maximum is held as both +0.0 and -0.0, which sums more than one term). The barrier keeps XLA from
+    folding the max of the maxima back into a max over the whole row."""
     B, V = x.shape
     L = _block(V, parts)
     maxima = jnp.max(x.reshape(B, V // L, L), axis=-1)
     best = jnp.max(lax.optimization_barrier(maxima), axis=-1, keepdims=True)
-    return maxima, best
+    return _candidates(x, parts, maxima), best
 
 
-def _no_maxima_and_max(x: jax.Array, parts: int = 1) -> tuple[jax.Array, jax.Array]:
-    """The skipped branch of `_maxima_and_max` (a batch without candidates): zeros for the blocks' maxima, and the
-    row maximum [B, 1]."""
-    B, V = x.shape
-    return jnp.zeros((B, V // _block(V, parts)), x.dtype), jnp.max(x, axis=-1, keepdims=True)
+def _no_candidates_and_max(x: jax.Array, parts: int = 1) -> tuple[Candidates, jax.Array]:
+    """The skipped branch of `_candidates_and_max`: `_no_candidates` and the row maximum [B, 1]."""
+    return _no_candidates(x, parts), jnp.max(x, axis=-1, keepdims=True)
 
 
 def _block(V: int, parts: int = 1) -> int:
@@ -1026,7 +1023,7 @@ def _log_probs(values: jax.Array, norm: tuple[jax.Array, jax.Array]) -> jax.Arra
 
 def _normalizer(x: jax.Array, best: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(row max [B, 1], log(sum(exp(x - row max))) [B, 1]) of x [B, V]: what `_log_probs` subtracts. `best`: the
-    row max [B, 1] where the caller has it (`_maxima_and_max`).
+    row max [B, 1] where the caller has it (`_candidates_and_max`).
 
     The row sum: XLA CPU's sums a row alike in every batch shape (tests/model_worker/test_sampling.py); a TPU's
     ordered its terms by the batch's shape (a row's log-probability moved by one ulp with its neighbours, seen on
@@ -1095,14 +1092,11 @@ def sample(logits: jax.Array, s: SamplingArrays, state: PenaltyHistory, vocab_pa
     """
     x, mask_empty = process_logits(logits, s, state)
     uses = (jnp.any(s.temperature > 0) & _filtered_only(s)) | jnp.any(s.top_logprobs > 0)
-    # The row maximum first, under a cond of its own: the row sum (`_normalizer`, the program's longest step) then
-    # runs beside the candidates and the draw, which XLA CPU's executor can run on another thread.
-    maxima, best = jax.lax.cond(uses, functools.partial(_maxima_and_max, parts=vocab_parts),
-                                functools.partial(_no_maxima_and_max, parts=vocab_parts), x)
-    norm = _normalizer(x, best)
-    cands = jax.lax.cond(uses, lambda x, maxima: _candidates(x, vocab_parts, maxima),
-                         lambda x, maxima: _no_candidates(x, vocab_parts), x, maxima)
+    cands, best = jax.lax.cond(uses,
+                               functools.partial(_candidates_and_max, parts=vocab_parts),
+                               functools.partial(_no_candidates_and_max, parts=vocab_parts), x)
     tokens = _draw(x, s, cands, vocab_parts)
+    norm = _normalizer(x, best)
     logprobs = _chosen_logprobs(x, tokens, norm)
     top_ids, top_lps = jax.lax.cond(jnp.any(s.top_logprobs > 0), _top_logprobs, _no_top_logprobs, x,
                                     s.top_logprobs, norm, cands)
