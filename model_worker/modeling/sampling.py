@@ -38,9 +38,10 @@ Where min-p and top-k cut every value outside the candidates, top-p's kept set i
 the row's probabilities (`_nucleus_in_candidates`: the reference's exps and sums are known within proven bounds,
 and the set is taken only where the bounds cannot change it). A row they cannot decide takes the whole-row path
 (`_sample_whole_rows`), under a `lax.cond` on "some row needs it". Every optional piece (the mask, the draw, top
-logprobs, the candidates and the blocks' maxima they start from) runs under a `lax.cond` on "some row of the batch
-uses it"; the row maximum comes from those maxima first, so that the row sum of the log-probabilities (the
-program's longest step) runs beside the candidates and the draw; the conds return [B]-sized
+logprobs, the candidates) runs under a `lax.cond` on "some row of the batch uses it" (one cond for the candidates
+and the row maximum taken from their blocks' maxima: a second cond over the row, which would let the row sum of
+the log-probabilities run beside the candidates, cost temperature-only batches ~12%: docs/performance.md,
+"Sixteenth session"); the conds return [B]-sized
 results where they can, because XLA CPU copies the [B, V] operands of a cond whose result is [B, V], even a
 skipped one; rows that do not use a piece pass through it unchanged (bit for bit). The penalty history is sparse
 (`PenaltyHistory`: the distinct tokens a row has seen, with their counts): the bias and the penalties are computed
