@@ -327,6 +327,8 @@ def main() -> None:
                         "B=1 step against it, in interleaved rounds at the same position")
     parser.add_argument("--llama-rounds", type=int, default=5, help="with --llama-cpp: rounds of ours then theirs")
     args = parser.parse_args()
+    if args.matmul_kernel != "xla" and args.matmul_precision != "int8":
+        parser.error("--matmul-kernel pallas runs int8 weights' products: give --matmul-precision int8")
     if args.attention_kernel == "pallas" and args.tensor_parallel > 1:
         parser.error("--attention-kernel pallas runs on one device (as the worker refuses it with --tensor-parallel)")
     backend = jax.default_backend()

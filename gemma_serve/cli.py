@@ -221,9 +221,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--matmul-kernel", choices=["xla", "pallas"], default="xla",
-        help="pallas: with int8 weights and bfloat16 activations (--matmul-precision int8 on a TPU), the products "
-        "of decode and verify steps through a Pallas kernel that streams the int8 weight in tiles (W8A16); other "
-        "backends ignore it (default: %(default)s)",
+        help="pallas: with int8 weights made from a checkpoint's bfloat16 ones and bfloat16 activations "
+        "(--matmul-precision int8, a TPU's default dtype), products of at most 256 rows (decode and verify steps, "
+        "short prompt chunks) through a Pallas kernel that streams the int8 weight in tiles (W8A16) on a TPU; "
+        "other backends keep XLA's products; refused with float32 activations or a GGUF's own int8 blocks "
+        "(default: %(default)s)",
     )
 
 

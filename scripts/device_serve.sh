@@ -9,7 +9,8 @@
 #   scripts/device_serve.sh [AGENTS...]        (default: 1 8 32)
 #
 # Environment: OUT (default .device/results: serve.log, clients.jsonl, fleet.json and fleet.txt (beside the
-# background), fleet-full.json and fleet-full.txt (at full speed)), SECOND (0: no full-speed fleet), VENV (default
+# background), fleet-full.json and fleet-full.txt (at full speed)), SECOND (0: no full-speed fleet), FULL_WAIT_S
+# (default 400: how long to wait for full speed before giving the second fleet up), VENV (default
 # .device/venv), GEMMA_SERVE_CACHE (default .device/cache), SERVE_ARGS (more `up` flags; default
 # "--num-slots 32 --max-model-len 4096"), FLEET_ARGS (more agent_fleet.py flags; default "--quick").
 set -uo pipefail
@@ -42,23 +43,30 @@ echo "ready after $((SECONDS - t0)) s: $(grep -m1 'gemma-serve is ready' "$OUT/s
 status=0
 "$PY" scripts/socket_clients.py "$SOCKETS/api.sock" | tee "$OUT/clients.jsonl" || status=1
 compiled() {  # the background's progress so far, from the worker's log lines
-  echo "$1 at $((SECONDS - t0)) s: $(grep -c 'compiled in the background' "$OUT/serve.log") programs compiled in the" \
+  echo "$1 at $((SECONDS - t0)) s: $(grep -c 'compiled in the background [0-9]' "$OUT/serve.log") programs compiled in the" \
     "background$(grep -q "full speed in [0-9]" "$OUT/serve.log" && echo ', full speed reached')"
 }
 fleet() {  # fleet NAME: one fleet run at every size, bracketed by the background's progress
   compiled "fleet $1 starts"
   # shellcheck disable=SC2086
   "$PY" benchmarks/agent_fleet.py --uds "$SOCKETS/api.sock" --agents "${AGENTS[@]}" $FLEET_ARGS \
-    --json "$OUT/$1.json" | tee "$OUT/$1.txt" | grep -A8 "== overview" || status=1
+    --json "$OUT/$1.json" | tee "$OUT/$1.txt" | grep -A8 "== overview"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
   compiled "fleet $1 ends"
 }
 fleet fleet
 if [ "${SECOND:-1}" != 0 ]; then
-  until grep -q "full speed in [0-9]" "$OUT/serve.log"; do
-    kill -0 $up 2>/dev/null || { echo "gemma-serve up exited"; exit 1; }
+  deadline=$((SECONDS + ${FULL_WAIT_S:-400}))
+  until grep -q "full speed in [0-9]" "$OUT/serve.log" || [ $SECONDS -ge $deadline ]; do
+    kill -0 $up 2>/dev/null || { echo "gemma-serve up exited:"; tail -30 "$OUT/serve.log"; exit 1; }
     sleep 2
   done
-  fleet fleet-full
+  if grep -q "full speed in [0-9]" "$OUT/serve.log"; then
+    fleet fleet-full
+  else
+    compiled "no full speed within FULL_WAIT_S=${FULL_WAIT_S:-400} s: no second fleet;"
+    status=1
+  fi
 fi
 grep -E "ready in|full speed in [0-9]|compiled [0-9]+ programs in" "$OUT/serve.log" | cut -c1-200
 kill -TERM $up

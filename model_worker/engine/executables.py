@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import collections
 import contextlib
+import copy
 import functools
 import hashlib
 import logging
@@ -92,7 +93,9 @@ _DIGEST_LOCK = threading.Lock()
 def code_of(tree: ast.Module) -> str:
     """A module's code as one string: its syntax tree (`ast.dump`, no line numbers) without docstrings (a string
     constant opening a module, class or function body). Comments and layout are not in a tree, so editing them, or
-    a docstring, leaves it unchanged; any change to what the code does changes it."""
+    a docstring, leaves it unchanged; any change to what the code does changes it. `tree` itself is left as it
+    is (a copy is edited)."""
+    tree = copy.deepcopy(tree)
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]

@@ -247,6 +247,10 @@ def with_bf16_matmuls(params: Params, row_invariant: bool = False) -> Params:
 
 
 
+#: `Int8Weight.kernel` values (`--matmul-kernel`; "pallas-interpret" for tests).
+INT8_KERNELS = ("xla", "pallas", "pallas-interpret")
+
+
 def with_int8_weights(params: Params, kernel: str = "xla") -> Params:
     """`params` with weight-only int8 projections (`--matmul-precision int8` with bfloat16 activations, a TPU's or
     GPU's default): each dense layer projection ([in, out]) and the tied LM head become a per-row `Int8Weight`
@@ -259,7 +263,11 @@ def with_int8_weights(params: Params, kernel: str = "xla") -> Params:
         on a TPU) or "pallas-interpret".
     Returns:
       New Params sharing every untouched array with `params`.
+    Raises:
+      ValueError: an unknown `kernel`.
     """
+    if kernel not in INT8_KERNELS:
+        raise ValueError(f"unknown int8 kernel {kernel!r} ({', '.join(INT8_KERNELS)})")
     quantize = jax.jit(lambda w: dataclasses.replace(int8_per_channel(w), kernel=kernel))  # compiled: only the
     # int8 result is materialized, no float32 temporaries
     transposed = jax.jit(lambda w: dataclasses.replace(int8_per_channel(w.T), kernel=kernel))
@@ -361,15 +369,26 @@ def at_matmul_mode(cfg: ModelConfig, params: Params, dtype: str, precision: str,
     (whose products `matmul_kernel`, `--matmul-kernel`, runs: see `Int8Weight.kernel`).
 
     Raises:
-      ValueError: a `matmul_kernel` other than "xla" where it does not apply (not int8 weights with bfloat16
-        activations).
+      ValueError: a `matmul_kernel` other than "xla" where it does not apply: not int8 weights with bfloat16
+        activations, or no weight the kernel takes (a GGUF's own int8 blocks, with groups and offsets, keep XLA's
+        products).
     """
     if matmul_kernel != "xla" and (dtype == "float32" or precision != "int8"):
-        raise ValueError("--matmul-kernel pallas applies to int8 weights with bfloat16 activations "
-                         "(--matmul-precision int8 on a TPU or GPU)")
+        raise ValueError(f"--matmul-kernel {matmul_kernel} needs int8 weights with bfloat16 activations "
+                         f"(--matmul-precision int8 --dtype bfloat16, a TPU's default dtype): got --matmul-precision "
+                         f"{precision} with {dtype} activations")
     if dtype == "float32":
         return for_matmul_precision(cfg, params, precision, batch_invariant)
-    return cfg, with_int8_weights(params, matmul_kernel) if precision == "int8" else params
+    if precision != "int8":
+        return cfg, params
+    params = with_int8_weights(params, matmul_kernel)
+    if matmul_kernel != "xla" and not any(
+            isinstance(w, Int8Weight) and w.kernel == matmul_kernel
+            for w in jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, Int8Weight))):
+        raise ValueError(f"--matmul-kernel {matmul_kernel}: no weight of this model takes the kernel (it runs "
+                         "per-row int8 weights made from bfloat16 or float32 ones; a GGUF's own int8 blocks keep "
+                         "XLA's products)")
+    return cfg, params
 
 
 def matmul_mode(precision: str, batch_invariant: bool | None, dtype: str, *, tensor_parallel: int = 1,

@@ -6,7 +6,8 @@ Why a kernel: XLA's product of bfloat16 activations with an int8 weight converte
 (Gemma 4 E2B, B=1: 0.76x the bfloat16 step where the bytes alone promise ~0.52x; docs/performance.md, "Fifteenth
 session on the chip"), while a Pallas kernel that streams its blocks reached the copy bandwidth (the decode
 attention kernel, `numerics.decode_attention`). Here the grid walks the weight in [block_n, block_k] tiles, each
-one DMA that Pallas double-buffers, so a step at a few rows is bound by the weight's bytes alone.
+one DMA that Pallas double-buffers, so that a step at a few rows could be bound by the weight's bytes alone —
+which on the v5e it was not (below).
 
 What it computes (the same as `quant.int8_row_scaled` up to the order of the float32 sums):
 
@@ -23,8 +24,9 @@ int32 sums (|sum| <= K * 127^2 < 2^31 for K < 133,000) and no conversion of the 
 
 Measured on one TPU v5e, the W8A16 kernel streamed int8 weights no faster than XLA's product (~480 GB/s against
 ~626 GB/s for bfloat16 weights: docs/performance.md, "Sixteenth session on the chip"), consistent with the
-conversion of the weight on the vector unit as the limit; the W8A8 form is what removes it, at the cost of
-rounding the activations (whose error the model's bound must then admit).
+conversion of the weight on the vector unit as the limit; the W8A8 form would remove that conversion (not yet
+measured on the chip: `benchmarks/int8_products.py` times it), at the cost of rounding the activations (whose
+error the model's bound must then admit).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128  # the minor-dimension tile of a TPU array
 INT8_SUBLANES = 32  # the second-minor tile of an int8 array ((32, 128) tiles)
-MAX_ROWS = 256  # rows of x one kernel call takes whole (decode and verify steps); larger products stay with XLA
+MAX_ROWS = 256  # rows of x one kernel call takes whole (decode and verify steps, short prompt chunks); larger
+# products stay with XLA
 BLOCK_N = 512  # output columns per tile (rows of q)
 BLOCK_K = 2048  # input features per tile: with BLOCK_N a 1 MiB int8 tile, large enough that a DMA's fixed cost is small
 

@@ -2,6 +2,9 @@
 sampler on candidates): the oracle the exactness tests compare the sampler with, bit for bit (tokens, log-probabilities,
 top logprobs, mask_empty). Used only by tests; never change it to follow the sampler: a difference is a change of
 the draw, which must be versioned (docs/architecture.md, "Sampling").
+
+Version 2 (2026-12-07): top-p's probabilities are exp(x - max) / a fixed-order sum instead of `jax.nn.softmax`,
+whose sum XLA CPU ordered by the batch's shape (a row's seeded draw could depend on its neighbours); the only change.
 """
 
 from __future__ import annotations
@@ -141,7 +144,10 @@ def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     Bisection on the probability threshold t: S(t) = sum of p_i >= t is non-increasing; find the largest t
     with S(t) >= top_p.
     """
-    probs = jax.nn.softmax(logits, axis=-1)
+    # Version 2 of the draw: the probabilities normalized by a fixed-order sum (XLA CPU's fused softmax summed a row
+    # in an order that depended on the batch's shape, so a seeded top-p row's threshold moved with its neighbours).
+    terms = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    probs = terms / fixed_order_sum(terms)[..., None]
     lo = jnp.zeros(logits.shape[0], jnp.float32)
     hi = jnp.max(probs, axis=-1)
 

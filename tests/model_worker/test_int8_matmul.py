@@ -94,9 +94,11 @@ def test_shapes_the_kernel_cannot_tile_are_refused_and_left_to_xla():
         im.int8_matmul(jnp.ones((im.MAX_ROWS + 1, 128), jnp.bfloat16), w.q[:128, :128], w.scale[:128],
                        interpret=True)
     asked = dataclasses.replace(w, kernel="pallas-interpret")
-    assert not _takes_kernel(asked, 2)  # so int8_linear takes XLA's product
-    y = int8_linear(x, asked)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(int8_linear(x, w)))
+    assert not _takes_kernel(asked, 2)  # so int8_linear takes XLA's product, which is right too
+    x32 = jnp.ones((2, 256), jnp.float32)  # float32: CPU's product dequantizes the weight to x's dtype
+    exact, bound = _bound(x32, w)
+    y = np.asarray(int8_linear(x32, asked, out_dtype=jnp.float32), np.float64)
+    assert np.all(np.abs(y - exact) <= bound)
 
 
 def test_int8_linear_takes_the_kernel_where_the_weight_asks():
@@ -164,3 +166,13 @@ def test_the_kernel_choice_is_refused_where_it_does_not_apply():
         at_matmul_mode(cfg, params, "bfloat16", "bfloat16", False, "pallas")
     _, converted = at_matmul_mode(cfg, params, "bfloat16", "int8", False, "pallas")
     assert converted.layers[0].q.kernel == "pallas" and converted.lm_head.kernel == "pallas"
+    # A model whose weights are int8 already (a GGUF's blocks: groups of 32, offsets) has nothing for the kernel.
+    grouped = lambda w: dataclasses.replace(w, kernel="xla", group_size=w.shape[1] // 2,
+                                            scale=jnp.repeat(w.scale, 2, axis=1))
+    already = dataclasses.replace(converted, layers=[dataclasses.replace(lp, **{
+        n: grouped(getattr(lp, n)) for n in ("q", "k", "v", "o", "gate", "up", "down")}) for lp in converted.layers],
+        embed=grouped(converted.lm_head), lm_head=None)
+    with pytest.raises(ValueError, match="no weight of this model takes the kernel"):
+        at_matmul_mode(cfg, already, "bfloat16", "int8", False, "pallas")
+    with pytest.raises(ValueError, match="unknown int8 kernel"):
+        with_int8_weights(params, "mosaic")

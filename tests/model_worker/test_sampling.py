@@ -588,3 +588,27 @@ def test_every_sampling_setting_reaches_its_row():
         assert getattr(rows, name)[1] == pytest.approx(getattr(spec, name)), name
         assert getattr(rows, name)[0] == getattr(defaults, name)[0], name
     assert rows.seed[1].tolist() == [9, 7] and rows.bias_ids[1, 0] == 3 and rows.bias_vals[1, 0] == 2.0
+
+
+def test_a_top_p_rows_probabilities_threshold_and_draw_do_not_depend_on_its_batch():
+    """Top-p's whole-row path over 262,144 flat logits (a nucleus far wider than the candidates): each row's
+    probabilities (`row_probabilities`), bisection threshold and seeded draw alone are its bits in a batch of 16.
+    XLA CPU's fused `jax.nn.softmax` summed a row in an order that depended on the batch's shape (6 of these 16
+    rows' probabilities and 4 thresholds differed between a batch of 1 and of 16)."""
+    vocab, batch = 262_144, 16
+    x = jnp.asarray(random_logits(batch, vocab, seed=7))
+    top_p = jnp.full((batch,), 0.95, jnp.float32)
+    probs = jax.jit(S.row_probabilities)
+    threshold = jax.jit(lambda x, t: S._bisect(S.row_probabilities(x), t))
+    together, lo = np.asarray(probs(x)), np.asarray(threshold(x, top_p))
+    assert np.allclose(together.sum(-1), 1.0, atol=1e-5)
+    for r in range(batch):
+        np.testing.assert_array_equal(np.asarray(probs(x[r:r + 1]))[0], together[r], f"row {r}")
+        assert np.asarray(threshold(x[r:r + 1], top_p[r:r + 1]))[0] == lo[r], f"row {r}"
+    s = S.SamplingArrays.defaults(batch, vocab)
+    s.temperature[:], s.top_p[:], s.seed[:, 0], s.step[:] = 1.0, 0.95, np.arange(batch) + 3, 5
+    state = S.penalty_state_zeros(batch, vocab)
+    out = np_tree(_sample(x, s, state))
+    for r in (0, 5, 11):
+        alone = np_tree(_sample(x[r:r + 1], rows(s, [r]), rows(state, [r])))
+        assert (alone.tokens[0], alone.logprobs[0]) == (out.tokens[r], out.logprobs[r]), f"row {r}"

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from model_worker.modeling import sampling as S
+from model_worker.numerics.fixed_order import fixed_order_sum
 from tests.model_worker import sampling_reference as R
 
 _sample = jax.jit(S.sample)
@@ -196,7 +197,8 @@ def test_nucleus_threshold_has_the_reference_bits():
         scaled = x / temperature[:, None]
         scaled = jax.lax.cond(jnp.any(s.min_p > 0), R._min_p_filter, R._skip, scaled, s.min_p)
         scaled = jax.lax.cond(jnp.any(s.top_k > 0), R._top_k_filter, R._skip, scaled, s.top_k)
-        probs = jax.nn.softmax(scaled, axis=-1)
+        terms = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # as the reference's `_top_p_filter`
+        probs = terms / fixed_order_sum(terms)[..., None]
         return S._bisect(probs, s.top_p), probs
 
     @jax.jit
