@@ -127,7 +127,8 @@ def _routed(gateway) -> dict[tuple[str, str], float]:
 def test_conversations_stay_on_the_worker_that_holds_their_kv(two_workers):
     """8 conversations of 4 turns at once, half with a session key and half without: every later turn reuses the
     whole previous turn (prompt + answer, less at most one chunk), which only the worker that computed it can
-    do; both workers serve some of them."""
+    do, unless a spill explains it (a loaded host makes the turns overlap more); both workers serve some of
+    them."""
     gateway = two_workers[0]
     failures: list[str] = []
 
@@ -151,8 +152,12 @@ def test_conversations_stay_on_the_worker_that_holds_their_kv(two_workers):
         t.start()
     for t in threads:
         t.join()
-    assert not failures, failures
     routed = _routed(gateway)
+    # A worker at its bounded-load capacity passes a request on (a spill: by design, so that no worker takes more
+    # than its share while another has room); the spilled turn, and the turn that goes back home after it, run
+    # without their history. Every miss must be one of those: none when nothing spilled.
+    spills = sum(n for (_, reason), n in routed.items() if reason.endswith("_spill"))
+    assert len(failures) <= 2 * spills, (failures, routed)
     workers = {w for w, _ in routed}
     assert len(workers) == 2, routed
     assert sum(n for (_, reason), n in routed.items() if reason.startswith("session")) >= 16, routed
