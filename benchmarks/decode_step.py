@@ -55,8 +55,8 @@ def load(model: str, dtype: str, cache_dir: pathlib.Path, precision: str = "floa
          attention_kernel: str = "xla", matmul_kernel: str = "xla"):
     """(config, params) for the embedded model, a .gguf, or a checkpoint directory, at the worker's
     `--matmul-precision` `precision` ("float32", "bfloat16" or "int8"), `--batch-invariant` `invariant` (see
-    `params.for_matmul_precision`), `--attention-kernel` `attention_kernel` and `--matmul-kernel` `matmul_kernel`. A directory (checkpoint or
-    prepared) is read as it is; a GGUF gets the worker's prepared weights (built once in `cache_dir`)."""
+    `params.for_matmul_precision`), `--attention-kernel` `attention_kernel` and `--matmul-kernel` `matmul_kernel`.
+    A directory (checkpoint or prepared) is read as it is; a GGUF gets the worker's prepared weights (built once in `cache_dir`)."""
     from common import preparation
     from model_worker.modeling.params import at_matmul_mode, to_device
 

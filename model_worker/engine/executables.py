@@ -33,7 +33,6 @@ from __future__ import annotations
 import ast
 import collections
 import contextlib
-import copy
 import functools
 import hashlib
 import logging
@@ -90,12 +89,16 @@ def _imports(tree: ast.Module) -> set[str]:
 _DIGEST_LOCK = threading.Lock()
 
 
-def code_of(tree: ast.Module) -> str:
+def code_of(source: str) -> str:
     """A module's code as one string: its syntax tree (`ast.dump`, no line numbers) without docstrings (a string
     constant opening a module, class or function body). Comments and layout are not in a tree, so editing them, or
-    a docstring, leaves it unchanged; any change to what the code does changes it. `tree` itself is left as it
-    is (a copy is edited)."""
-    tree = copy.deepcopy(tree)
+    a docstring, leaves it unchanged; any change to what the code does changes it."""
+    return _code_of_tree(ast.parse(source))
+
+
+def _code_of_tree(tree: ast.Module) -> str:
+    """`code_of` of a parsed module; strips the docstrings from `tree` itself (no copy: the digest parses each
+    module once, reads its imports, then this)."""
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
@@ -107,8 +110,8 @@ def code_of(tree: ast.Module) -> str:
 
 def _source_digest() -> str:
     """sha256 over the code (`code_of`) of the program modules and every repository module they import,
-    transitively (name and code, sorted): a change to code that can reach a program misses; the scheduler, the servicer and
-    the other host-side modules are not part of it, so editing them keeps the cache. Computed once per process,
+    transitively (name and code, sorted): a change to code that can reach a program misses; the scheduler, the
+    servicer and the other host-side modules are not part of it, so editing them keeps the cache. Computed once per process,
     under a lock: `Engine.compile_all`'s threads ask at once, and CPython 3.11's `ast.parse` is not safe to run in
     two threads together (SystemError "AST constructor recursion depth mismatch", seen here)."""
     with _DIGEST_LOCK:
@@ -117,18 +120,19 @@ def _source_digest() -> str:
 
 @functools.cache
 def _digest_sources() -> str:
-    seen: dict[str, ast.Module] = {}
+    seen: dict[str, str] = {}
     todo = list(_PROGRAM_ROOTS)
     while todo:
         name = todo.pop()
         path = _module_file(name)
         if name in seen or path is None:
             continue
-        seen[name] = ast.parse(path.read_text())
-        todo.extend(_imports(seen[name]))
+        tree = ast.parse(path.read_text())
+        todo.extend(_imports(tree))
+        seen[name] = _code_of_tree(tree)
     h = hashlib.sha256()
     for name in sorted(seen):
-        h.update(name.encode() + b"\0" + code_of(seen[name]).encode() + b"\0")
+        h.update(name.encode() + b"\0" + seen[name].encode() + b"\0")
     return h.hexdigest()
 
 

@@ -169,7 +169,7 @@ def f(x):
     """Doubles x."""
     return x * 2  # twice
 '''
-    code = lambda text: executables.code_of(ast.parse(text))
+    code = executables.code_of
     same = [source.replace("A module.", "Another docstring."), source.replace("# twice", "# two times"),
             source.replace("Doubles x.", "Twice x, shapes kept."), source.replace("return x * 2", "return (x\n* 2)"),
             source + "\n\n# a trailing comment\n"]
@@ -180,6 +180,9 @@ def f(x):
     assert len({code(s) for s in changed} | {code(source)}) == len(changed) + 1
     # A function whose body is only its docstring still has a body.
     assert "Pass" in code('def g():\n    """Nothing."""\n')
+    tree = ast.parse(source)
+    executables._code_of_tree(tree)  # the digest's path: its tree, docstrings stripped in place
+    assert executables._code_of_tree(tree) == code(source)
 
 
 def test_a_damaged_entry_is_a_miss_and_is_replaced(model, tmp_path, caplog):
