@@ -66,7 +66,8 @@ def _tiles(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int] | None
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Activations as int8 with one float32 scale per row (symmetric, round to nearest): x [M, K] ->
     (xq int8 [M, K], x_scale float32 [M, 1]) with |x - xq * x_scale| <= x_scale / 2, x_scale = max|x[m]| / 127
-    (a zero row: scale 0, xq 0)."""
+    (a zero row: scale 0, xq 0). The weights' own quantization (`quant.int8_per_channel`) is this, per output
+    row."""
     x = x.astype(jnp.float32)
     s = jnp.max(jnp.abs(x), axis=1, keepdims=True) / 127.0
     xq = jnp.clip(jnp.round(x / jnp.where(s > 0, s, 1.0)), -127, 127).astype(jnp.int8)

@@ -447,10 +447,7 @@ def int8_per_channel(w: jax.Array) -> Int8Weight:
     (`int8_row_scaled`): the int8 values convert to the activation dtype exactly inside the product (|q| <= 127
     fits bfloat16's 8 bits), with no dequantized copy of the weight (W8A16, as JetStream and AQT serve on TPU).
     """
-    w = jnp.asarray(w, jnp.float32)
-    scale = jnp.max(jnp.abs(w), axis=1, keepdims=True) / 127.0
-    safe = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(w / safe), -127, 127).astype(jnp.int8)
+    q, scale = int8_matmul.quantize_rows(w)  # the rounding W8A8's activations get too
     return Int8Weight(q, scale, None, group_size=w.shape[1])
 
 
