@@ -11,6 +11,8 @@ whose whole grid is compiled (its steps take a millisecond or two here: dispatch
   contended   the background with its yielding switched off (`background_compile.YIELD_TO_SERVING = False`)
   yielding    the background as the worker runs it
   yield-5ms   yielding, but with the GIL's default 5 ms turns (the switch interval's share)
+  process     a compile process of its own builds the programs (`model_worker/engine/compile_process.py`: the
+              worker's default), the loop's process only loading each from an executable cache
 
 Requests follow one another while the background runs. Prints the time between consecutive output tokens
 (TPOT; the gaps of all requests pooled) p50 / p99 per mode, each mode's p50 as a
@@ -37,6 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from model_worker.checkpoints.hf_loader import load_checkpoint
 from model_worker.engine import background_compile
 from model_worker.engine.engine import Engine, EngineConfig
+from model_worker.engine.executables import ExecutableCache
 from model_worker.modeling.params import for_matmul_precision, to_device
 from model_worker.serving.loop import EngineLoop
 from model_worker.serving.sequence import Finish, SamplingSpec, Sequence
@@ -85,7 +88,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 8], help="background compile threads")
     ap.add_argument("--tokens", type=int, default=200, help="output tokens per request")
     ap.add_argument("--modes", nargs="+", default=["contended", "yielding"],
-                    choices=["contended", "yielding", "yield-5ms"], help="yield-5ms: yielding but the GIL's 5 ms turns")
+                    choices=["contended", "yielding", "yield-5ms", "process"],
+                    help="yield-5ms: yielding but the GIL's 5 ms turns; process: a compile process of its own")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(SHARED, pathlib.Path(tmp))
@@ -106,7 +110,8 @@ def main() -> None:
             background_compile.YIELD_TO_SERVING = mode != "contended"
             background_compile.GIL_TURN_S = 0.005 if mode == "yield-5ms" else turn
             other = Engine(cfg, params, _ecfg(slots))
-            job = other.compile_in_background(other.grid(), threads=threads)
+            cache = ExecutableCache(tempfile.mkdtemp(prefix="interference-")) if mode == "process" else None
+            job = other.compile_in_background(other.grid(), cache=cache, threads=threads, process=mode == "process")
             gaps = _tpot(server, args.tokens, job.done) or [float("nan")]  # none if it was done at once
             background_compile.YIELD_TO_SERVING, background_compile.GIL_TURN_S = True, turn
             p50, p99 = statistics.median(gaps), sorted(gaps)[int(0.99 * (len(gaps) - 1))]

@@ -79,12 +79,15 @@ class BackgroundCompile:
 
     def __init__(self, build: Callable[[ProgramKey], object], keys: Iterable[ProgramKey], threads: int,
                  deliver: Callable[[ProgramKey, object], None],
-                 on_compiled: Callable[[ProgramKey, bool], None] | None = None):
+                 on_compiled: Callable[[ProgramKey, bool], None] | None = None,
+                 close: Callable[[bool], None] | None = None):
         """Args: build: compiles one program (raises on failure); keys: the programs, most useful first; threads:
         compiles at once (at least 1); deliver: receives each compiled program (from a compiling thread);
-        on_compiled: called after each program with (key, succeeded), from a compiling thread (progress, metrics).
+        on_compiled: called after each program with (key, succeeded), from a compiling thread (progress, metrics);
+        close: called once at the end with whether the job was stopped (a compile process to end: `stop` ends it
+        at once, so that threads waiting on it return).
         """
-        self._build, self._deliver, self._on_compiled = build, deliver, on_compiled
+        self._build, self._deliver, self._on_compiled, self._close = build, deliver, on_compiled, close
         self._queue = list(keys)
         self.total = len(self._queue)
         self.failed: list[ProgramKey] = []
@@ -98,6 +101,7 @@ class BackgroundCompile:
         self._alive = 0  # compiling threads started and not yet ended
         self._started = time.perf_counter()
         self.seconds: float | None = None  # from `start` to the last program (None until then)
+        self.process = None  # the compile process building the programs, if one does (`Engine.compile_in_background`)
         self._threads = [threading.Thread(target=self._work, name=f"compile-bg-{i}", daemon=True)
                          for i in range(max(1, min(threads, self.total)))]
 
@@ -135,6 +139,8 @@ class BackgroundCompile:
             if self._finished:
                 return
             self._finished = True
+        if self._close is not None:
+            self._close(self._stopped.is_set())
         if self._yielding:
             _shorter_gil_turns(-1)
         self.done.set()
@@ -151,6 +157,8 @@ class BackgroundCompile:
         self._stopped.set()
         with self._lock:
             self._queue.clear()
+        if self._close is not None:
+            self._close(True)
         deadline = time.monotonic() + wait
         for t in self._threads:
             if t.is_alive():
@@ -180,7 +188,8 @@ class BackgroundCompile:
                     self._deliver(key, compiled)
                 ok = True
             except Exception:  # a program that does not compile: serve without it
-                log.exception("compiling %s in the background failed; serving without it", key)
+                if not self._stopped.is_set():  # (once stopped, a compile cut short is no failure to report)
+                    log.exception("compiling %s in the background failed; serving without it", key)
             with self._lock:
                 self._running -= 1
                 if ok:

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model_worker.engine import background_compile, sharding
+from model_worker.engine import background_compile, compile_process, sharding
 from model_worker.engine.background_compile import BackgroundCompile, background_order, serving_set
 from model_worker.engine.executables import ExecutableCache, fingerprint
 from model_worker.engine.programs import (
@@ -66,6 +66,7 @@ from model_worker.engine.programs import (
     ProgramKind,
     SampleInputs,
     idle_batch,
+    lower_on_one_device,
     program_keys,
 )
 from model_worker.modeling.config import ModelConfig
@@ -316,11 +317,11 @@ class Engine:
 
     def _lower(self, key: ProgramKey) -> jax.stages.Lowered:
         """The program of `key`, lowered for its shapes."""
+        if self.layout is None:
+            return lower_on_one_device(key, self.cfg, self._abstract_state)
         kind = PROGRAMS[key.kind]
         fn = functools.partial(kind.fn, cfg=self.cfg, kv_len=key.kv_len) if kind.model else kind.fn
         state, inputs = self._state(kind, abstract=True), kind.example(key, self.cfg.vocab_size)
-        if self.layout is None:
-            return jax.jit(fn, donate_argnames=kind.donated).lower(*state, *inputs)
         if kind.samples:
             fn = functools.partial(fn, vocab_parts=self.layout.vocab_parts)
         # Explicit shardings: the state keeps its own (a donated array comes back exactly as it went in), host
@@ -426,18 +427,55 @@ class Engine:
 
     def compile_in_background(self, keys: Iterable[ProgramKey], cache: ExecutableCache | None = None,
                               threads: int | None = None,
-                              on_compiled: Callable[[ProgramKey, bool], None] | None = None) -> BackgroundCompile:
+                              on_compiled: Callable[[ProgramKey, bool], None] | None = None,
+                              process: bool = False) -> BackgroundCompile:
         """Compile `keys` on background threads, most useful first (`background_compile.background_order`), while
         the loop's thread serves with the programs it has; each compiled program waits for `adopt_programs`.
 
-        Args: as `compile_all`'s; on_compiled: called with (key, succeeded) after each (from a compiling thread).
+        Args: as `compile_all`'s; on_compiled: called with (key, succeeded) after each (from a compiling thread);
+        process: with a `cache`, have a child process compile and store them, the threads here only loading each
+        (`compile_process`: the loop keeps the GIL); where no child can serve this engine, or for a program it
+        fails, the threads compile it here.
         Returns: the running `BackgroundCompile` (its `pending`, `failed`, `done`, `stop`).
         """
         order = background_order(keys, self.kv_buckets[-1], self.ecfg.prefill_chunks)
+        threads = threads or compile_threads()
         deliver = lambda key, compiled: self._arrivals.put((key, compiled))
         self._deferred_cache = cache
-        return BackgroundCompile(self._builder(cache, defer=True), order, threads or compile_threads(), deliver,
-                                 on_compiled).start()
+        build, close = self._builder(cache, defer=True), None
+        child = None
+        if process and cache is not None and order and self.mesh is None:
+            device = jax.config.jax_default_device  # the device the programs run on, as `_builder` sees it
+            device = jax.devices(device)[0] if isinstance(device, str) else device or jax.devices()[0]
+            child = compile_process.start(self.cfg, self._abstract_state, [device], cache, threads)
+        if child is not None:
+            log.info("compiling %d programs in a process of its own (pid %d)", len(order), child.pid)
+            build, close = self._from_process(child, cache, build), lambda stopped: child.close(kill=stopped)
+        job = BackgroundCompile(build, order, threads, deliver, on_compiled, close)
+        job.process = child
+        return job.start()
+
+    def _from_process(self, child: compile_process.CompileProcess, cache: ExecutableCache,
+                      fallback: Callable[[ProgramKey], jax.stages.Compiled]
+                      ) -> Callable[[ProgramKey], jax.stages.Compiled]:
+        """A build function that has `child` compile and store each program and loads it from `cache`; a program
+        the child does not deliver (it failed, it died, its entry does not load) is built by `fallback` here."""
+        def build(key: ProgramKey) -> jax.stages.Compiled:
+            fp = self._fingerprint(key)
+            try:
+                child.compile(key, fp)
+                compiled = cache.load(fp)
+                if compiled is not None:
+                    return compiled
+                reason = "its stored program did not load"
+            except compile_process.CompileProcessClosed:
+                raise
+            except compile_process.CompileProcessError as err:
+                reason = str(err)
+            log.warning("the compile process did not deliver %s (%s); compiling it in the worker", key, reason)
+            return fallback(key)
+
+        return build
 
     def store_deferred(self, limit: int | None = 1) -> int:
         """Store up to `limit` (None: all) programs compiled in the background into the executable cache they

@@ -29,6 +29,7 @@ position to the penalty history only while every draft before it was accepted. N
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -403,3 +404,23 @@ PROGRAMS: dict[str, ProgramKind] = {
 def program_keys(sizes: GridSizes) -> list[ProgramKey]:
     """Every program key of the grid, kind by kind in `PROGRAMS` order."""
     return [ProgramKey(name, *shape) for name, kind in PROGRAMS.items() for shape in kind.grid(sizes)]
+
+
+def lower_on_one_device(key: ProgramKey, cfg, state: dict[str, Any], device: jax.Device | None = None
+                        ) -> jax.stages.Lowered:
+    """The program of `key` lowered for one device: `state` maps each engine state name (`ProgramKind.state`) to
+    its abstract value (a pytree of `jax.ShapeDtypeStruct`s, no shardings); the inputs are the kind's `example`.
+
+    `device` None lowers as from uncommitted arrays, for the calling thread's default device (the engine's
+    programs, unchanged). A device given is named by explicit single-device shardings instead: how a process that
+    does not hold the device compiles for it (a TPU's compile-only topology: `compile_process`), the same
+    computation with sharding annotations only (XLA CPU's compiled module differs from the uncommitted one in
+    metadata alone, checked when this was written). One function for both, so the child process and the engine
+    cannot lower different programs for one key."""
+    kind = PROGRAMS[key.kind]
+    fn = functools.partial(kind.fn, cfg=cfg, kv_len=key.kv_len) if kind.model else kind.fn
+    args = (*(state[name] for name in kind.state), *kind.example(key, cfg.vocab_size))
+    if device is None:
+        return jax.jit(fn, donate_argnames=kind.donated).lower(*args)
+    one = jax.sharding.SingleDeviceSharding(device)
+    return jax.jit(fn, donate_argnames=kind.donated, in_shardings=one, out_shardings=one).lower(*args)

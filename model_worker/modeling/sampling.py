@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -926,13 +927,21 @@ _EXP_ERROR = {"cpu": 2.0**-18}
 _EXP_ERROR_ELSEWHERE = 2.0**-14
 
 
+#: Environment variable naming the platform programs are traced for when it is not JAX's default backend: the
+#: worker's compile process runs on the CPU backend and compiles for the TPU (`engine.compile_process`).
+TRACE_PLATFORM_ENV = "GEMMA_SERVE_TRACE_PLATFORM"
+
+
 def _exp_error(backend: str | None = None) -> float:
-    """The `exp` error bound of `backend` (default: JAX's default backend, the one the programs are traced for).
+    """The `exp` error bound of `backend` (default: the platform the programs are traced for, `TRACE_PLATFORM_ENV`
+    where set, else JAX's default backend).
 
     Chosen at trace time, not by `lax.platform_dependent`: a program traced for one backend and run on another (not
-    something the worker does) would at worst carry CPU's bound to a TPU, or the looser bound to a CPU, where it
-    only sends more rows to the whole-row path. The bound off CPU was measured on a TPU v5e, not on a GPU."""
-    return _EXP_ERROR.get(backend or jax.default_backend(), _EXP_ERROR_ELSEWHERE)
+    something the worker does: its compile process names its target) would at worst carry CPU's bound to a TPU, or
+    the looser bound to a CPU, where it only sends more rows to the whole-row path. The bound off CPU was measured
+    on a TPU v5e, not on a GPU."""
+    platform = backend or os.environ.get(TRACE_PLATFORM_ENV) or jax.default_backend()
+    return _EXP_ERROR.get(platform, _EXP_ERROR_ELSEWHERE)
 
 
 def _nucleus_in_candidates(z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:

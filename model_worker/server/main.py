@@ -525,7 +525,7 @@ def start_background(engine, keys: list, args: argparse.Namespace, metrics, serv
 
     servicer.programs_compiling = total
     threads = min(args.compile_threads or compile_threads(), total)
-    job = engine.compile_in_background(keys, cache=executables, threads=threads, on_compiled=compiled)
+    job = engine.compile_in_background(keys, cache=executables, threads=threads, on_compiled=compiled, process=True)
     return job
 
 

@@ -1,7 +1,9 @@
 """Serve first, compile the rest while serving (model_worker/engine/background_compile.py): a worker that has only its
 serving set, or that is still compiling the rest, gives every request exactly the tokens, log-probabilities and top
 log-probabilities of a fully compiled one; a program that fails to compile in the background is left out and the
-worker keeps serving; SIGTERM during the background compilation drains and exits cleanly.
+worker keeps serving; SIGTERM during the background compilation drains and exits cleanly; programs built by a
+compile process of their own (model_worker/engine/compile_process.py) give the same answers, and a killed one leaves
+the worker compiling the rest itself.
 
 The model is the tiny random Gemma 4 (sliding window 8, shared KV) in the batch-invariant bfloat16 mode, the mode in
 which a row's logits do not depend on the program computing them (the CPU default), with speculation's programs in
@@ -121,21 +123,6 @@ def test_a_worker_with_only_its_serving_set_gives_the_same_answers(model, compil
     assert any(k.kind == "decode" and k.batch == 2 for k in full.calls)
 
 
-def test_answers_while_the_rest_compiles_in_the_background_are_the_same(model, compiled):
-    _, answers = compiled
-    eng = engine(model, "serving")
-    rest = [k for k in eng.grid() if k not in eng.ready_programs()]
-    job = eng.compile_in_background(rest, threads=2)
-    during = run(eng, 1.0)
-    same(answers[1.0], during)
-    assert job.done.wait(300) and not job.failed and job.compiled == len(rest)
-    eng.calls.clear()
-    after = run(eng, 1.0)  # the loop adopts what arrived: the whole grid now
-    same(answers[1.0], after)
-    assert eng.ready_programs() == set(eng.grid())
-    assert set(eng.calls) - set(eng.serving_set()), "the adopted programs were used"
-
-
 def test_the_background_yields_to_the_serving_loop(model):
     """While the rest compiles: one program at a time is lowered (the GIL-bound part), with the GIL's switch
     interval at `GIL_TURN_S`; the switch interval is the process's own again once the background is done."""
@@ -222,3 +209,50 @@ def test_sigterm_during_background_compilation_drains_and_exits_cleanly(model, t
     assert "background compilation stopped" in log and "shutting down" in log, log[-3000:]
     assert "full speed" not in log
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_answers_while_a_compile_process_builds_the_rest_are_the_same(model, compiled, tmp_path):
+    """The rest compiled in the background by a child process (model_worker/engine/compile_process.py): each program stored by the
+    child and loaded here, none compiled in this process, the answers during and after bit for bit those of a
+    fully compiled engine; the child exits once the grid is done."""
+    from model_worker.engine.executables import ExecutableCache
+
+    _, answers = compiled
+    eng = engine(model, "serving")
+    eng._lower = lambda key: pytest.fail(f"{key} lowered in the worker")  # only the child may lower
+    cache = ExecutableCache(tmp_path / "executables")
+    rest = [k for k in eng.grid() if k not in eng.ready_programs()]
+    job = eng.compile_in_background(rest, cache=cache, threads=2, process=True)
+    assert job.process is not None
+    during = run(eng, 1.0)
+    same(answers[1.0], during)
+    assert job.done.wait(300) and not job.failed and job.compiled == len(rest)
+    assert cache.loaded == len(rest) and len(list(cache.directory.glob("*.xla"))) == len(rest)
+    assert cache.deferred == 0, "nothing left for the loop to store"
+    assert job.process._proc.wait(30) == 0, "the child exits once its input closes"
+    eng.calls.clear()
+    same(answers[1.0], run(eng, 1.0))  # the loop adopts what arrived: the whole grid now
+    assert eng.ready_programs() == set(eng.grid())
+    assert set(eng.calls) - set(eng.serving_set()), "the adopted programs were used"
+
+
+def test_a_killed_compile_process_leaves_the_worker_compiling_the_rest(model, compiled, tmp_path, caplog):
+    """kill -9 of the child after its first program: the worker compiles what is left on its own threads; nothing
+    fails and the answers stay the same."""
+    import os
+
+    from model_worker.engine.executables import ExecutableCache
+
+    _, answers = compiled
+    eng = engine(model, "serving")
+    cache = ExecutableCache(tmp_path / "executables")
+    rest = [k for k in eng.grid() if k not in eng.ready_programs()]
+    first = threading.Event()
+    job = eng.compile_in_background(rest, cache=cache, threads=1, process=True,
+                                    on_compiled=lambda key, ok: first.set())
+    assert job.process is not None and first.wait(300)
+    os.kill(job.process.pid, signal.SIGKILL)
+    assert job.done.wait(300) and not job.failed and job.compiled == len(rest)
+    assert 1 <= cache.loaded < len(rest), "some programs came from the child, the rest from this process"
+    assert "the compile process did not deliver" in caplog.text and "exit code -9" in caplog.text
+    same(answers[0.0], run(eng, 0.0))
