@@ -181,25 +181,26 @@ class BackgroundCompile:
                     break
                 key = self._queue.pop(0)
                 self._running += 1
-            ok = False
+            ok = cut = False
             try:
                 compiled = self._build(key)
                 if not self._stopped.is_set():
                     self._deliver(key, compiled)
                 ok = True
             except Exception:  # a program that does not compile: serve without it
-                if not self._stopped.is_set():  # (once stopped, a compile cut short is no failure to report)
+                cut = self._stopped.is_set()  # once stopped, a compile cut short is left, not failed
+                if not cut:
                     log.exception("compiling %s in the background failed; serving without it", key)
             with self._lock:
                 self._running -= 1
                 if ok:
                     self.compiled += 1
-                else:
+                elif not cut:
                     self.failed.append(key)
                 finished = not self._queue and self._running == 0
                 if finished and self.seconds is None:
                     self.seconds = time.perf_counter() - self._started
-            if self._on_compiled is not None:
+            if self._on_compiled is not None and not cut:
                 self._on_compiled(key, ok)
             if finished:
                 self._finish()

@@ -16,11 +16,12 @@ program compiled so while another process held the chip loaded there and gave th
 The child traces for the chip's platform (`sampling.TRACE_PLATFORM_ENV`) and lowers with explicit single-device
 shardings (`programs.lower_on_one_device`).
 
-Protocol (pickles over the child's stdin and a duplicate of its stdout; the child's stdout proper goes to its
-stderr, so no stray print can corrupt it): first a `Spec`, then one `(id, key, fingerprint)` per program; the child
+Protocol (pickles over the child's stdin and a pipe of their own for the answers, so that nothing the child or a
+library prints can corrupt them): first a `Spec`, then one `(id, key, fingerprint)` per program; the child
 answers `(id, None)` once the program is stored under its fingerprint, or `(id, "why")`. The parent sends at most
-as many programs at once as the child has threads. The child exits when its stdin closes and is killed by the
-kernel if the worker dies first (Linux's parent-death signal). Any failure of the child leaves the worker
+as many programs at once as the child has threads. The child exits when its stdin closes, is killed by the
+kernel if the worker dies first (Linux's parent-death signal), and runs in a session of its own (a signal to the
+worker's process group is the worker's to handle). Any failure of the child leaves the worker
 compiling that program on its own threads (`Engine.compile_in_background`): slower, never wrong.
 """
 
@@ -77,7 +78,8 @@ class Spec:
     """Everything the child needs to lower an engine's programs, without its weights or state.
 
     Attributes: cfg: the engine's ModelConfig; state: engine state name -> abstract pytree (`jax.ShapeDtypeStruct`
-    leaves, no shardings); target: see `Target`; cache_dir: the executable cache's directory; config: the
+    leaves, no shardings); target: see `Target`; cache_dir, cache_bytes: the executable cache's directory and bound
+    (`ExecutableCache.max_bytes`); config: the
     worker's `jax.config` values of plain types (the child applies those that differ from its own); threads:
     programs compiled at once."""
 
@@ -85,6 +87,7 @@ class Spec:
     state: dict[str, Any]
     target: Target
     cache_dir: str
+    cache_bytes: int
     config: dict[str, Any]
     threads: int
 
@@ -104,8 +107,12 @@ def target_of(devices: list) -> Target | None:
 
 
 def _plain_config() -> dict[str, Any]:
-    """The worker's jax.config values that a pickle carries as they are (devices and other objects left out)."""
-    return {k: v for k, v in jax.config.values.items() if v is None or isinstance(v, (bool, int, float, str))}
+    """The worker's jax.config values that a pickle carries as they are (devices and other objects left out), the
+    calling thread's matmul precision included (a `jax.default_matmul_precision` block is thread-local, and
+    `Engine._builder` compiles under the one of the thread that asked)."""
+    config = {k: v for k, v in jax.config.values.items() if v is None or isinstance(v, (bool, int, float, str))}
+    config["jax_default_matmul_precision"] = jax.config.jax_default_matmul_precision
+    return config
 
 
 def start(cfg, state: dict[str, Any], devices: list, cache: ExecutableCache, threads: int) -> CompileProcess | None:
@@ -115,7 +122,8 @@ def start(cfg, state: dict[str, Any], devices: list, cache: ExecutableCache, thr
     if target is None:
         return None
     try:
-        return CompileProcess(Spec(cfg, state, target, str(cache.directory), _plain_config(), max(1, threads)))
+        return CompileProcess(Spec(cfg, state, target, str(cache.directory), cache.max_bytes, _plain_config(),
+                                   max(1, threads)))
     except (OSError, pickle.PicklingError, TypeError, AttributeError) as err:
         log.warning("could not start a compile process (%s: %s); compiling in the worker", type(err).__name__, err)
         return None
@@ -129,46 +137,69 @@ class CompileProcess:
     the thread that started the child ends, not only the process."""
 
     def __init__(self, spec: Spec):
-        """Start the child and send it `spec`.
+        """Start the child; `spec` goes to it from the reader thread (a large one must not block the caller while
+        the child still imports JAX).
 
         Raises: OSError: the child could not be started; pickle errors: `spec` does not pickle."""
-        env = dict(os.environ)
+        blob = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        env = dict(os.environ, JAX_PLATFORMS="cpu")  # the child's own backend: the CPU's, whatever the target
         if spec.target.platform == "tpu":
-            # JAX on the CPU backend (the chip stays the worker's), libtpu loadable beside the worker's, no
-            # metadata-server lookup (a TPU VM's topology is named, not discovered).
-            env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
+            # libtpu loadable beside the worker's (the chip stays the worker's), no metadata-server lookup (a TPU
+            # VM's topology is named, not discovered).
+            env.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
         env[TRACE_PLATFORM_ENV] = spec.target.platform
         self.closed = False
         self._ids = itertools.count()
         self._waiting: dict[int, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._gone: str | None = None
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env)
-        self.pid = self._proc.pid
+        self._sent = threading.Event()  # the spec is written (or the child is gone): requests may follow
+        answers, theirs = os.pipe()  # the answers' own pipe: nothing the child prints can reach it
         try:
-            pickle.dump(spec, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-            self._proc.stdin.flush()
+            # A session of its own: a signal to the worker's process group (Ctrl-C, a group kill) reaches the
+            # worker, which ends the child itself; the parent-death signal covers a worker that dies.
+            self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs)], stdin=subprocess.PIPE,
+                                          pass_fds=(theirs,), env=env, start_new_session=True)
         except BaseException:
-            self._proc.kill()
-            self._proc.wait()
+            os.close(answers)
             raise
-        self._reader = threading.Thread(target=self._read, name="compile-process-reader", daemon=True)
+        finally:
+            os.close(theirs)
+        self._answers = os.fdopen(answers, "rb")
+        self.pid = self._proc.pid
+        self._reader = threading.Thread(target=self._read, args=(blob,), name="compile-process-reader", daemon=True)
         self._reader.start()
 
-    def _read(self) -> None:
-        """Hand each answer to its waiting `compile`; once the child's output ends, fail every one still waiting."""
-        with contextlib.suppress(EOFError, OSError, ValueError, pickle.UnpicklingError):
+    def _read(self, spec: bytes) -> None:
+        """Send the spec, then hand each answer to its waiting `compile`; once the answers end (or cannot be read),
+        end the child and fail every `compile` still waiting."""
+        try:
+            with self._lock:
+                self._proc.stdin.write(spec)
+                self._proc.stdin.flush()
+            self._sent.set()
             while True:
-                n, error = pickle.load(self._proc.stdout)
+                n, error = pickle.load(self._answers)
                 with self._lock:
                     future = self._waiting.pop(n, None)
                 if future is not None:
                     future.set_result(error)
+        except EOFError:  # the child closed its end: it is exiting
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(30)
+        except Exception as err:  # noqa: BLE001 - an unreadable answer: the child is of no further use
+            if not self.closed:
+                log.warning("compile process: %s: %s; ending it", type(err).__name__, err)
+        if self._proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self._proc.kill()
         code = self._proc.wait()
         with self._lock:
             self._gone = "closed" if self.closed else f"the compile process ended (exit code {code})"
             waiting, self._waiting = list(self._waiting.values()), {}
+        self._sent.set()
+        with contextlib.suppress(OSError, ValueError):
+            self._answers.close()
         for future in waiting:
             future.set_exception(self._error())
 
@@ -181,6 +212,7 @@ class CompileProcess:
 
         Raises: CompileProcessClosed after `close`; CompileProcessError: the child failed this program or is gone."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        self._sent.wait()
         with self._lock:
             if self._gone is not None or self.closed:
                 raise self._error()
@@ -200,11 +232,11 @@ class CompileProcess:
         """End the child: close its input (it exits once idle), or with `kill` at once (a compile in XLA cannot be
         interrupted otherwise; the cache's writes are atomic, so a kill leaves no partial entry). Idempotent."""
         self.closed = True
-        with contextlib.suppress(OSError, ValueError):
-            self._proc.stdin.close()
         if kill:
             with contextlib.suppress(OSError):
                 self._proc.kill()
+        with contextlib.suppress(OSError, ValueError):
+            self._proc.stdin.close()
 
 
 # ----- the child ----------------------------------------------------------------------------------------------
@@ -244,15 +276,14 @@ def _target_device(target: Target):
 
 def main() -> int:
     """The child: read the `Spec`, then compile and store each program asked for, answering as each is stored."""
-    answers = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # anything printed goes to stderr: the answers' stream stays pickles
+    answers = os.fdopen(int(sys.argv[1]), "wb")  # the answers' own pipe (`CompileProcess.__init__`)
     _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s compile process | %(message)s", datefmt="%H:%M:%S")
     requests = sys.stdin.buffer
     spec: Spec = pickle.load(requests)
     _apply_config(spec.config)
     device = _target_device(spec.target)
-    cache = ExecutableCache(spec.cache_dir)
+    cache = ExecutableCache(spec.cache_dir, spec.cache_bytes)
     lock = threading.Lock()
 
     def work(n: int, key: tuple, fingerprint: str) -> None:

@@ -399,11 +399,13 @@ class Engine:
             self._programs[key] = compiled[key]
         return time.perf_counter() - t0
 
-    def _builder(self, cache: ExecutableCache | None, defer: bool = False
+    def _builder(self, cache: ExecutableCache | None, defer: bool = False, child=None
                  ) -> Callable[[ProgramKey], jax.stages.Compiled]:
         """`_compile` for any thread, under the calling thread's JAX settings that shape a program
         (`jax.default_device`, a `jax.default_matmul_precision` block: thread-local), so a program does not
-        depend on which thread compiled it; `defer`: the cache's stores wait for `store_deferred`."""
+        depend on which thread compiled it; `defer`: the cache's stores wait for `store_deferred`; `child`: a
+        (`CompileProcess`, device) pair that compiles each program instead (`_from_child`; its fingerprint is
+        taken under the same settings)."""
         device, precision = jax.config.jax_default_device, jax.config.jax_default_matmul_precision
 
         def build(key: ProgramKey) -> jax.stages.Compiled:
@@ -412,6 +414,8 @@ class Engine:
                     scope.enter_context(jax.default_device(device))
                 if precision is not None:
                     scope.enter_context(jax.default_matmul_precision(precision))
+                if child is not None:
+                    return self._from_child(key, cache, *child)
                 return self._compile(key, cache, defer)
 
         return build
@@ -442,40 +446,43 @@ class Engine:
         threads = threads or compile_threads()
         deliver = lambda key, compiled: self._arrivals.put((key, compiled))
         self._deferred_cache = cache
-        build, close = self._builder(cache, defer=True), None
         child = None
         if process and cache is not None and order and self.mesh is None:
             device = jax.config.jax_default_device  # the device the programs run on, as `_builder` sees it
             device = jax.devices(device)[0] if isinstance(device, str) else device or jax.devices()[0]
             child = compile_process.start(self.cfg, self._abstract_state, [device], cache, threads)
-        if child is not None:
-            log.info("compiling %d programs in a process of its own (pid %d)", len(order), child.pid)
-            build, close = self._from_process(child, cache, build), lambda stopped: child.close(kill=stopped)
-        job = BackgroundCompile(build, order, threads, deliver, on_compiled, close)
-        job.process = child
-        return job.start()
+        if child is None:
+            return BackgroundCompile(self._builder(cache, defer=True), order, threads, deliver, on_compiled).start()
+        log.info("compiling %d programs in a process of its own (pid %d)", len(order), child.pid)
+        try:
+            job = BackgroundCompile(self._builder(cache, defer=True, child=(child, device)), order, threads,
+                                    deliver, on_compiled, lambda stopped: child.close(kill=stopped))
+            job.process = child
+            return job.start()
+        except BaseException:
+            child.close(kill=True)
+            raise
 
-    def _from_process(self, child: compile_process.CompileProcess, cache: ExecutableCache,
-                      fallback: Callable[[ProgramKey], jax.stages.Compiled]
-                      ) -> Callable[[ProgramKey], jax.stages.Compiled]:
-        """A build function that has `child` compile and store each program and loads it from `cache`; a program
-        the child does not deliver (it failed, it died, its entry does not load) is built by `fallback` here."""
-        def build(key: ProgramKey) -> jax.stages.Compiled:
-            fp = self._fingerprint(key)
-            try:
-                child.compile(key, fp)
-                compiled = cache.load(fp)
-                if compiled is not None:
-                    return compiled
-                reason = "its stored program did not load"
-            except compile_process.CompileProcessClosed:
-                raise
-            except compile_process.CompileProcessError as err:
-                reason = str(err)
-            log.warning("the compile process did not deliver %s (%s); compiling it in the worker", key, reason)
-            return fallback(key)
-
-        return build
+    def _from_child(self, key: ProgramKey, cache: ExecutableCache, child: compile_process.CompileProcess,
+                    device) -> jax.stages.Compiled:
+        """`key` compiled and stored by `child`, loaded from `cache` onto `device`; a program the child does not
+        deliver (it failed, it died, its entry does not load) is compiled here (`_compile`), unless the child was
+        closed (the job stopped: `CompileProcessClosed` goes up)."""
+        fp = self._fingerprint(key)
+        try:
+            child.compile(key, fp)
+            compiled = cache.load(fp, [device])
+            if compiled is not None:
+                return compiled
+            reason = "its stored program did not load"
+        except compile_process.CompileProcessClosed:
+            raise
+        except compile_process.CompileProcessError as err:
+            reason = str(err)
+        if child.closed:
+            raise compile_process.CompileProcessClosed(reason)
+        log.warning("the compile process did not deliver %s (%s); compiling it in the worker", key, reason)
+        return self._compile(key, cache, defer=True)
 
     def store_deferred(self, limit: int | None = 1) -> int:
         """Store up to `limit` (None: all) programs compiled in the background into the executable cache they

@@ -19,6 +19,8 @@ from model_worker.serving.engine_api import ProgramKey
 
 
 class FakeDevice:
+    """What `target_of` reads of a device: its platform and kind."""
+
     def __init__(self, platform, kind):
         self.platform, self.device_kind = platform, kind
 
@@ -44,8 +46,8 @@ def test_the_child_traces_for_its_target(monkeypatch):
 
 
 def test_a_program_the_child_cannot_build_is_reported_and_close_ends_it(tmp_path):
-    child = CompileProcess(Spec(cfg=None, state={}, target=Target("cpu"), cache_dir=str(tmp_path), config={},
-                                threads=1))
+    child = CompileProcess(Spec(cfg=None, state={}, target=Target("cpu"), cache_dir=str(tmp_path), cache_bytes=2**20,
+                                config={}, threads=1))
     try:
         with pytest.raises(CompileProcessError, match="KeyError"):
             child.compile(ProgramKey("no-such-kind", 1, 0, 0), "0" * 64)
