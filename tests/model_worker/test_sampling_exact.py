@@ -289,10 +289,13 @@ def _kept_by_reference(z: jax.Array, top_p: jax.Array) -> np.ndarray:
 def test_nucleus_in_candidates_keeps_the_reference_set():
     """Where `_nucleus_in_candidates` is sure, {z >= level} is the set the reference's bisection keeps, over rows
     of many shapes (peaked, ties, bfloat16 steps, a few tokens 1 ulp apart, flat after top-k) and top-p values
-    at and next to the masses of the rows' largest tokens; where it is not, `sample` takes the whole row."""
+    at and next to the masses of the rows' largest tokens; where it is not, `sample` takes the whole row. Most rows
+    with a usual top-p (0.5-0.99, or tiny) are decided on the candidates; a top-p placed within the float32 `exp`'s
+    error of a mass is not decidable there, and that error is per backend (`sampling._exp_error`: 16x wider on a
+    TPU, where ~2% of such rows were sure against ~25% on CPU), so the coverage is asserted on the usual values."""
     rng = np.random.default_rng(6)
     fn = jax.jit(S._nucleus_in_candidates)
-    sure_rows = rows = 0
+    sure_usual = usual = 0
     for kind in ("peaked", "ties", "bf16", "ulps", "flat"):
         for _ in range(4):
             batch, n = 64, 1024
@@ -307,8 +310,8 @@ def test_nucleus_in_candidates_keeps_the_reference_set():
             probs = np.asarray(jax.nn.softmax(jnp.asarray(z), axis=-1))
             top = -np.sort(-probs, axis=1)
             mass = np.cumsum(top, axis=1, dtype=np.float32)[np.arange(batch), rng.integers(0, 8, batch)]
-            top_p = np.where(rng.random(batch) < 0.5, mass * rng.choice([1.0, 1 - 2**-23, 1 + 2**-23, 1 - 2**-12],
-                                                                          batch),
+            at_mass = rng.random(batch) < 0.5
+            top_p = np.where(at_mass, mass * rng.choice([1.0, 1 - 2**-23, 1 + 2**-23, 1 - 2**-12], batch),
                              rng.choice([0.5, 0.9, 0.95, 0.99, 1e-6], batch)).astype(np.float32)
             top_p = np.minimum(top_p, np.float32(0.999999))
             level, sure = fn(jnp.asarray(z), jnp.asarray(top_p))
@@ -316,8 +319,9 @@ def test_nucleus_in_candidates_keeps_the_reference_set():
             want = _kept_by_reference(jnp.asarray(z), jnp.asarray(top_p))
             got = z >= np.asarray(level)[:, None]
             np.testing.assert_array_equal(got[sure], want[sure], kind)
-            sure_rows, rows = sure_rows + sure.sum(), rows + batch
-    assert sure_rows >= rows // 2, (sure_rows, rows)
+            sure_usual, usual = sure_usual + sure[~at_mass].sum(), usual + (~at_mass).sum()
+    # Measured: 528 of 640 on CPU, 484 of 640 on a TPU v5e.
+    assert sure_usual >= 2 * usual // 3, (sure_usual, usual)
 
 
 def test_full_settings_decide_top_p_on_candidates():
