@@ -231,9 +231,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--matmul-precision", default="float32", choices=["float32", "bfloat16", "int8"])
     parser.add_argument("--batch-invariant", action="store_true", help="with --matmul-precision bfloat16 or int8")
-    parser.add_argument("--attention-kernel", choices=["xla", "pallas"], default="xla",
+    parser.add_argument("--attention-kernel", choices=["xla", "pallas", "auto"], default="xla",
                         help="the worker's --attention-kernel (pallas: decode attention through a Pallas kernel on "
-                        "a TPU)")
+                        "a TPU; auto: the kernel for steps of at least 2^18 rows x KV positions)")
     parser.add_argument("--matmul-kernel", choices=["xla", "pallas"], default="xla",
                         help="the worker's --matmul-kernel (pallas: int8 weights' products through the Pallas W8A16 "
                         "kernel on a TPU; with --matmul-precision int8)")
@@ -329,7 +329,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.matmul_kernel != "xla" and args.matmul_precision != "int8":
         parser.error("--matmul-kernel pallas runs int8 weights' products: give --matmul-precision int8")
-    if args.attention_kernel == "pallas" and args.tensor_parallel > 1:
+    if args.attention_kernel != "xla" and args.tensor_parallel > 1:
         parser.error("--attention-kernel pallas runs on one device (as the worker refuses it with --tensor-parallel)")
     backend = jax.default_backend()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")

@@ -214,10 +214,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "not) (docs/performance.md) (default: on where it applies)",
     )
     p.add_argument(
-        "--attention-kernel", choices=["xla", "pallas"], default="xla",
+        "--attention-kernel", choices=["auto", "xla", "pallas"], default="auto",
         help="pallas: a decode step's attention through a Pallas kernel on a TPU (each row reads only its own key "
-        "blocks; not with --batch-invariant or an int8 KV cache, which keep XLA's); other backends ignore it "
-        "(default: %(default)s)",
+        "blocks; not with --batch-invariant or an int8 KV cache, which keep XLA's); auto: the kernel on one TPU for "
+        "steps whose rows x KV bucket reach 2^18 keys, where it was measured faster than XLA's (docs/performance.md), "
+        "XLA's below and everywhere else; other backends ignore it (default: %(default)s)",
     )
     p.add_argument(
         "--matmul-kernel", choices=["xla", "pallas"], default="xla",

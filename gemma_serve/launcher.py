@@ -76,7 +76,7 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
         engine += ["--no-serve-first"]
     if args.batch_invariant is not None:
         engine += ["--batch-invariant" if args.batch_invariant else "--no-batch-invariant"]
-    if getattr(args, "attention_kernel", "xla") != "xla":
+    if getattr(args, "attention_kernel", "auto") != "auto":
         engine += ["--attention-kernel", args.attention_kernel]
     if getattr(args, "matmul_kernel", "xla") != "xla":
         engine += ["--matmul-kernel", args.matmul_kernel]

@@ -284,7 +284,8 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
         (`_attend_blocks`), never beyond the static bound kv_len.
       slots: [B] cache rows (None: row b is slot b).
       window, scale: as in `attend`; dtype: the activation dtype (int8 K/V are dequantized to it).
-      kernel: "pallas": a step of at most `PALLAS_MAX_QUERIES` queries per row (a decode step, a verify step's
+      kernel: "auto": "pallas" when B x kv_len reaches `PALLAS_AUTO_KEYS`, else "xla" (the caller keeps "auto"
+        to one TPU: `resolve_attention_kernel`). "pallas": a step of at most `PALLAS_MAX_QUERIES` queries per row (a decode step, a verify step's
         drafts, a short prompt chunk; a sliding ring only at one query per row), with K/V not int8, runs
         `numerics.decode_attention` on a TPU (`ModelConfig.attention_kernel`); otherwise, and on other
         backends, the loop below. "pallas-interpret": the same calls of the kernel in Pallas's interpreter on any
@@ -299,6 +300,8 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
     """
     rows = _batch_rows(slots, q.shape[0])
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
+    if kernel == "auto":
+        kernel = "pallas" if q.shape[0] * kv_len >= PALLAS_AUTO_KEYS else "xla"
     fits = (q.shape[1] <= PALLAS_MAX_QUERIES and (k_pos is None or q.shape[1] == 1) and arrays[2] is None
             and _pallas_fits(arrays[0], k_pos))
     if kernel == "pallas" and fits:
@@ -338,6 +341,28 @@ PALLAS_RING_BYTES = 2 << 20
 #: The most queries per row the kernel takes (unrolled in it): a decode step's one, a verify step's drafted
 #: positions, a prompt chunk of at most this many tokens (a short tail chunk); longer chunks keep the XLA loop.
 PALLAS_MAX_QUERIES = 16
+#: "auto" runs the kernel for a step whose rows x KV bucket reach this many keys and XLA's loop below it: on one
+#: TPU v5e, Gemma 4 E2B's whole decode step through the kernel took 1.62x / 1.29x XLA's at 8K x 1 and 8 rows and
+#: 1.12x at 2K x 64 (2^17 keys; the kernel's grid steps, not bytes, bound it), but 0.74x at 8K x 32 and 0.77x /
+#: 0.57x at 2K x 128 / 256 (2^18 keys and past; docs/performance.md, "Eighteenth session on the chip").
+PALLAS_AUTO_KEYS = 1 << 18
+
+
+def resolve_attention_kernel(kernel: str, backend: str, tensor_parallel: int = 1) -> str:
+    """The worker's `ModelConfig.attention_kernel` from its `--attention-kernel` flag.
+
+    "auto" stays "auto" (the kernel for large steps, `PALLAS_AUTO_KEYS`) on one TPU and becomes "xla" on any
+    other backend or a mesh, so that a CPU's or GPU's programs are exactly those of "xla" (same traces, same
+    executable-cache keys). "xla" and "pallas" pass through (the caller refuses "pallas" with a mesh).
+
+    Raises:
+      ValueError: an unknown kernel name.
+    """
+    if kernel not in ("auto", "xla", "pallas", "pallas-interpret"):
+        raise ValueError(f"unknown attention kernel {kernel!r} (auto, xla or pallas)")
+    if kernel == "auto" and (backend != "tpu" or tensor_parallel > 1):
+        return "xla"
+    return kernel
 
 
 def _pallas_fits(keys: jax.Array, k_pos) -> bool:

@@ -78,8 +78,9 @@ class ModelConfig:
       attention_kernel: a compute choice too: "pallas" runs a decode step's attention, and in full layers any
         step of at most 16 queries per row (a verify step's drafts, a short prompt chunk; K/V not int8, not
         batch-invariant), through the Pallas kernel
-        `numerics.decode_attention` on a TPU; "xla" (the default) and every other backend keep
-        `attention.attend_in_place`. "pallas-interpret" runs the kernel's calls in Pallas's interpreter on any
+        `numerics.decode_attention` on a TPU; "auto" does so only for steps of at least
+        `attention.PALLAS_AUTO_KEYS` rows x KV bucket (the worker's default on one TPU); "xla" (the default here)
+        and every other backend keep `attention.attend_in_place`. "pallas-interpret" runs the kernel's calls in Pallas's interpreter on any
         backend (the CPU tests of whole models through it; not a serving choice).
     """
 

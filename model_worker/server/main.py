@@ -125,6 +125,7 @@ def load_engine(prepared, args: argparse.Namespace, weights: tuple | None = None
     from model_worker.engine import memory
     from model_worker.engine.engine import Engine, EngineConfig, compile_threads
     from model_worker.engine.executables import ExecutableCache
+    from model_worker.modeling.attention import resolve_attention_kernel
     from model_worker.modeling.config import config_from_dict
     from model_worker.modeling.params import at_matmul_mode, matmul_mode, to_device
     from model_worker.server.service import engine_facts
@@ -161,7 +162,7 @@ def load_engine(prepared, args: argparse.Namespace, weights: tuple | None = None
                                                gguf=prepared.kind != "checkpoint")
         except ValueError as err:
             raise FlagsRefused(str(err)) from None
-        kernel = getattr(args, "attention_kernel", "xla")
+        kernel = resolve_attention_kernel(getattr(args, "attention_kernel", "auto"), backend, args.tensor_parallel)
         if kernel == "pallas" and args.tensor_parallel > 1:
             raise FlagsRefused("--attention-kernel pallas runs on one device (a Mosaic kernel is not partitioned "
                                "across devices); use xla with --tensor-parallel")

@@ -184,6 +184,32 @@ def test_a_ring_read_by_several_queries_keeps_the_xla_loop():
         np.testing.assert_array_equal(np.asarray(attention.attend_in_place(*args, kernel=kernel)), np.asarray(xla))
 
 
+def test_auto_takes_the_kernel_for_large_steps_only():
+    """`--attention-kernel auto` (the worker's default on one TPU): a step of rows x KV bucket below
+    `PALLAS_AUTO_KEYS` is traced without the kernel (XLA's loop only), one at or past it with the kernel's branch;
+    and the flag resolves to "xla" off a single TPU, so that a CPU's programs are those of "xla"."""
+    from model_worker.modeling import attention
+    from model_worker.modeling.kv_cache import KVCache
+
+    def with_kernel(rows: int, kv_len: int) -> bool:
+        q = jax.ShapeDtypeStruct((rows, 1, N, D), jnp.float32)
+        kv = jax.ShapeDtypeStruct((rows, kv_len, K, D), jnp.float32)
+        slots, q_pos = jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows, 1), jnp.int32)
+        step = lambda q, k, v, s, p: attention.attend_in_place(q, KVCache([k], [v], [None], [None]), 0, s, p, None,
+                                                               None, SCALE, jnp.float32, kv_len, kernel="auto")
+        return "pallas_call" in str(jax.make_jaxpr(step)(q, kv, kv, slots, q_pos))
+
+    limit = attention.PALLAS_AUTO_KEYS
+    assert not with_kernel(8, 1024) and not with_kernel(limit // 2048 - 1, 2048)
+    assert with_kernel(limit // 2048, 2048) and with_kernel(32, 8192)
+    assert attention.resolve_attention_kernel("auto", "tpu") == "auto"
+    assert [attention.resolve_attention_kernel("auto", b, tp) for b, tp in [("cpu", 1), ("gpu", 1), ("tpu", 2)]] \
+        == ["xla"] * 3
+    assert attention.resolve_attention_kernel("pallas", "cpu") == "pallas"
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        attention.resolve_attention_kernel("triton", "tpu")
+
+
 def test_layers_outside_the_kernel_limits_keep_the_xla_loop():
     """A full layer whose cache length has no power-of-two divisor of 128 or more (4100 = 4 * 1025), and a ring
     over 2 MiB per array, are not given to the kernel (`attention._pallas_fits`)."""
