@@ -238,7 +238,8 @@ def test_answers_while_a_compile_process_builds_the_rest_are_the_same(model, com
 
 def test_a_killed_compile_process_leaves_the_worker_compiling_the_rest(model, compiled, tmp_path, caplog):
     """kill -9 of the child after its first program: the worker compiles what is left on its own threads; nothing
-    fails and the answers stay the same."""
+    fails and the answers stay the same. (A few of the rest suffice: the child's first and a handful left to the
+    threads; the whole rest was built by a child in the test above.)"""
     import os
 
     from model_worker.engine.executables import ExecutableCache
@@ -246,7 +247,8 @@ def test_a_killed_compile_process_leaves_the_worker_compiling_the_rest(model, co
     _, answers = compiled
     eng = engine(model, "serving")
     cache = ExecutableCache(tmp_path / "executables")
-    rest = [k for k in eng.grid() if k not in eng.ready_programs()]
+    rest = [k for k in eng.grid() if k not in eng.ready_programs() and k.kind in ("decode", "greedy")]
+    assert len(rest) >= 4, rest
     first = threading.Event()
     job = eng.compile_in_background(rest, cache=cache, threads=1, process=True,
                                     on_compiled=lambda key, ok: first.set())
