@@ -285,8 +285,9 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
       slots: [B] cache rows (None: row b is slot b).
       window, scale: as in `attend`; dtype: the activation dtype (int8 K/V are dequantized to it).
       kernel: "auto": "pallas" when B x kv_len reaches `PALLAS_AUTO_KEYS`, else "xla" (the caller keeps "auto"
-        to one TPU: `resolve_attention_kernel`). "pallas": a step of at most `PALLAS_MAX_QUERIES` queries per row (a decode step, a verify step's
-        drafts, a short prompt chunk; a sliding ring only at one query per row), with K/V not int8, runs
+        to one TPU: `resolve_attention_kernel`). "pallas": a step of at most `PALLAS_MAX_QUERIES` queries per
+        row (a decode step, a verify step's drafts, a short prompt chunk; a sliding ring only at one query per
+        row), with K/V not int8, runs
         `numerics.decode_attention` on a TPU (`ModelConfig.attention_kernel`); otherwise, and on other
         backends, the loop below. "pallas-interpret": the same calls of the kernel in Pallas's interpreter on any
         backend (how the CPU tests run whole models through it).

@@ -80,8 +80,8 @@ class ModelConfig:
         batch-invariant), through the Pallas kernel
         `numerics.decode_attention` on a TPU; "auto" does so only for steps of at least
         `attention.PALLAS_AUTO_KEYS` rows x KV bucket (the worker's default on one TPU); "xla" (the default here)
-        and every other backend keep `attention.attend_in_place`. "pallas-interpret" runs the kernel's calls in Pallas's interpreter on any
-        backend (the CPU tests of whole models through it; not a serving choice).
+        and every other backend keep `attention.attend_in_place`. "pallas-interpret" runs the kernel's calls in
+        Pallas's interpreter on any backend (the CPU tests of whole models through it; not a serving choice).
     """
 
     name: str
