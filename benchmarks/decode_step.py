@@ -231,9 +231,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--matmul-precision", default="float32", choices=["float32", "bfloat16", "int8"])
     parser.add_argument("--batch-invariant", action="store_true", help="with --matmul-precision bfloat16 or int8")
-    parser.add_argument("--attention-kernel", choices=["xla", "pallas", "auto"], default="xla",
+    parser.add_argument("--attention-kernel", choices=["xla", "pallas", "auto", "pallas-full"], default="xla",
                         help="the worker's --attention-kernel (pallas: decode attention through a Pallas kernel on "
-                        "a TPU; auto: the kernel for steps of at least 2^18 rows x KV positions)")
+                        "a TPU; auto: the kernel for steps of at least 2^18 rows x KV positions; pallas-full: the kernel for "
+                        "the full layers only, sliding rings on XLA's loop)")
     parser.add_argument("--matmul-kernel", choices=["xla", "pallas"], default="xla",
                         help="the worker's --matmul-kernel (pallas: int8 weights' products through the Pallas W8A16 "
                         "kernel on a TPU; with --matmul-precision int8)")

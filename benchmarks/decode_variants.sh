@@ -5,10 +5,11 @@
 #   bash benchmarks/decode_variants.sh                      # a synthetic Gemma 4 E2B bf16 written to $WORK first
 #   MODEL=/path/to/checkpoint BATCHES="1 8 32" CONTEXT=8192 bash benchmarks/decode_variants.sh
 #
-# Variants (VARIANTS, ";"-separated "name:flags"): xla-bf16 (XLA's decode attention, bfloat16 weights: today's
-# default on a TPU), pallas-bf16 (--attention-kernel pallas), xla-int8 and pallas-int8 (--matmul-precision int8:
-# int8 weights, one scale per output row), pallas-int8k (both Pallas kernels: attention and --matmul-kernel pallas,
-# the int8 weights' products). Output: $OUT/decode_variants.md (each run's table) and the ratio
+# Variants (VARIANTS, ";"-separated "name:flags"): xla-bf16 (XLA's decode attention, bfloat16 weights),
+# pallas-bf16 (--attention-kernel pallas), xla-int8 and pallas-int8 (--matmul-precision int8: int8 weights, one
+# scale per output row), pallas-int8k (both Pallas kernels: attention and --matmul-kernel pallas, the int8 weights'
+# products). Not in the default list: --attention-kernel auto (the worker's default on one TPU) and pallas-full (the
+# kernel for the full layers only, sliding rings on XLA's loop). Output: $OUT/decode_variants.md (each run's table) and the ratio
 # table on stdout. A dry run on a CPU: MODEL=<a small synthetic checkpoint> BATCHES="1 2" CONTEXT=512.
 set -uo pipefail
 

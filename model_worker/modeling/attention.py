@@ -285,7 +285,9 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
       slots: [B] cache rows (None: row b is slot b).
       window, scale: as in `attend`; dtype: the activation dtype (int8 K/V are dequantized to it).
       kernel: "auto": "pallas" when B x kv_len reaches `PALLAS_AUTO_KEYS`, else "xla" (the caller keeps "auto"
-        to one TPU: `resolve_attention_kernel`). "pallas": a step of at most `PALLAS_MAX_QUERIES` queries per
+        to one TPU: `resolve_attention_kernel`). "pallas-full": "pallas" for full layers, "xla" for sliding
+        rings (whose ~0.2 ms per call on a v5e outweighed their few keys at one row: a measurement variant).
+        "pallas": a step of at most `PALLAS_MAX_QUERIES` queries per
         row (a decode step, a verify step's drafts, a short prompt chunk; a sliding ring only at one query per
         row), with K/V not int8, runs
         `numerics.decode_attention` on a TPU (`ModelConfig.attention_kernel`); otherwise, and on other
@@ -303,6 +305,8 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
     arrays = (cache.k[src], cache.v[src], cache.k_scale[src], cache.v_scale[src])
     if kernel == "auto":
         kernel = "pallas" if q.shape[0] * kv_len >= PALLAS_AUTO_KEYS else "xla"
+    elif kernel == "pallas-full":  # the kernel for full layers only: a ring's few keys stay on XLA's loop
+        kernel = "pallas" if k_pos is None else "xla"
     fits = (q.shape[1] <= PALLAS_MAX_QUERIES and (k_pos is None or q.shape[1] == 1) and arrays[2] is None
             and _pallas_fits(arrays[0], k_pos))
     if kernel == "pallas" and fits:
@@ -359,8 +363,8 @@ def resolve_attention_kernel(kernel: str, backend: str, tensor_parallel: int = 1
     Raises:
       ValueError: an unknown kernel name.
     """
-    if kernel not in ("auto", "xla", "pallas", "pallas-interpret"):
-        raise ValueError(f"unknown attention kernel {kernel!r} (auto, xla or pallas)")
+    if kernel not in ("auto", "xla", "pallas", "pallas-full", "pallas-interpret"):
+        raise ValueError(f"unknown attention kernel {kernel!r} (auto, xla, pallas or pallas-full)")
     if kernel == "auto" and (backend != "tpu" or tensor_parallel > 1):
         return "xla"
     return kernel

@@ -187,7 +187,8 @@ def test_a_ring_read_by_several_queries_keeps_the_xla_loop():
 def test_auto_takes_the_kernel_for_large_steps_only():
     """`--attention-kernel auto` (the worker's default on one TPU): a step of rows x KV bucket below
     `PALLAS_AUTO_KEYS` is traced without the kernel (XLA's loop only), one at or past it with the kernel's branch;
-    and the flag resolves to "xla" off a single TPU, so that a CPU's programs are those of "xla"."""
+    and the flag resolves to "xla" off a single TPU, so that a CPU's programs are those of "xla". "pallas-full"
+    takes the kernel for full layers only."""
     from model_worker.modeling import attention
     from model_worker.modeling.kv_cache import KVCache
 
@@ -202,6 +203,17 @@ def test_auto_takes_the_kernel_for_large_steps_only():
     limit = attention.PALLAS_AUTO_KEYS
     assert not with_kernel(8, 1024) and not with_kernel(limit // 2048 - 1, 2048)
     assert with_kernel(limit // 2048, 2048) and with_kernel(32, 8192)
+    # "pallas-full" (a benchmark's variant): the kernel for a full layer at any size, never for a sliding ring.
+    q = jax.ShapeDtypeStruct((2, 1, N, D), jnp.float32)
+    slots, q_pos = jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 1), jnp.int32)
+    for ring, wanted in [(False, True), (True, False)]:
+        L = 32 if ring else 1024  # a ring of 32 positions (window 16); a full layer of 1024, which the kernel fits
+        kv = jax.ShapeDtypeStruct((2, L, K, D), jnp.float32)
+        k_pos = jax.ShapeDtypeStruct((2, L), jnp.int32) if ring else None
+        step = lambda q, k, v, s, p, kp, ring=ring, L=L: attention.attend_in_place(
+            q, KVCache([k], [v], [None], [None]), 0, s, p, kp, 16 if ring else None, SCALE, jnp.float32, L,
+            kernel="pallas-full")
+        assert ("pallas_call" in str(jax.make_jaxpr(step)(q, kv, kv, slots, q_pos, k_pos))) == wanted, ring
     assert attention.resolve_attention_kernel("auto", "tpu") == "auto"
     assert [attention.resolve_attention_kernel("auto", b, tp) for b, tp in [("cpu", 1), ("gpu", 1), ("tpu", 2)]] \
         == ["xla"] * 3
