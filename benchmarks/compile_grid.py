@@ -15,6 +15,7 @@ for the given sizes (`Engine.grid()`); `--limit N` takes its first N programs.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 import tempfile
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="thread counts to compare [1 and the worker's default, compile_threads()]")
     p.add_argument("--limit", type=int, default=None, help="compile only the grid's first N programs")
     p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--json", type=pathlib.Path, help="write the rounds here (programs, seconds per thread count)")
     args = p.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)
     on_cpu = jax.default_backend() == "cpu"
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(keys)} programs ({jax.devices()[0].device_kind}, {dtype} activations, {precision} products, "
           f"{args.num_slots} slots, max_model_len {args.max_model_len}); seconds, one process")
     print(f"{'threads':>7} {'compile s':>10} {'load s':>8}")
-    first = {}
+    first, rounds = {}, []
     for n in threads:
         with tempfile.TemporaryDirectory() as tmp:
             cache = ExecutableCache(tmp)
@@ -75,6 +77,11 @@ def main(argv: list[str] | None = None) -> None:
         first.setdefault("load", load_s)
         print(f"{n:>7} {compile_s:>10.1f} {load_s:>8.1f}   ({compile_s / first['compile']:.2f}x, "
               f"{load_s / first['load']:.2f}x of {threads[0]} thread(s))", flush=True)
+        rounds.append(dict(threads=n, compile_s=compile_s, load_s=load_s))
+    if args.json:
+        args.json.write_text(json.dumps(dict(model=cfg.name, device=jax.devices()[0].device_kind, programs=len(keys),
+                                             num_slots=args.num_slots, max_model_len=args.max_model_len,
+                                             rounds=rounds), indent=1))
 
 
 if __name__ == "__main__":

@@ -220,6 +220,28 @@ def time_verify(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def profile_step(engine: Engine, batch: int, kv_len: int, steps: int, folder: pathlib.Path, step_ms: float) -> None:
+    """Traces `steps` decode steps of `batch` rows at kv_len (as `time_step` runs them) with `jax.profiler` into
+    `folder` and prints where each step's device time went (benchmarks/trace_summary.py; its JSON beside the
+    trace). The trace itself slows the host's side of a step; the device's op times are what to read."""
+    import trace_summary
+
+    slots = list(range(batch))
+    sampling = SamplingArrays.defaults(batch, engine.cfg.vocab_size)
+    args = (slots, [1] * batch, [kv_len - 1] * batch, [True] * batch, sampling)
+    engine.decode(*args)
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        for _ in range(steps):
+            engine.decode(*args)
+    summary = trace_summary.summarize(folder)
+    print(f"-- profile: batch {batch}, kv {kv_len}, {steps} steps (trace in {folder})")
+    trace_summary.print_summary(summary, steps, step_ms=step_ms)
+    (folder / "summary.json").write_text(json.dumps(
+        {dev: {"busy_us": d["busy_us"] / steps, "modules": [[m.name, m.us / steps] for m in d["modules"]],
+               "ops": [[t.name, t.category, t.us / steps, t.bytes / steps, t.example] for t in d["ops"]]}
+         for dev, d in summary.items()}, indent=1))
+
+
 def device_label(tensor_parallel: int) -> str:
     """The device kind and platform the benchmark runs on, e.g. "NVIDIA H200 (gpu) x 2"."""
     d = jax.devices()[0]
@@ -322,6 +344,9 @@ def main() -> None:
                         help="also time verify steps of T tokens per row (speculative decoding: the pending token "
                         "and T - 1 drafts) at each batch and KV length: column 'verify ms' and its ratio to the "
                         "decode step")
+    parser.add_argument("--profile", type=pathlib.Path, metavar="DIR",
+                        help="after each row, trace its steps with jax.profiler into DIR/b<batch>-kv<len> and print "
+                             "where the device's time went (benchmarks/trace_summary.py)")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="(embedded model) also measure llama.cpp's own time per decoded token on the same GGUF "
                         "(its llama-server, built by benchmarks/llama_cpp_server.sh, 2 threads) and print the "
@@ -385,6 +410,8 @@ def main() -> None:
                 extra = f" {row['verify_ms']:>9.2f} {row['verify_ms'] / row['step_ms']:>10.2f}x"
             print(f"{b:>5} {L:>6} {row['step_ms']:>8.2f} {row['tokens_per_s']:>8.1f} {moved.total / 1e6:>8.0f} "
                   f"{row['bandwidth_fraction']:>5.0%} {row['vs_batch1']:>6.2f}x" + extra)
+            if args.profile:
+                profile_step(engine, b, L, args.steps, args.profile / f"b{b}-kv{L}", row["step_ms"])
     if args.llama_cpp:
         # Interleaved rounds (ours, then llama.cpp, at the same last position), so that both see the same phases
         # of a shared host; the ratio is of the medians.

@@ -1,39 +1,50 @@
 #!/usr/bin/env bash
-# The device benchmark in one run (sized for ~8 minutes on one H200): synthetic full-size Gemma 4 E2B checkpoints
-# in bf16 and qat-w4a16-ct (scripts/make_synthetic_gemma4.py, ~10 GB and ~6.5 GB, written here), then
-# benchmarks/decode_step.py and benchmarks/mixed_step.py on each at B = 1, 8, 32 with an 8K context, collected in
-# one markdown file.
+# The device benchmark in one run, ending with the targets' table: a synthetic full-size Gemma 4 E2B checkpoint
+# (bf16, scripts/make_synthetic_gemma4.py, ~10 GB, written here and kept), then one process per phase (a TPU takes
+# one process at a time), each phase's JSON in $OUT, and a table of every target against what was measured:
 #
-#   bash benchmarks/device_run.sh
+#   bash benchmarks/device_run.sh                          # every phase (~9 minutes on one TPU v5e, cold)
+#   PHASES="decode int8" bash benchmarks/device_run.sh     # some phases; the table reads every JSON in $OUT
+#
+# Phases (PHASES, space-separated; default all, in this order):
+#   decode      benchmarks/decode_step.py, bf16 weights, B = 1, 8, 32 at an 8K context, the worker's default
+#               attention (`--attention-kernel auto`): step time and the fraction of the copy bandwidth
+#   int8        the same with int8 weights (`--matmul-precision int8`): the step as a ratio of bf16's
+#   mixed       benchmarks/mixed_step.py, bf16, the same batches beside a 64-token chunk at position 7900: the mixed
+#               step against the chunk then the decode step alone
+#   compile     benchmarks/compile_grid.py: the worker's program grid for E2B (32 slots, 8K) compiled cold with one
+#               thread per host core, then loaded from the executable cache (the warm start)
+#   throughput  decode_step.py, int8 weights, 256 rows of a 2K context: output tok/s at the largest batch measured
+#   qat         decode_step.py on a qat-w4a16-ct checkpoint (written first, ~6.5 GB): B = 1, 8, 32
+# A phase that would pass DEADLINE is skipped and says so; a phase's JSON from an earlier run in $OUT stays in the
+# table (so a short session can run the phases over several calls with the same OUT and WORK).
 #
 # Steps: (1) a Python whose jax sees the GPU/TPU: $PYTHON, else .venv/bin/python, else python3, else
-# `make install` plus the jax extra (`cuda`, or `tpu` on a TPU host; JAX_EXTRA overrides); (2) the checkpoints,
-# written in parallel and kept for a rerun; (3) every program both benchmarks time compiled into JAX's persistent
-# compilation cache by the four runs at once (`--compile-only`: compile time is most of a run; not on a TPU, which
-# takes one process at a time), then (4) the four measured runs one after another (each loads its programs from
-# the cache), each appending its table; (5) if 2 minutes are left, speculation on / off by turn type on the embedded
-# model (benchmarks/speculation_turns.py --compare-off).
+# `make install` plus the jax extra (`cuda`, or `tpu` on a TPU host; JAX_EXTRA overrides); (2) the checkpoint(s);
+# (3) the phases; (4) the targets' table (benchmarks/device_targets.py), also appended to device_bench.md.
 #
-# Environment: OUT (results: device_bench.md, the runs' JSON, device_run.log; default $WORK/results), WORK
-# (checkpoints and compilation cache, ~17 GB free needed; default /tmp/gemma-serve-device), TP (tensor-parallel
-# degree, default 1), DEADLINE (seconds for the whole run, default 540: a phase that would pass it is cut short).
+# Environment: OUT (results: device_bench.md, the phases' JSON, device_run.log; default $WORK/results), WORK
+# (checkpoints and compilation cache, ~11 GB free needed, ~17 GB with qat; default /tmp/gemma-serve-device), TP
+# (tensor-parallel degree, default 1), DEADLINE (seconds for the whole run, default 570), BATCHES, CONTEXT (the
+# decode and mixed phases' grid; defaults "1 8 32", 8192), STEPS (timed steps per row, default 20).
 # For a dry run of this script on a CPU: ALLOW_CPU=1 SYNTHETIC_ARGS="--layers 10 --hidden 256 --vocab 4096"
-# BATCHES="1 2" CONTEXT=1024 (the checkpoint overrides and the grid; defaults: none, "1 8 32", 8192).
+# BATCHES="1 2" CONTEXT=1024 PHASES="decode int8 mixed".
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${WORK:-/tmp/gemma-serve-device}
 OUT=${OUT:-$WORK/results}
 TP=${TP:-1}
-DEADLINE=${DEADLINE:-540}
+DEADLINE=${DEADLINE:-570}
 BATCHES=${BATCHES:-1 8 32}
 CONTEXT=${CONTEXT:-8192}
+STEPS=${STEPS:-20}
+PHASES=${PHASES:-decode int8 mixed compile throughput}
 read -r -a SYNTHETIC <<<"${SYNTHETIC_ARGS:-}"
 mkdir -p "$WORK" "$OUT"
 LOG=$OUT/device_run.log
 REPORT=$OUT/device_bench.md
-: >"$LOG"
-
+touch "$LOG"
 log() { printf '[%s +%3ds] %s\n' "$(date +%T)" "$SECONDS" "$*" | tee -a "$LOG"; }
 left() { local s=$((DEADLINE - SECONDS - ${1:-0})); echo $((s > 30 ? s : 30)); }  # seconds, at least 30
 die() { log "FAILED: $*"; exit 1; }
@@ -67,7 +78,8 @@ cd "$ROOT"
 log "python $PY: jax $("$PY" -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)'), backend $BACKEND"
 
 # ----- (2) checkpoints --------------------------------------------------------------------------------------------
-FORMATS=(bf16 qat-w4a16-ct)
+FORMATS=(bf16)
+[[ " $PHASES " == *" qat "* ]] && FORMATS+=(qat-w4a16-ct)
 pids=()
 for fmt in "${FORMATS[@]}"; do
   dir=$WORK/gemma4-e2b-$fmt
@@ -81,77 +93,50 @@ for pid in "${pids[@]}"; do wait "$pid" || { cat "$WORK"/write-*.log >>"$LOG"; d
 cat "$WORK"/write-*.log 2>/dev/null | grep '^wrote' | tee -a "$LOG"
 log "checkpoints ready in $WORK"
 
-# ----- (3) compile, (4) measure -----------------------------------------------------------------------------------
+# ----- (3) phases -------------------------------------------------------------------------------------------------
 read -r -a B <<<"$BATCHES"
-# --verify-tokens 8: each row also times a verify step (speculative decoding: the pending token and 7 drafts per
-# row), so the table shows what checking drafts costs against a plain decode step on the device
-DECODE=(benchmarks/decode_step.py --batches "${B[@]}" --kv "$CONTEXT" --steps 20 --verify-tokens 8)
-# decode rows at 7900 + 7r (r < 32) and the 64-token chunk at 7900 (for 8192): every program reads the last bucket
-MIXED=(benchmarks/mixed_step.py --batches "${B[@]}" --chunk 64 --position $((CONTEXT - 292)) --max-model-len "$CONTEXT"
-       --iterations 10)
 COMMON=(--cache-dir "$WORK/cache" --tensor-parallel "$TP")
-
-run_bench() {  # NAME FORMAT SECONDS EXTRA_ARGS...: one benchmark on one checkpoint
-  local name=$1 fmt=$2 seconds=$3; shift 3
-  local args=("${DECODE[@]}")
-  [ "$name" = mixed ] && args=("${MIXED[@]}")
-  timeout "$seconds" "$PY" "${args[@]}" --model "$WORK/gemma4-e2b-$fmt" "${COMMON[@]}" "$@"
-}
-
-if [ "$BACKEND" != tpu ]; then  # a TPU takes one process at a time: there each measured run compiles its own
-  log "compiling the programs of the 4 runs at once"
-  pids=()
-  for fmt in "${FORMATS[@]}"; do
-    for name in decode mixed; do
-      run_bench "$name" "$fmt" "$(left 150)" --compile-only >"$WORK/compile-$name-$fmt.log" 2>&1 &
-      pids+=($!)
-    done
-  done
-  for pid in "${pids[@]}"; do
-    wait "$pid" || log "a compile run failed or ran out of time (its measured run compiles what is missing)"
-  done
-  for f in "$WORK"/compile-*.log; do
-    cat "$f" >>"$LOG"
-    log "$(basename "$f" .log): $(grep 'compiled in' "$f" || echo 'no programs compiled')"
-  done
-fi
-
+BF16=$WORK/gemma4-e2b-bf16
 {
-  echo "# gemma-serve device benchmark: synthetic Gemma 4 E2B, decode and mixed steps"
+  echo "# gemma-serve device benchmark: synthetic Gemma 4 E2B"
   echo
   device=$("$PY" -c 'import jax; print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")')
   commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
-  echo "$(date -u +%FT%TZ); $device; tensor parallel $TP; commit $commit."
+  echo "$(date -u +%FT%TZ); $device; tensor parallel $TP; commit $commit; phases: $PHASES."
   echo
-} >"$REPORT"
+} >>"$REPORT"
+DECODE=("$PY" benchmarks/decode_step.py --steps "$STEPS" "${COMMON[@]}" --markdown "$REPORT")
+phase() {  # NAME ESTIMATE_S COMMAND...: runs the phase unless it would pass the deadline
+  local name=$1 estimate=$2; shift 2
+  if [ $((DEADLINE - SECONDS)) -lt "$estimate" ]; then
+    log "SKIPPED $name: ~${estimate} s left needed"; status=1; return
+  fi
+  log "phase $name"
+  timeout "$(left)" "$@" 2>&1 | grep -v -i 'warning' | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" = 0 ] || { log "FAILED: $name"; status=1; }
+}
 status=0
-for fmt in "${FORMATS[@]}"; do
-  for name in decode mixed; do
-    if [ $((DEADLINE - SECONDS)) -lt 30 ]; then log "SKIPPED $name $fmt: out of time"; status=1; continue; fi
-    budget=$(left)
-    log "measuring: $name step, $fmt"
-    run_bench "$name" "$fmt" "$budget" --markdown "$REPORT" --json "$OUT/$name-$fmt.json" 2>&1 | tee -a "$LOG" \
-      || { log "FAILED: $name $fmt"; status=1; }
-  done
+for p in $PHASES; do
+  case $p in
+    decode) phase decode 60 "${DECODE[@]}" --model "$BF16" --json "$OUT/decode-bf16.json" --batches "${B[@]}" \
+              --kv "$CONTEXT" --matmul-precision bfloat16 --attention-kernel auto ;;
+    int8) phase int8 60 "${DECODE[@]}" --model "$BF16" --json "$OUT/decode-int8.json" --batches "${B[@]}" \
+            --kv "$CONTEXT" --matmul-precision int8 --attention-kernel auto ;;
+    # decode rows at CONTEXT - 292 + 7r (r < 32) and the 64-token chunk there: every program reads the last bucket
+    mixed) phase mixed 90 "$PY" benchmarks/mixed_step.py --model "$BF16" --batches "${B[@]}" --chunk 64 \
+             --position $((CONTEXT - 292)) --max-model-len "$CONTEXT" --iterations 10 --matmul-precision bfloat16 \
+             --attention-kernel auto "${COMMON[@]}" --markdown "$REPORT" --json "$OUT/mixed-bf16.json" ;;
+    compile) phase compile 120 "$PY" benchmarks/compile_grid.py --model "$BF16" --num-slots 32 \
+               --max-model-len "$CONTEXT" --threads "$(nproc)" --json "$OUT/compile.json" ;;
+    throughput) phase throughput 60 "${DECODE[@]}" --model "$BF16" --json "$OUT/throughput-int8.json" \
+                  --batches 256 --kv 2048 --matmul-precision int8 --attention-kernel auto --bandwidth-mib 256 ;;
+    qat) phase qat 60 "${DECODE[@]}" --model "$WORK/gemma4-e2b-qat-w4a16-ct" --json "$OUT/decode-qat.json" \
+           --batches "${B[@]}" --kv "$CONTEXT" --attention-kernel auto ;;
+    *) log "unknown phase $p (decode int8 mixed compile throughput qat)"; status=1 ;;
+  esac
 done
-# ----- (5) speculation on and off on the device ---------------------------------------------------------------------
-# The embedded Gemma 3 270M (synthetic weights draft nothing worth measuring): benchmarks/speculation_turns.py starts
-# our stack with speculation auto, then off, and prints tok/s on / off, acceptance and whether the answers are the
-# same, by turn type (tool calls, JSON, code echoed, chat). Skipped when less than 2 minutes are left.
-if [ $((DEADLINE - SECONDS)) -ge 120 ]; then
-  log "measuring: speculation on / off by turn type (embedded model)"
-  {
-    echo
-    echo "## Speculation on / off by turn type (embedded Gemma 3 270M, one request at a time)"
-    echo
-    echo '```'
-    timeout "$(left)" "$PY" benchmarks/speculation_turns.py --compare-off --variants 2 --startup-timeout "$(left 30)" \
-      --ours-args "--num-slots 4" --json "$OUT/speculation-turns.json" 2>&1 | tee -a "$LOG" | sed -n '/^turn type/,$p'
-    echo '```'
-  } >>"$REPORT" || { log "FAILED: speculation on / off"; status=1; }
-else
-  log "SKIPPED speculation on / off: out of time"
-fi
+
+# ----- (4) the targets' table -------------------------------------------------------------------------------------
+"$PY" benchmarks/device_targets.py "$OUT" | tee -a "$REPORT"
 log "done: $REPORT"
-cat "$REPORT"
 exit $status

@@ -280,13 +280,13 @@ class Engine:
             self.layout = sharding.Layout(cfg, self.mesh)
             self.params = self.layout.place_params(params)
             self.cache = self.layout.zeros_cache(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype,
-                                                 ecfg.kv_int8, ecfg.prefix_slack)
+                                                 ecfg.kv_int8, ecfg.prefix_slack, self._bf16_bits())
             self.pstate = self.layout.zeros_penalties(ecfg.num_slots, ecfg.max_model_len)
             for note in self.layout.summary():  # a split that frees less memory than asked: worth a warning
                 log.warning("tensor parallel %d: %s", ecfg.tensor_parallel, note)
         else:
             self.cache = KVCache.zeros(cfg, ecfg.num_slots, ecfg.max_model_len, self.dtype, int8=ecfg.kv_int8,
-                                       slack=ecfg.prefix_slack)
+                                       slack=ecfg.prefix_slack, bf16_bits=self._bf16_bits())
             self.pstate = penalty_history_zeros(ecfg.num_slots, penalty_capacity(ecfg.max_model_len, cfg.vocab_size))
         self.kv_buckets = ecfg.kv_buckets(cfg.sliding_window)
         self.batch_buckets = ecfg.batch_buckets()
@@ -308,6 +308,12 @@ class Engine:
         self.mixed_chunk = min(ecfg.prefill_chunks)  # the chunk of a mixed step (`dispatch_mixed`)
 
     # ----- the grid -------------------------------------------------------------------------------------------
+    def _bf16_bits(self) -> bool:
+        """Whether a bfloat16 KV cache is stored as its bits (`kv_cache.storage_dtype`): on CPU only, whose XLA
+        has no in-place bfloat16 write; elsewhere bfloat16 itself, which the Pallas attention kernel reads as it is."""
+        device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+        return device.platform == "cpu"
+
     def grid(self) -> list[ProgramKey]:
         """Every program key (kind, batch, tokens per row, kv_len), kind by kind (`programs.PROGRAMS`)."""
         chunks = tuple(sorted(set(self.ecfg.prefill_chunks) | set(self.ecfg.tail_chunks)))

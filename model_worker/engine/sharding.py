@@ -295,10 +295,10 @@ class Layout:
         return KVCache(k=kv, v=list(kv), k_scale=scales, v_scale=list(scales))
 
     def zeros_cache(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype, int8: bool,
-                    slack: int) -> KVCache:
+                    slack: int, bf16_bits: bool = True) -> KVCache:
         """`KVCache.zeros` created already split (no device ever holds the whole cache)."""
         shardings = self.cache_shardings(KVCache.shapes(cfg, num_slots, max_len, slack), int8)
-        make = lambda: KVCache.zeros(cfg, num_slots, max_len, dtype, int8=int8, slack=slack)
+        make = lambda: KVCache.zeros(cfg, num_slots, max_len, dtype, int8=int8, slack=slack, bf16_bits=bf16_bits)
         return jax.jit(make, out_shardings=shardings)()
 
     def penalty_shardings(self, num_slots: int, max_model_len: int) -> PenaltyHistory:

@@ -286,7 +286,7 @@ def attend_in_place(q, cache: KVCache, src: int, slots, q_pos, k_pos, window, sc
       window, scale: as in `attend`; dtype: the activation dtype (int8 K/V are dequantized to it).
       kernel: "auto": "pallas" when B x kv_len reaches `PALLAS_AUTO_KEYS`, else "xla" (the caller keeps "auto"
         to one TPU: `resolve_attention_kernel`). "pallas-full": "pallas" for full layers, "xla" for sliding
-        rings (whose ~0.2 ms per call on a v5e outweighed their few keys at one row: a measurement variant).
+        rings (a benchmark's variant, to measure the kernel on the layers whose K/V it streams).
         "pallas": a step of at most `PALLAS_MAX_QUERIES` queries per
         row (a decode step, a verify step's drafts, a short prompt chunk; a sliding ring only at one query per
         row), with K/V not int8, runs
@@ -348,8 +348,10 @@ PALLAS_RING_BYTES = 2 << 20
 PALLAS_MAX_QUERIES = 16
 #: "auto" runs the kernel for a step whose rows x KV bucket reach this many keys and XLA's loop below it: on one
 #: TPU v5e, Gemma 4 E2B's whole decode step through the kernel took 1.62x / 1.29x XLA's at 8K x 1 and 8 rows and
-#: 1.12x at 2K x 64 (2^17 keys; the kernel's grid steps, not bytes, bound it), but 0.74x at 8K x 32 and 0.77x /
-#: 0.57x at 2K x 128 / 256 (2^18 keys and past; docs/performance.md, "Eighteenth session on the chip").
+#: 1.12x at 2K x 64 (2^17 keys), but 0.74x at 8K x 32 and 0.77x / 0.57x at 2K x 128 / 256 (2^18 keys and past;
+#: docs/performance.md, "Eighteenth session on the chip"). Those steps still copied each full layer's whole cache
+#: to bit-cast a uint16 store for the kernel (~4.9 ms per E2B step at 8K, "Nineteenth session on the chip"), gone
+#: with the bfloat16 store off CPU: the limit is to be measured again without it.
 PALLAS_AUTO_KEYS = 1 << 18
 
 

@@ -64,12 +64,14 @@ class KVCache:
 
     @classmethod
     def zeros(
-        cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype, int8: bool = False, slack: int = 0
+        cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype, int8: bool = False, slack: int = 0,
+        bf16_bits: bool = True,
     ) -> KVCache:
         """An all-zero cache for `num_slots` sequences of up to `max_len` positions (stored as `storage_dtype`:
-        int8 + scales if `int8`; sliding rings of window + `slack` positions)."""
+        int8 + scales if `int8`, a bfloat16 store as its bits with `bf16_bits`; sliding rings of window + `slack`
+        positions)."""
         shapes = cls.shapes(cfg, num_slots, max_len, slack)
-        store = storage_dtype(cfg, dtype, int8)
+        store = storage_dtype(cfg, dtype, int8, bf16_bits)
         k = [None if s is None else jnp.zeros(s, store) for s in shapes]
         v = [None if s is None else jnp.zeros(s, store) for s in shapes]
         k_scale = [None if s is None or not int8 else jnp.zeros(s[:-1], jnp.float32) for s in shapes]
@@ -218,14 +220,19 @@ cache array to float32 and back to write one token, thousands of times the cost 
 and bit-cast back on every read (free)."""
 
 
-def storage_dtype(cfg: ModelConfig, dtype, int8: bool):
-    """The dtype K and V are stored in: int8 with `int8`; bfloat16 (as `BF16_BITS`) when `cfg.batch_invariant` (its
-    attention reads them only as bfloat16, so storing them rounded gives the same results at half the bytes and
-    without a conversion per read) or when the activations are bfloat16; else the activation dtype."""
+def storage_dtype(cfg: ModelConfig, dtype, int8: bool, bf16_bits: bool = True):
+    """The dtype K and V are stored in: int8 with `int8`; bfloat16 when `cfg.batch_invariant` (its attention reads
+    them only as bfloat16, so storing them rounded gives the same results at half the bytes and without a
+    conversion per read) or when the activations are bfloat16; else the activation dtype. A bfloat16 store is
+    `BF16_BITS` (its bit patterns) with `bf16_bits`, which XLA CPU needs (see `BF16_BITS`), and bfloat16 itself
+    without: off CPU (`Engine` passes the platform's choice) an accelerator writes bfloat16 in place natively, and
+    a uint16 store would make XLA copy a whole cache array per layer and step into the Pallas attention kernel
+    to bit-cast it (the bit cast is not a free view at a custom call's operand: docs/performance.md, "Nineteenth
+    session on the chip"). The stored values are the same bits either way."""
     if int8:
         return jnp.int8
     if cfg.batch_invariant or jnp.dtype(dtype) == jnp.bfloat16:
-        return BF16_BITS
+        return BF16_BITS if bf16_bits else jnp.dtype(jnp.bfloat16)
     return jnp.dtype(dtype)
 
 

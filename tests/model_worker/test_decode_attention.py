@@ -222,6 +222,39 @@ def test_auto_takes_the_kernel_for_large_steps_only():
         attention.resolve_attention_kernel("triton", "tpu")
 
 
+def test_a_bfloat16_store_reaches_the_kernel_without_a_conversion():
+    """Off CPU the engine stores bfloat16 K/V as bfloat16 (`kv_cache.storage_dtype` without `bf16_bits`): the
+    kernel's step then holds no bit cast of the cache (on a v5e, XLA copied a whole full layer's cache, 537 MB, per
+    layer and step to bit-cast a uint16 store into the kernel), and its outputs are those of the uint16 store, whose
+    bits are the same values. CPU engines keep the uint16 store (XLA CPU's in-place writes)."""
+    from model_worker.engine.engine import Engine
+    from model_worker.modeling import attention
+    from model_worker.modeling.kv_cache import BF16_BITS, KVCache, storage_dtype
+
+    rng = np.random.default_rng(5)
+    B, L = 2, 1024
+    values = [jnp.asarray(rng.standard_normal((3, L, K, D)), jnp.bfloat16) for _ in range(2)]
+    stores = {"bits": [lax.bitcast_convert_type(a, BF16_BITS) for a in values], "bfloat16": values}
+    q = jnp.asarray(rng.standard_normal((B, 1, N, D)), jnp.bfloat16)
+    slots, q_pos = jnp.asarray([2, 0], jnp.int32), jnp.asarray([[700], [1023]], jnp.int32)
+
+    def step(k, v, kernel):
+        return attention.attend_in_place(q, KVCache([k], [v], [None], [None]), 0, slots, q_pos, None, None, SCALE,
+                                         jnp.bfloat16, L, kernel=kernel)
+
+    casts = {name: str(jax.make_jaxpr(lambda k, v: step(k, v, "pallas"))(*kv)).count("bitcast_convert_type")
+             for name, kv in stores.items()}
+    assert casts["bfloat16"] == 0 and casts["bits"] > 0, casts
+    for kernel in ("xla", "pallas-interpret"):
+        outs = [np.asarray(step(*kv, kernel).astype(jnp.float32)) for kv in stores.values()]
+        np.testing.assert_array_equal(outs[0], outs[1])
+    cfg = type("Cfg", (), {"batch_invariant": False})()
+    assert storage_dtype(cfg, jnp.bfloat16, False) == BF16_BITS
+    assert storage_dtype(cfg, jnp.bfloat16, False, bf16_bits=False) == jnp.bfloat16
+    assert storage_dtype(cfg, jnp.float32, False, bf16_bits=False) == jnp.float32
+    assert Engine._bf16_bits(type("E", (), {"mesh": None})()) == (jax.devices()[0].platform == "cpu")
+
+
 def test_layers_outside_the_kernel_limits_keep_the_xla_loop():
     """A full layer whose cache length has no power-of-two divisor of 128 or more (4100 = 4 * 1025), and a ring
     over 2 MiB per array, are not given to the kernel (`attention._pallas_fits`)."""
