@@ -16,6 +16,8 @@
 #               thread per host core, then loaded from the executable cache (the warm start)
 #   throughput  decode_step.py, int8 weights, 256 rows of a 2K context: output tok/s at the largest batch measured
 #   qat         decode_step.py on a qat-w4a16-ct checkpoint (written first, ~6.5 GB): B = 1, 8, 32
+#   profile     the decode phase again with `--profile`: each row's steps traced, the device's time per op
+#               (benchmarks/trace_summary.py) and its busy share of the step; traces in $WORK/profile
 # A phase that would pass DEADLINE is skipped and says so; a phase's JSON from an earlier run in $OUT stays in the
 # table (so a short session can run the phases over several calls with the same OUT and WORK).
 #
@@ -130,9 +132,11 @@ for p in $PHASES; do
                --max-model-len "$CONTEXT" --threads "$(nproc)" --json "$OUT/compile.json" ;;
     throughput) phase throughput 60 "${DECODE[@]}" --model "$BF16" --json "$OUT/throughput-int8.json" \
                   --batches 256 --kv 2048 --matmul-precision int8 --attention-kernel auto --bandwidth-mib 256 ;;
+    profile) phase profile 60 "${DECODE[@]}" --model "$BF16" --json "$OUT/profile-bf16.json" --batches "${B[@]}" \
+               --kv "$CONTEXT" --matmul-precision bfloat16 --attention-kernel auto --profile "$WORK/profile" ;;
     qat) phase qat 60 "${DECODE[@]}" --model "$WORK/gemma4-e2b-qat-w4a16-ct" --json "$OUT/decode-qat.json" \
            --batches "${B[@]}" --kv "$CONTEXT" --attention-kernel auto ;;
-    *) log "unknown phase $p (decode int8 mixed compile throughput qat)"; status=1 ;;
+    *) log "unknown phase $p (decode int8 mixed compile throughput qat profile)"; status=1 ;;
   esac
 done
 
