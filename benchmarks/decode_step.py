@@ -197,6 +197,39 @@ def time_step(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def time_step_ahead(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
+    """Mean seconds of one decode step (forward + greedy sampling, results on the host) when each step
+    is dispatched before the previous one's results reach the host: step n+1's forward takes step n's sampled
+    tokens on the device, and the host copies step n's results while n+1 runs. What a serving loop that schedules
+    one step ahead (vLLM's async scheduling) would get from the device; the product's loop does not do it yet
+    (`time_step` is what it does). The same rows, programs and positions as `time_step`."""
+    from model_worker.engine.engine import host_output
+    from model_worker.serving.engine_api import DecodeBatch
+
+    rows = engine._decode_rows(DecodeBatch(list(range(batch)), [1] * batch, [kv_len - 1] * batch, [True] * batch),
+                               batch)
+    sampling = SamplingArrays.defaults(batch, engine.cfg.vocab_size)
+    flags = [False] * batch, [True] * batch
+    keys = ProgramKey("decode", batch, 1, kv_len), ProgramKey("greedy", batch, 0, 0)
+
+    def step(tokens):  # tokens [B, 1] int32, on the host or the device
+        logits = engine._run(keys[0], dataclasses.replace(rows.batch, tokens=tokens))
+        pending = dataclasses.replace(rows.pending(logits), tokens=tokens)
+        return engine._run(keys[1], pending.sample_inputs(*flags, sampling, engine.cfg.vocab_size))
+
+    out = step(rows.batch.tokens)
+    for _ in range(3):
+        out = step(out.tokens.reshape(batch, 1))
+    host_output(out, batch)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ahead = step(out.tokens.reshape(batch, 1))  # dispatched before `out` is on the host
+        host_output(out, batch)
+        out = ahead
+    host_output(out, batch)
+    return (time.perf_counter() - t0) / steps
+
+
 def time_verify(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
     """Median seconds of one verify step (speculative decoding: every row's pending token and max_draft_tokens
     drafts, forward + greedy sampling of every position, results on the host) of `batch` sequences ending at
@@ -344,6 +377,8 @@ def main() -> None:
                         help="also time verify steps of T tokens per row (speculative decoding: the pending token "
                         "and T - 1 drafts) at each batch and KV length: column 'verify ms' and its ratio to the "
                         "decode step")
+    parser.add_argument("--ahead", action="store_true",
+                        help="also time each row with steps dispatched one ahead of the host (`time_step_ahead`)")
     parser.add_argument("--profile", type=pathlib.Path, metavar="DIR",
                         help="after each row, trace its steps with jax.profiler into DIR/b<batch>-kv<len> and print "
                              "where the device's time went (benchmarks/trace_summary.py)")
@@ -392,6 +427,7 @@ def main() -> None:
     print(f"{title}; {facts}")
     verify = args.verify_tokens > 1
     print(f"{'batch':>5} {'kv_len':>6} {'step ms':>8} {'tok/s':>8} {'MB/step':>8} {'bw':>5} {'vs B=1':>7}"
+          + (f" {'ahead ms':>8} {'bw ahead':>8}" if args.ahead else "")
           + (f" {'verify ms':>9} {'verify/step':>11}" if verify else ""))
     rows = []
     for L in engine.kv_buckets:
@@ -405,6 +441,10 @@ def main() -> None:
                        bandwidth_fraction=moved.total / seconds / bandwidth, vs_batch1=seconds / base)
             rows.append(row)
             extra = ""
+            if args.ahead:
+                row["ahead_ms"] = time_step_ahead(engine, b, L, args.steps) * 1e3
+                row["ahead_bandwidth_fraction"] = moved.total / (row["ahead_ms"] / 1e3) / bandwidth
+                extra += f" {row['ahead_ms']:>8.2f} {row['ahead_bandwidth_fraction']:>8.0%}"
             if verify:
                 row["verify_ms"] = time_verify(engine, b, L, args.steps) * 1e3
                 extra = f" {row['verify_ms']:>9.2f} {row['verify_ms'] / row['step_ms']:>10.2f}x"
