@@ -126,6 +126,53 @@ def table(kind: str, args, greedy, samplers: dict) -> None:
                   " ".join(f"{ms[name] / ms['greedy']:>16.2f}x" for name in list(CASES)[1:]))
 
 
+def verify_table(kind: str, args) -> None:
+    """Print one table of a verify step's sampling (speculative decoding: T positions a row, the pending token and
+    T - 1 drafts): per batch size, ms per call of the verify programs (`programs.verify_greedy_program` for
+    "greedy", `programs.verify_sample_program` for every other case) and each case's ratio to the greedy one, then
+    the greedy verify program against T decode steps' greedy programs (the drafted positions' cost against
+    greedy decoding's). Drafts are the rows' own greedy tokens after the first position, so every draft is taken."""
+    from model_worker.engine.engine import _per_position
+    from model_worker.engine.programs import SampleInputs, verify_greedy_program, verify_sample_program
+
+    T = args.verify
+    greedy_verify, sample_verify = jax.jit(verify_greedy_program), jax.jit(verify_sample_program)
+    greedy = jax.jit(sampling.sample_greedy)
+    print(f"\nverify sampling, {T} positions a row, logits {kind}, vocab {args.vocab}; ms per call (median of "
+          f"{args.rounds} rounds), then / the greedy verify program, and the greedy verify program / {T} greedy "
+          "programs")
+    print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in CASES if name != "sample t=0") + "  " +
+          " ".join(f"{name + ' /g':>17}" for name in list(CASES)[2:]) + f" {'g verify / ' + str(T) + ' g':>14}")
+    for batch in args.batches:
+        logits = jax.numpy.asarray(np.stack([logits_of(kind, batch * T + t, args.vocab)[:batch] for t in range(T)], 1))
+        drafts = np.asarray(jax.numpy.argmax(logits, -1), np.int32)
+        tokens = np.concatenate([np.ones((batch, 1), np.int32), drafts[:, :-1]], axis=1)
+        positions = np.tile(np.arange(100, 100 + T, dtype=np.int32), (batch, 1))
+        pstate = state_for(sampling, history(batch, args.vocab))
+        rows = {}
+        for name, case in CASES.items():
+            s = _per_position(settings(batch, args.vocab, *case), T)
+            rows[name] = SampleInputs(logits, tokens, positions, np.arange(batch, dtype=np.int32),
+                                      np.ones((batch, T), bool), np.zeros(batch, bool), np.ones(batch, bool), s)
+        one = settings(batch, args.vocab, *CASES["greedy"])
+        runs = {name: (lambda r=rows[name], name=name: (greedy_verify if name == "greedy" else sample_verify)(pstate, r))
+                for name in CASES if name != "sample t=0"}
+        steps = [logits[:, t] for t in range(T)]
+        runs["decode greedy"] = lambda: [greedy(x, one) for x in steps]
+        times: dict[str, list[float]] = {key: [] for key in runs}
+        for run in runs.values():
+            jax.block_until_ready(run())
+        for _ in range(args.rounds):
+            for key, run in runs.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(run())
+                times[key].append(time.perf_counter() - t0)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        print(f"{batch:>5} " + " ".join(f"{ms[name]:>15.2f}" for name in CASES if name != "sample t=0") + "  " +
+              " ".join(f"{ms[name] / ms['greedy']:>16.2f}x" for name in list(CASES)[2:]) +
+              f" {ms['greedy'] / ms['decode greedy']:>13.2f}x")
+
+
 def baseline_module(rev: str):
     """`model_worker/modeling/sampling.py` as at git revision `rev`, imported as a module of its own (it imports the
     rest of the tree as it is now; the settings' pytree registration, done by the current module, is left out)."""
@@ -152,6 +199,8 @@ def main() -> None:
                          "interleaved")
     ap.add_argument("--baseline", metavar="REV",
                     help="also time model_worker/modeling/sampling.py as at this git revision, interleaved")
+    ap.add_argument("--verify", type=int, default=0, metavar="T",
+                    help="also time a verify step's sampling at T positions a row (speculative decoding)")
     args = ap.parse_args()
     samplers = {"sample": (jax.jit(sampling.sample), sampling)}  # label -> (jitted sample, its module)
     if args.baseline:
@@ -163,6 +212,8 @@ def main() -> None:
         samplers["reference"] = (jax.jit(sampling_reference.sample), sampling_reference)
     for kind in args.logits:
         table(kind, args, jax.jit(sampling.sample_greedy), samplers)
+        if args.verify:
+            verify_table(kind, args)
 
 
 if __name__ == "__main__":
