@@ -155,10 +155,11 @@ def verify_table(kind: str, args) -> None:
             rows[name] = SampleInputs(logits, tokens, positions, np.arange(batch, dtype=np.int32),
                                       np.ones((batch, T), bool), np.zeros(batch, bool), np.ones(batch, bool), s)
         one = settings(batch, args.vocab, *CASES["greedy"])
-        runs = {name: (lambda r=rows[name], name=name: (greedy_verify if name == "greedy" else sample_verify)(pstate, r))
+        runs = {name: (lambda r=rows[name], name=name, p=pstate:
+                       (greedy_verify if name == "greedy" else sample_verify)(p, r))
                 for name in CASES if name != "sample t=0"}
         steps = [logits[:, t] for t in range(T)]
-        runs["decode greedy"] = lambda: [greedy(x, one) for x in steps]
+        runs["decode greedy"] = lambda steps=steps, one=one: [greedy(x, one) for x in steps]
         times: dict[str, list[float]] = {key: [] for key in runs}
         for run in runs.values():
             jax.block_until_ready(run())
