@@ -311,7 +311,10 @@ class Engine:
     def _bf16_bits(self) -> bool:
         """Whether a bfloat16 KV cache is stored as its bits (`kv_cache.storage_dtype`): on CPU only, whose XLA
         has no in-place bfloat16 write; elsewhere bfloat16 itself, which the Pallas attention kernel reads as it is."""
-        device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+        if self.mesh is not None:
+            return self.mesh.devices.flat[0].platform == "cpu"
+        device = jax.config.jax_default_device  # where the state is placed (a test may set the CPU on a TPU host)
+        device = jax.devices(device)[0] if isinstance(device, str) else device or jax.devices()[0]
         return device.platform == "cpu"
 
     def grid(self) -> list[ProgramKey]:
