@@ -213,7 +213,9 @@ def test_services_serve_on_sockets_where_no_internet_socket_may_be_opened(prepar
                 pass
             assert time.monotonic() < deadline, "the services did not come up on their sockets"
             time.sleep(0.3)
-        code, body = uds.http_get(d / "api.sock", "/health")
+        # The HTTP socket is bound before gRPC starts, so a request made now is held until the app serves (its
+        # start-up took over 5 s on a loaded 2-core host): the rest of the deadline, not a short timeout.
+        code, body = uds.http_get(d / "api.sock", "/health", timeout=max(5.0, deadline - time.monotonic()))
         assert code == 503 and b"worker" in body
         for name in ("tok.sock", "api.sock", "api-grpc.sock"):
             assert stat.S_IMODE((d / name).stat().st_mode) == 0o600, name
