@@ -3,7 +3,7 @@
 # (bf16, scripts/make_synthetic_gemma4.py, ~10 GB, written here and kept), then one process per phase (a TPU takes
 # one process at a time), each phase's JSON in $OUT, and a table of every target against what was measured:
 #
-#   bash benchmarks/device_run.sh                          # every phase (~9 minutes on one TPU v5e, cold)
+#   bash benchmarks/device_run.sh                          # every phase (~12 minutes on one TPU v5e, cold)
 #   PHASES="decode int8" bash benchmarks/device_run.sh     # some phases; the table reads every JSON in $OUT
 #
 # Phases (PHASES, space-separated; default all, in this order):
@@ -28,7 +28,7 @@
 #
 # Environment: OUT (results: device_bench.md, the phases' JSON, device_run.log; default $WORK/results), WORK
 # (checkpoints and compilation cache, ~11 GB free needed, ~17 GB with qat; default /tmp/gemma-serve-device), TP
-# (tensor-parallel degree, default 1), DEADLINE (seconds for the whole run, default 570), BATCHES, CONTEXT (the
+# (tensor-parallel degree, default 1), DEADLINE (seconds for the whole run, default 900), BATCHES, CONTEXT (the
 # decode and mixed phases' grid; defaults "1 8 32", 8192), STEPS (timed steps per row, default 20).
 # For a dry run of this script on a CPU: ALLOW_CPU=1 SYNTHETIC_ARGS="--layers 10 --hidden 256 --vocab 4096"
 # BATCHES="1 2" CONTEXT=1024 PHASES="decode int8 mixed".
@@ -38,7 +38,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${WORK:-/tmp/gemma-serve-device}
 OUT=${OUT:-$WORK/results}
 TP=${TP:-1}
-DEADLINE=${DEADLINE:-570}
+DEADLINE=${DEADLINE:-900}
 BATCHES=${BATCHES:-1 8 32}
 CONTEXT=${CONTEXT:-8192}
 STEPS=${STEPS:-20}
