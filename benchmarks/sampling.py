@@ -97,6 +97,20 @@ def state_for(module, dense: sampling.PenaltyState, max_model_len: int = 8192):
     return module.history_from_dense(dense, module.penalty_capacity(max_model_len, vocab))
 
 
+def interleaved_ms(runs: dict, rounds: int) -> dict:
+    """Median milliseconds per call of each of `runs` (key -> a function returning device arrays), after one
+    warm-up call each, timed in `rounds` interleaved rounds so that the machine's noise hits them alike."""
+    times: dict = {key: [] for key in runs}
+    for run in runs.values():
+        jax.block_until_ready(run())
+    for _ in range(rounds):
+        for key, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t) * 1e3 for key, t in times.items()}
+
+
 def table(kind: str, args, greedy, samplers: dict) -> None:
     """Print one table: per batch size and sampler, ms per call, then each case's ratio to the greedy program (all
     of a batch size's programs timed in the same interleaved rounds)."""
@@ -112,16 +126,9 @@ def table(kind: str, args, greedy, samplers: dict) -> None:
         runs = {(label, name): (lambda f=f, name=name, state=states[label]: greedy(logits, rows[name])
                                 if name == "greedy" else f(logits, rows[name], state))
                 for label, (f, _) in samplers.items() for name in CASES}
-        times: dict[tuple, list[float]] = {key: [] for key in runs}
-        for run in runs.values():
-            jax.block_until_ready(run())
-        for _ in range(args.rounds):
-            for key, run in runs.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(run())
-                times[key].append(time.perf_counter() - t0)
+        times = interleaved_ms(runs, args.rounds)
         for label in samplers:
-            ms = {name: statistics.median(times[label, name]) * 1e3 for name in CASES}
+            ms = {name: times[label, name] for name in CASES}
             print(f"{batch:>5} {label:>9} " + " ".join(f"{ms[name]:>15.2f}" for name in CASES) + "  " +
                   " ".join(f"{ms[name] / ms['greedy']:>16.2f}x" for name in list(CASES)[1:]))
 
@@ -160,15 +167,7 @@ def verify_table(kind: str, args) -> None:
                 for name in CASES if name != "sample t=0"}
         steps = [logits[:, t] for t in range(T)]
         runs["decode greedy"] = lambda steps=steps, one=one: [greedy(x, one) for x in steps]
-        times: dict[str, list[float]] = {key: [] for key in runs}
-        for run in runs.values():
-            jax.block_until_ready(run())
-        for _ in range(args.rounds):
-            for key, run in runs.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(run())
-                times[key].append(time.perf_counter() - t0)
-        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        ms = interleaved_ms(runs, args.rounds)
         print(f"{batch:>5} " + " ".join(f"{ms[name]:>15.2f}" for name in CASES if name != "sample t=0") + "  " +
               " ".join(f"{ms[name] / ms['greedy']:>16.2f}x" for name in list(CASES)[2:]) +
               f" {ms['greedy'] / ms['decode greedy']:>13.2f}x")
