@@ -181,12 +181,16 @@ def decode_bytes(engine: Engine, batch: int, kv_len: int) -> StepBytes:
     return step_bytes(engine, [kv_len - 1] * batch, batch)
 
 
+def decode_args(engine: Engine, batch: int, kv_len: int) -> tuple:
+    """`Engine.decode`'s arguments for `batch` greedy rows (slots 0..batch-1, token 1) at position kv_len - 1."""
+    sampling = SamplingArrays.defaults(batch, engine.cfg.vocab_size)
+    return list(range(batch)), [1] * batch, [kv_len - 1] * batch, [True] * batch, sampling
+
+
 def time_step(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
     """Median seconds of one decode step (forward + greedy sampling, results on the host) of `batch` sequences at
     position kv_len - 1."""
-    slots = list(range(batch))
-    sampling = SamplingArrays.defaults(batch, engine.cfg.vocab_size)
-    args = (slots, [1] * batch, [kv_len - 1] * batch, [True] * batch, sampling)
+    args = decode_args(engine, batch, kv_len)
     for _ in range(3):
         engine.decode(*args)
     times = []
@@ -259,9 +263,7 @@ def profile_step(engine: Engine, batch: int, kv_len: int, steps: int, folder: pa
     trace). The trace itself slows the host's side of a step; the device's op times are what to read."""
     import trace_summary
 
-    slots = list(range(batch))
-    sampling = SamplingArrays.defaults(batch, engine.cfg.vocab_size)
-    args = (slots, [1] * batch, [kv_len - 1] * batch, [True] * batch, sampling)
+    args = decode_args(engine, batch, kv_len)
     engine.decode(*args)
     with jax.profiler.trace(str(folder), create_perfetto_trace=True):
         for _ in range(steps):
@@ -409,7 +411,8 @@ def main() -> None:
     keys += [ProgramKey("greedy", b, 0, 0) for b in engine.batch_buckets]  # a step = forward + (greedy) sampling
     if args.verify_tokens > 1:
         keys += [ProgramKey(kind, b, args.verify_tokens, L if kind == "verify" else 0) for b in engine.batch_buckets
-                 for kind in ("verify", "vgreedy") for L in (engine.kv_buckets if kind == "verify" else [0])]
+                 for kind in ("verify", "vgreedy", "vsample")  # the engine verifies once both samplers are there
+                 for L in (engine.kv_buckets if kind == "verify" else [0])]
     compile_s = engine.compile_all(keys=keys)
     device = device_label(args.tensor_parallel)
     if args.compile_only:
@@ -447,7 +450,7 @@ def main() -> None:
                 extra += f" {row['ahead_ms']:>8.2f} {row['ahead_bandwidth_fraction']:>8.0%}"
             if verify:
                 row["verify_ms"] = time_verify(engine, b, L, args.steps) * 1e3
-                extra = f" {row['verify_ms']:>9.2f} {row['verify_ms'] / row['step_ms']:>10.2f}x"
+                extra += f" {row['verify_ms']:>9.2f} {row['verify_ms'] / row['step_ms']:>10.2f}x"
             print(f"{b:>5} {L:>6} {row['step_ms']:>8.2f} {row['tokens_per_s']:>8.1f} {moved.total / 1e6:>8.0f} "
                   f"{row['bandwidth_fraction']:>5.0%} {row['vs_batch1']:>6.2f}x" + extra)
             if args.profile:
