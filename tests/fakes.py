@@ -66,11 +66,17 @@ class FakeEngine:
         self.calls = {"compute": 0, "decode": 0, "copy": 0}
         self.order: list[str] = []  # "compute", "decode", "verify" per dispatch, in order (a mixed call: both)
         self.verify_delay = step_delay  # seconds a verify step waits (`step_delay` unless a test sets it)
+        self.virtual_seconds = 0.0  # the delays waited so far: `clock`'s reading
         self.prompt_tokens = 0  # prompt (not generated) tokens computed, in chunks and decode rows
         self.chunks: list[tuple[int, int, int]] = []  # (slot, start position, tokens consumed) per compute call
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()  # set when a compute call starts (before waiting on the gate)
+
+    def clock(self) -> float:
+        """Seconds of the step delays waited so far: a step clock (`EngineLoop(step_clock=...)`) that measures each
+        step as exactly its delay, however loaded the machine."""
+        return self.virtual_seconds
 
     def _next(self, last: int, sampling, row: int) -> int:
         token = (last + 1) % self.vocab
@@ -101,6 +107,7 @@ class FakeEngine:
         self.gate.wait()
         if self.step_delay:
             threading.Event().wait(self.step_delay)
+        self.virtual_seconds += self.step_delay
         self.calls["decode"] += 1
         self.order.append("decode")
         self.prompt_tokens += sum(not o for o in batch.is_output)
@@ -128,6 +135,7 @@ class FakeEngine:
         self.gate.wait()
         if self.verify_delay:
             threading.Event().wait(self.verify_delay)
+        self.virtual_seconds += self.verify_delay
         self.calls["verify"] = self.calls.get("verify", 0) + 1
         self.order.append("verify")
         self.prompt_tokens += sum(not o for o in batch.is_output)

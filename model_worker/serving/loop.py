@@ -162,7 +162,8 @@ class EngineLoop:
     def __init__(self, engine: engine_api.Engine, token_budget: int | None = None, metrics=None,
                  mask_wait: float = 0.2, on_fatal: Callable[[BaseException], None] | None = None,
                  fault_salt: str | None = None, lease_preempt_after: float = 10.0, speculation: str = "auto",
-                 draft_wait: float = 0.01, slo: SloSettings | None = None):
+                 draft_wait: float = 0.01, slo: SloSettings | None = None,
+                 step_clock: Callable[[], float] = time.perf_counter):
         """Args: engine: a compiled engine (`engine_api.Engine`; the loop becomes its only user); token_budget:
         most prompt tokens computed in an iteration that also decodes running streams (bounds the pause a long new
         prompt causes in them; default: the smallest chunk); a lone prompt uses the largest chunks it fills
@@ -177,7 +178,9 @@ class EngineLoop:
         (`drafting.StepCosts`), "always" whenever there are drafts (tests and measurements), "off" never;
         draft_wait: seconds a step may wait, before it is planned, for the mask and draft of a constrained row
         whose client drafts (its round trip: the client advances its grammar along the draft); slo: default
-        latency targets and policy (model_worker/serving/slo.py; None: no defaults).
+        latency targets and policy (model_worker/serving/slo.py; None: no defaults); step_clock: the clock (seconds)
+        step times are measured with, for the speculation policy and the latency model (tests pass a fake engine's
+        virtual clock so that a loaded machine's scheduling cannot decide the policy).
 
         Raises:
           ValueError: an unknown speculation mode."""
@@ -190,6 +193,7 @@ class EngineLoop:
         self.failed: BaseException | None = None
         self.mask_wait = mask_wait
         self.draft_wait = draft_wait
+        self.step_clock = step_clock
         self.token_budget = token_budget or min(engine.ecfg.prefill_chunks)
         self.metrics = metrics
         self.vocab = engine.cfg.vocab_size
@@ -319,10 +323,10 @@ class EngineLoop:
             raise RuntimeError(f"fault injected by {FAULT_ENV}")
         if self.metrics is not None:
             self._observe_admissions(work.admitted)
-        started = time.perf_counter()
+        started = self.step_clock()
         result = self._run_work(work)
         if work.decode:  # a chunk alone is not waited for unless sampled: its time lands in a later step
-            self._observe_step(work, result, time.perf_counter() - started)
+            self._observe_step(work, result, self.step_clock() - started)
         self._count(work, result)
         self._publish(self.scheduler.postprocess(work, result))
         self.last = self.snapshot()  # one reference assignment: readers on other threads see old or new
@@ -460,7 +464,7 @@ class EngineLoop:
             if chunk.snapshot_to is not None and chunk.snapshot_due(result.computed):  # pin the shared prefix
                 self.engine.copy_slot(src=chunk.rows.slot, dst=chunk.snapshot_to)
         elif decode and not verify:
-            started = time.perf_counter()
+            started = self.step_clock()
             decoding = self.engine.dispatch_decode(batch=batch)
         if verify:
             if chunk is not None and computing is not None:
@@ -473,7 +477,7 @@ class EngineLoop:
         if decoding is not None:
             result.decode_sample, result.sampled, result.active = self._sample_decode(decode, decoding)
             if chunk is None:
-                self.costs.observe("decode", len(decode), time.perf_counter() - started)
+                self.costs.observe("decode", len(decode), self.step_clock() - started)
         return result
 
     def _worth_verifying(self, work: Work) -> bool:
@@ -502,7 +506,7 @@ class EngineLoop:
         """A decode step that verifies drafts (`Engine.dispatch_verify`, `Engine.sample_verify`); its cost goes to
         `self.costs` when `timed` (not after a chunk dispatched in the same iteration, whose time it would hold)."""
         decode = work.decode
-        started = time.perf_counter()
+        started = self.step_clock()
         pending = self.engine.dispatch_verify(batch=VerifyBatch(
             [s.row for s in decode], [[s.tokens[-1], *d] for s, d in zip(decode, work.drafts)],
             [s.num_computed for s in decode], [s.num_computed >= len(s.prompt) for s in decode]))
@@ -512,7 +516,7 @@ class EngineLoop:
             pending, sampling=verify_sampling(decode, work.draft_masks, self.vocab),
             clear_penalties=[s.clear_penalties for s in decode], active=result.active)
         if timed:
-            self.costs.observe("verify", len(decode), time.perf_counter() - started)
+            self.costs.observe("verify", len(decode), self.step_clock() - started)
         return result
 
     def _sample_chunk(self, seq: Sequence, pending: engine_api.Pending, n: int) -> engine_api.HostOutput | None:

@@ -95,9 +95,10 @@ def spec_engine(max_verify_batch: int = 2, step_delay: float = 0.0, verify_delay
 
 
 def run(mode: str, requests, **kw):
-    """Run (rid, prompt, max_tokens, kwargs) requests together on a fresh FakeEngine loop; sinks and engine."""
+    """Run (rid, prompt, max_tokens, kwargs) requests together on a fresh FakeEngine loop, its steps timed by the
+    fake's virtual clock (each step costs exactly its delay); sinks and engine."""
     fake = spec_engine(**kw)
-    loop = EngineLoop(fake, speculation=mode)
+    loop = EngineLoop(fake, speculation=mode, step_clock=fake.clock)
     sinks = []
     for rid, prompt, max_tokens, extra in requests:
         seq, sink = make(rid, prompt, max_tokens, **extra)
@@ -159,8 +160,8 @@ def test_prediction_usage_reaches_the_last_event():
 
 
 def test_auto_stops_verifying_what_is_never_accepted():
-    """Drafts that are always wrong, verify steps three times a decode step's time (delays long enough that a
-    loaded machine's noise cannot flip the comparison): after the first measurements the auto
+    """Drafts that are always wrong, verify steps three times a decode step's time (measured on the fake's
+    virtual clock, so that a loaded machine's scheduling cannot flip the comparison): after the first measurements the auto
     policy passes the drafts over (probing now and then), so most steps are plain decode steps; the output is
     unchanged."""
     prediction = [t for i in range(12, 52) for t in (i, i + 1, 999)]  # every bigram of the output, then a wrong token
