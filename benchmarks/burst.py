@@ -206,7 +206,7 @@ def in_process(args) -> dict:
     sys.path.insert(0, str(REPO))  # this checkout's worker, whichever one the environment installed
     from gemma_serve.cli import build_parser
     from gemma_serve.models import prepare
-    from model_worker.server.main import load_engine
+    from model_worker.server.main import async_scheduling, load_engine
     from model_worker.serving.loop import EngineLoop, wait_idle
     from model_worker.serving.sequence import Finish, SamplingSpec, Sequence
 
@@ -228,7 +228,10 @@ def in_process(args) -> dict:
 
     seqs = [Sequence(f"burst-{i}", list(prompt), SamplingSpec(), args.max_tokens, frozenset(), sink_for(i))
             for i in range(args.requests)]
-    loop = EngineLoop(engine)
+    ahead = async_scheduling(wargs, engine.platform)
+    if ahead:
+        engine.prepare_ahead()
+    loop = EngineLoop(engine, async_scheduling=ahead)
     t0 = time.monotonic()
     for seq in seqs:
         loop.submit(seq)
@@ -248,7 +251,7 @@ def in_process(args) -> dict:
         "finished": len(e2e), f"within_{args.deadline:g}s": sum(1 for t in e2e if t <= args.deadline),
         "worker": {"prompt_tokens": args.requests * args.prompt_tokens,
                    "prompt_tokens_cached": sum(s.cached_tokens for s in seqs), "prompt_tokens_computed": computed,
-                   "steps": {k: loop.steps[k] for k in ("compute", "decode", "mixed", "copy")}},
+                   "steps": {k: loop.steps[k] for k in ("compute", "decode", "mixed", "copy", "ahead")}},
         "load_avg": round(os.getloadavg()[0], 2),
     }
 

@@ -157,6 +157,13 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--async-scheduling", default="auto", choices=["auto", "on", "off"],
+        help="dispatch each plain decode step from the previous step's tokens on the device, before they reach the "
+        "host, so the host's work between steps overlaps the accelerator's (vLLM's async scheduling; the same "
+        "tokens either way): auto = on an accelerator, off on CPU, where host and device share the cores "
+        "(docs/architecture.md, Async scheduling) (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-draft-tokens", type=int, default=None,
         help="most drafted tokens verified per sequence in one step: 1, 3, 7, 15, ... (a verify step computes 1 + "
         "this many positions per row, a power of two; its programs are compiled at start); at most --prefix-slack; "

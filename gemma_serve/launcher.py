@@ -66,7 +66,7 @@ def service_commands(args: argparse.Namespace, model: str | None = None) -> dict
               "--lease-preempt-after", str(args.lease_preempt_after), "--slo-policy", args.slo_policy,
               *(a for flag in ("slo_ttft", "slo_tpot") if getattr(args, flag) is not None
                 for a in ("--" + flag.replace("_", "-"), str(getattr(args, flag)))),
-              "--speculation", args.speculation,
+              "--speculation", args.speculation, "--async-scheduling", args.async_scheduling,
               "--tensor-parallel", str(getattr(args, "tensor_parallel", 1))]
     if args.prefill_token_budget:
         engine += ["--prefill-token-budget", str(args.prefill_token_budget)]

@@ -67,6 +67,7 @@ class FakeEngine:
         self.order: list[str] = []  # "compute", "decode", "verify" per dispatch, in order (a mixed call: both)
         self.verify_delay = step_delay  # seconds a verify step waits (`step_delay` unless a test sets it)
         self.virtual_seconds = 0.0  # the delays waited so far: `clock`'s reading
+        self.refuse_ahead = False  # dispatch_decode_after answers None (an engine without the decode program)
         self.prompt_tokens = 0  # prompt (not generated) tokens computed, in chunks and decode rows
         self.chunks: list[tuple[int, int, int]] = []  # (slot, start position, tokens consumed) per compute call
         self.gate = threading.Event()
@@ -111,7 +112,7 @@ class FakeEngine:
         self.calls["decode"] += 1
         self.order.append("decode")
         self.prompt_tokens += sum(not o for o in batch.is_output)
-        return types.SimpleNamespace(last=list(batch.tokens), logprob=-0.25)
+        return types.SimpleNamespace(last=list(batch.tokens), logprob=-0.25, slots=list(batch.slots))
 
     def dispatch_mixed(self, *, chunk: PromptChunk,
                        batch: DecodeBatch) -> tuple[types.SimpleNamespace, int, types.SimpleNamespace]:
@@ -126,6 +127,22 @@ class FakeEngine:
                active: Sequence[bool]) -> HostOutput:
         """next = (last + 1) % vocab per row (masked: the smallest allowed token >= that, wrapping)."""
         return self._out([self._next(t, sampling, r) for r, t in enumerate(pending.last)], pending.logprob)
+
+    def sample_async(self, pending: types.SimpleNamespace, *, sampling: SamplingArrays,
+                     clear_penalties: Sequence[bool], active: Sequence[bool]) -> types.SimpleNamespace:
+        """`sample`, its result read by `result()` (handle.out: the HostOutput; handle.slots: the rows' slots)."""
+        out = self.sample(pending, sampling=sampling, clear_penalties=clear_penalties, active=active)
+        return types.SimpleNamespace(out=out, slots=list(getattr(pending, "slots", [])), result=lambda: out)
+
+    def dispatch_decode_after(self, *, batch: DecodeBatch,
+                              previous: types.SimpleNamespace) -> types.SimpleNamespace | None:
+        """`dispatch_decode` of `previous`'s rows with the tokens it sampled as inputs (counted in calls["ahead"]
+        too); None where `batch.slots` are not `previous`'s or `refuse_ahead` is set."""
+        if self.refuse_ahead or list(batch.slots) != list(previous.slots):
+            return None
+        self.calls["ahead"] = self.calls.get("ahead", 0) + 1
+        tokens = [int(t) for t in previous.out.tokens[: len(batch.slots)]]
+        return self.dispatch_decode(batch=dataclasses.replace(batch, tokens=tokens))
 
     def dispatch_verify(self, *, batch: VerifyBatch) -> types.SimpleNamespace:
         """One row per slot with its drafts; pending = each row's input tokens (waits on `gate`, `step_delay`)."""

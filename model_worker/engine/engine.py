@@ -183,6 +183,31 @@ def host_output(out: SampleOutput, rows: int) -> HostOutput:
 
 
 @dataclasses.dataclass
+class Sampled:
+    """A dispatched sample program whose outputs are still on the device (JAX runs it asynchronously): what a
+    decode step dispatched one step ahead takes its input tokens from (`Engine.dispatch_decode_after`).
+
+    Attributes:
+      out: the program's `SampleOutput` (B rows, the batch bucket) on the device.
+      slots: int32 [num_rows]; the slots of its real rows, in order.
+    """
+
+    out: SampleOutput
+    slots: np.ndarray
+
+    def result(self) -> HostOutput:
+        """The real rows' results on the host (blocks until the sampling is done)."""
+        return host_output(self.out, len(self.slots))
+
+
+@functools.cache
+def _as_column(batch: int) -> Callable[[jax.Array], jax.Array]:
+    """A compiled [batch] -> [batch, 1] reshape: a sample program's tokens as a decode step's input tokens, on the
+    device (one tiny program per batch bucket, compiled by `Engine.prepare_ahead` before serving)."""
+    return jax.jit(lambda tokens: tokens[:, None]).lower(jax.ShapeDtypeStruct((batch,), jnp.int32)).compile()
+
+
+@dataclasses.dataclass
 class Pending:
     """A dispatched forward pass whose logits await sampling (JAX runs it asynchronously meanwhile).
 
@@ -308,14 +333,20 @@ class Engine:
         self.mixed_chunk = min(ecfg.prefill_chunks)  # the chunk of a mixed step (`dispatch_mixed`)
 
     # ----- the grid -------------------------------------------------------------------------------------------
+    @property
+    def platform(self) -> str:
+        """The platform the engine's state lives on ("cpu", "tpu", "gpu"): the mesh's devices, else the default
+        device in effect (a test may set the CPU on a TPU host)."""
+        if self.mesh is not None:
+            return self.mesh.devices.flat[0].platform
+        device = jax.config.jax_default_device
+        device = jax.devices(device)[0] if isinstance(device, str) else device or jax.devices()[0]
+        return device.platform
+
     def _bf16_bits(self) -> bool:
         """Whether a bfloat16 KV cache is stored as its bits (`kv_cache.storage_dtype`): on CPU only, whose XLA
         has no in-place bfloat16 write; elsewhere bfloat16 itself, which the Pallas attention kernel reads as it is."""
-        if self.mesh is not None:
-            return self.mesh.devices.flat[0].platform == "cpu"
-        device = jax.config.jax_default_device  # where the state is placed (a test may set the CPU on a TPU host)
-        device = jax.devices(device)[0] if isinstance(device, str) else device or jax.devices()[0]
-        return device.platform == "cpu"
+        return self.platform == "cpu"
 
     def grid(self) -> list[ProgramKey]:
         """Every program key (kind, batch, tokens per row, kv_len), kind by kind (`programs.PROGRAMS`)."""
@@ -557,6 +588,13 @@ class Engine:
             if kind.warm:
                 jax.block_until_ready(self._run(key, *kind.example(key, self.cfg.vocab_size), count=False))
         return time.perf_counter() - t0
+
+    def prepare_ahead(self) -> None:
+        """Compile what `dispatch_decode_after` needs beyond the grid (a reshape per batch bucket, milliseconds
+        each): call before serving with async scheduling, so that no compile happens while serving."""
+        if self.mesh is None:
+            for batch in self.batch_buckets:
+                _as_column(batch)
 
     def time_programs(self, budget: float = 1.0) -> list[tuple[ProgramKey, float]]:
         """Run the compiled forward programs once more each on all-padding inputs, timed, until `budget` seconds
@@ -806,12 +844,39 @@ class Engine:
         """Sample the pending logits (blocks until the forward pass and the sampling are done): the `greedy`
         program when every real row is plain greedy, clears nothing and that program is ready, else the full
         `sample` program (which draws the same for such rows). Arguments and result: `engine_api.Engine.sample`."""
+        return self.sample_async(pending, sampling=sampling, clear_penalties=clear_penalties, active=active).result()
+
+    def sample_async(self, pending: Pending, *, sampling: SamplingArrays, clear_penalties: Sequence[bool],
+                     active: Sequence[bool]) -> Sampled:
+        """`sample` without waiting: the sample program dispatched, its outputs left on the device (`Sampled`;
+        its `result()` is what `sample` returns). Contract: `engine_api.Engine.sample_async`."""
         n, B = pending.num_rows, pending.slots.shape[0]
         greedy = not any(clear_penalties[:n]) and is_plain_greedy(sampling, n)
         key = ProgramKey("greedy", B, 0, 0) if greedy and self._has(ProgramKey("greedy", B, 0, 0)) else \
             ProgramKey("sample", B, 0, 0)
         inputs = pending.sample_inputs(clear_penalties, active, sampling, self.cfg.vocab_size)
-        return host_output(self._run(key, inputs), n)
+        return Sampled(self._run(key, inputs), np.asarray(pending.slots[:n]))
+
+    def dispatch_decode_after(self, *, batch: DecodeBatch, previous: Sampled) -> Pending | None:
+        """A decode step of the rows `previous` sampled (the same slots, in order), each taking its input token
+        from `previous`'s outputs on the device, at `batch.positions` (`batch.tokens` is not read): dispatched
+        before `previous`'s results reach the host, so that the host's work between steps overlaps the device's
+        (vLLM's async scheduling). The same program, inputs and results as `dispatch_decode` given those tokens.
+
+        Returns None (nothing dispatched) where that cannot be done: a position beyond max_model_len, no decode
+        program ready in `previous`'s batch bucket (a worker still compiling decodes row by row), other slots than
+        `previous`'s, or an engine split over several devices (whose programs take inputs placed as they say).
+        Contract: `engine_api.Engine.dispatch_decode_after`."""
+        B = previous.out.tokens.shape[0]
+        length = max(batch.positions) + 1
+        if self.mesh is not None or length > self.ecfg.max_model_len or list(batch.slots) != list(previous.slots):
+            return None
+        found = self._ready_batch("decode", len(batch.slots), 1, length)
+        if found is None or found[0] != B:
+            return None
+        d = self._decode_rows(batch, B)
+        d.batch = dataclasses.replace(d.batch, tokens=_as_column(B)(previous.out.tokens))
+        return d.pending(self._run(ProgramKey("decode", B, 1, found[1]), d.batch))
 
     def dispatch_verify(self, *, batch: VerifyBatch) -> Pending:
         """Dispatch a verify step (asynchronously) in the smallest ready verify batch bucket holding its rows, rows

@@ -68,6 +68,14 @@ PREPARE_PARTS: dict[str, preparation.PartBuilder] = {"weights": write_weights}
 
 
 
+def async_scheduling(args: argparse.Namespace, platform: str) -> bool:
+    """Whether the loop dispatches decode steps ahead (`--async-scheduling`): on, off, or auto = off the CPU only.
+    On an accelerator the host's work between steps (~2.5 ms a step on a TPU v5e: docs/performance.md) idles the
+    device unless the next step is already queued; on CPU the host and the device share the cores, and a step
+    dispatched ahead competes with the host's work instead of hiding it."""
+    return args.async_scheduling == "on" or (args.async_scheduling == "auto" and platform != "cpu")
+
+
 def speculation_drafts(args: argparse.Namespace, invariant: bool, precision: str = "bfloat16") -> int:
     """The engine's `max_draft_tokens`: `--max-draft-tokens` with speculation on where it is exact (a row's logits
     batch-invariant: a verify step's positions then equal the decode steps'), else 0 (no verify programs).
@@ -392,10 +400,14 @@ async def serve(args: argparse.Namespace) -> int:
     fatal = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
     fault = os.environ.get(FAULT_ENV)
+    ahead = async_scheduling(args, engine.platform)
+    if ahead:
+        engine.prepare_ahead()
     loop = EngineLoop(engine, token_budget=args.prefill_token_budget, metrics=metrics,
                       on_fatal=lambda exc: aio_loop.call_soon_threadsafe(fatal.set),
                       fault_salt=fault or None, lease_preempt_after=args.lease_preempt_after,
                       speculation=args.speculation,
+                      async_scheduling=ahead,
                       slo=SloSettings(args.slo_ttft, args.slo_tpot, args.slo_policy))
     timed = engine.time_programs()
     loop.seed_step_model(timed)

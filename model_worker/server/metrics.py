@@ -57,7 +57,9 @@ class WorkerMetrics:
         self.computed_tokens = Counter(p + "computed_tokens", "Tokens run through the model.", registry=r)
         self.steps = Counter(p + "engine_steps", "Engine steps: compute chunks, decode steps, slot copies; mixed: "
                              "iterations with both a chunk and a decode step (also counted in those); verify: decode "
-                             "steps that verified drafts (speculation on; also counted in decode).", ["kind"],
+                             "steps that verified drafts (speculation on; also counted in decode); ahead: decode "
+                             "steps dispatched before the previous step's tokens reached the host (async "
+                             "scheduling; also counted in decode).", ["kind"],
                              registry=r)
         # Speculative decoding, with vLLM's names (`vllm:spec_decode_num_draft_tokens`, ...).
         self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
@@ -105,7 +107,7 @@ class WorkerMetrics:
             self.prefix_queries.inc(snap.prefix_queries - seen["queries"])
             self.prefix_hits.inc(snap.prefix_hits - seen["hits"])
             seen["queries"], seen["hits"] = snap.prefix_queries, snap.prefix_hits
-            for kind in ("compute", "decode", "mixed", "copy", "verify"):
+            for kind in ("compute", "decode", "mixed", "copy", "verify", "ahead"):
                 self.steps.labels(kind).inc(snap.steps[kind] - seen["steps"].get(kind, 0))
                 seen["steps"][kind] = snap.steps[kind]
             self.draft_tokens.inc(snap.steps["drafted_tokens"] - seen["steps"].get("drafted_tokens", 0))

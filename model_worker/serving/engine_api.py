@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 #: the prompt's last: its KV writes stand all the same).
 Pending = Any
 
+#: A dispatched sample program whose outputs are still on the device (the real engine's `engine.Sampled`): its
+#: `result()` waits for them and returns the `HostOutput`. Handed back to `Engine.dispatch_decode_after` at most
+#: once before `result()` is read.
+Sampled = Any
+
 
 class ProgramKey(NamedTuple):
     """A compiled program: its kind (a key of `programs.PROGRAMS`) and shapes. A tuple, so ("decode", 4, 1, 512)
@@ -274,6 +279,21 @@ class Engine(Protocol):
         Returns:
           One result row per pending row.
         """
+        ...
+
+    def sample_async(
+        self, pending: Pending, *, sampling: SamplingArrays, clear_penalties: Sequence[bool], active: Sequence[bool]
+    ) -> Sampled:
+        """`sample` without waiting for the results: arguments as `sample`; returns a handle whose `result()` is
+        what `sample` returns, and which `dispatch_decode_after` takes its rows' next input tokens from."""
+        ...
+
+    def dispatch_decode_after(self, *, batch: DecodeBatch, previous: Sampled) -> Pending | None:
+        """A decode step of `previous`'s rows (the same slots, in order) at `batch.positions`, each row's input
+        token being the one `previous` sampled for it, read on the device (`batch.tokens` is ignored): dispatched
+        before `previous`'s results are on the host (async scheduling). Returns None, dispatching nothing, where
+        the engine cannot (no decode program ready for the rows, other slots than `previous`'s, a position beyond
+        max_model_len)."""
         ...
 
     def dispatch_verify(self, *, batch: VerifyBatch) -> Pending:

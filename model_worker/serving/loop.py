@@ -44,6 +44,9 @@ ENGINE_FAILED = "the model worker failed and is restarting"
 FAULT_ENV = "GEMMA_SERVE_TEST_FAULT_SALT"
 #: `--speculation` values: verify drafts when it pays, whenever there are any, or never.
 SPECULATION_MODES = ("auto", "always", "off")
+#: Decode steps dispatched ahead in a row (async scheduling) before the scheduler plans a step again: a plan looks
+#: for drafts to verify, which a step dispatched ahead cannot (they follow tokens it has not seen).
+AHEAD_RUN = 16
 
 
 #: The settings copied one to one from a sequence's `SamplingSpec` to its row of `SamplingArrays` (same name, one
@@ -80,6 +83,23 @@ def verify_sampling(rows: list[Sequence], draft_masks: list[list[np.ndarray]], v
         for i, words in enumerate(masks):
             mask[r, i + 1], on[r, i + 1] = words, True
     return dataclasses.replace(s, mask=mask, mask_on=on)
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """A decode step dispatched one step ahead (async scheduling), its samples still on the device.
+
+    Attributes:
+      work: the step as the scheduler commits it (its rows, in order; no chunk, copies or drafts).
+      sampled: the engine's handle of its sample program (`Engine.sample_async`).
+      sampling: the settings it was sampled with (the next step ahead moves their `step` on by one).
+      run: steps dispatched ahead in a row, this one included.
+    """
+
+    work: Work
+    sampled: engine_api.Sampled
+    sampling: SamplingArrays
+    run: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +183,7 @@ class EngineLoop:
                  mask_wait: float = 0.2, on_fatal: Callable[[BaseException], None] | None = None,
                  fault_salt: str | None = None, lease_preempt_after: float = 10.0, speculation: str = "auto",
                  draft_wait: float = 0.01, slo: SloSettings | None = None,
-                 step_clock: Callable[[], float] = time.perf_counter):
+                 step_clock: Callable[[], float] = time.perf_counter, async_scheduling: bool = False):
         """Args: engine: a compiled engine (`engine_api.Engine`; the loop becomes its only user); token_budget:
         most prompt tokens computed in an iteration that also decodes running streams (bounds the pause a long new
         prompt causes in them; default: the smallest chunk); a lone prompt uses the largest chunks it fills
@@ -180,7 +200,10 @@ class EngineLoop:
         whose client drafts (its round trip: the client advances its grammar along the draft); slo: default
         latency targets and policy (model_worker/serving/slo.py; None: no defaults); step_clock: the clock (seconds)
         step times are measured with, for the speculation policy and the latency model (tests pass a fake engine's
-        virtual clock so that a loaded machine's scheduling cannot decide the policy).
+        virtual clock so that a loaded machine's scheduling cannot decide the policy); async_scheduling: dispatch a
+        plain decode step's successor from its sampled tokens on the device before they reach the host, so that the
+        host's work between steps (reading the tokens, publishing them, the next dispatch) overlaps the device's
+        (`_may_go_ahead` says when; the same tokens as without it).
 
         Raises:
           ValueError: an unknown speculation mode."""
@@ -198,7 +221,12 @@ class EngineLoop:
         self.metrics = metrics
         self.vocab = engine.cfg.vocab_size
         drafts = engine.ecfg.max_draft_tokens if speculation != "off" else 0
-        self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len, slack=engine.ecfg.reuse_slack,
+        # A step dispatched ahead for a row that then ended writes one position past the slot's end, as a rejected
+        # draft does: a prefix reuse must split one ring entry earlier where verify steps do not already.
+        slack = engine.ecfg.reuse_slack - (async_scheduling and engine.ecfg.max_draft_tokens < 1)
+        self.async_scheduling = async_scheduling and slack >= 0
+        self._ahead: _Ahead | None = None  # the decode step dispatched ahead, not yet on the host
+        self.scheduler = Scheduler(engine.ecfg.num_slots, engine.ecfg.max_model_len, slack=max(slack, 0),
                                    max_waiting=engine.ecfg.max_waiting, token_budget=self.token_budget,
                                    lease_preempt_after=lease_preempt_after, max_draft_tokens=drafts,
                                    max_verify_batch=engine.ecfg.max_verify_batch if drafts else 0,
@@ -214,9 +242,10 @@ class EngineLoop:
         # compute chunks, decode steps, slot copies; "mixed": iterations with both a chunk and a decode step (one
         # pass when the chunk is the smallest, `Engine.dispatch_mixed`), also counted in "compute" and "decode";
         # tokens run through the model, and how many of them were prompt tokens
-        # "verify": decode steps that verified drafts (also counted in "decode"); drafted and accepted draft tokens
+        # "verify": decode steps that verified drafts (also counted in "decode"); drafted and accepted draft tokens;
+        # "ahead": decode steps dispatched before the previous step's tokens reached the host (also in "decode")
         self.steps = {"compute": 0, "decode": 0, "mixed": 0, "copy": 0, "computed_tokens": 0, "prompt_tokens": 0,
-                      "verify": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+                      "verify": 0, "drafted_tokens": 0, "accepted_tokens": 0, "ahead": 0}
         # the state after the latest iteration, read by other threads (the worker's GetLoad RPC)
         self.last = LoopSnapshot(0, 0, 0.0, 0, 0, 0, dict(self.steps), 0)
 
@@ -287,9 +316,9 @@ class EngineLoop:
         while not self._stopped.is_set():
             # Idle: store what the background compiled, one program at a time, while nothing waits (serializing
             # holds the GIL, which a step would otherwise wait for).
-            while not self.scheduler.has_work() and self._inbox.empty() and self.engine.store_deferred():
+            while self._idle() and self._inbox.empty() and self.engine.store_deferred():
                 pass
-            self._drain_inbox(block=not self.scheduler.has_work())
+            self._drain_inbox(block=self._idle())
             if self._stopped.is_set():
                 break
             try:
@@ -314,7 +343,14 @@ class EngineLoop:
         if self.on_fatal is not None:
             self.on_fatal(exc)
 
+    def _idle(self) -> bool:
+        """Nothing to do: no sequence waiting or running and no step dispatched ahead."""
+        return not self.scheduler.has_work() and self._ahead is None
+
     def _iterate(self) -> None:
+        if self._ahead is not None:
+            self._iterate_ahead()
+            return
         if self.scheduler.max_draft_tokens and self.scheduler.awaiting_drafts():
             self._await_drafts()
         work = self.scheduler.schedule()
@@ -327,13 +363,66 @@ class EngineLoop:
         result = self._run_work(work)
         if work.decode:  # a chunk alone is not waited for unless sampled: its time lands in a later step
             self._observe_step(work, result, self.step_clock() - started)
+        self._commit(work, result)
+        if work.compute is None and not work.decode and self.scheduler.has_work():
+            time.sleep(0.001)  # everyone waits for a mask or a parent: don't spin
+
+    def _commit(self, work: Work, result: StepResult) -> None:
+        """Count an iteration's steps, let the scheduler move its sequences on, publish their events, and take
+        the snapshot other threads read."""
         self._count(work, result)
         self._publish(self.scheduler.postprocess(work, result))
         self.last = self.snapshot()  # one reference assignment: readers on other threads see old or new
         if self.metrics is not None:
             self.metrics.observe_iteration(self.last)
-        if work.compute is None and not work.decode and self.scheduler.has_work():
-            time.sleep(0.001)  # everyone waits for a mask or a parent: don't spin
+
+    def _iterate_ahead(self) -> None:
+        """An iteration whose decode step was dispatched ahead (`_go_ahead`) during the previous one: maybe dispatch
+        its own successor, then read its tokens and commit them as a planned step's. A row that ended meanwhile
+        (a stop token, an abort) is neither sampled nor active: its token is dropped, as a row that ends while a
+        step runs always is. Its time feeds neither the step-time model nor the speculation costs (it overlapped
+        the previous step's host work)."""
+        ahead, self._ahead = self._ahead, None
+        assert ahead is not None
+        work = ahead.work
+        if self.fault_salt and any(s.cache_salt == self.fault_salt for s in work.decode):
+            raise RuntimeError(f"fault injected by {FAULT_ENV}")
+        sampled, active = self.scheduler.decode_rows(work.decode)
+        if self._may_go_ahead(work, sampled, ahead.run):
+            self._go_ahead(work.decode, ahead.sampled, ahead.sampling, ahead.run + 1)
+        self._commit(work, StepResult(decode_sample=ahead.sampled.result(), sampled=sampled, active=active))
+
+    def _may_go_ahead(self, work: Work, sampled: list[bool], run: int) -> bool:
+        """Whether the step after `work`'s plain decode step (dispatched, its tokens not yet read) may be
+        dispatched now from its sampled tokens on the device: async scheduling is on, fewer than `AHEAD_RUN`
+        steps went ahead in a row, no draft waits to be verified, nothing waits for a slot or in the inbox (the
+        scheduler plans the step that admits it), every running sequence is one of the step's rows, each sampled,
+        unconstrained (a mask follows the token it has not seen), and none ends for its length with this token."""
+        if not self.async_scheduling or run >= AHEAD_RUN or not all(sampled) or any(work.drafts):
+            return False
+        sched = self.scheduler
+        if sched.waiting or not self._inbox.empty() or len(sched.running) != len(work.decode):
+            return False
+        return all(s.slot is not None and s.finish == Finish.NONE and not s.constrained and not s.forced
+                   and len(s.output) + 1 < s.max_tokens and len(s.tokens) + 1 < sched.max_model_len
+                   for s in work.decode)
+
+    def _go_ahead(self, seqs: list[Sequence], previous: engine_api.Sampled, sampling: SamplingArrays,
+                  run: int) -> None:
+        """Dispatch the decode step after `previous` (a plain decode step of `seqs`, sampled with `sampling`): each
+        row's next position, its input token read from `previous` on the device, sampled with the next step's
+        settings and nothing cleared (the step before cleared what it had to). Nothing happens when the engine
+        cannot (`Engine.dispatch_decode_after`); the next iteration then plans as usual."""
+        n = len(seqs)
+        batch = DecodeBatch([s.row for s in seqs], [0] * n, [s.num_computed + 1 for s in seqs], [True] * n)
+        pending = self.engine.dispatch_decode_after(batch=batch, previous=previous)
+        if pending is None:
+            return
+        following = dataclasses.replace(sampling, step=sampling.step + 1)
+        handle = self.engine.sample_async(pending, sampling=following, clear_penalties=[False] * n,
+                                          active=[True] * n)
+        self._ahead = _Ahead(Work(copies=[], decode=list(seqs)), handle, following, run)
+        self.steps["ahead"] += 1
 
     def seed_step_model(self, timed: list[tuple[engine_api.ProgramKey, float]]) -> None:
         """Give the step-time model its first fit from timed programs (`engine.Engine.time_programs`); call
@@ -475,7 +564,8 @@ class EngineLoop:
         if chunk is not None and computing is not None:
             result.compute_sample = self._sample_chunk(chunk.seq, computing, result.computed)
         if decoding is not None:
-            result.decode_sample, result.sampled, result.active = self._sample_decode(decode, decoding)
+            result.decode_sample, result.sampled, result.active = self._sample_decode(
+                decode, decoding, ahead_of=work if chunk is None else None)
             if chunk is None:
                 self.costs.observe("decode", len(decode), self.step_clock() - started)
         return result
@@ -527,15 +617,20 @@ class EngineLoop:
         return self.engine.sample(pending, sampling=sampling_rows([seq], self.vocab), clear_penalties=[False],
                                   active=[True])
 
-    def _sample_decode(self, seqs: list[Sequence],
-                       pending: engine_api.Pending) -> tuple[engine_api.HostOutput, list[bool], list[bool]]:
+    def _sample_decode(self, seqs: list[Sequence], pending: engine_api.Pending, ahead_of: Work | None = None
+                       ) -> tuple[engine_api.HostOutput, list[bool], list[bool]]:
         """Sample the decode step: (samples, sampled, active) as in `StepResult`. A row whose mask has not arrived
         is inactive: the engine keeps its penalty history and the scheduler drops its result; a row whose forced
-        tokens arrived is active but not sampled (its KV stands, the forced tokens follow)."""
+        tokens arrived is active but not sampled (its KV stands, the forced tokens follow). `ahead_of`: the plain
+        decode step's work, whose successor may be dispatched before these samples are read (`_may_go_ahead`)."""
         sampled, active = self.scheduler.decode_rows(seqs)
-        out = self.engine.sample(pending, sampling=sampling_rows(seqs, self.vocab),
-                                 clear_penalties=[s.clear_penalties for s in seqs], active=active)
-        return out, sampled, active
+        sampling = sampling_rows(seqs, self.vocab)
+        clear = [s.clear_penalties for s in seqs]
+        if ahead_of is None or not self._may_go_ahead(ahead_of, sampled, 0):
+            return self.engine.sample(pending, sampling=sampling, clear_penalties=clear, active=active), sampled, active
+        handle = self.engine.sample_async(pending, sampling=sampling, clear_penalties=clear, active=active)
+        self._go_ahead(seqs, handle, sampling, 1)
+        return handle.result(), sampled, active
 
     def _count(self, work: Work, result: StepResult) -> None:
         """Add an iteration's engine steps and tokens to `self.steps` (before `postprocess` moves the sequences

@@ -89,10 +89,11 @@ def bad_sizes(sizes: BadSizes) -> engine_api.EngineSizes:
 
 
 def test_the_protocol_declares_the_loops_needs():
-    """A guard that the contract is the one documented: eleven methods and two read-only size records."""
+    """A guard that the contract is the one documented: thirteen methods and two read-only size records."""
     assert set(members(engine_api.Engine)) == {
         "ecfg", "cfg", "dispatch_compute", "dispatch_decode", "dispatch_mixed", "sample", "dispatch_verify",
-        "sample_verify", "copy_slot", "step_programs", "can_verify", "adopt_programs", "store_deferred"}
+        "sample_verify", "copy_slot", "step_programs", "can_verify", "adopt_programs", "store_deferred",
+        "sample_async", "dispatch_decode_after"}
     assert set(members(engine_api.EngineSizes)) == {
         "num_slots", "max_model_len", "prefill_chunks", "reuse_slack", "max_draft_tokens", "max_verify_batch",
         "max_waiting"}

@@ -142,7 +142,7 @@ def test_tokens_follow_the_fake_arithmetic_and_every_step_is_counted(loops):
     assert fake.chunks == [(0, 0, 4), (0, 4, 2), (1, 0, 2)], "a in slot 0; b in the empty slot 1"
     assert loop.steps == {"compute": 3, "decode": 4 + 2, "mixed": 0, "copy": 0,
                           "computed_tokens": 6 + 4 + 2 + 2, "prompt_tokens": 8, "verify": 0, "drafted_tokens": 0,
-                          "accepted_tokens": 0}
+                          "accepted_tokens": 0, "ahead": 0}
     assert fake.prompt_tokens == loop.steps["prompt_tokens"]
     assert (fake.calls["compute"], fake.calls["decode"]) == (3, 6)
 
@@ -292,7 +292,7 @@ def test_a_follower_copies_its_leaders_slot_and_the_counters_agree_with_the_engi
     loop.stop()
     assert fake.chunks == [(0, 0, 4), (0, 4, 4), (0, 8, 2)]
     assert loop.steps == {"compute": 3, "decode": 3, "mixed": 0, "copy": 1, "computed_tokens": 10 + 5,
-                          "prompt_tokens": 11, "verify": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+                          "prompt_tokens": 11, "verify": 0, "drafted_tokens": 0, "accepted_tokens": 0, "ahead": 0}
     assert (fake.calls["copy"], fake.prompt_tokens) == (1, 11)
 
 
@@ -498,3 +498,108 @@ def test_an_idle_loop_stores_what_the_background_compiled(loops):
     while fake.left and time.monotonic() < deadline:
         time.sleep(0.01)
     assert fake.left == 0
+
+
+# ----- async scheduling: decode steps dispatched from the previous step's tokens on the device --------------------
+def test_async_scheduling_dispatches_ahead_and_drops_what_follows_a_stop(loops):
+    """Two rows decoding, one ending at a stop id while a step dispatched ahead carries it: the same tokens and
+    endings as without async scheduling, the token after the stop never published, and most decode steps were
+    dispatched ahead (the fake counts them in calls["ahead"] and in "decode")."""
+    outputs = []
+    for async_on in (False, True):
+        fake = engine()
+        loop = start(loops, EngineLoop(fake, async_scheduling=async_on))
+        a, a_sink = make("a", [1, 2], 20, stop=[9])
+        b, b_sink = make("b", [40, 41], 30)
+        loop.submit(a)
+        loop.submit(b)
+        a_sink.wait(), b_sink.wait()
+        outputs.append(([e.token_ids for e in a_sink.events], a_sink.last.finish, b_sink.tokens, b_sink.last.finish))
+        if async_on:
+            assert fake.calls.get("ahead", 0) >= 20 and loop.steps["ahead"] == fake.calls["ahead"]
+            assert loop.steps["decode"] == fake.calls["decode"] and loop.steps["ahead"] < loop.steps["decode"]
+        else:
+            assert "ahead" not in fake.calls
+    assert outputs[0] == outputs[1]
+    assert outputs[1][0][-1] == [9] and outputs[1][1] == Finish.STOP and len(outputs[1][2]) == 30
+
+
+def test_async_scheduling_admits_a_request_that_arrives_while_steps_go_ahead(loops):
+    """A request submitted while a long one decodes ahead: the chain of steps ahead stops, the scheduler admits
+    it (its prompt computed in chunks beside the decode row), and both get the fake's arithmetic."""
+    fake = engine()
+    loop = start(loops, EngineLoop(fake, async_scheduling=True))
+    b_sink_box = []
+
+    def on_event(event, sink):
+        if len(sink.tokens) == 10:  # on the loop thread, while steps go ahead
+            b, b_sink = make("b", range(100, 110), 5)
+            loop.submit(b)
+            b_sink_box.append(b_sink)
+
+    a, a_sink = make("a", [1, 2], 40, on_event=on_event)
+    loop.submit(a)
+    assert a_sink.wait().finish == Finish.LENGTH and a_sink.tokens == list(range(3, 43))
+    b_sink = b_sink_box[0]
+    assert b_sink.wait().finish == Finish.LENGTH and b_sink.tokens == [110, 111, 112, 113, 114]
+    assert fake.calls["ahead"] > 0 and fake.calls["compute"] >= 3
+
+
+def test_async_scheduling_ends_an_aborted_row_and_goes_on_without_an_engine_that_refuses(loops):
+    """An abort while steps go ahead ends the row with ABORT (nothing after it); an engine that cannot dispatch
+    ahead (no decode program for the rows) decodes as without async scheduling."""
+    fake = engine()
+    loop = start(loops, EngineLoop(fake, async_scheduling=True))
+
+    def on_event(event, sink):
+        if len(sink.tokens) == 8:
+            loop.abort("a")
+
+    a, a_sink = make("a", [1, 2], 40, on_event=on_event)
+    loop.submit(a)
+    assert a_sink.wait().finish == Finish.ABORT
+    assert a_sink.tokens[:8] == list(range(3, 11)) and len(a_sink.tokens) <= 9
+    refusing = engine()
+    refusing.refuse_ahead = True
+    loop = start(loops, EngineLoop(refusing, async_scheduling=True))
+    b, b_sink = make("b", [1, 2], 12)
+    loop.submit(b)
+    assert b_sink.wait().finish == Finish.LENGTH and b_sink.tokens == list(range(3, 15))
+    assert "ahead" not in refusing.calls and loop.steps["ahead"] == 0
+
+
+def test_async_scheduling_keeps_constrained_rows_and_token_limits_planned(loops):
+    """A constrained row (its mask follows the token it has not seen) never goes ahead; a row one token from its
+    limit is not carried past it: no decode step computes a position its sequence never reaches."""
+    fake = engine()
+    loop = start(loops, EngineLoop(fake, async_scheduling=True))
+    c, c_sink = make("c", [1, 2], 4, constrained=True, masks={0: mask(3)})
+
+    def on_event(event, sink):
+        if event.finish == Finish.NONE:
+            loop.add_mask("c", len(sink.tokens), mask(sink.tokens[-1] + 1))
+
+    c_sink.on_event = on_event
+    loop.submit(c)
+    assert c_sink.wait().finish == Finish.LENGTH and c_sink.tokens == [3, 4, 5, 6]
+    assert "ahead" not in fake.calls
+    before = fake.calls["decode"]
+    d, d_sink = make("d", [20, 21], 5)  # (not c's prompt, whose KV a prefix hit would reuse)
+    loop.submit(d)
+    assert d_sink.wait().finish == Finish.LENGTH and d_sink.tokens == [22, 23, 24, 25, 26]
+    assert fake.calls["decode"] - before == 4, "4 decode steps after the prompt's token, none past the fifth"
+    assert fake.calls["ahead"] == 3
+
+
+def test_async_scheduling_flag_is_on_off_the_cpu_by_default_and_as_told_otherwise():
+    import argparse
+
+    from gemma_serve.cli import build_parser
+    from model_worker.server.main import async_scheduling
+
+    assert build_parser().parse_args(["worker"]).async_scheduling == "auto"
+    for flag, platform, expected in (("auto", "cpu", False), ("auto", "tpu", True), ("auto", "gpu", True),
+                                     ("on", "cpu", True), ("off", "tpu", False)):
+        assert async_scheduling(argparse.Namespace(async_scheduling=flag), platform) is expected, (flag, platform)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "--async-scheduling", "sometimes"])

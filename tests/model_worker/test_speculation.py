@@ -1,5 +1,7 @@
 """Exact speculative decoding on a real engine: with speculation on (every draft verified: `speculation="always"`)
-a request gets exactly the tokens, logprobs and top logprobs it gets with speculation off, bit for bit.
+a request gets exactly the tokens, logprobs and top logprobs it gets with speculation off, bit for bit; and the
+same for async scheduling (decode steps dispatched from the previous step's tokens on the device) against steps
+planned one at a time.
 
 The model is the tiny random Gemma 4 (sliding window 8, KV sharing, per-layer inputs) in the batch-invariant
 bfloat16 mode, the CPU default where speculation is on. A random model rarely repeats its context, so most tests
@@ -94,9 +96,12 @@ class GrammarClient:
                 self.loop.add_mask(self.request_id, step, toy_mask(token), draft)
 
 
-def run(engine, mode: str, requests: list[Request]) -> tuple[list[Result], dict]:
-    """Submit every request at once on a fresh loop in `mode`; their results and the loop's step counts."""
-    loop = EngineLoop(engine, speculation=mode)
+def run(engine, mode: str, requests: list[Request], async_scheduling: bool = False,
+        one_by_one: bool = False) -> tuple[list[Result], dict]:
+    """Submit every request at once (`one_by_one`: each after the previous one ended, so that a later one can
+    reuse an earlier one's slot) on a fresh loop in `mode`; their results and the loop's step counts (with the
+    scheduler's reused prompt tokens as "reused")."""
+    loop = EngineLoop(engine, speculation=mode, async_scheduling=async_scheduling)
     loop.start()
     results: list[Result] = []
     done = []
@@ -128,11 +133,13 @@ def run(engine, mode: str, requests: list[Request]) -> tuple[list[Result], dict]
             results.append(res)
             done.append(event)
             loop.submit(seq)
+            if one_by_one:
+                assert event.wait(300)
         for event in done:
             assert event.wait(300)
     finally:
         loop.stop()
-    return results, dict(loop.steps)
+    return results, {**loop.steps, "reused": loop.scheduler.reused_tokens}
 
 
 def assert_same(on: list[Result], off: list[Result]) -> None:
@@ -353,3 +360,36 @@ def test_verify_steps_equal_decode_steps_on_the_embedded_model(gemma3, precision
         assert np.array_equal(lg, logits[t]) and int(out.tokens[0]) == sampled[t]
     # the same tokens committed to both slots' penalty histories, the rejected drafts' not among them
     assert all(np.array_equal(np.asarray(a)[0], np.asarray(a)[1]) for a in (eng.pstate.ids, eng.pstate.counts))
+
+
+@pytest.mark.parametrize("spec", [SamplingSpec(top_logprobs=3), *SEEDED],
+                         ids=["greedy", "top-p", "top-k-min-p", "penalties", "greedy-penalties-bias"])
+def test_async_scheduling_gives_exactly_the_planned_steps_results(engine, spec):
+    """Decode steps dispatched ahead from the previous step's sampled tokens on the device (speculation off):
+    the same tokens, logprobs and top logprobs as steps planned one at a time — greedy, seeded draws (their step
+    index moves on with each step ahead), penalties (whose history each step ahead records) and bias — for two
+    rows at once, one of them ending at a stop id while a step ahead carries it; most decode steps went ahead."""
+    base, _ = run(engine, "off", [Request(prompt(4, 17), spec=spec)])
+    requests = [Request(prompt(4, 17), spec=spec, stop_ids=frozenset({base[0].tokens[25]})),
+                Request(prompt(5, 9), spec=spec, max_tokens=36)]
+    off, _ = run(engine, "off", requests)
+    on, steps = run(engine, "off", requests, async_scheduling=True)
+    assert_same(on, off)
+    assert on[0].finish == Finish.STOP and len(on[1].tokens) == 36
+    assert steps["ahead"] >= steps["decode"] // 2 > 0
+
+
+def test_async_scheduling_then_the_conversation_continued_reuses_its_slot_exactly(engine):
+    """A request ending at a stop id while a step ahead wrote one position past its end, then the conversation
+    sent again with more tokens (a prefix hit on that slot, rings wrapped: window 8), and a second answer: the
+    same as with every step planned."""
+    first = prompt(6, 26)
+    base, _ = run(engine, "off", [Request(first)])
+    stop = frozenset({base[0].tokens[20]})
+    answer = base[0].tokens[: base[0].tokens.index(base[0].tokens[20]) + 1]
+    requests = [Request(first, stop_ids=stop), Request(first + answer + prompt(7, 5), max_tokens=24)]
+    off, off_steps = run(engine, "off", requests, one_by_one=True)
+    on, steps = run(engine, "off", requests, async_scheduling=True, one_by_one=True)
+    assert_same(on, off)
+    assert on[0].tokens == answer and steps["ahead"] > 0
+    assert steps["reused"] == off_steps["reused"] >= len(first)
