@@ -204,9 +204,9 @@ def time_step(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
 def time_step_ahead(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
     """Mean seconds of one decode step (forward + greedy sampling, results on the host) when each step
     is dispatched before the previous one's results reach the host: step n+1's forward takes step n's sampled
-    tokens on the device, and the host copies step n's results while n+1 runs. What a serving loop that schedules
-    one step ahead (vLLM's async scheduling) would get from the device; the product's loop does not do it yet
-    (`time_step` is what it does). The same rows, programs and positions as `time_step`."""
+    tokens on the device, and the host copies step n's results while n+1 runs: what the serving loop's async
+    scheduling (`--async-scheduling`, on off the CPU) gets from the device, against `time_step`'s planned steps.
+    The same rows, programs and positions as `time_step`."""
     from model_worker.engine.engine import host_output
     from model_worker.serving.engine_api import DecodeBatch
 

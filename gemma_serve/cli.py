@@ -157,11 +157,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
-        "--async-scheduling", default="auto", choices=["auto", "on", "off"],
+        "--async-scheduling", default="auto", choices=["auto", "on", "off"], nargs="?", const="on",
         help="dispatch each plain decode step from the previous step's tokens on the device, before they reach the "
         "host, so the host's work between steps overlaps the accelerator's (vLLM's async scheduling; the same "
-        "tokens either way): auto = on an accelerator, off on CPU, where host and device share the cores "
-        "(docs/architecture.md, Async scheduling) (default: %(default)s)",
+        "tokens either way): auto = on an accelerator, off on CPU, where host and device share the cores; the "
+        "flag alone = on, as vLLM's (docs/architecture.md, Async scheduling) (default: %(default)s)",
     )
     p.add_argument(
         "--max-draft-tokens", type=int, default=None,

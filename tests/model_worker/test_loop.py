@@ -598,6 +598,7 @@ def test_async_scheduling_flag_is_on_off_the_cpu_by_default_and_as_told_otherwis
     from model_worker.server.main import async_scheduling
 
     assert build_parser().parse_args(["worker"]).async_scheduling == "auto"
+    assert build_parser().parse_args(["up", "--async-scheduling"]).async_scheduling == "on", "vLLM's bare flag"
     for flag, platform, expected in (("auto", "cpu", False), ("auto", "tpu", True), ("auto", "gpu", True),
                                      ("on", "cpu", True), ("off", "tpu", False)):
         assert async_scheduling(argparse.Namespace(async_scheduling=flag), platform) is expected, (flag, platform)
