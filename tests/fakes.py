@@ -112,7 +112,8 @@ class FakeEngine:
         self.calls["decode"] += 1
         self.order.append("decode")
         self.prompt_tokens += sum(not o for o in batch.is_output)
-        return types.SimpleNamespace(last=list(batch.tokens), logprob=-0.25, slots=list(batch.slots))
+        return types.SimpleNamespace(last=list(batch.tokens), logprob=-0.25, slots=list(batch.slots),
+                                     positions=list(batch.positions))
 
     def dispatch_mixed(self, *, chunk: PromptChunk,
                        batch: DecodeBatch) -> tuple[types.SimpleNamespace, int, types.SimpleNamespace]:
@@ -131,18 +132,33 @@ class FakeEngine:
     def sample_async(self, pending: types.SimpleNamespace, *, sampling: SamplingArrays,
                      clear_penalties: Sequence[bool], active: Sequence[bool]) -> types.SimpleNamespace:
         """`sample`, its result read by `result()` (handle.out: the HostOutput; handle.slots: the rows' slots)."""
+        n = len(pending.last)
+        step = [int(x) for x in sampling.step[:n]]
+        if getattr(pending, "after_step", None) is not None and step != [s + 1 for s in pending.after_step]:
+            raise ValueError(f"a step ahead sampled at output steps {step}, not the next ones after "
+                             f"{pending.after_step}")
         out = self.sample(pending, sampling=sampling, clear_penalties=clear_penalties, active=active)
-        return types.SimpleNamespace(out=out, slots=list(getattr(pending, "slots", [])), result=lambda: out)
+        return types.SimpleNamespace(out=out, slots=list(getattr(pending, "slots", [])),
+                                     positions=list(getattr(pending, "positions", [])), step=step, result=lambda: out)
 
     def dispatch_decode_after(self, *, batch: DecodeBatch,
                               previous: types.SimpleNamespace) -> types.SimpleNamespace | None:
         """`dispatch_decode` of `previous`'s rows with the tokens it sampled as inputs (counted in calls["ahead"]
-        too); None where `batch.slots` are not `previous`'s or `refuse_ahead` is set."""
+        too); None where `batch.slots` are not `previous`'s or `refuse_ahead` is set.
+
+        Raises:
+          ValueError: a position other than the one after `previous`'s (the real engine would compute the wrong
+            position); `sample_async` raises for a step ahead sampled at other output steps than the next ones.
+        """
         if self.refuse_ahead or list(batch.slots) != list(previous.slots):
             return None
+        if list(batch.positions) != [p + 1 for p in previous.positions]:
+            raise ValueError(f"a step ahead at positions {list(batch.positions)} after {previous.positions}")
         self.calls["ahead"] = self.calls.get("ahead", 0) + 1
         tokens = [int(t) for t in previous.out.tokens[: len(batch.slots)]]
-        return self.dispatch_decode(batch=dataclasses.replace(batch, tokens=tokens))
+        pending = self.dispatch_decode(batch=dataclasses.replace(batch, tokens=tokens))
+        pending.after_step = previous.step
+        return pending
 
     def dispatch_verify(self, *, batch: VerifyBatch) -> types.SimpleNamespace:
         """One row per slot with its drafts; pending = each row's input tokens (waits on `gate`, `step_delay`)."""

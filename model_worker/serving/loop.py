@@ -390,6 +390,7 @@ class EngineLoop:
         sampled, active = self.scheduler.decode_rows(work.decode)
         if self._may_go_ahead(work, sampled, ahead.run):
             self._go_ahead(work.decode, ahead.sampled, ahead.sampling, ahead.run + 1)
+        self.steps["ahead"] += 1
         self._commit(work, StepResult(decode_sample=ahead.sampled.result(), sampled=sampled, active=active))
 
     def _may_go_ahead(self, work: Work, sampled: list[bool], run: int) -> bool:
@@ -397,15 +398,16 @@ class EngineLoop:
         dispatched now from its sampled tokens on the device: async scheduling is on, fewer than `AHEAD_RUN`
         steps went ahead in a row, no draft waits to be verified, nothing waits for a slot or in the inbox (the
         scheduler plans the step that admits it), every running sequence is one of the step's rows, each sampled,
-        unconstrained (a mask follows the token it has not seen), and none ends for its length with this token."""
+        unconstrained with no mask or forced tokens sent for it (a mask follows the token it has not seen), and none
+        ends for its length with this token."""
         if not self.async_scheduling or run >= AHEAD_RUN or not all(sampled) or any(work.drafts):
             return False
         sched = self.scheduler
         if sched.waiting or not self._inbox.empty() or len(sched.running) != len(work.decode):
             return False
         return all(s.slot is not None and s.finish == Finish.NONE and not s.constrained and not s.forced
-                   and len(s.output) + 1 < s.max_tokens and len(s.tokens) + 1 < sched.max_model_len
-                   for s in work.decode)
+                   and not s.masks and len(s.output) + 1 < s.max_tokens
+                   and len(s.prompt) + len(s.output) + 1 < sched.max_model_len for s in work.decode)
 
     def _go_ahead(self, seqs: list[Sequence], previous: engine_api.Sampled, sampling: SamplingArrays,
                   run: int) -> None:
@@ -422,7 +424,6 @@ class EngineLoop:
         handle = self.engine.sample_async(pending, sampling=following, clear_penalties=[False] * n,
                                           active=[True] * n)
         self._ahead = _Ahead(Work(copies=[], decode=list(seqs)), handle, following, run)
-        self.steps["ahead"] += 1
 
     def seed_step_model(self, timed: list[tuple[engine_api.ProgramKey, float]]) -> None:
         """Give the step-time model its first fit from timed programs (`engine.Engine.time_programs`); call

@@ -292,8 +292,8 @@ def test_long_prompt_is_chunked_while_running_streams_keep_decoding(engine):
     sample_chunk, sample_decode = loop._sample_chunk, loop._sample_decode
     loop._sample_chunk = lambda seq, p, n: (order.append(("compute", seq.request_id, n)),
                                             sample_chunk(seq, p, n))[1]
-    loop._sample_decode = lambda seqs, p: (order.append(("decode", tuple(s.request_id for s in seqs))),
-                                           sample_decode(seqs, p))[1]
+    loop._sample_decode = lambda seqs, p, **kw: (order.append(("decode", tuple(s.request_id for s in seqs))),
+                                                 sample_decode(seqs, p, **kw))[1]
     mixed_before = sum(n for key, n in engine.calls.items() if key[0] == "mixed")
     loop.start()
     try:

@@ -558,7 +558,7 @@ def test_async_scheduling_ends_an_aborted_row_and_goes_on_without_an_engine_that
     a, a_sink = make("a", [1, 2], 40, on_event=on_event)
     loop.submit(a)
     assert a_sink.wait().finish == Finish.ABORT
-    assert a_sink.tokens[:8] == list(range(3, 11)) and len(a_sink.tokens) <= 9
+    assert a_sink.tokens == list(range(3, 11)), "the token the step ahead sampled after the abort is dropped"
     refusing = engine()
     refusing.refuse_ahead = True
     loop = start(loops, EngineLoop(refusing, async_scheduling=True))
@@ -589,6 +589,22 @@ def test_async_scheduling_keeps_constrained_rows_and_token_limits_planned(loops)
     assert d_sink.wait().finish == Finish.LENGTH and d_sink.tokens == [22, 23, 24, 25, 26]
     assert fake.calls["decode"] - before == 4, "4 decode steps after the prompt's token, none past the fifth"
     assert fake.calls["ahead"] == 3
+
+
+def test_async_scheduling_gives_up_one_ring_position_of_prefix_reuse_without_drafts():
+    """A step ahead for a row that then ended wrote one position past the slot's end, as a rejected draft does:
+    without drafts the prefix cache's tolerance shrinks by one (with drafts it already gave up more); with no
+    slack at all async scheduling stays off."""
+    def loop_for(slack: int, drafts: int, async_on: bool) -> EngineLoop:
+        fake = FakeEngine(FakeEngineConfig(num_slots=2, max_model_len=64, chunk=4, prefix_slack=slack,
+                                           max_draft_tokens=drafts), vocab=VOCAB)
+        return EngineLoop(fake, async_scheduling=async_on)
+
+    assert loop_for(4, 0, False).scheduler.cache.slack == 4
+    assert loop_for(4, 0, True).scheduler.cache.slack == 3 and loop_for(4, 0, True).async_scheduling
+    assert loop_for(4, 3, True).scheduler.cache.slack == 4 - 3
+    off = loop_for(0, 0, True)
+    assert not off.async_scheduling and off.scheduler.cache.slack == 0
 
 
 def test_async_scheduling_flag_is_on_off_the_cpu_by_default_and_as_told_otherwise():
