@@ -396,14 +396,15 @@ class EngineLoop:
     def _may_go_ahead(self, work: Work, sampled: list[bool], run: int) -> bool:
         """Whether the step after `work`'s plain decode step (dispatched, its tokens not yet read) may be
         dispatched now from its sampled tokens on the device: async scheduling is on, fewer than `AHEAD_RUN`
-        steps went ahead in a row, no draft waits to be verified, nothing waits for a slot or in the inbox (the
-        scheduler plans the step that admits it), every running sequence is one of the step's rows, each sampled,
+        steps went ahead in a row, no draft waits to be verified, nothing in the inbox and no waiting sequence a
+        planned step would admit or refuse (`Scheduler.admits_nothing`: the scheduler plans the step that admits
+        it), every running sequence is one of the step's rows, each sampled,
         unconstrained with no mask or forced tokens sent for it (a mask follows the token it has not seen), and none
         ends for its length with this token."""
         if not self.async_scheduling or run >= AHEAD_RUN or not all(sampled) or any(work.drafts):
             return False
         sched = self.scheduler
-        if sched.waiting or not self._inbox.empty() or len(sched.running) != len(work.decode):
+        if not sched.admits_nothing() or not self._inbox.empty() or len(sched.running) != len(work.decode):
             return False
         return all(s.slot is not None and s.finish == Finish.NONE and not s.constrained and not s.forced
                    and not s.masks and len(s.output) + 1 < s.max_tokens

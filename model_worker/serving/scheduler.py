@@ -329,6 +329,12 @@ class Scheduler:
             admitted.append(seq)
         return copies, admitted
 
+    def admits_nothing(self) -> bool:
+        """Whether planning a step now would admit or refuse no waiting sequence: none waits, or every slot holds a
+        running sequence (none can be placed until one ends) and none waiting has a TTFT target (which could be
+        refused as unreachable). Async scheduling goes ahead only then (`EngineLoop._may_go_ahead`)."""
+        return not self.waiting or (not self.cache.has_free() and not self._targets_waiting())
+
     def _targets_waiting(self) -> bool:
         """Whether a waiting sequence has a TTFT target (its own or the default)."""
         return self.slo.settings.ttft_s is not None or any(s.slo_ttft_s is not None for s in self.waiting)

@@ -545,6 +545,19 @@ def test_async_scheduling_admits_a_request_that_arrives_while_steps_go_ahead(loo
     assert fake.calls["ahead"] > 0 and fake.calls["compute"] >= 3
 
 
+def test_async_scheduling_goes_on_while_requests_wait_for_a_busy_slot(loops):
+    """Two slots busy and a third request queued: the running rows still go ahead (a planned step could not admit
+    it), the queued one is admitted when a slot frees, and every output follows the fake's arithmetic."""
+    fake = engine()
+    loop = start(loops, EngineLoop(fake, async_scheduling=True))
+    seqs = [make(rid, [base, base + 1], 30) for rid, base in (("a", 1), ("b", 100), ("c", 200))]
+    for seq, _ in seqs:
+        loop.submit(seq)
+    for (seq, sink), base in zip(seqs, (1, 100, 200)):
+        assert sink.wait().finish == Finish.LENGTH and sink.tokens == list(range(base + 2, base + 32))
+    assert loop.steps["ahead"] >= 2 * 20, "a and b went ahead while c waited, and c once alone"
+
+
 def test_async_scheduling_ends_an_aborted_row_and_goes_on_without_an_engine_that_refuses(loops):
     """An abort while steps go ahead ends the row with ABORT (nothing after it); an engine that cannot dispatch
     ahead (no decode program for the rows) decodes as without async scheduling."""

@@ -288,3 +288,19 @@ def test_leases_are_bounded_expire_end_on_release_and_yield_to_a_long_waiter():
     s.schedule()
     assert waiter.slot is not None and s.cache.preempted == 1
     assert sorted(e.lease for e in s.cache.entries if e.lease) == ["X", "Y", "Z"]  # the oldest, W, gave way
+
+
+def test_admits_nothing_only_while_nothing_could_be_placed_or_refused():
+    """What async scheduling asks before a step goes ahead: nothing waits; or a queued sequence finds every slot
+    running and has no TTFT target (with one, a planned step may refuse it as unreachable)."""
+    s = Scheduler(num_slots=1, max_model_len=100)
+    assert s.admits_nothing()
+    s.add(seq("a"))
+    assert not s.admits_nothing(), "a free slot: the next planned step admits it"
+    s.schedule()
+    s.add(seq("b"))
+    assert s.admits_nothing(), "the one slot runs a: b cannot be placed yet"
+    late = seq("c")
+    late.slo_ttft_s = 1.0
+    s.add(late)
+    assert not s.admits_nothing(), "c has a TTFT target: a planned step may refuse it"
