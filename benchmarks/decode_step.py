@@ -234,6 +234,51 @@ def time_step_ahead(engine: Engine, batch: int, kv_len: int, steps: int) -> floa
     return (time.perf_counter() - t0) / steps
 
 
+#: Prompt tokens of each row `time_loop` serves (one compute chunk of this size per row).
+LOOP_PROMPT = 16
+
+
+def time_loop(engine: Engine, batch: int, steps: int, async_scheduling: bool) -> float:
+    """Mean seconds per decode step of the serving loop itself (`EngineLoop`, speculation off) serving `batch`
+    greedy requests of `LOOP_PROMPT` random prompt tokens and `steps` + 8 output tokens each, with or without
+    async scheduling: from the moment every row has its 4th token to the first row's last, over the steps the last
+    admitted row took meanwhile. What the host's work between steps costs in the product (`time_step` and
+    `time_step_ahead` time the engine's programs alone); the rows decode in the smallest ready KV bucket holding
+    them, i.e. the run's smallest --kv, whose decode programs those columns time too."""
+    import threading
+
+    from model_worker.serving.loop import EngineLoop
+    from model_worker.serving.sequence import Finish, SamplingSpec
+    from model_worker.serving.sequence import Sequence as Request
+
+    rng = np.random.default_rng(batch)
+    stamps: list[list[float]] = [[] for _ in range(batch)]
+    done = threading.Event()
+
+    def sink_for(i: int):
+        def sink(event) -> None:
+            stamps[i] += [time.perf_counter()] * len(event.token_ids)
+            if event.finish != Finish.NONE:
+                done.set()
+        return sink
+
+    loop = EngineLoop(engine, speculation="off", async_scheduling=async_scheduling)
+    for i in range(batch):
+        prompt = rng.integers(1000, engine.cfg.vocab_size - 1, LOOP_PROMPT).tolist()
+        loop.submit(Request(f"loop-{i}", prompt, SamplingSpec(), steps + 8, frozenset(), sink_for(i)))
+    loop.start()
+    try:
+        if not done.wait(600):
+            raise TimeoutError("the loop did not finish a row within 600 s")
+    finally:
+        loop.stop()
+    start = max(s[3] for s in stamps)
+    end = min(s[-1] for s in stamps)
+    last = max(range(batch), key=lambda i: stamps[i][3])
+    taken = sum(start < t <= end for t in stamps[last])
+    return (end - start) / max(taken, 1)
+
+
 def time_verify(engine: Engine, batch: int, kv_len: int, steps: int) -> float:
     """Median seconds of one verify step (speculative decoding: every row's pending token and max_draft_tokens
     drafts, forward + greedy sampling of every position, results on the host) of `batch` sequences ending at
@@ -381,6 +426,10 @@ def main() -> None:
                         "decode step")
     parser.add_argument("--ahead", action="store_true",
                         help="also time each row with steps dispatched one ahead of the host (`time_step_ahead`)")
+    parser.add_argument("--loop", action="store_true",
+                        help="also time the serving loop decoding each batch (`time_loop`: prompts of "
+                        f"{LOOP_PROMPT} tokens, the smallest --kv's programs), planned steps and async scheduling: "
+                        "columns 'loop ms' and 'loop ahead'")
     parser.add_argument("--profile", type=pathlib.Path, metavar="DIR",
                         help="after each row, trace its steps with jax.profiler into DIR/b<batch>-kv<len> and print "
                              "where the device's time went (benchmarks/trace_summary.py)")
@@ -401,7 +450,8 @@ def main() -> None:
                        args.batch_invariant, args.attention_kernel, args.matmul_kernel)
     slots = max(args.batches)
     kv_buckets = sorted(set(args.kv))
-    ecfg = EngineConfig(num_slots=slots, max_model_len=max(kv_buckets), prefill_chunks=(min(kv_buckets),),
+    chunks = (LOOP_PROMPT, min(kv_buckets)) if args.loop else (min(kv_buckets),)
+    ecfg = EngineConfig(num_slots=slots, max_model_len=max(kv_buckets), prefill_chunks=chunks,
                         dtype=dtype, kv_int8=args.kv_int8, tensor_parallel=args.tensor_parallel,
                         max_draft_tokens=max(0, args.verify_tokens - 1), max_verify_batch=slots)
     engine = Engine(cfg, params, ecfg)
@@ -413,7 +463,12 @@ def main() -> None:
         keys += [ProgramKey(kind, b, args.verify_tokens, L if kind == "verify" else 0) for b in engine.batch_buckets
                  for kind in ("verify", "vgreedy", "vsample")  # the engine verifies once both samplers are there
                  for L in (engine.kv_buckets if kind == "verify" else [0])]
+    if args.loop:  # the rows' prompts, their first token, and the sampler's reshape for async scheduling
+        keys += [ProgramKey("compute", 1, LOOP_PROMPT, kv_buckets[0])]
+        keys += [ProgramKey("greedy", 1, 0, 0)] if 1 not in engine.batch_buckets else []
     compile_s = engine.compile_all(keys=keys)
+    if args.loop:
+        engine.prepare_ahead()
     device = device_label(args.tensor_parallel)
     if args.compile_only:
         print(f"{cfg.name} on {device}: {len(keys)} programs compiled in {compile_s:.0f} s")
@@ -431,7 +486,8 @@ def main() -> None:
     verify = args.verify_tokens > 1
     print(f"{'batch':>5} {'kv_len':>6} {'step ms':>8} {'tok/s':>8} {'MB/step':>8} {'bw':>5} {'vs B=1':>7}"
           + (f" {'ahead ms':>8} {'bw ahead':>8}" if args.ahead else "")
-          + (f" {'verify ms':>9} {'verify/step':>11}" if verify else ""))
+          + (f" {'verify ms':>9} {'verify/step':>11}" if verify else "")
+          + (f" {'loop ms':>8} {'loop ahead':>10}" if args.loop else ""))
     rows = []
     for L in engine.kv_buckets:
         base = None
@@ -451,6 +507,10 @@ def main() -> None:
             if verify:
                 row["verify_ms"] = time_verify(engine, b, L, args.steps) * 1e3
                 extra += f" {row['verify_ms']:>9.2f} {row['verify_ms'] / row['step_ms']:>10.2f}x"
+            if args.loop and L == engine.kv_buckets[0]:
+                row["loop_ms"] = time_loop(engine, b, args.steps, False) * 1e3
+                row["loop_ahead_ms"] = time_loop(engine, b, args.steps, True) * 1e3
+                extra += f" {row['loop_ms']:>8.2f} {row['loop_ahead_ms']:>10.2f}"
             print(f"{b:>5} {L:>6} {row['step_ms']:>8.2f} {row['tokens_per_s']:>8.1f} {moved.total / 1e6:>8.0f} "
                   f"{row['bandwidth_fraction']:>5.0%} {row['vs_batch1']:>6.2f}x" + extra)
             if args.profile:

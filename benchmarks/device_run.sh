@@ -9,7 +9,8 @@
 # Phases (PHASES, space-separated; default all, in this order):
 #   decode      benchmarks/decode_step.py, bf16 weights, B = 1, 8, 32 at an 8K context, the worker's default
 #               attention (`--attention-kernel auto`): step time and the fraction of the copy bandwidth, also
-#               with each step dispatched before the last one's token reaches the host (`--ahead`)
+#               with each step dispatched before the last one's token reaches the host (`--ahead`), and the
+#               serving loop's own step, planned and with async scheduling (`--loop`)
 #   int8        the same with int8 weights (`--matmul-precision int8`): the step as a ratio of bf16's
 #   mixed       benchmarks/mixed_step.py, bf16, the same batches beside a 64-token chunk at position 7900: the mixed
 #               step against the chunk then the decode step alone
@@ -122,7 +123,7 @@ status=0
 for p in $PHASES; do
   case $p in
     decode) phase decode 60 "${DECODE[@]}" --model "$BF16" --json "$OUT/decode-bf16.json" --batches "${B[@]}" \
-              --kv "$CONTEXT" --matmul-precision bfloat16 --attention-kernel auto --ahead ;;
+              --kv "$CONTEXT" --matmul-precision bfloat16 --attention-kernel auto --ahead --loop ;;
     int8) phase int8 60 "${DECODE[@]}" --model "$BF16" --json "$OUT/decode-int8.json" --batches "${B[@]}" \
             --kv "$CONTEXT" --matmul-precision int8 --attention-kernel auto ;;
     # decode rows at CONTEXT - 292 + 7r (r < 32) and the 64-token chunk there: every program reads the last bucket

@@ -50,6 +50,10 @@ def targets(*folder: pathlib.Path) -> list[tuple[str, str, str, str]]:
         if "ahead_ms" in r:
             out.append((f"bf16 decode step dispatched one ahead, B={batch} (what async scheduling would give)",
                         f"{r['ahead_bandwidth_fraction']:.0%} ({r['ahead_ms']:.2f} ms)", "(no goal)", "-"))
+        if "loop_ms" in r:
+            out.append((f"serving loop's step, B={batch}: async scheduling / planned steps",
+                        f"{r['loop_ahead_ms'] / r['loop_ms']:.2f}x ({r['loop_ahead_ms']:.2f} / {r['loop_ms']:.2f} ms)",
+                        "(no goal)", "-"))
     int8 = _rows_by_batch(_load(folder, "decode-int8"))
     for batch in sorted(set(bf16) & set(int8)):
         ratio = int8[batch]["step_ms"] / bf16[batch]["step_ms"]

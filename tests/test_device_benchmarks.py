@@ -67,7 +67,8 @@ def test_device_targets_say_met_unmet_and_not_run_across_folders(tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     row = lambda b, ms, bw, **kw: {"batch": b, "kv_len": 8192, "step_ms": ms, "bandwidth_fraction": bw,
                                    "tokens_per_s": b / ms * 1e3, **kw}
-    _phase(first, "decode-bf16", {"rows": [row(1, 9.0, 0.86, ahead_ms=7.0, ahead_bandwidth_fraction=0.95),
+    _phase(first, "decode-bf16", {"rows": [row(1, 9.0, 0.86, ahead_ms=7.0, ahead_bandwidth_fraction=0.95,
+                                               loop_ms=12.0, loop_ahead_ms=9.0),
                                            row(8, 13.0, 0.69), row(32, 20.0, 0.76)]})
     _phase(first, "decode-int8", {"rows": [row(1, 5.0, 0.5)]})
     _phase(second, "decode-bf16", {"rows": [row(1, 99.0, 0.01)]})  # the first folder's file wins
@@ -80,6 +81,9 @@ def test_device_targets_say_met_unmet_and_not_run_across_folders(tmp_path):
     assert rows["int8 weights / bf16, B=1 step"][1].startswith("0.56x") and met["int8 weights / bf16, B=1 step"] == "yes"
     ahead = next(r for name, r in rows.items() if name.startswith("bf16 decode step dispatched one ahead, B=1"))
     assert ahead[1] == "95% (7.00 ms)"
+    loop = next(r for name, r in rows.items() if name.startswith("serving loop's step, B=1"))
+    assert loop[1] == "0.75x (9.00 / 12.00 ms)"
+    assert not any(name.startswith("serving loop's step, B=8") for name in rows), "not measured: no row"
     compiled = [r for name, r in rows.items() if name.startswith("program grid")]
     assert [r[3] for r in compiled] == ["yes", "no"]  # 59 s cold, 11 s warm
     assert rows["mixed step / (chunk, then decode) alone"][3] == "not run"
