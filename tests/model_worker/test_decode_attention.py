@@ -252,10 +252,11 @@ def test_a_bfloat16_store_reaches_the_kernel_without_a_conversion():
     assert storage_dtype(cfg, jnp.bfloat16, False) == BF16_BITS
     assert storage_dtype(cfg, jnp.bfloat16, False, bf16_bits=False) == jnp.bfloat16
     assert storage_dtype(cfg, jnp.float32, False, bf16_bits=False) == jnp.float32
-    no_mesh = type("E", (), {"mesh": None})()
+    no_mesh = type("E", (), {"mesh": None, "platform": Engine.platform})()
+    assert no_mesh.platform == jax.devices()[0].platform
     assert Engine._bf16_bits(no_mesh) == (jax.devices()[0].platform == "cpu")
     with jax.default_device(jax.devices("cpu")[0]):  # a CPU-placed engine on any host keeps the bits
-        assert Engine._bf16_bits(no_mesh)
+        assert no_mesh.platform == "cpu" and Engine._bf16_bits(no_mesh)
 
 
 def test_layers_outside_the_kernel_limits_keep_the_xla_loop():
