@@ -206,7 +206,7 @@ def in_process(args) -> dict:
     sys.path.insert(0, str(REPO))  # this checkout's worker, whichever one the environment installed
     from gemma_serve.cli import build_parser
     from gemma_serve.models import prepare
-    from model_worker.server.main import async_scheduling, load_engine
+    from model_worker.server.main import load_engine, prepare_async_scheduling
     from model_worker.serving.loop import EngineLoop, wait_idle
     from model_worker.serving.sequence import Finish, SamplingSpec, Sequence
 
@@ -228,10 +228,7 @@ def in_process(args) -> dict:
 
     seqs = [Sequence(f"burst-{i}", list(prompt), SamplingSpec(), args.max_tokens, frozenset(), sink_for(i))
             for i in range(args.requests)]
-    ahead = async_scheduling(wargs, engine.platform)
-    if ahead:
-        engine.prepare_ahead()
-    loop = EngineLoop(engine, async_scheduling=ahead)
+    loop = EngineLoop(engine, async_scheduling=prepare_async_scheduling(wargs, engine))
     t0 = time.monotonic()
     for seq in seqs:
         loop.submit(seq)

@@ -13,12 +13,16 @@ import pathlib
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health_pb2
 
 from common import network, preparation, uds
 from model_worker.numerics.xla_options import INVARIANT_CPU_FLAGS, add_xla_flags
 from protos import model_worker_pb2, model_worker_pb2_grpc
+
+if TYPE_CHECKING:  # the engine imports JAX, which the worker loads only once its flags are read
+    from model_worker.engine.engine import Engine
 
 log = logging.getLogger("gemma_serve.worker")
 
@@ -74,6 +78,15 @@ def async_scheduling(args: argparse.Namespace, platform: str) -> bool:
     device unless the next step is already queued; on CPU the host and the device share the cores, and a step
     dispatched ahead competes with the host's work instead of hiding it."""
     return args.async_scheduling == "on" or (args.async_scheduling == "auto" and platform != "cpu")
+
+
+def prepare_async_scheduling(args: argparse.Namespace, engine: Engine) -> bool:
+    """`async_scheduling` for this engine, with what it needs beyond the grid compiled when it is on
+    (`Engine.prepare_ahead`), so that nothing compiles while serving. Returns the loop's `async_scheduling`."""
+    ahead = async_scheduling(args, engine.platform)
+    if ahead:
+        engine.prepare_ahead()
+    return ahead
 
 
 def speculation_drafts(args: argparse.Namespace, invariant: bool, precision: str = "bfloat16") -> int:
@@ -400,14 +413,11 @@ async def serve(args: argparse.Namespace) -> int:
     fatal = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
     fault = os.environ.get(FAULT_ENV)
-    ahead = async_scheduling(args, engine.platform)
-    if ahead:
-        engine.prepare_ahead()
     loop = EngineLoop(engine, token_budget=args.prefill_token_budget, metrics=metrics,
                       on_fatal=lambda exc: aio_loop.call_soon_threadsafe(fatal.set),
                       fault_salt=fault or None, lease_preempt_after=args.lease_preempt_after,
                       speculation=args.speculation,
-                      async_scheduling=ahead,
+                      async_scheduling=prepare_async_scheduling(args, engine),
                       slo=SloSettings(args.slo_ttft, args.slo_tpot, args.slo_policy))
     timed = engine.time_programs()
     loop.seed_step_model(timed)

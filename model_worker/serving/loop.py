@@ -355,8 +355,7 @@ class EngineLoop:
             self._await_drafts()
         work = self.scheduler.schedule()
         self._publish(work.emissions)
-        if self.fault_salt and any(s.cache_salt == self.fault_salt for s in [work.compute, *work.decode] if s):
-            raise RuntimeError(f"fault injected by {FAULT_ENV}")
+        self._inject_fault([work.compute, *work.decode])
         if self.metrics is not None:
             self._observe_admissions(work.admitted)
         started = self.step_clock()
@@ -376,6 +375,14 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.observe_iteration(self.last)
 
+    def _inject_fault(self, seqs: list[Sequence | None]) -> None:
+        """Fail the step (tests of the process supervision) when one of its sequences carries `fault_salt`.
+
+        Raises:
+          RuntimeError: such a sequence is among `seqs` (None entries are skipped)."""
+        if self.fault_salt and any(s is not None and s.cache_salt == self.fault_salt for s in seqs):
+            raise RuntimeError(f"fault injected by {FAULT_ENV}")
+
     def _iterate_ahead(self) -> None:
         """An iteration whose decode step was dispatched ahead (`_go_ahead`) during the previous one: maybe dispatch
         its own successor, then read its tokens and commit them as a planned step's. A row that ended meanwhile
@@ -385,8 +392,7 @@ class EngineLoop:
         ahead, self._ahead = self._ahead, None
         assert ahead is not None
         work = ahead.work
-        if self.fault_salt and any(s.cache_salt == self.fault_salt for s in work.decode):
-            raise RuntimeError(f"fault injected by {FAULT_ENV}")
+        self._inject_fault(work.decode)
         sampled, active = self.scheduler.decode_rows(work.decode)
         if self._may_go_ahead(work, sampled, ahead.run):
             self._go_ahead(work.decode, ahead.sampled, ahead.sampling, ahead.run + 1)
